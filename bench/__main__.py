@@ -1,0 +1,71 @@
+"""`python -m bench`: what fastcall saves against every peer, on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from . import _harness, _report
+from ._registry import workloads
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    p.add_argument("--full", action="store_true", help="more rounds, compute-bound sizes too")
+    p.add_argument("--only", action="append", metavar="WORKLOAD", help="run only these workloads")
+    p.add_argument("--variants", nargs="+", metavar="NAME", help="time only these variants (plus floor)")
+    p.add_argument("--rounds", type=int, help="rounds per workload (default 15 quick, 41 full)")
+    p.add_argument("--round-ms", type=float, help="target milliseconds per variant per round")
+    p.add_argument("--json", metavar="FILE", help="write results as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="write the leaf-scaling plot")
+    p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    p.add_argument("--list", action="store_true", help="list workloads and exit")
+    args = p.parse_args(argv)
+
+    quick = not args.full
+    rounds = args.rounds or (15 if quick else 41)
+    round_s = (args.round_ms or (8.0 if quick else 25.0)) / 1000
+    builders = workloads(quick)
+    if args.list:
+        for name in builders:
+            print(name)
+        return 0
+    if args.only:
+        unknown = [w for w in args.only if w not in builders]
+        if unknown:
+            p.error(f"unknown workload(s) {unknown}; choose from {list(builders)}")
+        builders = {k: v for k, v in builders.items() if k in args.only}
+
+    info = _report.machine()
+    print(_report.machine_line(info), file=sys.stderr)
+    rows: list[_harness.Row] = []
+    t0 = time.time()
+    for i, (name, build) in enumerate(builders.items()):
+        workload = build()
+        if args.variants:
+            keep = set(args.variants) | {workload.floor, "eager"}
+            workload.variants = [v for v in workload.variants if v.name in keep]
+
+        def progress(msg: str, i: int = i) -> None:
+            print(f"\r[{i + 1}/{len(builders)}] {msg} ({time.time() - t0:.0f}s)   ", end="", file=sys.stderr)
+
+        progress(f"{name}: verifying")
+        rows += _harness.measure(workload, rounds, round_s, progress)
+    print(file=sys.stderr)
+
+    print(_report.machine_line(info) if not args.markdown else "")
+    print(_report.table(rows, markdown=args.markdown))
+    if args.json:
+        _report.write_json(args.json, rows, info, {"rounds": rounds})
+    failed = [r for r in rows if r.error]
+    if failed:
+        print(f"\n{len(failed)} variant(s) FAILED their correctness check:", file=sys.stderr)
+        for r in failed:
+            print(f"  {r.workload} / {r.variant}: {r.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""Workloads x variants -> verified equal -> timed (interleaved) -> results.
+
+Honesty rules, each enforced here rather than by convention:
+- every variant of a workload is checked against the workload's reference
+  (values, structure, returned state) before any timing; a variant that fails
+  is reported as FAILED, never as a number;
+- compile time is excluded: verification doubles as warm-up, and one more
+  untimed call follows;
+- variants are interleaved round by round (the order rotates each round), each
+  round ends by blocking on the last result, and the statistic is the median
+  over rounds with the min and max alongside.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass
+class Variant:
+    """One way of running a workload.
+
+    `make()` builds fresh state and returns `step`, a zero-argument callable
+    that performs one call and returns its output. `prepare(n)` (optional) runs
+    untimed before each timed batch of `n` calls (e.g. to build n new objects).
+    """
+
+    name: str
+    make: Callable[[], Callable[[], Any]]
+    prepare: Callable[[Callable[[], Any], int], None] | None = None
+    note: str = ""
+    timed: bool = True  # False for a reference (e.g. eager) that is only checked
+
+
+@dataclasses.dataclass
+class Workload:
+    name: str
+    description: str
+    variants: list[Variant]
+    # Compares a variant's outputs over `check_steps` steps against the
+    # reference variant's (the first); raises AssertionError on a mismatch.
+    compare: Callable[[list[Any], list[Any]], None]
+    check_steps: int = 3
+    floor: str = "floor"
+    subject: str = "fastcall.jit"
+    unit: str = "us/call"
+
+
+@dataclasses.dataclass
+class Row:
+    workload: str
+    variant: str
+    median_us: float | None
+    min_us: float | None
+    max_us: float | None
+    rounds: int
+    calls_per_round: int
+    x_floor: float | None = None
+    x_subject: float | None = None  # this variant's time / fastcall's time
+    error: str | None = None
+    note: str = ""
+
+
+def allclose_tree(a: Any, b: Any, rtol: float = 1e-5, atol: float = 1e-5) -> None:
+    """Assert two pytrees have the same structure, shapes, dtypes and close values."""
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    assert len(la) == len(lb), f"different number of leaves: {len(la)} vs {len(lb)} ({ta} vs {tb})"
+    for i, (x, y) in enumerate(zip(la, lb)):
+        if hasattr(x, "shape") or hasattr(y, "shape"):
+            x, y = np.asarray(x), np.asarray(y)
+            assert x.shape == y.shape, f"leaf {i}: shape {x.shape} vs {y.shape}"
+            assert x.dtype == y.dtype, f"leaf {i}: dtype {x.dtype} vs {y.dtype}"
+            np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=f"leaf {i}")
+        else:
+            assert x == y, f"leaf {i}: {x!r} vs {y!r}"
+
+
+def _run_steps(step: Callable[[], Any], n: int) -> list[Any]:
+    outs = []
+    for _ in range(n):
+        out = step()
+        jax.block_until_ready(out)
+        outs.append(out)
+    return outs
+
+
+def verify(workload: Workload) -> dict[str, str | None]:
+    """Run each variant from fresh state and compare with the first variant."""
+    errors: dict[str, str | None] = {}
+    ref_outs: list[Any] | None = None
+    for v in workload.variants:
+        try:
+            outs = _run_steps(v.make(), workload.check_steps)
+            if ref_outs is None:
+                ref_outs = outs
+            else:
+                workload.compare(ref_outs, outs)
+            errors[v.name] = None
+        except Exception as err:  # a broken variant is reported, not timed
+            errors[v.name] = f"{type(err).__name__}: {err}"[:300]
+    return errors
+
+
+def _time_batch(step: Callable[[], Any], n: int) -> float:
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(n):
+        out = step()
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def measure(
+    workload: Workload,
+    rounds: int,
+    round_seconds: float,
+    progress: Callable[[str], None] = lambda s: None,
+) -> list[Row]:
+    errors = verify(workload)
+    live = [v for v in workload.variants if errors[v.name] is None and v.timed]
+    steps = {}
+    calls = {}
+    for v in live:
+        step = v.make()
+        if v.prepare:
+            v.prepare(step, 3)
+        _run_steps(step, 2)  # compile + warm
+        if v.prepare:
+            v.prepare(step, 5)
+        est = _time_batch(step, 5)
+        calls[v.name] = int(min(20000, max(3, round_seconds * 1e6 / max(est, 0.1))))
+        steps[v.name] = step
+    samples: dict[str, list[float]] = {v.name: [] for v in live}
+    for r in range(rounds):
+        progress(f"{workload.name}: round {r + 1}/{rounds}")
+        order = live[r % len(live) :] + live[: r % len(live)] if live else []
+        for v in order:
+            n = calls[v.name]
+            if v.prepare:
+                v.prepare(steps[v.name], n)
+            samples[v.name].append(_time_batch(steps[v.name], n))
+    rows = []
+    for v in workload.variants:
+        if not v.timed and errors[v.name] is None:
+            continue
+        if errors[v.name] is not None:
+            rows.append(Row(workload.name, v.name, None, None, None, 0, 0, error=errors[v.name], note=v.note))
+            continue
+        s = samples[v.name]
+        rows.append(
+            Row(workload.name, v.name, statistics.median(s), min(s), max(s), len(s), calls[v.name], note=v.note)
+        )
+    by_name = {row.variant: row for row in rows}
+    floor = by_name.get(workload.floor)
+    subject = by_name.get(workload.subject)
+    for row in rows:
+        if row.median_us is None:
+            continue
+        if floor is not None and floor.median_us:
+            row.x_floor = row.median_us / floor.median_us
+        if subject is not None and subject.median_us:
+            row.x_subject = row.median_us / subject.median_us
+    return rows

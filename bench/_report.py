@@ -1,0 +1,79 @@
+"""Turn rows into a table (plain or Markdown), JSON, and a plot."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import sys
+from typing import Any
+
+from ._harness import Row
+
+
+def machine() -> dict[str, Any]:
+    import equinox
+    import flax
+    import jax
+    import jaxlib
+
+    devices = jax.devices()
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "jax_backend": jax.default_backend(),
+        "devices": f"{len(devices)} x {devices[0].device_kind}",
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "equinox": equinox.__version__,
+        "flax": flax.__version__,
+        "command": "python -m bench " + " ".join(sys.argv[1:]),
+    }
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "" if x is None else format(x, spec)
+
+
+def table(rows: list[Row], markdown: bool) -> str:
+    header = ["workload", "variant", "median us/call", "min-max", "x floor", "x fastcall", "note"]
+    lines = []
+    for r in rows:
+        if r.error:
+            lines.append([r.workload, r.variant, "FAILED", "", "", "", r.error])
+            continue
+        lines.append(
+            [
+                r.workload,
+                r.variant,
+                _fmt(r.median_us, ".1f"),
+                f"{r.min_us:.1f}-{r.max_us:.1f}",
+                _fmt(r.x_floor, ".2f"),
+                _fmt(r.x_subject, ".2f"),
+                r.note,
+            ]
+        )
+    if markdown:
+        out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        out += ["| " + " | ".join(line) + " |" for line in lines]
+        return "\n".join(out)
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+    fmt = "  ".join("{:<%d}" % w for w in widths)
+    out = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+    out += [fmt.format(*line) for line in lines]
+    return "\n".join(out)
+
+
+def machine_line(info: dict[str, Any]) -> str:
+    return (
+        f"machine: {info['platform']}, {info['cpu_count']} cores, {info['devices']} ({info['jax_backend']}); "
+        f"python {info['python']}, jax {info['jax']}, jaxlib {info['jaxlib']}, "
+        f"equinox {info['equinox']}, flax {info['flax']}\ncommand: {info['command']}"
+    )
+
+
+def write_json(path: str, rows: list[Row], info: dict[str, Any], extra: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump({"machine": info, "rows": [dataclasses.asdict(r) for r in rows], **extra}, f, indent=2)

@@ -1,0 +1,13 @@
+"""fastcall: call JAX models (Equinox, Flax NNX, plain pytrees) at close to `jax.jit`'s floor."""
+
+from ._errors import FastcallError as FastcallError
+from ._jit import Compiled as Compiled
+from ._jit import Lowered as Lowered
+from ._jit import clear_caches as clear_caches
+from ._jit import jit as jit
+from ._stats import Change as Change
+from ._stats import JitStats as JitStats
+from ._stats import Recompile as Recompile
+from ._trace import currently_jitting as currently_jitting
+
+__version__ = "0.1.0"

@@ -1,0 +1,21 @@
+"""Errors raised by fastcall itself (never by the user's function)."""
+
+from __future__ import annotations
+
+
+class FastcallError(TypeError):
+    """Bad input to a fastcall-wrapped function.
+
+    Raised before anything is traced or run. The message names the argument and
+    the leaf path at fault and says what to do. It subclasses `TypeError`
+    because every such case is a value of the wrong kind (unhashable static
+    data, an array where a static value is required, ...).
+    """
+
+
+def describe_arg(arg_name: str, path: str = "") -> str:
+    """`argument 'model'` or `argument 'model' at leaf .layers[0].weight`."""
+    where = f"argument {arg_name!r}"
+    if path:
+        where += f" at leaf {path}"
+    return where

@@ -1,0 +1,854 @@
+"""`fastcall.jit`: the decorator, its per-function state, and the hot path.
+
+Reading order: `jit` builds a wrapper closure; the closure's body (in
+`_make_wrapper`) is the whole hot path. Everything that runs once per object,
+per structure or per compile lives in `_JitState` methods or `_flatten`.
+
+What a call costs on a cache hit (same model object as before):
+  - one `type(x) is ArrayImpl` test per plain array argument;
+  - one dict lookup and one weakref call per pytree argument (the identity
+    cache: `id(obj) -> (weakref, leaves, spec id)`);
+  - one dict lookup of the tuple of spec ids (a few small ints, not a treedef)
+    to find the compiled entry;
+  - the jax.jit C++ fast path on the flat list of leaves;
+  - for a single array or a container of arrays, nothing after that: jax
+    rebuilds the output in C++.
+Nothing walks a pytree, nothing hashes a treedef, and nothing blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+import warnings
+import weakref
+from typing import Any, Callable, Literal, Sequence
+
+import equinox as eqx
+import jax
+import numpy as np
+
+from . import _flatten, _stats
+from ._errors import FastcallError
+from ._flatten import ARRAY_TYPES, ArrayImpl, Spec, remember, spec_by_id
+from ._trace import Tracer, contains_tracer, current_trace_has_callback
+
+try:
+    _JaxRuntimeError: type[BaseException] = jax.errors.JaxRuntimeError
+except AttributeError:  # pragma: no cover
+    _JaxRuntimeError = RuntimeError
+
+Donate = Literal["all", "all-except-first", "warn", "warn-except-first", "none"]
+_UNSPECIFIED: Any = object()
+
+
+class _StructureVaries(Exception):
+    """Raised inside a trace whose output structure differs from an earlier trace's."""
+
+
+class _StepAside(Exception):
+    """An argument is a tracer: run the function inline inside the outer trace."""
+
+
+# --------------------------------------------------------------------------
+# Output handling, decided at trace time
+
+
+class _OutInfo:
+    """How the flat outputs of one compiled entry become the user's output.
+
+    mode "pass": the traced function returned the user's pytree itself (all
+    leaves arrays, nothing to register); jax rebuilt it in C++.
+    mode "flat": it returned a flat list of dynamic leaves (plus a marker when
+    `block`); `post` merges static leaves back, unflattens, and registers
+    returned Equinox modules in the identity cache.
+    """
+
+    __slots__ = ("mode", "treedef", "mask", "statics", "static_keys", "block", "regs")
+
+    def __init__(self, out: Any, block: bool) -> None:
+        leaves, treedef = jax.tree_util.tree_flatten(out)
+        mask = tuple(isinstance(x, ARRAY_TYPES) for x in leaves)
+        self.treedef = treedef
+        self.mask = mask
+        self.statics = tuple(x for x, m in zip(leaves, mask) if not m)
+        try:
+            self.static_keys: Any = tuple(_flatten.leaf_key(s) for s in self.statics)
+            hash(self.static_keys)
+        except Exception:
+            self.static_keys = None  # compared by identity below
+        self.block = block
+        self.regs = tuple(_registrations(out, mask))
+        self.mode = "flat" if (self.statics or self.block or self.regs) else "pass"
+
+    def same_as(self, other: _OutInfo) -> bool:
+        if self.static_keys is None or other.static_keys is None:
+            same_statics = len(self.statics) == len(other.statics) and all(
+                a is b for a, b in zip(self.statics, other.statics)
+            )
+        else:
+            try:
+                same_statics = bool(self.static_keys == other.static_keys)
+            except Exception:
+                same_statics = False
+        return (
+            same_statics
+            and self.mode == other.mode
+            and self.block == other.block
+            and self.mask == other.mask
+            and self.treedef == other.treedef
+            and self.regs == other.regs
+        )
+
+    def flat_outputs(self, out: Any) -> list[Any]:
+        dyn = [x for x in jax.tree_util.tree_leaves(out) if isinstance(x, ARRAY_TYPES)]
+        if self.block:
+            dyn.append(jax.numpy.zeros((), jax.numpy.int8))  # marker to wait on
+        return dyn
+
+    def post(self, dyn: list[Any]) -> Any:
+        if self.block:
+            marker = dyn.pop()
+            if type(marker) is ArrayImpl:
+                _wait_and_translate(marker)
+        if self.statics:
+            it_dyn, it_stat = iter(dyn), iter(self.statics)
+            leaves = [next(it_dyn) if m else next(it_stat) for m in self.mask]
+        else:
+            leaves = dyn
+        result = self.treedef.unflatten(leaves)
+        for index, start, stop, spec_id in self.regs:
+            # Register returned modules so that `model = step(model, x)` hits the
+            # identity cache next step. Only concrete arrays (not tracers from an
+            # outer trace) may be cached.
+            if type(dyn[start]) is ArrayImpl:
+                remember(result if index is None else result[index], tuple(dyn[start:stop]), spec_id)
+        return result
+
+
+def _registrations(out: Any, mask: tuple[bool, ...]):
+    """(index, start, stop, spec id) for each Equinox module returned at top level."""
+    if isinstance(out, eqx.Module):
+        candidates: list[tuple[int | None, Any]] = [(None, out)]
+    elif type(out) is tuple:
+        candidates = list(enumerate(out))
+    else:
+        return
+    pos = 0  # position in the dynamic outputs
+    for index, item in candidates:
+        leaves = jax.tree_util.tree_leaves(item)
+        n_dyn = sum(isinstance(x, ARRAY_TYPES) for x in leaves)
+        if isinstance(item, eqx.Module) and n_dyn:
+            try:
+                spec, _ = _flatten.flatten_generic(item, "output")
+            except FastcallError:
+                spec = None
+            if spec is not None and spec.cacheable:
+                yield (index, pos, pos + n_dyn, spec.id)
+        pos += n_dyn
+
+
+def _wait_and_translate(marker: Any) -> None:
+    """Wait for a program with `eqx.error_if` checks and raise their error as Equinox does."""
+    try:
+        marker.block_until_ready()
+    except _JaxRuntimeError as err:
+        if "_EquinoxRuntimeError" in str(err):
+            from equinox import _jit as eqx_jit  # where eqx.error_if leaves its message
+
+            info = getattr(eqx_jit, "last_error_info", None)
+            msg = info[0] if info else str(err)
+            raise eqx.EquinoxRuntimeError(msg) from None
+        raise
+
+
+class _Box:
+    """Carries an _OutInfo through jax's output pytree (used only for varying outputs)."""
+
+    __slots__ = ("info",)
+
+    def __init__(self, info: _OutInfo) -> None:
+        self.info = info
+
+
+jax.tree_util.register_pytree_node(_Box, lambda b: ((), b.info), lambda info, _: _Box(info))
+
+
+# --------------------------------------------------------------------------
+# One compiled entry per static signature
+
+
+class _Entry:
+    """One static signature of a wrapped function: a jax.jit over flat leaves.
+
+    `fn(*leaves)` runs it; `passthrough` says the result needs no post-processing
+    (otherwise call `post`). jax.jit's own cache handles shapes and dtypes.
+    """
+
+    __slots__ = ("fn", "passthrough", "post", "out", "varies", "lock", "__weakref__")
+
+    def __init__(self) -> None:
+        self.fn: Any = None
+        self.passthrough = False
+        self.post: Callable[[Any], Any] = _not_traced
+        self.out: _OutInfo | None = None
+        self.varies = False
+        self.lock = threading.Lock()
+
+    def set_out(self, info: _OutInfo) -> None:
+        with self.lock:
+            if self.out is None:
+                self.out = info
+                if info.mode == "pass":
+                    self.post = _identity
+                    self.passthrough = True
+                else:
+                    self.post = info.post
+            elif not self.out.same_as(info):
+                raise _StructureVaries
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def _not_traced(out: Any) -> Any:  # pragma: no cover - set_out always runs first
+    raise AssertionError("fastcall: output structure unknown before the first trace")
+
+
+def _post_varying(out: Any) -> Any:
+    dyn, box = out
+    info = box.info
+    return dyn if info.mode == "pass" else info.post(dyn)
+
+
+# --------------------------------------------------------------------------
+# Per-function state (shared by wrappers of equal functions)
+
+
+class _JitState:
+    def __init__(self, fun: Any, fun_spec: Spec, options: dict[str, Any]) -> None:
+        user_fun = fun.fun if isinstance(fun, _OutShardings) else fun
+        self.fun_spec = fun_spec
+        self.options = options
+        self.table: dict[Any, _Entry] = {}
+        self.lock = threading.RLock()
+        self.calls = [0]
+        self.traces = 0
+        self.recompiles: list[_stats.Recompile] = []
+        self.last_signature: _stats.Signature | None = None
+        try:
+            self.signature: inspect.Signature | None = inspect.signature(user_fun)
+        except (TypeError, ValueError):
+            self.signature = None
+        self.param_names: list[str] = []
+        if self.signature is not None:
+            self.param_names = [
+                p.name
+                for p in self.signature.parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
+        self.static_argnums = self._argnums(options["static_argnums"], options["static_argnames"])
+        self.static_argnames = frozenset(_as_tuple(options["static_argnames"]))
+        self.donate_argnums = self._argnums(options["donate_argnums"], options["donate_argnames"])
+        self.donate_argnames = frozenset(_as_tuple(options["donate_argnames"]))
+        self.needs_slow_path = bool(self.static_argnums or self.static_argnames)
+        _all_states.add(self)
+
+    def _argnums(self, argnums: Any, argnames: Any) -> frozenset[int]:
+        nums = set(_as_tuple(argnums))
+        for name in _as_tuple(argnames):
+            if name in self.param_names:
+                nums.add(self.param_names.index(name))
+        n = len(self.param_names)
+        return frozenset(i + n if i < 0 and n else i for i in nums)
+
+    def arg_name(self, i: int) -> str:
+        return self.param_names[i] if i < len(self.param_names) else f"args[{i}]"
+
+    # ---- resolving one argument (the miss path) ----
+
+    def resolve(self, value: Any, leaves: list[Any], arg_name: str) -> int:
+        """Append `value`'s dynamic leaves to `leaves`; return its spec id.
+
+        Raises _StepAside if `value` holds a tracer.
+        """
+        for template in _flatten.templates.get(type(value), ()):
+            found = template.extract(value)
+            if found is not None:
+                leaves += found
+                spec = template.spec
+                if spec.cacheable:
+                    remember(value, found, spec.id)
+                return spec.id
+        if isinstance(value, ARRAY_TYPES):
+            if isinstance(value, Tracer):
+                raise _StepAside
+            leaves.append(value)
+            return 0
+        scalar = _scalar_spec(value)
+        if scalar is not None:
+            return scalar
+        spec, dynamic = _flatten.flatten_generic(value, arg_name)
+        if contains_tracer(dynamic):
+            raise _StepAside
+        leaves.extend(dynamic)
+        if spec.cacheable:
+            remember(value, tuple(dynamic), spec.id)
+        if not spec.templated:
+            spec.templated = True
+            _flatten.learn(value, spec, dynamic)
+        return spec.id
+
+    def prepare(self, fun_leaves: Sequence[Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
+        """The general path: kwargs, static arguments. Returns (args, kwargs, leaves, key)."""
+        if kwargs and self.signature is not None:
+            try:
+                bound = self.signature.bind(*args, **kwargs)
+            except TypeError:
+                return None  # let the function itself raise its own TypeError
+            args, kwargs = bound.args, bound.kwargs
+        leaves = list(fun_leaves)
+        key: list[Any] = []
+        for i, a in enumerate(args):
+            name = self.arg_name(i)
+            if i in self.static_argnums or name in self.static_argnames:
+                key.append(_flatten.static_spec(a, name).id)
+            else:
+                key.append(self.resolve(a, leaves, name))
+        if kwargs:
+            names = tuple(sorted(kwargs))
+            key.append(names)
+            for name in names:
+                if name in self.static_argnames:
+                    key.append(_flatten.static_spec(kwargs[name], name).id)
+                else:
+                    key.append(self.resolve(kwargs[name], leaves, name))
+        return args, kwargs, leaves, tuple(key)
+
+    # ---- compiling ----
+
+    def entry(self, key: tuple[Any, ...], fun_leaves: Sequence[Any], fun: Any) -> _Entry:
+        with self.lock:
+            found = self.table.get(key)
+            if found is not None:
+                return found
+            e = _Entry()
+            self._build(e, key, fun)
+            self.table[key] = e
+            return e
+
+    def _layout(self, key: tuple[Any, ...]):
+        """Split a key into positional spec ids, keyword names and keyword spec ids."""
+        for i, k in enumerate(key):
+            if type(k) is tuple:
+                return list(key[:i]), k, list(key[i + 1 :])
+        return list(key), (), []
+
+    def _build(self, e: _Entry, key: tuple[Any, ...], fun: Any, varies: bool = False) -> None:
+        pos_ids, kw_names, kw_ids = self._layout(key)
+        fun_spec = self.fun_spec
+        pos_specs = [spec_by_id(k) for k in pos_ids]
+        kw_specs = [spec_by_id(k) for k in kw_ids]
+        arg_names = [self.arg_name(i) for i in range(len(pos_specs))] + list(kw_names)
+        all_specs = [fun_spec] + pos_specs + kw_specs
+        counts = [s.n_dyn for s in all_specs]
+        e.varies = varies
+        state_ref = weakref.ref(self)
+
+        def flat_fn(*dyn: Any) -> Any:
+            values = []
+            start = 0
+            for spec, n in zip(all_specs, counts):
+                values.append(spec.rebuild(dyn[start : start + n]))
+                start += n
+            f, rest = values[0], values[1:]
+            args = rest[: len(pos_specs)]
+            kwargs = dict(zip(kw_names, rest[len(pos_specs) :]))
+            state = state_ref()
+            if state is not None:
+                state.on_trace(list(zip(arg_names, rest)))
+            out = f(*args, **kwargs)
+            info = _OutInfo(out, block=current_trace_has_callback())
+            if varies:
+                flat = out if info.mode == "pass" else info.flat_outputs(out)
+                return flat, _Box(info)
+            e.set_out(info)
+            return out if info.mode == "pass" else info.flat_outputs(out)
+
+        name = getattr(fun, "__name__", None) or type(fun).__name__
+        flat_fn.__name__ = flat_fn.__qualname__ = str(name)
+        jit_kwargs = self._jit_kwargs(all_specs, pos_specs, kw_names, counts)
+        e.fn = jax.jit(flat_fn, **jit_kwargs)
+        if self.options["donate"] in ("all", "all-except-first"):
+            e.fn = _suppress_donation_warning(e.fn)
+        if varies:
+            e.post = _post_varying
+            e.passthrough = False
+
+    def _jit_kwargs(self, all_specs, pos_specs, kw_names, counts) -> dict[str, Any]:
+        opts = self.options
+        kw: dict[str, Any] = {}
+        for name in ("keep_unused", "inline"):
+            if opts[name]:
+                kw[name] = opts[name]
+        for name in ("device", "backend", "compiler_options"):
+            if opts[name] is not None:
+                kw[name] = opts[name]
+        # Donation: decide per argument, then list that argument's flat positions.
+        donate_mode = opts["donate"]
+        donated: list[int] = []
+        start = 0
+        for slot, n in enumerate(counts):
+            arg_index = slot - 1  # slot 0 is the function itself
+            if arg_index < 0:
+                give = donate_mode in ("all", "warn")
+            elif arg_index < len(pos_specs):
+                first = arg_index == 0
+                give = (
+                    donate_mode in ("all", "warn")
+                    or (donate_mode in ("all-except-first", "warn-except-first") and not first)
+                    or arg_index in self.donate_argnums
+                )
+            else:
+                give = donate_mode != "none" or kw_names[arg_index - len(pos_specs)] in self.donate_argnames
+            if give:
+                donated.extend(range(start, start + n))
+            start += n
+        if donated:
+            kw["donate_argnums"] = tuple(donated)
+        if opts["in_shardings"] is not _UNSPECIFIED:
+            kw["in_shardings"] = _flat_shardings(opts["in_shardings"], all_specs, counts)
+        return kw
+
+    def on_trace(self, named_values: list[tuple[str, Any]]) -> None:
+        """Count a trace and explain it if it is a recompile. Trace time only."""
+        signature = _stats.describe(named_values)
+        with self.lock:
+            self.traces += 1
+            if self.last_signature is not None:
+                self.recompiles.append(_stats.Recompile(_stats.diff(self.last_signature, signature)))
+            self.last_signature = signature
+
+    def make_varying(self, key: tuple[Any, ...], old: _Entry, fun: Any) -> _Entry:
+        """Swap in an entry that carries its output structure through jax (rare)."""
+        with self.lock:
+            current = self.table.get(key)
+            if current is not None and current is not old and current.varies:
+                return current
+            e = _Entry()
+            self._build(e, key, fun, varies=True)
+            self.table[key] = e
+            _flatten.unbind(self)
+            return e
+
+    def stats(self) -> _stats.JitStats:
+        calls = self.calls[0]
+        return _stats.JitStats(
+            calls=calls,
+            compiles=self.traces,
+            hits=max(calls - self.traces, 0),
+            recompiles=tuple(self.recompiles),
+        )
+
+    def clear(self) -> None:
+        with self.lock:
+            self.table.clear()
+            _flatten.unbind(self)
+
+
+_all_states: weakref.WeakSet[_JitState] = weakref.WeakSet()
+_states: dict[Any, _JitState] = {}
+_states_lock = threading.Lock()
+_MAX_STATES = 8192
+
+
+def _flat_shardings(shardings: Any, all_specs: list[Spec], counts: list[int]) -> Any:
+    """Map jax.jit-style in_shardings (one entry per positional argument, or one for
+    all) onto the flat leaf list."""
+    if not isinstance(shardings, (tuple, list)):
+        return shardings
+    flat: list[Any] = [None] * counts[0]
+    for spec, n, sh in zip(all_specs[1:], counts[1:], list(shardings) + [None] * len(all_specs)):
+        if spec.kind == "tree" and sh is not None and not isinstance(sh, jax.sharding.Sharding):
+            # A pytree prefix of the argument: broadcast it to the dynamic leaves.
+            full = spec.treedef.unflatten([object()] * len(spec.mask))
+            per_leaf = _broadcast_prefix(sh, full)
+            flat.extend(s for s, m in zip(per_leaf, spec.mask) if m)
+        else:
+            flat.extend([sh] * n)
+    return tuple(flat)
+
+
+def _broadcast_prefix(prefix: Any, full: Any) -> list[Any]:
+    prefix_leaves, prefix_def = jax.tree_util.tree_flatten(prefix, is_leaf=lambda x: x is None)
+    subtrees = prefix_def.flatten_up_to(full)
+    out: list[Any] = []
+    for p, sub in zip(prefix_leaves, subtrees):
+        out.extend([p] * len(jax.tree_util.tree_leaves(sub)))
+    return out
+
+
+def _suppress_donation_warning(fn: Any) -> Any:
+    # donate="all" promises silence about unusable donated buffers, as in eqx.
+    def call(*leaves: Any) -> Any:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            return fn(*leaves)
+
+    call.lower = fn.lower  # type: ignore[attr-defined]
+    return call
+
+
+def _as_tuple(x: Any) -> tuple[Any, ...]:
+    if x is None:
+        return ()
+    if isinstance(x, (int, str)):
+        return (x,)
+    return tuple(x)
+
+
+_SCALARS = (int, float, bool, str, complex, type(None))
+_scalar_specs: dict[Any, int] = {}
+
+
+def _scalar_spec(value: Any) -> int | None:
+    """Spec id of a Python scalar argument (static), without tree_flatten."""
+    if type(value) not in _SCALARS:
+        return None
+    key = _flatten.leaf_key(value)
+    spec_id = _scalar_specs.get(key)
+    if spec_id is None:
+        spec, _ = _flatten.flatten_generic(value, "scalar")
+        if len(_scalar_specs) > 4096:
+            _scalar_specs.clear()
+        _scalar_specs[key] = spec_id = spec.id
+    return spec_id
+
+
+def _state_for(fun: Any, fun_spec: Spec, options: dict[str, Any]) -> _JitState:
+    """Equal functions with equal options share compiled programs (no recompiles
+    for `fastcall.jit(eqx.filter_grad(loss))` rebuilt every step)."""
+    try:
+        key = (fun_spec.id, tuple(sorted(options.items(), key=lambda kv: kv[0])))
+        hash(key)
+    except TypeError:
+        return _JitState(fun, fun_spec, options)
+    with _states_lock:
+        state = _states.get(key)
+        if state is None:
+            if len(_states) >= _MAX_STATES:
+                _states.pop(next(iter(_states)))
+            state = _states[key] = _JitState(fun, fun_spec, options)
+        return state
+
+
+def clear_caches() -> None:
+    """Drop every cache fastcall holds: identity cache, templates, compiled programs.
+
+    Wrapped functions keep working; their next call re-flattens and recompiles.
+    """
+    _flatten.clear()
+    _scalar_specs.clear()
+    with _states_lock:
+        _states.clear()
+    for state in list(_all_states):
+        state.clear()
+
+
+# --------------------------------------------------------------------------
+# The decorator
+
+
+def jit(
+    fun: Callable | None = None,
+    *,
+    donate: Donate = "none",
+    static_argnums: int | Sequence[int] | None = None,
+    static_argnames: str | Sequence[str] | None = None,
+    donate_argnums: int | Sequence[int] | None = None,
+    donate_argnames: str | Sequence[str] | None = None,
+    in_shardings: Any = _UNSPECIFIED,
+    out_shardings: Any = _UNSPECIFIED,
+    device: Any = None,
+    backend: str | None = None,
+    keep_unused: bool = False,
+    inline: bool = False,
+    compiler_options: dict[str, Any] | None = None,
+) -> Any:
+    """Compile `fun` with `eqx.filter_jit` semantics at close to `jax.jit`'s cost.
+
+    **Arguments:**
+
+    - `fun`: the function to compile. May be a plain function, a method (the
+      wrapper is a descriptor, so `@fastcall.jit def __call__(self, x)` works
+      on an `eqx.Module`), or any callable pytree (e.g. an `eqx.Module`, whose
+      arrays are then traced).
+    - `donate`: as in `eqx.filter_jit`: `"all"`, `"all-except-first"`,
+      `"warn"`, `"warn-except-first"` or `"none"`.
+    - `static_argnums`, `static_argnames`: as in `jax.jit`; the whole argument
+      is static (hashed and compared by value). Non-array leaves are static
+      anyway; use these only to force a value into the compile key whole.
+    - `donate_argnums`, `donate_argnames`: donate the arrays of these arguments.
+    - `in_shardings`, `out_shardings`, `device`, `backend`, `keep_unused`,
+      `inline`, `compiler_options`: passed to `jax.jit`. `in_shardings` is one
+      sharding for all arrays or one entry per positional argument (a pytree
+      prefix of it); `out_shardings` (a sharding or a pytree prefix of the
+      output) is applied as a sharding constraint on the outputs.
+
+    **Returns:** a function with `fun`'s name, docstring and signature, plus
+    `.lower(*args, **kwargs)`, `.stats()` and `.clear_cache()`.
+
+    Every JAX/NumPy array leaf of the arguments is traced; every other leaf
+    (Python scalars, strings, callables, `eqx.field(static=True)`, None) is
+    static and part of the compile key. Called under an outer trace (jit,
+    grad, vmap, scan, ...) with traced arguments, it runs `fun` inline.
+
+    !!! example
+
+        ```python
+        @fastcall.jit
+        def forward(model, x):
+            return model(x)
+
+        forward(model, x)  # compiles
+        forward(model, x)  # ~1 us of Python on top of jax.jit's own dispatch
+        ```
+    """
+    options = dict(
+        donate=donate,
+        static_argnums=_hashable_option(static_argnums),
+        static_argnames=_hashable_option(static_argnames),
+        donate_argnums=_hashable_option(donate_argnums),
+        donate_argnames=_hashable_option(donate_argnames),
+        in_shardings=_hashable_option(in_shardings),
+        out_shardings=_hashable_option(out_shardings),
+        device=device,
+        backend=backend,
+        keep_unused=keep_unused,
+        inline=inline,
+        compiler_options=_hashable_option(compiler_options),
+    )
+    if donate not in ("all", "all-except-first", "warn", "warn-except-first", "none"):
+        raise ValueError(
+            "fastcall.jit(donate=...) must be one of 'all', 'all-except-first', 'warn', "
+            f"'warn-except-first' or 'none'; got {donate!r}."
+        )
+    if fun is None:
+        return functools.partial(jit, **{k: v for k, v in options.items()})
+    if not callable(fun):
+        raise TypeError(f"fastcall.jit expects a callable, got {type(fun).__name__}.")
+    if out_shardings is not _UNSPECIFIED:
+        fun = _with_out_shardings(fun, out_shardings)
+    fun_spec, fun_leaves = _flatten.flatten_generic(fun, "fun")
+    state = _state_for(fun, fun_spec, options)
+    return _make_wrapper(fun, tuple(fun_leaves), state)
+
+
+def _hashable_option(x: Any) -> Any:
+    if isinstance(x, list):
+        return tuple(_hashable_option(i) for i in x)
+    if isinstance(x, dict):
+        return tuple(sorted((k, _hashable_option(v)) for k, v in x.items()))
+    return x
+
+
+class _OutShardings(eqx.Module):
+    """`fun` with a sharding constraint on its array outputs (for `out_shardings`)."""
+
+    fun: Callable
+    shardings: Any = eqx.field(static=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.fun(*args, **kwargs)
+        leaves, treedef = jax.tree_util.tree_flatten(out)
+        if isinstance(self.shardings, jax.sharding.Sharding) or self.shardings is None:
+            per_leaf = [self.shardings] * len(leaves)
+        else:
+            per_leaf = _broadcast_prefix(self.shardings, out)
+        leaves = [
+            jax.lax.with_sharding_constraint(x, s) if s is not None and isinstance(x, jax.Array) else x
+            for x, s in zip(leaves, per_leaf)
+        ]
+        return treedef.unflatten(leaves)
+
+
+def _with_out_shardings(fun: Any, shardings: Any) -> Any:
+    wrapped = _OutShardings(fun, _hashable_option(shardings))
+    return wrapped
+
+
+def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> Any:
+    table = state.table
+    by_id_get = _flatten.by_id.get
+    resolve = state.resolve
+    calls = state.calls
+    slow = state.needs_slow_path
+    user_fun = getattr(fun, "fun", fun) if isinstance(fun, _OutShardings) else fun
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        # ---- the hot path ----
+        if kwargs or slow:
+            return _call_general(args, kwargs)
+        if args:
+            # Fastest case: the first argument (the model) was seen before and
+            # every other argument is a plain jax array. The compiled function
+            # already has the model's leaves bound (a functools.partial), so
+            # nothing is flattened, listed or keyed.
+            a = args[0]
+            hit = by_id_get(id(a))
+            if hit is not None and hit[0]() is a:
+                bound = hit[3].get(state)
+                if bound is not None and bound[0] == len(args):
+                    rest = args[1:]
+                    for b in rest:
+                        if type(b) is not ArrayImpl:
+                            break
+                    else:
+                        calls[0] += 1
+                        try:
+                            out = bound[1](*rest)
+                        except _StructureVaries:
+                            pass  # the general path below switches entries
+                        else:
+                            return out if bound[2] is None else bound[2](out)
+        # Any positional call: each argument is a plain array (one leaf), an
+        # object in the identity cache (its cached leaves), or resolved once.
+        leaves = list(fun_leaves)
+        key = []
+        try:
+            for a in args:
+                if type(a) is ArrayImpl:
+                    leaves.append(a)
+                    key.append(0)
+                    continue
+                hit = by_id_get(id(a))
+                if hit is not None and hit[0]() is a:  # seen before, same object
+                    leaves += hit[1]
+                    key.append(hit[2])
+                    continue
+                key.append(resolve(a, leaves, state.arg_name(len(key))))
+        except _StepAside:
+            return fun(*args)
+        key_t = tuple(key)
+        entry = table.get(key_t)
+        if entry is None:
+            entry = state.entry(key_t, fun_leaves, fun)
+        calls[0] += 1
+        try:
+            out = entry.fn(*leaves)
+        except _StructureVaries:
+            entry = state.make_varying(key_t, entry, fun)
+            out = entry.fn(*leaves)
+        if key_t and key_t[0] != 0 and not entry.varies and entry.out is not None:
+            _bind_first(args, key_t, entry)
+        if entry.passthrough:
+            return out
+        return entry.post(out)
+
+    def _bind_first(args: tuple[Any, ...], key_t: tuple[Any, ...], entry: _Entry) -> None:
+        """Install the bound record on args[0]'s identity entry (see the hot path)."""
+        for k in key_t[1:]:
+            if k != 0:
+                return
+        a = args[0]
+        hit = by_id_get(id(a))
+        if hit is None or hit[0]() is not a or state in hit[3]:
+            return
+        call = functools.partial(entry.fn, *fun_leaves, *hit[1])
+        hit[3][state] = (len(args), call, None if entry.passthrough else entry.post)
+
+    def _call_general(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        try:
+            prepared = state.prepare(fun_leaves, args, kwargs)
+        except _StepAside:
+            return fun(*args, **kwargs)
+        if prepared is None:
+            return fun(*args, **kwargs)  # raises the function's own TypeError
+        _, _, leaves, key_t = prepared
+        entry = table.get(key_t) or state.entry(key_t, fun_leaves, fun)
+        calls[0] += 1
+        try:
+            out = entry.fn(*leaves)
+        except _StructureVaries:
+            entry = state.make_varying(key_t, entry, fun)
+            out = entry.fn(*leaves)
+        return out if entry.passthrough else entry.post(out)
+
+    def lower(*args: Any, **kwargs: Any) -> Lowered:
+        """Trace and lower for these arguments (as `jax.jit(...).lower`)."""
+        try:
+            prepared = state.prepare(fun_leaves, args, kwargs)
+        except _StepAside:
+            raise FastcallError(
+                "fastcall.jit(...).lower: the arguments contain tracers; lower outside of "
+                "any jax transformation."
+            ) from None
+        if prepared is None:
+            fun(*args, **kwargs)  # raises the function's own TypeError
+            raise FastcallError("fastcall.jit(...).lower: could not bind the arguments.")
+        _, _, leaves, key_t = prepared
+        entry = table.get(key_t) or state.entry(key_t, fun_leaves, fun)
+        try:
+            lowered = entry.fn.lower(*leaves)
+        except _StructureVaries:
+            entry = state.make_varying(key_t, entry, fun)
+            lowered = entry.fn.lower(*leaves)
+        return Lowered(lowered, entry, state, fun_leaves, key_t)
+
+    functools.update_wrapper(wrapper, user_fun)
+    wrapper.lower = lower  # type: ignore[attr-defined]
+    wrapper.stats = state.stats  # type: ignore[attr-defined]
+    wrapper.clear_cache = state.clear  # type: ignore[attr-defined]
+    return wrapper
+
+
+class Lowered:
+    """A lowered fastcall function (from `wrapped.lower(...)`). `.compile()` gives a
+    callable taking the same arguments (static ones included)."""
+
+    def __init__(self, lowered: Any, entry: _Entry, state: _JitState, fun_leaves: Any, key: Any):
+        self._lowered = lowered
+        self._entry = entry
+        self._state = state
+        self._fun_leaves = fun_leaves
+        self._key = key
+
+    def as_text(self, *args: Any, **kwargs: Any) -> str:
+        return self._lowered.as_text(*args, **kwargs)
+
+    def compiler_ir(self, *args: Any, **kwargs: Any) -> Any:
+        return self._lowered.compiler_ir(*args, **kwargs)
+
+    def compile(self, *args: Any, **kwargs: Any) -> Compiled:
+        return Compiled(self._lowered.compile(*args, **kwargs), self)
+
+
+class Compiled:
+    """An ahead-of-time compiled fastcall function: call it with the original arguments."""
+
+    def __init__(self, compiled: Any, lowered: Lowered) -> None:
+        self._compiled = compiled
+        self._lowered = lowered
+
+    def as_text(self) -> Any:
+        return self._compiled.as_text()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        low = self._lowered
+        prepared = low._state.prepare(low._fun_leaves, args, kwargs)
+        if prepared is None:
+            raise FastcallError("fastcall Compiled: could not bind the arguments.")
+        _, _, leaves, key = prepared
+        if key != low._key:
+            raise FastcallError(
+                "fastcall Compiled: the static part of these arguments (structure or "
+                "non-array values) differs from the one this was compiled for; lower and "
+                "compile again for these arguments."
+            )
+        entry = low._entry
+        out = self._compiled(*leaves)
+        if entry.varies:
+            return _post_varying(out)
+        return out if entry.passthrough else entry.post(out)

@@ -1,0 +1,88 @@
+"""Cheap questions about JAX's trace state.
+
+`currently_jitting()` answers "is a JAX transformation tracing right now?" in
+about 0.2 us by reading JAX's trace context directly. (Equinox once answered it
+by building an array and checking whether the result was a tracer, which cost
+tens of microseconds.) The hot path of `fastcall.jit` does not even pay that:
+a tracer argument fails the `type(x) is ArrayImpl` test and falls into the
+slow path, where `contains_tracer` decides to step aside.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import jax
+import jax.numpy as jnp
+
+Tracer = jax.core.Tracer
+
+try:  # jax >= 0.4.36 keeps the current trace in a context object.
+    from jax._src.core import trace_ctx as _trace_ctx
+
+    _trace_ctx.is_top_level()  # check that the private route still works
+
+    def currently_jitting() -> bool:
+        """True while a JAX transformation (jit, grad, vmap, scan, ...) is tracing.
+
+        **Returns:** `False` in ordinary eager Python, `True` inside any traced
+        function. Costs about 0.2 us.
+
+        !!! example
+
+            ```python
+            assert not fastcall.currently_jitting()
+            jax.jit(lambda x: fastcall.currently_jitting() or x)(1)  # traced: True
+            ```
+        """
+        return not _trace_ctx.is_top_level()
+
+except Exception:  # pragma: no cover - fallback for other jax versions
+
+    def currently_jitting() -> bool:
+        """True while a JAX transformation is tracing (slow fallback)."""
+        return isinstance(jnp.zeros(()) + 1, Tracer)
+
+
+def contains_tracer(leaves: Iterable[Any]) -> bool:
+    """Whether any of `leaves` is a tracer (an argument that comes from an outer trace)."""
+    for leaf in leaves:
+        if isinstance(leaf, Tracer):
+            return True
+    return False
+
+
+def _jaxpr_has_callback(eqns: Iterable[Any]) -> bool:
+    for eqn in eqns:
+        if "callback" in eqn.primitive.name:
+            return True
+        for param in eqn.params.values():
+            subs = param if isinstance(param, (tuple, list)) else (param,)
+            for sub in subs:
+                jaxpr = getattr(sub, "jaxpr", sub)
+                inner = getattr(jaxpr, "eqns", None)
+                if inner is not None and _jaxpr_has_callback(inner):
+                    return True
+    return False
+
+
+def current_trace_has_callback() -> bool:
+    """Whether the function being traced right now contains a host callback.
+
+    `eqx.error_if` raises through a `pure_callback` that only fires when the
+    program runs; its error surfaces only when someone waits for the result. A
+    function with such a check is therefore dispatched and then waited on (as
+    `eqx.filter_jit` does for every function), so that the error reaches the
+    caller at the call. Called at trace time only. If JAX's internals cannot be
+    read, answers True: waiting is slower but never hides an error.
+    """
+    try:
+        frame = _trace_ctx.trace.frame
+        eqns = []
+        for ref in frame.tracing_eqns:
+            eqn = ref() if callable(ref) and not hasattr(ref, "primitive") else ref
+            if eqn is not None:
+                eqns.append(eqn)
+        return _jaxpr_has_callback(eqns)
+    except Exception:  # pragma: no cover - depends on jax internals
+        return True
