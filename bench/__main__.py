@@ -18,7 +18,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, help="rounds per workload (default 15 quick, 41 full)")
     p.add_argument("--round-ms", type=float, help="target milliseconds per variant per round")
     p.add_argument("--json", metavar="FILE", help="write results as JSON")
-    p.add_argument("--plot", metavar="FILE.png", help="write the leaf-scaling plot")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     p.add_argument("--list", action="store_true", help="list workloads and exit")
     args = p.parse_args(argv)
@@ -48,7 +47,11 @@ def main(argv: list[str] | None = None) -> int:
             workload.variants = [v for v in workload.variants if v.name in keep]
 
         def progress(msg: str, i: int = i) -> None:
-            print(f"\r[{i + 1}/{len(builders)}] {msg} ({time.time() - t0:.0f}s)   ", end="", file=sys.stderr)
+            line = f"[{i + 1}/{len(builders)}] {msg} ({time.time() - t0:.0f}s)"
+            if sys.stderr.isatty():
+                print(f"\r{line}   ", end="", file=sys.stderr, flush=True)
+            elif msg.endswith("verifying"):
+                print(line, file=sys.stderr, flush=True)
 
         progress(f"{name}: verifying")
         rows += _harness.measure(workload, rounds, round_s, progress)

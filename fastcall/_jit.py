@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import threading
 import warnings
 import weakref
@@ -153,14 +154,32 @@ def _wait_and_translate(marker: Any) -> None:
     """Wait for a program with `eqx.error_if` checks and raise their error as Equinox does."""
     try:
         marker.block_until_ready()
-    except _JaxRuntimeError as err:
-        if "_EquinoxRuntimeError" in str(err):
-            from equinox import _jit as eqx_jit  # where eqx.error_if leaves its message
+    except (_JaxRuntimeError, ValueError) as err:
+        _translate(err)
 
-            info = getattr(eqx_jit, "last_error_info", None)
-            msg = info[0] if info else str(err)
-            raise eqx.EquinoxRuntimeError(msg) from None
-        raise
+
+def _translate(err: BaseException) -> None:
+    """Re-raise an `eqx.error_if` failure as `eqx.EquinoxRuntimeError` with its message
+    (as eqx.filter_jit does); re-raise anything else unchanged."""
+    if "_EquinoxRuntimeError" in str(err):
+        from equinox import _jit as eqx_jit  # where eqx.error_if leaves its message
+
+        info = getattr(eqx_jit, "last_error_info", None)
+        msg = info[0] if info else str(err)
+        raise eqx.EquinoxRuntimeError(msg) from None
+    raise err
+
+
+class _QuietEquinoxCallbacks(logging.Filter):
+    """jax logs every failed pure_callback; an `eqx.error_if` failure is raised to the
+    caller as an EquinoxRuntimeError instead, so its log record is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (exc is not None and type(exc).__name__ == "_EquinoxRuntimeError")
+
+
+logging.getLogger("jax._src.callback").addFilter(_QuietEquinoxCallbacks())
 
 
 class _Box:
@@ -711,6 +730,8 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
                             out = bound[1](*rest)
                         except _StructureVaries:
                             pass  # the general path below switches entries
+                        except (_JaxRuntimeError, ValueError) as err:
+                            _translate(err)
                         else:
                             return out if bound[2] is None else bound[2](out)
         # Any positional call: each argument is a plain array (one leaf), an
@@ -741,6 +762,8 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
         except _StructureVaries:
             entry = state.make_varying(key_t, entry, fun)
             out = entry.fn(*leaves)
+        except (_JaxRuntimeError, ValueError) as err:
+            _translate(err)  # an eqx.error_if check failed while running
         if key_t and key_t[0] != 0 and not entry.varies and entry.out is not None:
             _bind_first(args, key_t, entry)
         if entry.passthrough:
@@ -774,6 +797,8 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
         except _StructureVaries:
             entry = state.make_varying(key_t, entry, fun)
             out = entry.fn(*leaves)
+        except (_JaxRuntimeError, ValueError) as err:
+            _translate(err)
         return out if entry.passthrough else entry.post(out)
 
     def lower(*args: Any, **kwargs: Any) -> Lowered:
@@ -848,7 +873,10 @@ class Compiled:
                 "compile again for these arguments."
             )
         entry = low._entry
-        out = self._compiled(*leaves)
+        try:
+            out = self._compiled(*leaves)
+        except (_JaxRuntimeError, ValueError) as err:
+            _translate(err)
         if entry.varies:
             return _post_varying(out)
         return out if entry.passthrough else entry.post(out)
