@@ -74,12 +74,19 @@ def allclose_tree(a: Any, b: Any, rtol: float = 1e-5, atol: float = 1e-5) -> Non
     assert len(la) == len(lb), f"different number of leaves: {len(la)} vs {len(lb)} ({ta} vs {tb})"
     for i, (x, y) in enumerate(zip(la, lb)):
         if hasattr(x, "shape") or hasattr(y, "shape"):
-            x, y = np.asarray(x), np.asarray(y)
+            x, y = _plain(x), _plain(y)
             assert x.shape == y.shape, f"leaf {i}: shape {x.shape} vs {y.shape}"
             assert x.dtype == y.dtype, f"leaf {i}: dtype {x.dtype} vs {y.dtype}"
             np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=f"leaf {i}")
         else:
             assert x == y, f"leaf {i}: {x!r} vs {y!r}"
+
+
+def _plain(x: Any) -> np.ndarray:
+    """A NumPy view of an array leaf (PRNG key arrays compared through their key data)."""
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x)
 
 
 def _run_steps(step: Callable[[], Any], n: int) -> list[Any]:

@@ -5,6 +5,7 @@ from ._jit import Compiled as Compiled
 from ._jit import Lowered as Lowered
 from ._jit import clear_caches as clear_caches
 from ._jit import jit as jit
+from ._jit import partial as partial
 from ._stats import Change as Change
 from ._stats import JitStats as JitStats
 from ._stats import Recompile as Recompile

@@ -30,7 +30,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from . import _flatten, _stats
+from . import _flatten, _nnx, _stats
 from ._errors import FastcallError
 from ._flatten import ARRAY_TYPES, ArrayImpl, Spec, remember, spec_by_id
 from ._trace import Tracer, contains_tracer, current_trace_has_callback
@@ -66,9 +66,11 @@ class _OutInfo:
     returned Equinox modules in the identity cache.
     """
 
-    __slots__ = ("mode", "treedef", "mask", "statics", "static_keys", "block", "regs")
+    __slots__ = ("mode", "treedef", "mask", "statics", "static_keys", "block", "regs", "writes", "nodes")
 
-    def __init__(self, out: Any, block: bool) -> None:
+    def __init__(self, out: Any, block: bool, writes: tuple = (), nodes: bool = False) -> None:
+        self.writes = writes  # (NNX argument ordinal, leaf index) per written Variable
+        self.nodes = nodes  # output holds NNX node markers to turn back into objects
         leaves, treedef = jax.tree_util.tree_flatten(out)
         mask = tuple(isinstance(x, ARRAY_TYPES) for x in leaves)
         self.treedef = treedef
@@ -81,7 +83,7 @@ class _OutInfo:
             self.static_keys = None  # compared by identity below
         self.block = block
         self.regs = tuple(_registrations(out, mask))
-        self.mode = "flat" if (self.statics or self.block or self.regs) else "pass"
+        self.mode = "flat" if (self.statics or self.block or self.regs or writes or nodes) else "pass"
 
     def same_as(self, other: _OutInfo) -> bool:
         if self.static_keys is None or other.static_keys is None:
@@ -100,6 +102,8 @@ class _OutInfo:
             and self.mask == other.mask
             and self.treedef == other.treedef
             and self.regs == other.regs
+            and self.writes == other.writes
+            and self.nodes == other.nodes
         )
 
     def flat_outputs(self, out: Any) -> list[Any]:
@@ -107,6 +111,27 @@ class _OutInfo:
         if self.block:
             dyn.append(jax.numpy.zeros((), jax.numpy.int8))  # marker to wait on
         return dyn
+
+    def post_nnx(self, dyn: Any, nnx_refs: list[tuple[Any, list[Any]]]) -> Any:
+        """Write changed Variables back to the caller's objects, then post-process."""
+        k = len(self.writes)
+        if k:
+            values = dyn[-k:]
+            dyn = dyn[:-k]
+            if type(values[0]) is not ArrayImpl:
+                raise FastcallError(
+                    "fastcall.jit: the function changes NNX state (Variables), but it was "
+                    "called inside an outer JAX transformation with the NNX objects closed "
+                    "over, so the new values are tracers and cannot be written back. Pass the "
+                    "NNX objects through the outer transformation (use nnx.jit/nnx.grad/... "
+                    "or nnx.split/merge outside), or call the function outside of it."
+                )
+            for (ordinal, index), value in zip(self.writes, values):
+                _nnx.write_back(nnx_refs[ordinal][1], index, value)
+        result = dyn if self.mode == "pass" else self.post(dyn)
+        if self.nodes:
+            result = _unmark_nodes(result, nnx_refs)
+        return result
 
     def post(self, dyn: list[Any]) -> Any:
         if self.block:
@@ -182,6 +207,65 @@ class _QuietEquinoxCallbacks(logging.Filter):
 logging.getLogger("jax._src.callback").addFilter(_QuietEquinoxCallbacks())
 
 
+class _InputNode:
+    """Output marker: the function returned its k-th NNX argument (the caller's object is returned)."""
+
+    __slots__ = ("k",)
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _InputNode and other.k == self.k
+
+    def __hash__(self) -> int:
+        return hash((_InputNode, self.k))
+
+
+class _NewNode:
+    """Output marker: an NNX object created by the function, rebuilt outside from its values."""
+
+    __slots__ = ("graphdef", "values")
+
+    def __init__(self, graphdef: Any, values: list[Any]) -> None:
+        self.graphdef = graphdef
+        self.values = values
+
+
+jax.tree_util.register_pytree_node(
+    _NewNode, lambda n: (n.values, n.graphdef), lambda gd, vals: _NewNode(gd, list(vals))
+)
+
+
+def _mark_nodes(out: Any, traced: list[Any]) -> tuple[Any, bool]:
+    """Replace NNX objects in the output by markers (trace time)."""
+    found = [False]
+
+    def mark(x: Any) -> Any:
+        if not _nnx.is_node(x):
+            return x
+        found[0] = True
+        for k, (t, _) in enumerate(traced):
+            if x is t.node:
+                return _InputNode(k)
+        graphdef, values = _nnx.graphlib.flatten(x, with_paths=False)
+        return _NewNode(graphdef, list(values))
+
+    marked = jax.tree_util.tree_map(mark, out, is_leaf=_nnx.is_node)
+    return marked, found[0]
+
+
+def _unmark_nodes(result: Any, nnx_refs: list[tuple[Any, list[Any]]]) -> Any:
+    def unmark(x: Any) -> Any:
+        if type(x) is _InputNode:
+            return nnx_refs[x.k][0]
+        if type(x) is _NewNode:
+            return _nnx.graphlib.unflatten(x.graphdef, list(x.values))
+        return x
+
+    return jax.tree_util.tree_map(unmark, result, is_leaf=lambda x: type(x) in (_InputNode, _NewNode))
+
+
 class _Box:
     """Carries an _OutInfo through jax's output pytree (used only for varying outputs)."""
 
@@ -205,9 +289,10 @@ class _Entry:
     (otherwise call `post`). jax.jit's own cache handles shapes and dtypes.
     """
 
-    __slots__ = ("fn", "passthrough", "post", "out", "varies", "lock", "__weakref__")
+    __slots__ = ("fn", "passthrough", "post", "post_nnx", "out", "varies", "lock", "__weakref__")
 
     def __init__(self) -> None:
+        self.post_nnx: Callable[[Any, Any], Any] = _identity_nnx
         self.fn: Any = None
         self.passthrough = False
         self.post: Callable[[Any], Any] = _not_traced
@@ -219,6 +304,7 @@ class _Entry:
         with self.lock:
             if self.out is None:
                 self.out = info
+                self.post_nnx = info.post_nnx
                 if info.mode == "pass":
                     self.post = _identity
                     self.passthrough = True
@@ -240,6 +326,15 @@ def _post_varying(out: Any) -> Any:
     dyn, box = out
     info = box.info
     return dyn if info.mode == "pass" else info.post(dyn)
+
+
+def _post_varying_nnx(out: Any, nnx_refs: list[Any]) -> Any:
+    dyn, box = out
+    return box.info.post_nnx(dyn, nnx_refs)
+
+
+def _identity_nnx(out: Any, nnx_refs: list[Any]) -> Any:
+    return out
 
 
 # --------------------------------------------------------------------------
@@ -288,11 +383,25 @@ class _JitState:
 
     # ---- resolving one argument (the miss path) ----
 
-    def resolve(self, value: Any, leaves: list[Any], arg_name: str) -> int:
+    def resolve(self, value: Any, leaves: list[Any], arg_name: str, nnx_refs: list[Any]) -> int:
         """Append `value`'s dynamic leaves to `leaves`; return its spec id.
 
+        NNX objects also append (object, Variables) to `nnx_refs` for write-back.
         Raises _StepAside if `value` holds a tracer.
         """
+        if type(value) in _nnx.node_types or _nnx.is_node(value):
+            node_entry = _nnx.lookup(value, arg_name)
+            current = node_entry.values()
+            # Inside nnx.grad/vmap/scan the module is a copy holding tracers: run
+            # inline. Variables of a module created outside cannot receive tracers
+            # (NNX forbids it), so for a known object the first value tells.
+            if current and (type(current[0]) is not ArrayImpl or node_entry.fresh):
+                node_entry.fresh = False
+                if contains_tracer(current):
+                    raise _StepAside
+            leaves += current
+            nnx_refs.append((value, node_entry.items))
+            return node_entry.spec_id
         for template in _flatten.templates.get(type(value), ()):
             found = template.extract(value)
             if found is not None:
@@ -330,12 +439,13 @@ class _JitState:
             args, kwargs = bound.args, bound.kwargs
         leaves = list(fun_leaves)
         key: list[Any] = []
+        nnx_refs: list[Any] = []
         for i, a in enumerate(args):
             name = self.arg_name(i)
             if i in self.static_argnums or name in self.static_argnames:
                 key.append(_flatten.static_spec(a, name).id)
             else:
-                key.append(self.resolve(a, leaves, name))
+                key.append(self.resolve(a, leaves, name, nnx_refs))
         if kwargs:
             names = tuple(sorted(kwargs))
             key.append(names)
@@ -343,8 +453,8 @@ class _JitState:
                 if name in self.static_argnames:
                     key.append(_flatten.static_spec(kwargs[name], name).id)
                 else:
-                    key.append(self.resolve(kwargs[name], leaves, name))
-        return args, kwargs, leaves, tuple(key)
+                    key.append(self.resolve(kwargs[name], leaves, name, nnx_refs))
+        return args, kwargs, leaves, tuple(key), nnx_refs
 
     # ---- compiling ----
 
@@ -378,9 +488,16 @@ class _JitState:
 
         def flat_fn(*dyn: Any) -> Any:
             values = []
+            traced = []  # NNX arguments: (_nnx.Traced, argument name)
             start = 0
-            for spec, n in zip(all_specs, counts):
-                values.append(spec.rebuild(dyn[start : start + n]))
+            for spec, n, arg_name in zip(all_specs, counts, ["fun"] + arg_names):
+                segment = dyn[start : start + n]
+                if spec.kind == "nnx":
+                    node = spec.rebuild(segment)
+                    traced.append((_nnx.Traced(node, spec, segment), arg_name))
+                    values.append(node)
+                else:
+                    values.append(spec.rebuild(segment))
                 start += n
             f, rest = values[0], values[1:]
             args = rest[: len(pos_specs)]
@@ -389,12 +506,19 @@ class _JitState:
             if state is not None:
                 state.on_trace(list(zip(arg_names, rest)))
             out = f(*args, **kwargs)
-            info = _OutInfo(out, block=current_trace_has_callback())
+            # NNX: which Variables changed (decided here, once per compile).
+            writes, written = [], []
+            for ordinal, (t, arg_name) in enumerate(traced):
+                for index, value in t.writes(arg_name):
+                    writes.append((ordinal, index))
+                    written.append(value)
+            out, has_nodes = _mark_nodes(out, traced)
+            info = _OutInfo(out, current_trace_has_callback(), tuple(writes), has_nodes)
+            flat = out if info.mode == "pass" else info.flat_outputs(out) + written
             if varies:
-                flat = out if info.mode == "pass" else info.flat_outputs(out)
                 return flat, _Box(info)
             e.set_out(info)
-            return out if info.mode == "pass" else info.flat_outputs(out)
+            return flat
 
         name = getattr(fun, "__name__", None) or type(fun).__name__
         flat_fn.__name__ = flat_fn.__qualname__ = str(name)
@@ -404,6 +528,7 @@ class _JitState:
             e.fn = _suppress_donation_warning(e.fn)
         if varies:
             e.post = _post_varying
+            e.post_nnx = _post_varying_nnx
             e.passthrough = False
 
     def _jit_kwargs(self, all_specs, pos_specs, kw_names, counts) -> dict[str, Any]:
@@ -569,6 +694,7 @@ def clear_caches() -> None:
     Wrapped functions keep working; their next call re-flattens and recompiles.
     """
     _flatten.clear()
+    _nnx.clear()
     _scalar_specs.clear()
     with _states_lock:
         _states.clear()
@@ -738,6 +864,7 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
         # object in the identity cache (its cached leaves), or resolved once.
         leaves = list(fun_leaves)
         key = []
+        nnx_refs: list[Any] = []  # (NNX object, its Variables) for write-back
         try:
             for a in args:
                 if type(a) is ArrayImpl:
@@ -749,7 +876,8 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
                     leaves += hit[1]
                     key.append(hit[2])
                     continue
-                key.append(resolve(a, leaves, state.arg_name(len(key))))
+                # NNX objects (values read now), new objects, scalars, containers.
+                key.append(resolve(a, leaves, state.arg_name(len(key)), nnx_refs))
         except _StepAside:
             return fun(*args)
         key_t = tuple(key)
@@ -764,6 +892,8 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
             out = entry.fn(*leaves)
         except (_JaxRuntimeError, ValueError) as err:
             _translate(err)  # an eqx.error_if check failed while running
+        if nnx_refs:
+            return entry.post_nnx(out, nnx_refs)
         if key_t and key_t[0] != 0 and not entry.varies and entry.out is not None:
             _bind_first(args, key_t, entry)
         if entry.passthrough:
@@ -789,7 +919,7 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
             return fun(*args, **kwargs)
         if prepared is None:
             return fun(*args, **kwargs)  # raises the function's own TypeError
-        _, _, leaves, key_t = prepared
+        _, _, leaves, key_t, nnx_refs = prepared
         entry = table.get(key_t) or state.entry(key_t, fun_leaves, fun)
         calls[0] += 1
         try:
@@ -799,6 +929,8 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
             out = entry.fn(*leaves)
         except (_JaxRuntimeError, ValueError) as err:
             _translate(err)
+        if nnx_refs:
+            return entry.post_nnx(out, nnx_refs)
         return out if entry.passthrough else entry.post(out)
 
     def lower(*args: Any, **kwargs: Any) -> Lowered:
@@ -813,7 +945,7 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
         if prepared is None:
             fun(*args, **kwargs)  # raises the function's own TypeError
             raise FastcallError("fastcall.jit(...).lower: could not bind the arguments.")
-        _, _, leaves, key_t = prepared
+        _, _, leaves, key_t, _ = prepared
         entry = table.get(key_t) or state.entry(key_t, fun_leaves, fun)
         try:
             lowered = entry.fn.lower(*leaves)
@@ -823,6 +955,8 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
         return Lowered(lowered, entry, state, fun_leaves, key_t)
 
     functools.update_wrapper(wrapper, user_fun)
+    wrapper._fastcall_state = state  # type: ignore[attr-defined]
+    wrapper._fastcall_fun_leaves = fun_leaves  # type: ignore[attr-defined]
     wrapper.lower = lower  # type: ignore[attr-defined]
     wrapper.stats = state.stats  # type: ignore[attr-defined]
     wrapper.clear_cache = state.clear  # type: ignore[attr-defined]
@@ -865,7 +999,7 @@ class Compiled:
         prepared = low._state.prepare(low._fun_leaves, args, kwargs)
         if prepared is None:
             raise FastcallError("fastcall Compiled: could not bind the arguments.")
-        _, _, leaves, key = prepared
+        _, _, leaves, key, nnx_refs = prepared
         if key != low._key:
             raise FastcallError(
                 "fastcall Compiled: the static part of these arguments (structure or "
@@ -878,5 +1012,46 @@ class Compiled:
         except (_JaxRuntimeError, ValueError) as err:
             _translate(err)
         if entry.varies:
-            return _post_varying(out)
+            return _post_varying_nnx(out, nnx_refs) if nnx_refs else _post_varying(out)
+        if nnx_refs:
+            return entry.post_nnx(out, nnx_refs)
         return out if entry.passthrough else entry.post(out)
+
+
+def partial(fun: Callable, *bound: Any, **jit_options: Any) -> Callable:
+    """Bind leading arguments (typically the model) for serving, like
+    `nnx.jit_partial` / `nnx.cached_partial`, without their staleness.
+
+    **Arguments:**
+
+    - `fun`: a function, or a function already wrapped by `fastcall.jit`.
+    - `*bound`: leading positional arguments to bind (NNX modules, Equinox
+      modules, arrays, anything).
+    - `**jit_options`: options for `fastcall.jit` when `fun` is not wrapped yet.
+
+    **Returns:** a callable taking the remaining arguments. The bound objects
+    are flattened once, here; each call reads their current Variable values,
+    writes changed state back, and re-flattens a bound NNX module only after
+    its structure changed (`model.layers[1] = nnx.Linear(...)`,
+    `model.eval()`), where `nnx.jit_partial` and `nnx.cached_partial` would
+    return stale results.
+
+    !!! example
+
+        ```python
+        serve = fastcall.partial(forward, model)
+        y = serve(x)
+        ```
+    """
+    wrapped = fun if getattr(fun, "_fastcall_state", None) is not None else jit(fun, **jit_options)
+    state: _JitState = wrapped._fastcall_state  # type: ignore[attr-defined]
+    scratch: list[Any] = []
+    for i, arg in enumerate(bound):  # flatten once now: errors surface here, caches are warm
+        if type(arg) is not ArrayImpl:
+            try:
+                state.resolve(arg, scratch, state.arg_name(i), [])
+            except _StepAside:
+                pass
+    bound_call = functools.partial(wrapped, *bound)
+    functools.update_wrapper(bound_call, wrapped)  # type: ignore[arg-type]
+    return bound_call

@@ -76,7 +76,7 @@ def describe(named_values: Iterable[tuple[str, Any]]) -> Signature:
     sig: Signature = {}
     for name, value in named_values:
         leaves_with_paths, treedef = tree_flatten_with_path(value)
-        sig[(name, "(structure)")] = _repr.repr(str(treedef))
+        sig[(name, "(structure)")] = str(treedef)
         for path, leaf in leaves_with_paths:
             sig[(name, keystr(path))] = _describe_leaf(leaf)
     return sig
@@ -87,5 +87,17 @@ def diff(old: Signature, new: Signature) -> tuple[Change, ...]:
     for k in list(old) + [k for k in new if k not in old]:
         a, b = old.get(k, "absent"), new.get(k, "absent")
         if a != b:
+            if k[1] == "(structure)":
+                a, b = _around_first_difference(a, b)
             changes.append(Change(k[0], k[1], a, b))
     return tuple(changes)
+
+
+def _around_first_difference(a: str, b: str, width: int = 50) -> tuple[str, str]:
+    """The part of two long structure descriptions where they start to differ."""
+    i = 0
+    while i < min(len(a), len(b)) and a[i] == b[i]:
+        i += 1
+    start = max(0, i - width)
+    clip = lambda s: ("..." if start else "") + s[start : i + width] + ("..." if len(s) > i + width else "")  # noqa: E731
+    return clip(a), clip(b)

@@ -1,0 +1,199 @@
+"""Flax NNX workloads.
+
+Each variant builds its own model from the same seed (NNX modules are mutable,
+so variants cannot share one object when state is written back); verification
+proves the weights, outputs and written-back state equal before timing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import fastcall
+
+from ._harness import Variant, Workload, allclose_tree
+
+
+class MLP(nnx.Module):
+    def __init__(self, width: int, depth: int, rngs: nnx.Rngs):
+        self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(depth)])
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = nnx.relu(layer(x))
+        return self.layers[-1](x)
+
+
+class BNDrop(nnx.Module):
+    """Linear -> BatchNorm -> Dropout -> Linear: state changes every call in train mode."""
+
+    def __init__(self, width: int, rngs: nnx.Rngs):
+        self.l1 = nnx.Linear(width, width, rngs=rngs)
+        self.bn = nnx.BatchNorm(width, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+        self.l2 = nnx.Linear(width, width, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.drop(nnx.relu(self.bn(self.l1(x)))))
+
+
+def _state_leaves(model: Any) -> list[Any]:
+    return jax.tree_util.tree_leaves(nnx.state(model))
+
+
+def _compare(ref: list[Any], outs: list[Any]) -> None:
+    """Outputs step by step; written-back state after the last step."""
+    assert len(ref) == len(outs)
+    for (y_ref, _), (y, _) in zip(ref, outs):
+        allclose_tree(y_ref, y)
+    allclose_tree(ref[-1][1](), outs[-1][1]())
+
+
+def _forward_variants(build: Callable[[], Any], x: Any, writes_state: bool) -> list[Variant]:
+    def call(m, x):
+        return m(x)
+
+    def with_model(make_f: Callable[[Any], Callable[[], Any]]):
+        def make():
+            model = build()
+            f = make_f(model)
+            getter = lambda: _state_leaves(model)  # noqa: E731 - only called when verifying
+            return lambda: (f(), getter)
+
+        return make
+
+    def make_floor():
+        graphdef, state = nnx.split(build())
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        n = len(leaves)
+
+        def flat(*a):
+            m = nnx.merge(graphdef, treedef.unflatten(a[:n]))
+            y = m(a[n])
+            if not writes_state:
+                return y
+            return (y, *jax.tree_util.tree_leaves(nnx.state(m)))
+
+        f = jax.jit(flat)
+        current = [tuple(leaves)]
+        getter = lambda: list(current[0])  # noqa: E731
+
+        def run():
+            out = f(*current[0], x)
+            if writes_state:
+                current[0] = out[1:]  # rebind the updated state by hand
+                return out[0], getter
+            return out, getter
+
+        return run
+
+    def split_merge(model):
+        graphdef, state = nnx.split(model)
+
+        @jax.jit
+        def f(state, x):
+            m = nnx.merge(graphdef, state)
+            return m(x), nnx.state(m)
+
+        current = [state]
+
+        def run():
+            y, current[0] = f(current[0], x)
+            nnx.update(model, current[0]) if False else None
+            return y
+
+        return run, lambda: jax.tree_util.tree_leaves(current[0])
+
+    def make_split_merge():
+        model = build()
+        run, getter = split_merge(model)
+        return lambda: (run(), getter)
+
+    variants = [
+        Variant("eager", with_model(lambda m: (lambda: call(m, x))), timed=False),
+        Variant("floor", make_floor, note="jax.jit on the flat state leaves" + (", state rebound" if writes_state else "")),
+        Variant("fastcall.jit", with_model(lambda m: (lambda f=fastcall.jit(call): f(m, x)))),
+        Variant("fastcall.partial", with_model(lambda m: (lambda f=fastcall.partial(call, m): f(x)))),
+        Variant("nnx.jit", with_model(lambda m: (lambda f=nnx.jit(call): f(m, x)))),
+        Variant("nnx.jit(graph=False)", with_model(lambda m: (lambda f=nnx.jit(call, graph=False): f(m, x)))),
+        Variant("nnx.cached_partial", with_model(lambda m: (lambda f=nnx.cached_partial(nnx.jit(call), m): f(x)))),
+        Variant(
+            "nnx.jit_partial(graph=False)",
+            with_model(lambda m: (lambda f=nnx.jit_partial(call, m, graph=False): f(x))),
+        ),
+        Variant("split/merge + jax.jit", make_split_merge, note="state threaded by hand"),
+    ]
+    return variants
+
+
+def forward(name: str, description: str, build: Callable[[], Any], x: Any, writes_state: bool) -> Workload:
+    return Workload(name, description, _forward_variants(build, x, writes_state), _compare)
+
+
+def optimizer_step(name: str, description: str, width: int, depth: int, batch: int) -> Workload:
+    """A train step with nnx.Optimizer: parameters and optimizer state written back."""
+    x = jnp.ones((batch, width))
+    y = jnp.zeros((batch, width))
+
+    def build():
+        model = MLP(width, depth, nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+    def step(model, optimizer, x, y):
+        def loss_fn(m):
+            return jnp.mean((m(x) - y) ** 2)
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    def variant(wrap):
+        def make():
+            model, opt = build()
+            f = wrap(step)
+            getter = lambda: _state_leaves(model) + _state_leaves(opt)  # noqa: E731
+            return lambda: (f(model, opt, x, y), getter)
+
+        return make
+
+    return Workload(
+        name,
+        description,
+        [
+            Variant("eager", variant(lambda s: s), timed=False),
+            Variant("fastcall.jit", variant(fastcall.jit)),
+            Variant("nnx.jit", variant(nnx.jit)),
+        ],
+        _compare,
+        floor="fastcall.jit",
+    )
+
+
+def build(quick: bool) -> dict[str, Callable[[], Workload]]:
+    x32 = jnp.ones((1, 32))
+    out = {
+        "nnx_mlp3": lambda: forward(
+            "nnx_mlp3", "NNX MLP width 32 depth 3, same model", lambda: MLP(32, 3, nnx.Rngs(0)), x32, False
+        ),
+        "nnx_mlp24": lambda: forward(
+            "nnx_mlp24", "NNX MLP width 32 depth 24, same model", lambda: MLP(32, 24, nnx.Rngs(0)), x32, False
+        ),
+        "nnx_bn_dropout": lambda: forward(
+            "nnx_bn_dropout",
+            "NNX Linear+BatchNorm+Dropout, train mode (state written back every call)",
+            lambda: BNDrop(32, nnx.Rngs(0)),
+            jnp.ones((8, 32)),
+            True,
+        ),
+        "nnx_train": lambda: optimizer_step("nnx_train", "NNX MLP w32 d3 + nnx.Optimizer(adam) step", 32, 3, 8),
+    }
+    return out
+
+
+__all__ = ["build", "np"]

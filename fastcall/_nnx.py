@@ -1,0 +1,271 @@
+"""The Flax NNX graph adapter: cached graphdef and Variable list, write-back, structure checks.
+
+For an NNX graph node (Module, Pytree, Rngs, Optimizer, Variable) passed to a
+wrapped function, fastcall keeps per object (validated by weakref):
+
+* the graphdef, interned to a spec id (static attributes such as
+  `deterministic` or `use_running_average` are part of it, so `model.eval()`
+  selects another compiled program);
+* the list of its Variable objects in flatten order. Their values are read at
+  call time through the `_raw_value` slot (no deprecated `.value`, no graph
+  walk), so `v[...] = ...`, `nnx.update` and optimizer steps made outside are
+  seen by the next call.
+
+Structure changes are seen through a watch list: fastcall wraps
+`nnx.Pytree.__setattr__`/`__delattr__` (which nnx.List and nnx.Dict also go
+through) and `Variable.set_metadata`, and each call to them on a node that
+belongs to a cached graph marks that cache entry stale (a dict lookup per
+attribute assignment). A stale entry is re-flattened on its next use. What this
+cannot see is listed in README.md ("NNX caveats").
+
+Inside the trace, the module is rebuilt from the graphdef with the traced
+values; after the function returns, each Variable whose value is no longer the
+very tracer it was given is an output, and only those are written back.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+import weakref
+from typing import Any
+
+from flax import nnx
+from flax.nnx import graphlib
+from flax.nnx.variablelib import Variable
+
+from ._errors import FastcallError, describe_arg
+
+_raw = operator.attrgetter("_raw_value")
+_set_raw = Variable._raw_value.__set__  # the slot itself: no trace-level check, no hooks
+
+_Pytree = getattr(nnx, "Pytree", None) or nnx.Module
+
+
+def is_node(x: Any) -> bool:
+    """Whether x is an NNX graph node (handled by this adapter)."""
+    return isinstance(x, Variable) or graphlib.is_graph_node(x)
+
+
+# --------------------------------------------------------------------------
+# Watching for structure changes
+
+
+_watch_lock = threading.Lock()
+# id(graph node or Variable) -> entries whose graph contains it.
+_watchers: dict[int, list[NodeEntry]] = {}
+
+
+def _notify(obj: Any) -> None:
+    entries = _watchers.get(id(obj))
+    if entries:
+        for e in entries:
+            e.stale = True
+
+
+def _install_hooks() -> None:
+    """Wrap the few NNX methods through which a graph's structure changes."""
+    if getattr(_Pytree, "_fastcall_hooked", False):
+        return
+    orig_setattr = _Pytree.__setattr__
+    orig_delattr = _Pytree.__delattr__
+    orig_set_metadata = Variable.set_metadata
+
+    def __setattr__(self: Any, name: str, value: Any) -> None:
+        orig_setattr(self, name, value)
+        if _watchers:
+            _notify(self)
+
+    def __delattr__(self: Any, name: str) -> None:
+        orig_delattr(self, name)
+        if _watchers:
+            _notify(self)
+
+    def set_metadata(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig_set_metadata(self, *args, **kwargs)
+        if _watchers:
+            _notify(self)
+
+    _Pytree.__setattr__ = __setattr__
+    _Pytree.__delattr__ = __delattr__
+    Variable.set_metadata = set_metadata  # type: ignore[method-assign]
+    _Pytree._fastcall_hooked = True
+
+
+_install_hooks()
+
+
+# --------------------------------------------------------------------------
+# Per-object cache
+
+
+class NodeEntry:
+    """What fastcall knows about one NNX object: its spec id, Variables, fixed leaves."""
+
+    __slots__ = ("ref", "spec_id", "items", "all_vars", "stale", "watched", "fresh", "__weakref__")
+
+    def __init__(self, ref: Any, spec_id: int, items: list[Any], watched: list[int]) -> None:
+        self.ref = ref
+        self.spec_id = spec_id
+        self.items = items  # Variables, or fixed raw values (array attributes)
+        self.all_vars = all(isinstance(x, Variable) for x in items)
+        self.stale = False
+        self.fresh = True  # values not yet checked for tracers
+        self.watched = watched
+
+    def values(self) -> list[Any]:
+        """Current values of the leaves, read through the `_raw_value` slot."""
+        if self.all_vars:
+            return list(map(_raw, self.items))
+        return [_raw(x) if isinstance(x, Variable) else x for x in self.items]
+
+
+by_id: dict[int, NodeEntry] = {}
+node_types: set[type] = set()  # types seen to be NNX graph nodes (fast membership test)
+
+
+def _evict(ref: Any, _by_id: dict = by_id) -> None:
+    entry = _by_id.get(ref.oid)
+    if entry is not None and entry.ref is ref:
+        _by_id.pop(ref.oid, None)
+        try:
+            _unwatch(entry)
+        except Exception:  # at interpreter exit module globals may be gone
+            pass
+
+
+class _Ref(weakref.ref):
+    __slots__ = ("oid",)
+
+
+def _unwatch(entry: NodeEntry) -> None:
+    with _watch_lock:
+        for oid in entry.watched:
+            lst = _watchers.get(oid)
+            if lst is not None:
+                try:
+                    lst.remove(entry)
+                except ValueError:
+                    pass
+                if not lst:
+                    del _watchers[oid]
+
+
+def _graph_nodes(node: Any) -> list[Any]:
+    """Every graph node and Variable reachable from `node` (each once)."""
+    seen: dict[int, Any] = {}
+    for _, sub in graphlib.iter_graph(node):
+        if is_node(sub):
+            seen[id(sub)] = sub
+    return list(seen.values())
+
+
+def lookup(obj: Any, arg_name: str) -> NodeEntry:
+    """The current entry for `obj`, built or rebuilt if missing or stale."""
+    entry = by_id.get(id(obj))
+    if entry is not None and entry.ref() is obj and not entry.stale:
+        return entry
+    return _build(obj, arg_name, entry)
+
+
+def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
+    from . import _flatten
+
+    try:
+        graphdef, flat = graphlib.flatten(obj, with_paths=True)
+    except Exception as err:
+        raise FastcallError(
+            f"fastcall.jit: {describe_arg(arg_name)} is an NNX object that could not be "
+            f"flattened ({type(err).__name__}: {err})."
+        ) from err
+    items = list(flat.leaves)
+    spec = NodeSpec(graphdef, len(items))
+    try:
+        spec = _flatten.intern(spec, ("nnx", graphdef))
+    except Exception as err:
+        raise FastcallError(
+            f"fastcall.jit: {describe_arg(arg_name)} has a static attribute that cannot be "
+            f"hashed or compared ({type(err).__name__}: {err}). NNX static attributes "
+            "become part of the compile key: make them hashable, or store them in a "
+            "Variable."
+        ) from None
+    if old is not None:
+        _unwatch(old)
+    watched_nodes = _graph_nodes(obj)
+    ref = _Ref(obj, _evict)
+    ref.oid = id(obj)
+    entry = NodeEntry(ref, spec.id, items, [id(n) for n in watched_nodes])
+    with _watch_lock:
+        for n in watched_nodes:
+            _watchers.setdefault(id(n), []).append(entry)
+    by_id[ref.oid] = entry
+    node_types.add(type(obj))
+    return entry
+
+
+def clear() -> None:
+    for entry in list(by_id.values()):
+        _unwatch(entry)
+    by_id.clear()
+
+
+# --------------------------------------------------------------------------
+# Inside the trace
+
+
+class NodeSpec:
+    """Spec of an NNX argument (duck-types `_flatten.Spec` for the parts the compiled
+    function uses): its graphdef; its leaves are all dynamic."""
+
+    __slots__ = ("id", "kind", "graphdef", "n_dyn", "cacheable", "templated", "mask", "__weakref__")
+
+    def __init__(self, graphdef: Any, n: int) -> None:
+        self.id = -1
+        self.kind = "nnx"
+        self.graphdef = graphdef
+        self.n_dyn = n
+        self.mask = (True,) * n
+        self.cacheable = False
+        self.templated = True
+
+    def rebuild(self, dynamic: Any) -> Any:
+        """A fresh module with the traced values (its Variables are new objects)."""
+        return graphlib.unflatten(self.graphdef, list(dynamic))
+
+
+class Traced:
+    """One NNX argument inside the trace: the rebuilt node and its leaves before the call."""
+
+    __slots__ = ("node", "spec", "inner", "given")
+
+    def __init__(self, node: Any, spec: NodeSpec, given: Any) -> None:
+        self.node = node
+        self.spec = spec
+        self.given = list(given)
+        self.inner = list(graphlib.flatten(node, with_paths=True)[1].leaves)
+
+    def writes(self, arg_name: str) -> list[tuple[int, Any]]:
+        """(leaf index, new value) for every Variable the function changed."""
+        graphdef, flat = graphlib.flatten(self.node, with_paths=True)
+        after = list(flat.leaves)
+        if graphdef != self.spec.graphdef or len(after) != len(self.inner) or any(
+            a is not b for a, b in zip(after, self.inner)
+        ):
+            raise FastcallError(
+                f"fastcall.jit: the function changed the structure of {describe_arg(arg_name)} "
+                "(added, removed or replaced a submodule or Variable, or changed a static "
+                "attribute) while traced. fastcall writes back Variable values only: make "
+                "structural changes outside the compiled function, or use nnx.jit for this "
+                "function."
+            )
+        out = []
+        for i, (v, given) in enumerate(zip(self.inner, self.given)):
+            if isinstance(v, Variable):
+                new = v.get_raw_value()
+                if new is not given:
+                    out.append((i, new))
+        return out
+
+
+def write_back(items: list[Any], index: int, value: Any) -> None:
+    _set_raw(items[index], value)
