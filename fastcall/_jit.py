@@ -292,7 +292,7 @@ class _Entry:
     __slots__ = ("fn", "passthrough", "post", "post_nnx", "out", "varies", "lock", "__weakref__")
 
     def __init__(self) -> None:
-        self.post_nnx: Callable[[Any, Any], Any] = _identity_nnx
+        self.post_nnx: Callable[[Any, Any], Any] | None = None
         self.fn: Any = None
         self.passthrough = False
         self.post: Callable[[Any], Any] = _not_traced
@@ -304,7 +304,8 @@ class _Entry:
         with self.lock:
             if self.out is None:
                 self.out = info
-                self.post_nnx = info.post_nnx
+                # NNX post-processing only when Variables are written or NNX objects returned.
+                self.post_nnx = info.post_nnx if (info.writes or info.nodes) else None
                 if info.mode == "pass":
                     self.post = _identity
                     self.passthrough = True
@@ -332,9 +333,6 @@ def _post_varying_nnx(out: Any, nnx_refs: list[Any]) -> Any:
     dyn, box = out
     return box.info.post_nnx(dyn, nnx_refs)
 
-
-def _identity_nnx(out: Any, nnx_refs: list[Any]) -> Any:
-    return out
 
 
 # --------------------------------------------------------------------------
@@ -389,7 +387,7 @@ class _JitState:
         NNX objects also append (object, Variables) to `nnx_refs` for write-back.
         Raises _StepAside if `value` holds a tracer.
         """
-        if type(value) in _nnx.node_types or _nnx.is_node(value):
+        if _nnx.is_node(value):
             node_entry = _nnx.lookup(value, arg_name)
             current = node_entry.values()
             # Inside nnx.grad/vmap/scan the module is a copy holding tracers: run
@@ -585,6 +583,7 @@ class _JitState:
             self._build(e, key, fun, varies=True)
             self.table[key] = e
             _flatten.unbind(self)
+            _nnx.unbind(self)
             return e
 
     def stats(self) -> _stats.JitStats:
@@ -600,6 +599,7 @@ class _JitState:
         with self.lock:
             self.table.clear()
             _flatten.unbind(self)
+            _nnx.unbind(self)
 
 
 _all_states: weakref.WeakSet[_JitState] = weakref.WeakSet()
@@ -827,6 +827,8 @@ def _with_out_shardings(fun: Any, shardings: Any) -> Any:
 def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> Any:
     table = state.table
     by_id_get = _flatten.by_id.get
+    nnx_get = _nnx.by_id.get
+    raw_value = _nnx.raw_value
     resolve = state.resolve
     calls = state.calls
     slow = state.needs_slow_path
@@ -860,6 +862,32 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
                             _translate(err)
                         else:
                             return out if bound[2] is None else bound[2](out)
+            else:
+                node = nnx_get(id(a))
+                if node is not None and node.ref() is a and not node.stale and node.all_vars:
+                    # Same for a known NNX object (structure unchanged): the compiled
+                    # entry is remembered on it; only its Variables' values are read.
+                    entry = node.bound.get(state)
+                    if entry is not None and entry[0] == len(args):
+                        rest = args[1:]
+                        for b in rest:
+                            if type(b) is not ArrayImpl:
+                                break
+                        else:
+                            values = list(map(raw_value, node.items))
+                            if not values or type(values[0]) is ArrayImpl:
+                                calls[0] += 1
+                                entry = entry[1]
+                                try:
+                                    out = entry.fn(*values, *rest)
+                                except _StructureVaries:
+                                    pass  # the general path below switches entries
+                                except (_JaxRuntimeError, ValueError) as err:
+                                    _translate(err)
+                                else:
+                                    if entry.post_nnx is not None:
+                                        return entry.post_nnx(out, [(a, node.items)])
+                                    return out if entry.passthrough else entry.post(out)
         # Any positional call: each argument is a plain array (one leaf), an
         # object in the identity cache (its cached leaves), or resolved once.
         leaves = list(fun_leaves)
@@ -876,9 +904,22 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
                     leaves += hit[1]
                     key.append(hit[2])
                     continue
+                node = nnx_get(id(a))
+                if node is not None and node.ref() is a and not node.stale and node.all_vars:
+                    # A known NNX object whose structure has not changed: read its
+                    # Variables' current values through the slot, nothing else.
+                    n0 = len(leaves)
+                    leaves += map(raw_value, node.items)
+                    if len(leaves) == n0 or type(leaves[n0]) is ArrayImpl:
+                        nnx_refs.append((a, node.items))
+                        key.append(node.spec_id)
+                        continue
+                    del leaves[n0:]  # tracers (inside an nnx transform): take the slow path
                 # NNX objects (values read now), new objects, scalars, containers.
                 key.append(resolve(a, leaves, state.arg_name(len(key)), nnx_refs))
         except _StepAside:
+            key = None  # (run inline below, outside this handler: no chained traceback)
+        if key is None:
             return fun(*args)
         key_t = tuple(key)
         entry = table.get(key_t)
@@ -893,12 +934,26 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
         except (_JaxRuntimeError, ValueError) as err:
             _translate(err)  # an eqx.error_if check failed while running
         if nnx_refs:
-            return entry.post_nnx(out, nnx_refs)
-        if key_t and key_t[0] != 0 and not entry.varies and entry.out is not None:
+            if len(nnx_refs) == 1 and nnx_refs[0][0] is args[0] and not fun_leaves and not entry.varies:
+                _bind_first_nnx(args, key_t, entry)
+            if entry.post_nnx is not None:
+                return entry.post_nnx(out, nnx_refs)
+        elif key_t and key_t[0] != 0 and not entry.varies and entry.out is not None:
             _bind_first(args, key_t, entry)
         if entry.passthrough:
             return out
         return entry.post(out)
+
+    def _bind_first_nnx(args: tuple[Any, ...], key_t: tuple[Any, ...], entry: _Entry) -> None:
+        """Remember `entry` on args[0]'s NNX cache entry (see the hot path)."""
+        if entry.out is None:
+            return
+        for k in key_t[1:]:
+            if k != 0:
+                return
+        node = nnx_get(id(args[0]))
+        if node is not None and node.ref() is args[0] and state not in node.bound:
+            node.bound[state] = (len(args), entry)
 
     def _bind_first(args: tuple[Any, ...], key_t: tuple[Any, ...], entry: _Entry) -> None:
         """Install the bound record on args[0]'s identity entry (see the hot path)."""
@@ -916,9 +971,9 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
         try:
             prepared = state.prepare(fun_leaves, args, kwargs)
         except _StepAside:
-            return fun(*args, **kwargs)
+            prepared = None  # traced arguments: run inline
         if prepared is None:
-            return fun(*args, **kwargs)  # raises the function's own TypeError
+            return fun(*args, **kwargs)  # (or raises the function's own TypeError)
         _, _, leaves, key_t, nnx_refs = prepared
         entry = table.get(key_t) or state.entry(key_t, fun_leaves, fun)
         calls[0] += 1
@@ -929,7 +984,7 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
             out = entry.fn(*leaves)
         except (_JaxRuntimeError, ValueError) as err:
             _translate(err)
-        if nnx_refs:
+        if nnx_refs and entry.post_nnx is not None:
             return entry.post_nnx(out, nnx_refs)
         return out if entry.passthrough else entry.post(out)
 
@@ -1013,7 +1068,7 @@ class Compiled:
             _translate(err)
         if entry.varies:
             return _post_varying_nnx(out, nnx_refs) if nnx_refs else _post_varying(out)
-        if nnx_refs:
+        if nnx_refs and entry.post_nnx is not None:
             return entry.post_nnx(out, nnx_refs)
         return out if entry.passthrough else entry.post(out)
 

@@ -36,15 +36,23 @@ from flax.nnx.variablelib import Variable
 
 from ._errors import FastcallError, describe_arg
 
-_raw = operator.attrgetter("_raw_value")
+_raw = raw_value = operator.attrgetter("_raw_value")
 _set_raw = Variable._raw_value.__set__  # the slot itself: no trace-level check, no hooks
 
 _Pytree = getattr(nnx, "Pytree", None) or nnx.Module
 
 
+_is_node_type: dict[type, bool] = {}
+
+
 def is_node(x: Any) -> bool:
-    """Whether x is an NNX graph node (handled by this adapter)."""
-    return isinstance(x, Variable) or graphlib.is_graph_node(x)
+    """Whether x is an NNX graph node (handled by this adapter). Cached per type:
+    NNX decides graph-node-ness by type registration."""
+    t = type(x)
+    known = _is_node_type.get(t)
+    if known is None:
+        known = _is_node_type[t] = isinstance(x, Variable) or graphlib.is_graph_node(x)
+    return known
 
 
 # --------------------------------------------------------------------------
@@ -102,7 +110,7 @@ _install_hooks()
 class NodeEntry:
     """What fastcall knows about one NNX object: its spec id, Variables, fixed leaves."""
 
-    __slots__ = ("ref", "spec_id", "items", "all_vars", "stale", "watched", "fresh", "__weakref__")
+    __slots__ = ("ref", "spec_id", "items", "all_vars", "stale", "watched", "fresh", "bound", "__weakref__")
 
     def __init__(self, ref: Any, spec_id: int, items: list[Any], watched: list[int]) -> None:
         self.ref = ref
@@ -111,6 +119,7 @@ class NodeEntry:
         self.all_vars = all(isinstance(x, Variable) for x in items)
         self.stale = False
         self.fresh = True  # values not yet checked for tracers
+        self.bound: dict[Any, Any] = {}  # wrapped-function state -> (arity, compiled entry)
         self.watched = watched
 
     def values(self) -> list[Any]:
@@ -121,7 +130,6 @@ class NodeEntry:
 
 
 by_id: dict[int, NodeEntry] = {}
-node_types: set[type] = set()  # types seen to be NNX graph nodes (fast membership test)
 
 
 def _evict(ref: Any, _by_id: dict = by_id) -> None:
@@ -199,8 +207,13 @@ def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
         for n in watched_nodes:
             _watchers.setdefault(id(n), []).append(entry)
     by_id[ref.oid] = entry
-    node_types.add(type(obj))
     return entry
+
+
+def unbind(state: Any) -> None:
+    """Forget the compiled entries of `state` remembered on NNX objects."""
+    for entry in list(by_id.values()):
+        entry.bound.pop(state, None)
 
 
 def clear() -> None:

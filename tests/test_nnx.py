@@ -1,0 +1,401 @@
+"""fastcall.jit and fastcall.partial against nnx.jit: values, returned structure, state written back."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import fastcall
+
+from .conftest import assert_trees_equal
+
+
+def state_of(model: Any) -> Any:
+    return jax.tree_util.tree_map(
+        lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x,
+        nnx.state(model),
+    )
+
+
+def assert_same_state(a: Any, b: Any) -> None:
+    assert_trees_equal(state_of(a), state_of(b))
+
+
+# The two fastcall entry points under test, each given (fn, *bound) -> callable(rest).
+def via_jit(fn: Callable, *bound: Any) -> Callable:
+    f = fastcall.jit(fn)
+    return lambda *rest: f(*bound, *rest)
+
+
+def via_partial(fn: Callable, *bound: Any) -> Callable:
+    return fastcall.partial(fn, *bound)
+
+
+def via_nnx_jit(fn: Callable, *bound: Any) -> Callable:
+    f = nnx.jit(fn)
+    return lambda *rest: f(*bound, *rest)
+
+
+FASTCALL = [pytest.param(via_jit, id="fastcall.jit"), pytest.param(via_partial, id="fastcall.partial")]
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, depth: int = 3):
+        self.layers = nnx.List([nnx.Linear(4, 4, rngs=rngs) for _ in range(depth)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = nnx.relu(layer(x))
+        return x
+
+
+class BNDrop(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.l1 = nnx.Linear(4, 8, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.l2 = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.drop(nnx.relu(self.bn(self.l1(x)))))
+
+
+def forward(m, x):
+    return m(x)
+
+
+def run_both(make_model: Callable[[], Any], wrap: Callable, fn: Callable, inputs: list[Any]):
+    """The same calls under fastcall (wrap) and nnx.jit on two identical models."""
+    ours, theirs = make_model(), make_model()
+    f, g = wrap(fn, ours), via_nnx_jit(fn, theirs)
+    for x in inputs:
+        assert_trees_equal(f(x), g(x))
+        assert_same_state(ours, theirs)
+    return ours, theirs, f, g
+
+
+@pytest.mark.parametrize("wrap", FASTCALL)
+def test_forward(wrap):
+    run_both(lambda: MLP(nnx.Rngs(0)), wrap, forward, [jnp.ones((2, 4)), jnp.arange(8.0).reshape(2, 4)])
+
+
+@pytest.mark.parametrize("wrap", FASTCALL)
+def test_batchnorm_dropout_train_then_eval(wrap):
+    xs = [jax.random.normal(jax.random.PRNGKey(i), (5, 4)) for i in range(3)]
+    ours, theirs, f, g = run_both(lambda: BNDrop(nnx.Rngs(0)), wrap, forward, xs)
+    ours.eval()
+    theirs.eval()
+    for x in xs:
+        assert_trees_equal(f(x), g(x))
+        assert_same_state(ours, theirs)
+    ours.train()
+    theirs.train()
+    for x in xs:
+        assert_trees_equal(f(x), g(x))
+        assert_same_state(ours, theirs)
+
+
+def test_pure_forward_writes_nothing_back():
+    m = MLP(nnx.Rngs(0))
+    f = fastcall.jit(forward)
+    f(m, jnp.ones((1, 4)))
+    (entry,) = [e for e in f._fastcall_state.table.values()]
+    assert entry.out.writes == ()
+    kernel = m.layers[0].kernel.get_raw_value()
+    f(m, jnp.ones((1, 4)))
+    assert m.layers[0].kernel.get_raw_value() is kernel
+
+
+def test_batchnorm_writes_back_only_statistics():
+    m = BNDrop(nnx.Rngs(0))
+    f = fastcall.jit(forward)
+    f(m, jnp.ones((2, 4)))
+    (entry,) = [e for e in f._fastcall_state.table.values()]
+    _, flat = nnx.graph.flatten(m, with_paths=True)
+    written = {"/".join(map(str, flat.paths[i])) for _, i in entry.out.writes}
+    assert written == {"bn/mean", "bn/var", "drop/rngs/count"} or written == {
+        "bn/mean",
+        "bn/var",
+        "rngs/dropout/count",
+    } or all(("bn" in w or "count" in w) for w in written)
+
+
+def optimizer_step(model, optimizer, x, y):
+    def loss_fn(m):
+        return jnp.mean((m(x) - y) ** 2)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+@pytest.mark.parametrize("wrap", FASTCALL)
+def test_optimizer_ten_steps(wrap):
+    def make():
+        model = MLP(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    (m1, o1), (m2, o2) = make(), make()
+    f = wrap(optimizer_step, m1, o1)
+    g = via_nnx_jit(optimizer_step, m2, o2)
+    x, y = jnp.ones((3, 4)), jnp.zeros((3, 4))
+    for _ in range(10):
+        assert_trees_equal(f(x, y), g(x, y))
+    assert_same_state(m1, m2)
+    assert_same_state(o1, o2)
+    assert int(o1.step[...]) == 10
+
+
+class TinyDecoder(nnx.Module):
+    """One attention layer over a KV cache held in nnx.Cache variables."""
+
+    def __init__(self, vocab: int, dim: int, max_len: int, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(vocab, dim, rngs=rngs)
+        self.q = nnx.Linear(dim, dim, rngs=rngs)
+        self.k = nnx.Linear(dim, dim, rngs=rngs)
+        self.v = nnx.Linear(dim, dim, rngs=rngs)
+        self.out = nnx.Linear(dim, vocab, rngs=rngs)
+        self.k_cache = nnx.Cache(jnp.zeros((max_len, dim)))
+        self.v_cache = nnx.Cache(jnp.zeros((max_len, dim)))
+        self.index = nnx.Cache(jnp.zeros((), jnp.int32))
+        self.max_len = max_len
+
+    def __call__(self, token):
+        h = self.embed(token)
+        i = self.index[...]
+        self.k_cache[...] = jax.lax.dynamic_update_slice(self.k_cache[...], self.k(h)[None], (i, 0))
+        self.v_cache[...] = jax.lax.dynamic_update_slice(self.v_cache[...], self.v(h)[None], (i, 0))
+        scores = self.k_cache[...] @ self.q(h)
+        scores = jnp.where(jnp.arange(self.max_len) <= i, scores, -jnp.inf)
+        ctx = jax.nn.softmax(scores) @ self.v_cache[...]
+        self.index[...] = i + 1
+        return jnp.argmax(self.out(ctx + h)).astype(jnp.int32)
+
+
+@pytest.mark.parametrize("wrap", FASTCALL)
+def test_kv_cache_decode_twenty_steps(wrap):
+    def make():
+        return TinyDecoder(11, 8, 24, nnx.Rngs(3))
+
+    ours, theirs = make(), make()
+    f, g = wrap(forward, ours), via_nnx_jit(forward, theirs)
+    a = b = jnp.asarray(1, jnp.int32)
+    tokens_a, tokens_b = [], []
+    for _ in range(20):
+        a, b = f(a), g(b)
+        tokens_a.append(int(a))
+        tokens_b.append(int(b))
+    assert tokens_a == tokens_b
+    assert_same_state(ours, theirs)
+    assert int(ours.index[...]) == 20
+
+
+class Tied(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.encoder = nnx.Linear(4, 4, rngs=rngs)
+        self.decoder = nnx.Linear(4, 4, rngs=rngs)
+        self.decoder.kernel = self.encoder.kernel  # tied weights: one Variable, two owners
+
+    def __call__(self, x):
+        self.encoder.kernel[...] = self.encoder.kernel[...] * 0.5  # update through one owner
+        return self.decoder(self.encoder(x))  # read through both
+
+
+@pytest.mark.parametrize("wrap", FASTCALL)
+def test_tied_weights_stay_shared(wrap):
+    ours, theirs, f, g = run_both(lambda: Tied(nnx.Rngs(0)), wrap, forward, [jnp.ones(4), jnp.ones(4)])
+    assert ours.decoder.kernel is ours.encoder.kernel
+    assert_trees_equal(ours.decoder.kernel[...], theirs.decoder.kernel[...])
+
+
+# ---- never stale: every structural change, compared with eager code and nnx.jit ----
+
+CHANGES: dict[str, Callable[[Any], None]] = {
+    "replace Variable": lambda m: setattr(m.layers[0], "kernel", nnx.Param(jnp.full((4, 4), 0.3))),
+    "swap submodule": lambda m: m.layers.__setitem__(1, nnx.Linear(4, 4, rngs=nnx.Rngs(9))),
+    "append submodule": lambda m: m.layers.append(nnx.Linear(4, 4, rngs=nnx.Rngs(8))),
+    "delete submodule": lambda m: m.layers.__delitem__(2),
+    "add attribute submodule": lambda m: setattr(m, "extra", nnx.Linear(4, 4, rngs=nnx.Rngs(7))),
+    "value update": lambda m: m.layers[0].bias.__setitem__(..., jnp.full(4, 2.0)),
+    "nnx.update": lambda m: nnx.update(m, jax.tree_util.tree_map(lambda x: x * 2, nnx.state(m))),
+    "change Variable metadata": lambda m: m.layers[0].kernel.set_metadata(note="x"),
+}
+
+
+class WithExtra(MLP):
+    def __call__(self, x):
+        x = super().__call__(x)
+        extra = getattr(self, "extra", None)
+        return x if extra is None else extra(x)
+
+
+@pytest.mark.parametrize("wrap", FASTCALL)
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_structure_changes_are_never_stale(wrap, change):
+    ours, theirs = WithExtra(nnx.Rngs(0)), WithExtra(nnx.Rngs(0))
+    f, g = wrap(forward, ours), via_nnx_jit(forward, theirs)
+    x = jnp.arange(4.0)
+    assert_trees_equal(f(x), g(x))
+    CHANGES[change](ours)
+    CHANGES[change](theirs)
+    eager = ours(x)
+    assert_trees_equal(f(x), g(x))
+    assert_trees_equal(f(x), eager)
+    assert_same_state(ours, theirs)
+
+
+class Switchable(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(4, 4, rngs=rngs)
+        self.scale = 2.0  # a static attribute
+
+    def __call__(self, x):
+        return self.linear(x) * self.scale
+
+
+def test_static_attribute_change_recompiles_only_when_needed():
+    traces = []
+
+    def fn(m, x):
+        traces.append(1)
+        return m(x)
+
+    m = Switchable(nnx.Rngs(0))
+    f = fastcall.jit(fn)
+    x = jnp.ones(4)
+    assert_trees_equal(f(m, x), m.linear(x) * 2.0)
+    m.scale = 3.0
+    assert_trees_equal(f(m, x), m.linear(x) * 3.0)
+    m.scale = 2.0  # back to a program compiled before
+    assert_trees_equal(f(m, x), m.linear(x) * 2.0)
+    m.linear.kernel[...] = jnp.eye(4)  # values only: no recompile
+    assert_trees_equal(f(m, x), m.linear(x) * 2.0)
+    assert len(traces) == 2
+
+
+def test_partial_sees_swapped_layer_where_nnx_partials_go_stale():
+    m = MLP(nnx.Rngs(0))
+    serve = fastcall.partial(forward, m)
+    x = jnp.ones(4)
+    serve(x)
+    m.layers[1] = nnx.Linear(4, 4, rngs=nnx.Rngs(42))
+    assert_trees_equal(serve(x), m(x))
+
+
+# ---- methods, mixed arguments, composition ----
+
+
+class Counter(nnx.Module):
+    def __init__(self):
+        self.count = nnx.BatchStat(jnp.zeros((), jnp.int32))
+        self.total = nnx.BatchStat(jnp.zeros(()))
+
+    @fastcall.jit
+    def add(self, x):
+        self.count[...] += 1
+        self.total[...] += jnp.sum(x)
+        return self.total[...]
+
+
+def test_decorated_method_mutates_self():
+    c = Counter()
+    for i in range(3):
+        c.add(jnp.ones(2))
+    assert int(c.count[...]) == 3
+    assert float(c.total[...]) == 6.0
+
+
+def test_nnx_equinox_and_arrays_in_one_call():
+    nm = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    em = eqx.nn.Linear(2, 2, key=jax.random.PRNGKey(0))
+
+    def fn(n, e, x, label):
+        return e(n(x)), label
+
+    out = fastcall.jit(fn)(nm, em, jnp.ones(3), "tag")
+    assert_trees_equal(out[0], em(nm(jnp.ones(3))))
+    assert out[1] == "tag"
+
+
+def test_returns_input_module_and_new_module():
+    def fn(m, x):
+        return m, nnx.Linear(2, 2, rngs=nnx.Rngs(1)), m(x)
+
+    m = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    same, new, y = fastcall.jit(fn)(m, jnp.ones(2))
+    assert same is m
+    assert isinstance(new, nnx.Linear)
+    assert_trees_equal(state_of(new), state_of(nnx.Linear(2, 2, rngs=nnx.Rngs(1))))
+    assert_trees_equal(y, m(jnp.ones(2)))
+
+
+def test_inside_nnx_transforms():
+    m = MLP(nnx.Rngs(0))
+    f = fastcall.jit(lambda m, x: jnp.sum(m(x)))
+    g = lambda m, x: jnp.sum(m(x))  # noqa: E731
+    x = jnp.ones(4)
+    assert_trees_equal(state_of(nnx.grad(f)(m, x)), state_of(nnx.grad(g)(m, x)))
+    xs = jnp.arange(12.0).reshape(3, 4)
+    vf = nnx.vmap(f, in_axes=(None, 0))
+    vg = nnx.vmap(g, in_axes=(None, 0))
+    assert_trees_equal(vf(m, xs), vg(m, xs))
+    assert_trees_equal(nnx.jit(f)(m, x), g(m, x))
+
+
+def test_closed_over_mutation_under_outer_jit_is_an_error():
+    c = BNDrop(nnx.Rngs(0))
+    f = fastcall.jit(forward)
+    x = jnp.ones((2, 4))  # concrete: no argument of f is a tracer
+    with pytest.raises(fastcall.FastcallError, match="written back"):
+        jax.jit(lambda: f(c, x))()
+    # With a traced input the function runs inline, and NNX itself refuses the mutation.
+    with pytest.raises(Exception, match="trace level") as info:
+        jax.jit(lambda x: f(c, x))(jnp.ones((2, 4)))
+    chained, e = [], info.value
+    while e is not None:
+        chained.append(type(e).__name__)
+        e = e.__cause__ or e.__context__
+    assert "_StepAside" not in chained  # no internal exception in the user's traceback
+
+
+def test_structure_change_inside_the_function_is_a_clear_error():
+    def grow(m, x):
+        m.extra = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+        return x
+
+    with pytest.raises(fastcall.FastcallError, match="structure"):
+        fastcall.jit(grow)(MLP(nnx.Rngs(0)), jnp.ones(4))
+
+
+# ---- threads ----
+
+
+@pytest.mark.parametrize("wrap", FASTCALL)
+def test_eight_threads_one_module(wrap):
+    m = MLP(nnx.Rngs(0), depth=2)
+    f = wrap(forward, m)
+    xs = [jnp.full((4,), float(i)) for i in range(8)]
+    expected = [m(x) for x in xs]
+    errors: list[BaseException] = []
+
+    def worker(i):
+        try:
+            for _ in range(100):
+                np.testing.assert_allclose(f(xs[i]), expected[i], rtol=1e-6)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:1]
