@@ -24,7 +24,9 @@ split once per structure and once per object:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+import operator
 import threading
 import weakref
 from typing import Any, Callable, Sequence
@@ -223,6 +225,9 @@ def static_spec(value: Any, arg_name: str) -> Spec:
 # Identity cache: id(obj) -> (weakref, dynamic leaves, spec id)
 
 
+_first = operator.itemgetter(0)
+
+
 class _Ref(weakref.ref):
     __slots__ = ("oid",)
 
@@ -252,6 +257,23 @@ def remember(obj: Any, leaves: Sequence[Any], spec_id: int) -> None:
         return
     ref.oid = id(obj)
     by_id[ref.oid] = (ref, leaves, spec_id, {})
+
+
+def remember_strongly(obj: Any, leaves: Sequence[Any], spec_id: int) -> Any:
+    """Cache a non-weakrefable immutable object (a tuple such as an optax state) by
+    identity, holding it alive so that its id cannot be reused while cached. The
+    caller must `forget_strong` the returned token soon (fastcall keeps only the
+    outputs of the latest call of each compiled entry)."""
+    token = functools.partial(_first, (obj,))  # calling it returns obj, like a weakref
+    by_id[id(obj)] = (token, leaves, spec_id, {})
+    return id(obj), token
+
+
+def forget_strong(registered: Any) -> None:
+    oid, token = registered
+    entry = by_id.get(oid)
+    if entry is not None and entry[0] is token:
+        by_id.pop(oid, None)
 
 
 def unbind(state: Any) -> None:
@@ -427,6 +449,88 @@ class Template:
         check = self.extract(example)
         if check is None or len(check) != len(dynamic) or any(a is not b for a, b in zip(check, dynamic)):
             raise _NoTemplate
+
+
+class _BuilderGen:
+    """Emits one Python expression that rebuilds a known output structure from the flat
+    list `d` of dynamic outputs (the inverse of a Template, used instead of
+    `treedef.unflatten`, whose Equinox unflatten runs Python per node anyway)."""
+
+    def __init__(self) -> None:
+        self.consts: dict[str, Any] = {}
+        self.counter = itertools.count()
+        self.pos = 0
+        self.nodes = 0
+
+    def const(self, value: Any) -> str:
+        name = f"_c{next(self.counter)}"
+        self.consts[name] = value
+        return name
+
+    def expr(self, value: Any) -> str:
+        self.nodes += 1
+        if self.nodes > _MAX_TEMPLATE_NODES:
+            raise _NoTemplate
+        t = type(value)
+        if isinstance(value, ARRAY_TYPES):
+            e = f"d[{self.pos}]"
+            self.pos += 1
+            return e
+        if value is None:
+            return "None"
+        if t is tuple:
+            items = [self.expr(v) for v in value]
+            return "(" + "".join(i + ", " for i in items) + ")"
+        if t is list:
+            return "[" + ", ".join(self.expr(v) for v in value) + "]"
+        if t is dict:
+            try:
+                keys = sorted(value)
+            except TypeError:
+                raise _NoTemplate from None
+            # jax flattens dicts in sorted key order and rebuilds them that way too.
+            return "{" + ", ".join(f"{self.const(k)}: {self.expr(value[k])}" for k in keys) + "}"
+        if issubclass(t, tuple) and hasattr(t, "_fields"):
+            items = [self.expr(v) for v in value]
+            return f"_tnew({self.const(t)}, (" + "".join(i + ", " for i in items) + "))"
+        if isinstance(value, eqx.Module):
+            fields = dataclasses.fields(value)
+            d = value.__dict__
+            if len(d) != len(fields) or any(f.name not in d for f in fields):
+                raise _NoTemplate
+            parts = []
+            for f in fields:
+                v = d[f.name]
+                if f.metadata.get("static", False):
+                    parts.append(f"{f.name!r}: {self.const(v)}")
+                else:
+                    parts.append(f"{f.name!r}: {self.expr(v)}")
+            return f"_module({self.const(t)}, {{{', '.join(parts)}}})"
+        if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
+            return self.const(value)  # a static output, returned as it was at trace time
+        raise _NoTemplate
+
+
+def _module(cls: type, fields: dict[str, Any]) -> Any:
+    obj = object.__new__(cls)
+    object.__getattribute__(obj, "__dict__").update(fields)
+    return obj
+
+
+def make_builder(example: Any) -> Callable[[Sequence[Any]], Any] | None:
+    """Generated `build(dynamic_outputs) -> output` for `example`'s structure, or None."""
+    gen = _BuilderGen()
+    try:
+        body = gen.expr(example)
+    except (_NoTemplate, RecursionError):
+        return None
+    namespace: dict[str, Any] = dict(gen.consts)
+    namespace.update(_tnew=tuple.__new__, _module=_module)
+    try:
+        exec(compile(f"def build(d):\n    return {body}\n", "<fastcall output builder>", "exec"), namespace)
+    except Exception:
+        return None
+    return namespace["build"]
 
 
 # root type -> templates, most recent first (a few structures per type).

@@ -66,7 +66,10 @@ class _OutInfo:
     returned Equinox modules in the identity cache.
     """
 
-    __slots__ = ("mode", "treedef", "mask", "statics", "static_keys", "block", "regs", "writes", "nodes")
+    __slots__ = (
+        "mode", "treedef", "mask", "statics", "static_keys", "block", "regs", "writes", "nodes", "build",
+        "strong",
+    )
 
     def __init__(self, out: Any, block: bool, writes: tuple = (), nodes: bool = False) -> None:
         self.writes = writes  # (NNX argument ordinal, leaf index) per written Variable
@@ -84,6 +87,9 @@ class _OutInfo:
         self.block = block
         self.regs = tuple(_registrations(out, mask))
         self.mode = "flat" if (self.statics or self.block or self.regs or writes or nodes) else "pass"
+        # Generated code that rebuilds this output structure (None: use treedef.unflatten).
+        self.build = _flatten.make_builder(out) if self.mode == "flat" else None
+        self.strong: list[Any] = []  # tuples returned by the latest call, cached by identity
 
     def same_as(self, other: _OutInfo) -> bool:
         if self.static_keys is None or other.static_keys is None:
@@ -138,23 +144,37 @@ class _OutInfo:
             marker = dyn.pop()
             if type(marker) is ArrayImpl:
                 _wait_and_translate(marker)
-        if self.statics:
+        if self.build is not None:
+            result = self.build(dyn)
+        elif self.statics:
             it_dyn, it_stat = iter(dyn), iter(self.statics)
-            leaves = [next(it_dyn) if m else next(it_stat) for m in self.mask]
+            result = self.treedef.unflatten([next(it_dyn) if m else next(it_stat) for m in self.mask])
         else:
-            leaves = dyn
-        result = self.treedef.unflatten(leaves)
-        for index, start, stop, spec_id in self.regs:
-            # Register returned modules so that `model = step(model, x)` hits the
-            # identity cache next step. Only concrete arrays (not tracers from an
-            # outer trace) may be cached.
-            if type(dyn[start]) is ArrayImpl:
-                remember(result if index is None else result[index], tuple(dyn[start:stop]), spec_id)
+            result = self.treedef.unflatten(dyn)
+        if self.regs:
+            self._register(result, dyn)
         return result
+
+    def _register(self, result: Any, dyn: Sequence[Any]) -> None:
+        """Cache returned modules (and tuples such as optimizer states) by identity, so
+        that `model, opt_state = step(model, opt_state, ...)` hits the cache next step.
+        Only concrete arrays (not tracers of an outer trace) may be cached."""
+        for old in self.strong:
+            _flatten.forget_strong(old)
+        self.strong = strong = []
+        for index, start, stop, spec_id in self.regs:
+            if type(dyn[start]) is not ArrayImpl:
+                continue
+            item = result if index is None else result[index]
+            if type(item) is tuple:
+                strong.append(_flatten.remember_strongly(item, tuple(dyn[start:stop]), spec_id))
+            else:
+                remember(item, tuple(dyn[start:stop]), spec_id)
 
 
 def _registrations(out: Any, mask: tuple[bool, ...]):
-    """(index, start, stop, spec id) for each Equinox module returned at top level."""
+    """(index, start, stop, spec id) for each Equinox module or immutable tuple returned
+    at top level (as the output, or as an element of an output tuple)."""
     if isinstance(out, eqx.Module):
         candidates: list[tuple[int | None, Any]] = [(None, out)]
     elif type(out) is tuple:
@@ -165,7 +185,7 @@ def _registrations(out: Any, mask: tuple[bool, ...]):
     for index, item in candidates:
         leaves = jax.tree_util.tree_leaves(item)
         n_dyn = sum(isinstance(x, ARRAY_TYPES) for x in leaves)
-        if isinstance(item, eqx.Module) and n_dyn:
+        if (isinstance(item, eqx.Module) or type(item) is tuple) and n_dyn:
             try:
                 spec, _ = _flatten.flatten_generic(item, "output")
             except FastcallError:

@@ -161,3 +161,37 @@ def test_signed_zero_is_a_different_key():
     f = fastcall.jit(lambda x, s: x / s)
     assert float(f(jnp.ones(()), 0.0)) == np.inf
     assert float(f(jnp.ones(()), -0.0)) == -np.inf
+
+
+def test_output_dict_key_order_matches_filter_jit():
+    def f(x):
+        return {"b": x, "a": x + 1, "c": "s"}
+
+    ours = fastcall.jit(f)(jnp.ones(1))
+    theirs = eqx.filter_jit(f)(jnp.ones(1))
+    assert list(ours) == list(theirs)
+    assert_trees_equal(ours, theirs)
+
+
+def test_returned_optimizer_state_tuple_is_reused_next_step(mlp):
+    import optax
+
+    from fastcall import _flatten
+
+    opt = optax.adam(1e-2)
+
+    @fastcall.jit
+    def step(m, s, x):
+        grads = eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2))(m)
+        updates, s = opt.update(grads, s, eqx.filter(m, eqx.is_array))
+        return eqx.apply_updates(m, updates), s
+
+    m, s = mlp, opt.init(eqx.filter(mlp, eqx.is_array))
+    rm, rs = m, s
+    for _ in range(4):
+        m, s = step(m, s, jnp.ones(4))
+        rm, rs = eqx.filter_jit(step.__wrapped__)(rm, rs, jnp.ones(4))
+        assert id(s) in _flatten.by_id and _flatten.by_id[id(s)][0]() is s
+    assert_trees_equal(m, rm)
+    assert_trees_equal(s, rs)
+    assert step.stats().compiles == 1
