@@ -35,6 +35,14 @@ from ._errors import FastcallError
 from ._flatten import ARRAY_TYPES, ArrayImpl, Spec, remember, spec_by_id
 from ._trace import Tracer, contains_tracer, current_trace_has_callback
 
+try:  # the optional C fast path (fastcall/_accel.c)
+    from . import _accel
+except ImportError:  # pragma: no cover - not built: pure Python, same behaviour
+    _accel = None  # type: ignore[assignment]
+
+# Tests set this to False to exercise the pure-Python hot path.
+USE_ACCEL = True
+
 try:
     _JaxRuntimeError: type[BaseException] = jax.errors.JaxRuntimeError
 except AttributeError:  # pragma: no cover
@@ -386,6 +394,7 @@ class _JitState:
         self.donate_argnums = self._argnums(options["donate_argnums"], options["donate_argnames"])
         self.donate_argnames = frozenset(_as_tuple(options["donate_argnames"]))
         self.needs_slow_path = bool(self.static_argnums or self.static_argnames)
+        self.accelerated: weakref.WeakSet[Any] = weakref.WeakSet()  # C wrappers (their call counts)
         _all_states.add(self)
 
     def _argnums(self, argnums: Any, argnames: Any) -> frozenset[int]:
@@ -607,7 +616,7 @@ class _JitState:
             return e
 
     def stats(self) -> _stats.JitStats:
-        calls = self.calls[0]
+        calls = self.calls[0] + sum(w._fastcall_c_calls for w in list(self.accelerated))
         return _stats.JitStats(
             calls=calls,
             compiles=self.traces,
@@ -1030,12 +1039,18 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
         return Lowered(lowered, entry, state, fun_leaves, key_t)
 
     functools.update_wrapper(wrapper, user_fun)
-    wrapper._fastcall_state = state  # type: ignore[attr-defined]
-    wrapper._fastcall_fun_leaves = fun_leaves  # type: ignore[attr-defined]
-    wrapper.lower = lower  # type: ignore[attr-defined]
-    wrapper.stats = state.stats  # type: ignore[attr-defined]
-    wrapper.clear_cache = state.clear  # type: ignore[attr-defined]
-    return wrapper
+    public: Any = wrapper
+    if _accel is not None and USE_ACCEL:
+        # The same fast case in C (see _accel.c); everything else falls back to `wrapper`.
+        public = _accel.FastWrapper(wrapper, _flatten.by_id, state, ArrayImpl, _StructureVaries, _translate)
+        functools.update_wrapper(public, user_fun)
+        state.accelerated.add(public)
+    public._fastcall_state = state
+    public._fastcall_fun_leaves = fun_leaves
+    public.lower = lower
+    public.stats = state.stats
+    public.clear_cache = state.clear
+    return public
 
 
 class Lowered:

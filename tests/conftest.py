@@ -82,3 +82,15 @@ def with_statics(key):
     return WithStatics(
         jax.random.normal(k1, (3, 4)), jax.random.normal(k2, (3,)), jax.nn.relu, 2.0, "m", 1
     )
+
+
+@pytest.fixture(params=["c", "python"])
+def hot_path(request, monkeypatch):
+    """Run a test through the C fast path and through the pure-Python one."""
+    from fastcall import _jit
+
+    if request.param == "python":
+        monkeypatch.setattr(_jit, "USE_ACCEL", False)
+    elif _jit._accel is None:
+        pytest.skip("the C accelerator is not built")
+    return request.param

@@ -15,6 +15,8 @@ import fastcall
 
 from .conftest import assert_trees_equal
 
+pytestmark = pytest.mark.usefixtures("hot_path")
+
 
 # ---- composition under outer transformations ----
 
@@ -272,3 +274,4 @@ def test_threads_share_one_wrapper(mlp):
         t.join()
     assert not errors
     assert f.stats().compiles == 1
+

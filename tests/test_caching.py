@@ -15,6 +15,8 @@ import fastcall
 
 from .conftest import WithStatics, assert_trees_equal
 
+pytestmark = pytest.mark.usefixtures("hot_path")
+
 
 def counting(fn):
     traces = []

@@ -12,6 +12,8 @@ import fastcall
 
 from .conftest import WithStatics, assert_trees_equal, check_against_peers
 
+pytestmark = pytest.mark.usefixtures("hot_path")
+
 
 def test_mlp(mlp):
     check_against_peers(lambda m, x: m(x), mlp, jnp.arange(4.0))

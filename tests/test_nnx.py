@@ -17,6 +17,8 @@ import fastcall
 
 from .conftest import assert_trees_equal
 
+pytestmark = pytest.mark.usefixtures("hot_path")
+
 
 def state_of(model: Any) -> Any:
     return jax.tree_util.tree_map(
