@@ -105,6 +105,8 @@ class Spec:
 
     __slots__ = ("id", "kind", "treedef", "mask", "statics", "n_dyn", "cacheable", "templated", "__weakref__")
 
+    treedef: Any
+
     def __init__(self, kind: str, treedef: Any, mask: tuple[bool, ...], statics: tuple[Any, ...]):
         self.id = -1
         self.kind = kind
@@ -128,8 +130,8 @@ class Spec:
 
 
 _intern_lock = threading.Lock()
-_spec_ids: dict[Any, Spec] = {}
-_spec_by_id: dict[int, Spec] = {}
+_spec_ids: dict[Any, Any] = {}  # key -> Spec (or NNX NodeSpec)
+_spec_by_id: dict[int, Any] = {}
 _next_id = itertools.count(1)
 
 ARRAY_SPEC = Spec("array", None, (True,), ())
@@ -137,11 +139,11 @@ ARRAY_SPEC.id = 0
 _spec_by_id[0] = ARRAY_SPEC
 
 
-def spec_by_id(spec_id: int) -> Spec:
+def spec_by_id(spec_id: int) -> Any:
     return _spec_by_id[spec_id]
 
 
-def intern(spec: Spec, key: Any) -> Spec:
+def intern(spec: Any, key: Any) -> Any:
     """Return the canonical Spec equal to `spec` (by `key`), giving it an id."""
     found = _spec_ids.get(key)
     if found is not None:
@@ -230,6 +232,7 @@ _first = operator.itemgetter(0)
 
 class _Ref(weakref.ref):
     __slots__ = ("oid",)
+    oid: int
 
 
 # The fourth element maps a wrapped function's state to a "bound" record for
@@ -237,7 +240,7 @@ class _Ref(weakref.ref):
 # plain arrays: (number of arguments, compiled function with this object's
 # leaves already bound, post-processing or None). `unbind` drops them when the
 # state's compiled entries are replaced or cleared.
-by_id: dict[int, tuple[_Ref, Sequence[Any], int, dict[Any, Any]]] = {}
+by_id: dict[int, tuple[Callable[[], Any], Sequence[Any], int, dict[Any, Any]]] = {}
 
 
 def _evict(ref: _Ref, _by_id: dict = by_id) -> None:
@@ -512,7 +515,7 @@ class _BuilderGen:
 
 
 def _module(cls: type, fields: dict[str, Any]) -> Any:
-    obj = object.__new__(cls)
+    obj: Any = object.__new__(cls)
     object.__getattribute__(obj, "__dict__").update(fields)
     return obj
 

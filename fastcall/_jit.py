@@ -19,26 +19,30 @@ Nothing walks a pytree, nothing hashes a treedef, and nothing blocks.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import logging
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, ParamSpec, Protocol, Sequence, TypeVar, overload
+
 
 import equinox as eqx
 import jax
 import numpy as np
+from jaxtyping import PyTree
 
 from . import _flatten, _nnx, _stats
 from ._errors import FastcallError
 from ._flatten import ARRAY_TYPES, ArrayImpl, Spec, remember, spec_by_id
 from ._trace import Tracer, contains_tracer, current_trace_has_callback
 
+_accel: Any
 try:  # the optional C fast path (fastcall/_accel.c)
-    from . import _accel
+    _accel = importlib.import_module("fastcall._accel")
 except ImportError:  # pragma: no cover - not built: pure Python, same behaviour
-    _accel = None  # type: ignore[assignment]
+    _accel = None
 
 # Tests set this to False to exercise the pure-Python hot path.
 USE_ACCEL = True
@@ -49,6 +53,22 @@ except AttributeError:  # pragma: no cover
     _JaxRuntimeError = RuntimeError
 
 Donate = Literal["all", "all-except-first", "warn", "warn-except-first", "none"]
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class JitWrapped(Protocol[P, R]):
+    """What `fastcall.jit` returns: `fun` with the same signature, plus AOT and stats."""
+
+    __wrapped__: Callable[P, R]
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R: ...
+
+    def lower(self, *args: P.args, **kwargs: P.kwargs) -> Lowered: ...
+
+    def stats(self) -> _stats.JitStats: ...
+
+    def clear_cache(self) -> None: ...
 _UNSPECIFIED: Any = object()
 
 
@@ -78,6 +98,7 @@ class _OutInfo:
         "mode", "treedef", "mask", "statics", "static_keys", "block", "regs", "writes", "nodes", "build",
         "strong",
     )
+    treedef: Any
 
     def __init__(self, out: Any, block: bool, writes: tuple = (), nodes: bool = False) -> None:
         self.writes = writes  # (NNX argument ordinal, leaf index) per written Variable
@@ -655,6 +676,7 @@ def _flat_shardings(shardings: Any, all_specs: list[Spec], counts: list[int]) ->
 
 
 def _broadcast_prefix(prefix: Any, full: Any) -> list[Any]:
+    prefix_def: Any
     prefix_leaves, prefix_def = jax.tree_util.tree_flatten(prefix, is_leaf=lambda x: x is None)
     subtrees = prefix_def.flatten_up_to(full)
     out: list[Any] = []
@@ -735,6 +757,48 @@ def clear_caches() -> None:
 # The decorator
 
 
+@overload
+def jit(
+    fun: Callable[P, R],
+    *,
+    donate: Donate = ...,
+    static_argnums: int | Sequence[int] | None = ...,
+    static_argnames: str | Sequence[str] | None = ...,
+    donate_argnums: int | Sequence[int] | None = ...,
+    donate_argnames: str | Sequence[str] | None = ...,
+    in_shardings: PyTree = ...,
+    out_shardings: PyTree = ...,
+    device: Any = ...,
+    backend: str | None = ...,
+    keep_unused: bool = ...,
+    inline: bool = ...,
+    compiler_options: dict[str, Any] | None = ...,
+    graph: bool | None = ...,
+    graph_updates: bool | None = ...,
+) -> JitWrapped[P, R]: ...
+
+
+@overload
+def jit(
+    fun: None = None,
+    *,
+    donate: Donate = ...,
+    static_argnums: int | Sequence[int] | None = ...,
+    static_argnames: str | Sequence[str] | None = ...,
+    donate_argnums: int | Sequence[int] | None = ...,
+    donate_argnames: str | Sequence[str] | None = ...,
+    in_shardings: PyTree = ...,
+    out_shardings: PyTree = ...,
+    device: Any = ...,
+    backend: str | None = ...,
+    keep_unused: bool = ...,
+    inline: bool = ...,
+    compiler_options: dict[str, Any] | None = ...,
+    graph: bool | None = ...,
+    graph_updates: bool | None = ...,
+) -> Callable[[Callable[P, R]], JitWrapped[P, R]]: ...
+
+
 def jit(
     fun: Callable | None = None,
     *,
@@ -750,6 +814,8 @@ def jit(
     keep_unused: bool = False,
     inline: bool = False,
     compiler_options: dict[str, Any] | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> Any:
     """Compile `fun` with `eqx.filter_jit` semantics at close to `jax.jit`'s cost.
 
@@ -770,6 +836,10 @@ def jit(
       sharding for all arrays or one entry per positional argument (a pytree
       prefix of it); `out_shardings` (a sharding or a pytree prefix of the
       output) is applied as a sharding constraint on the outputs.
+    - `graph`, `graph_updates`: accepted for `nnx.jit` compatibility. fastcall
+      always keeps NNX sharing (what graph mode gives) at tree-mode cost;
+      structural changes inside the function are not propagated (a
+      `FastcallError` says so), whatever `graph_updates` says.
 
     **Returns:** a function with `fun`'s name, docstring and signature, plus
     `.lower(*args, **kwargs)`, `.stats()` and `.clear_cache()`.
@@ -836,6 +906,7 @@ class _OutShardings(eqx.Module):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         out = self.fun(*args, **kwargs)
+        treedef: Any
         leaves, treedef = jax.tree_util.tree_flatten(out)
         if isinstance(self.shardings, jax.sharding.Sharding) or self.shardings is None:
             per_leaf = [self.shardings] * len(leaves)
@@ -920,8 +991,9 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
         # Any positional call: each argument is a plain array (one leaf), an
         # object in the identity cache (its cached leaves), or resolved once.
         leaves = list(fun_leaves)
-        key = []
+        key: list[Any] = []
         nnx_refs: list[Any] = []  # (NNX object, its Variables) for write-back
+        inline = False
         try:
             for a in args:
                 if type(a) is ArrayImpl:
@@ -947,8 +1019,8 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
                 # NNX objects (values read now), new objects, scalars, containers.
                 key.append(resolve(a, leaves, state.arg_name(len(key)), nnx_refs))
         except _StepAside:
-            key = None  # (run inline below, outside this handler: no chained traceback)
-        if key is None:
+            inline = True  # (run inline below, outside this handler: no chained traceback)
+        if inline:
             return fun(*args)
         key_t = tuple(key)
         entry = table.get(key_t)

@@ -37,7 +37,7 @@ from flax.nnx.variablelib import Variable
 from ._errors import FastcallError, describe_arg
 
 _raw = raw_value = operator.attrgetter("_raw_value")
-_set_raw = Variable._raw_value.__set__  # the slot itself: no trace-level check, no hooks
+_set_raw: Any = Variable.__dict__["_raw_value"].__set__  # the slot itself: no checks, no hooks
 
 _Pytree = getattr(nnx, "Pytree", None) or nnx.Module
 
@@ -94,10 +94,10 @@ def _install_hooks() -> None:
         if _watchers:
             _notify(self)
 
-    _Pytree.__setattr__ = __setattr__
-    _Pytree.__delattr__ = __delattr__
+    _Pytree.__setattr__ = __setattr__  # type: ignore[method-assign]
+    _Pytree.__delattr__ = __delattr__  # type: ignore[method-assign]
     Variable.set_metadata = set_metadata  # type: ignore[method-assign]
-    _Pytree._fastcall_hooked = True
+    setattr(_Pytree, "_fastcall_hooked", True)
 
 
 _install_hooks()
@@ -144,6 +144,7 @@ def _evict(ref: Any, _by_id: dict = by_id) -> None:
 
 class _Ref(weakref.ref):
     __slots__ = ("oid",)
+    oid: int
 
 
 def _unwatch(entry: NodeEntry) -> None:
@@ -187,9 +188,8 @@ def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
             f"flattened ({type(err).__name__}: {err})."
         ) from err
     items = list(flat.leaves)
-    spec = NodeSpec(graphdef, len(items))
     try:
-        spec = _flatten.intern(spec, ("nnx", graphdef))
+        spec = _flatten.intern(NodeSpec(graphdef, len(items)), ("nnx", graphdef))
     except Exception as err:
         raise FastcallError(
             f"fastcall.jit: {describe_arg(arg_name)} has a static attribute that cannot be "
@@ -251,7 +251,7 @@ class Traced:
 
     __slots__ = ("node", "spec", "inner", "given")
 
-    def __init__(self, node: Any, spec: NodeSpec, given: Any) -> None:
+    def __init__(self, node: Any, spec: Any, given: Any) -> None:
         self.node = node
         self.spec = spec
         self.given = list(given)

@@ -275,3 +275,26 @@ def test_threads_share_one_wrapper(mlp):
     assert not errors
     assert f.stats().compiles == 1
 
+
+
+# ---- jax.jit options ----
+
+
+def test_shardings_and_jit_options(mlp):
+    s = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    x = jnp.ones(4)
+    f = fastcall.jit(lambda m, x: (m(x), x * 2), in_shardings=s, out_shardings=s)
+    out = f(mlp, x)
+    assert_trees_equal(out, (mlp(x), x * 2))
+    assert out[0].sharding == s
+    g = fastcall.jit(lambda m, x: m(x), in_shardings=(s, None), keep_unused=True, inline=True)
+    assert_trees_equal(g(mlp, x), mlp(x))
+
+
+def test_device_option_passes_through_with_jax_own_deprecation():
+    f = fastcall.jit(lambda x: x + 1, device=jax.devices()[0])
+    with pytest.warns(DeprecationWarning, match="device"):
+        with pytest.warns(DeprecationWarning):
+            jax.jit(lambda x: x + 1, device=jax.devices()[0])(jnp.ones(1))
+        out = f(jnp.ones(1))
+    assert_trees_equal(out, jnp.full(1, 2.0))
