@@ -96,12 +96,13 @@ class _OutInfo:
 
     __slots__ = (
         "mode", "treedef", "mask", "statics", "static_keys", "block", "regs", "writes", "nodes", "build",
-        "strong",
+        "strong", "restructure",
     )
     treedef: Any
 
-    def __init__(self, out: Any, block: bool, writes: tuple = (), nodes: bool = False) -> None:
+    def __init__(self, out: Any, block: bool, writes: tuple = (), nodes: bool = False, restructure: tuple = ()) -> None:
         self.writes = writes  # (NNX argument ordinal, leaf index) per written Variable
+        self.restructure = restructure  # (NNX argument ordinal, new graphdef, n leaves)
         self.nodes = nodes  # output holds NNX node markers to turn back into objects
         leaves, treedef = jax.tree_util.tree_flatten(out)
         mask = tuple(isinstance(x, ARRAY_TYPES) for x in leaves)
@@ -115,7 +116,7 @@ class _OutInfo:
             self.static_keys = None  # compared by identity below
         self.block = block
         self.regs = tuple(_registrations(out, mask))
-        self.mode = "flat" if (self.statics or self.block or self.regs or writes or nodes) else "pass"
+        self.mode = "flat" if (self.statics or self.block or self.regs or writes or nodes or restructure) else "pass"
         # Generated code that rebuilds this output structure (None: use treedef.unflatten).
         self.build = _flatten.make_builder(out) if self.mode == "flat" else None
         self.strong: list[Any] = []  # tuples returned by the latest call, cached by identity
@@ -139,6 +140,7 @@ class _OutInfo:
             and self.regs == other.regs
             and self.writes == other.writes
             and self.nodes == other.nodes
+            and self.restructure == other.restructure
         )
 
     def flat_outputs(self, out: Any) -> list[Any]:
@@ -149,11 +151,11 @@ class _OutInfo:
 
     def post_nnx(self, dyn: Any, nnx_refs: list[tuple[Any, list[Any]]]) -> Any:
         """Write changed Variables back to the caller's objects, then post-process."""
-        k = len(self.writes)
+        k = len(self.writes) + sum(n for _, _, n in self.restructure)
         if k:
             values = dyn[-k:]
             dyn = dyn[:-k]
-            if type(values[0]) is not ArrayImpl:
+            if isinstance(values[0], Tracer):  # all outputs are tracers, or none
                 raise FastcallError(
                     "fastcall.jit: the function changes NNX state (Variables), but it was "
                     "called inside an outer JAX transformation with the NNX objects closed "
@@ -161,7 +163,11 @@ class _OutInfo:
                     "NNX objects through the outer transformation (use nnx.jit/nnx.grad/... "
                     "or nnx.split/merge outside), or call the function outside of it."
                 )
-            for (ordinal, index), value in zip(self.writes, values):
+            pos = 0
+            for ordinal, graphdef, n in self.restructure:
+                _nnx.apply_structure(graphdef, list(values[pos : pos + n]), [obj for obj, _ in nnx_refs])
+                pos += n
+            for (ordinal, index), value in zip(self.writes, values[pos:]):
                 _nnx.write_back(nnx_refs[ordinal][1], index, value)
         result = dyn if self.mode == "pass" else self.post(dyn)
         if self.nodes:
@@ -354,7 +360,7 @@ class _Entry:
             if self.out is None:
                 self.out = info
                 # NNX post-processing only when Variables are written or NNX objects returned.
-                self.post_nnx = info.post_nnx if (info.writes or info.nodes) else None
+                self.post_nnx = info.post_nnx if (info.writes or info.nodes or info.restructure) else None
                 if info.mode == "pass":
                     self.post = _identity
                     self.passthrough = True
@@ -533,6 +539,11 @@ class _JitState:
         counts = [s.n_dyn for s in all_specs]
         e.varies = varies
         state_ref = weakref.ref(self)
+        graph_updates = self.options["graph_updates"] is not False
+        # For each NNX argument (in order): is it donated? Then every Variable is
+        # returned and written back, so that the caller's Variables stay usable.
+        donated = set(self._donated_slots(all_specs, pos_specs, kw_names))
+        donated_slots = [slot in donated for slot, sp in enumerate(all_specs) if sp.kind == "nnx"]
 
         def flat_fn(*dyn: Any) -> Any:
             values = []
@@ -541,9 +552,9 @@ class _JitState:
             for spec, n, arg_name in zip(all_specs, counts, ["fun"] + arg_names):
                 segment = dyn[start : start + n]
                 if spec.kind == "nnx":
-                    node = spec.rebuild(segment)
-                    traced.append((_nnx.Traced(node, spec, segment), arg_name))
-                    values.append(node)
+                    t = _nnx.Traced(spec, segment)
+                    traced.append((t, arg_name))
+                    values.append(t.node)
                 else:
                     values.append(spec.rebuild(segment))
                 start += n
@@ -554,14 +565,26 @@ class _JitState:
             if state is not None:
                 state.on_trace(list(zip(arg_names, rest)))
             out = f(*args, **kwargs)
-            # NNX: which Variables changed (decided here, once per compile).
+            # NNX: which Variables changed (decided here, once per compile), and whether
+            # the graph itself changed (then the new structure is propagated back).
             writes, written = [], []
+            restructure: list[tuple[int, Any, int]] = []  # (ordinal, new graphdef, n leaves)
+            refmap = None
             for ordinal, (t, arg_name) in enumerate(traced):
-                for index, value in t.writes(arg_name):
+                if t.structure_changed():
+                    if not graph_updates:
+                        raise _nnx.structure_error(arg_name)
+                    if refmap is None:
+                        refmap = _nnx.outer_index_map(traced)
+                    graphdef, leaves = _nnx.split_updated(t.node, refmap)
+                    restructure.append((ordinal, graphdef, len(leaves)))
+                    written += leaves
+                    continue
+                for index, value in t.writes(everything=donated_slots[ordinal]):
                     writes.append((ordinal, index))
                     written.append(value)
             out, has_nodes = _mark_nodes(out, traced)
-            info = _OutInfo(out, current_trace_has_callback(), tuple(writes), has_nodes)
+            info = _OutInfo(out, current_trace_has_callback(), tuple(writes), has_nodes, tuple(restructure))
             flat = out if info.mode == "pass" else info.flat_outputs(out) + written
             if varies:
                 return flat, _Box(info)
@@ -589,10 +612,23 @@ class _JitState:
             if opts[name] is not None:
                 kw[name] = opts[name]
         # Donation: decide per argument, then list that argument's flat positions.
-        donate_mode = opts["donate"]
+        donated_slots = set(self._donated_slots(all_specs, pos_specs, kw_names))
         donated: list[int] = []
         start = 0
         for slot, n in enumerate(counts):
+            if slot in donated_slots:
+                donated.extend(range(start, start + n))
+            start += n
+        if donated:
+            kw["donate_argnums"] = tuple(donated)
+        if opts["in_shardings"] is not _UNSPECIFIED:
+            kw["in_shardings"] = _flat_shardings(opts["in_shardings"], all_specs, counts)
+        return kw
+
+    def _donated_slots(self, all_specs: list[Any], pos_specs: list[Any], kw_names: Any):
+        """Slots (0: the function, then positional, then keyword arguments) donated."""
+        donate_mode = self.options["donate"]
+        for slot in range(len(all_specs)):
             arg_index = slot - 1  # slot 0 is the function itself
             if arg_index < 0:
                 give = donate_mode in ("all", "warn")
@@ -604,15 +640,12 @@ class _JitState:
                     or arg_index in self.donate_argnums
                 )
             else:
-                give = donate_mode != "none" or kw_names[arg_index - len(pos_specs)] in self.donate_argnames
+                name = kw_names[arg_index - len(pos_specs)]
+                give = donate_mode in ("all", "warn", "all-except-first", "warn-except-first") or (
+                    name in self.donate_argnames
+                )
             if give:
-                donated.extend(range(start, start + n))
-            start += n
-        if donated:
-            kw["donate_argnums"] = tuple(donated)
-        if opts["in_shardings"] is not _UNSPECIFIED:
-            kw["in_shardings"] = _flat_shardings(opts["in_shardings"], all_specs, counts)
-        return kw
+                yield slot
 
     def on_trace(self, named_values: list[tuple[str, Any]]) -> None:
         """Count a trace and explain it if it is a recompile. Trace time only."""
@@ -873,6 +906,7 @@ def jit(
         keep_unused=keep_unused,
         inline=inline,
         compiler_options=_hashable_option(compiler_options),
+        graph_updates=graph_updates,
     )
     if donate not in ("all", "all-except-first", "warn", "warn-except-first", "none"):
         raise ValueError(

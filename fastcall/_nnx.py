@@ -13,7 +13,9 @@ wrapped function, fastcall keeps per object (validated by weakref):
 
 Structure changes are seen through a watch list: fastcall wraps
 `nnx.Pytree.__setattr__`/`__delattr__` (which nnx.List and nnx.Dict also go
-through) and `Variable.set_metadata`, and each call to them on a node that
+through), `Pytree._graph_node_clear`/`_graph_node_init` (NNX's own in-place
+graph updates, e.g. nnx.jit with graph_updates), `Variable.set_metadata` and
+`Variable.update_from_state`, and each call to them on a node that
 belongs to a cached graph marks that cache entry stale (a dict lookup per
 attribute assignment). A stale entry is re-flattened on its next use. What this
 cannot see is listed in README.md ("NNX caveats").
@@ -71,6 +73,18 @@ def _notify(obj: Any) -> None:
             e.stale = True
 
 
+def _notifying(method: Any) -> Any:
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = method(self, *args, **kwargs)
+        if _watchers:
+            _notify(self)
+        return result
+
+    wrapped.__name__ = method.__name__
+    wrapped.__doc__ = method.__doc__
+    return wrapped
+
+
 def _install_hooks() -> None:
     """Wrap the few NNX methods through which a graph's structure changes."""
     if getattr(_Pytree, "_fastcall_hooked", False):
@@ -97,6 +111,13 @@ def _install_hooks() -> None:
     _Pytree.__setattr__ = __setattr__  # type: ignore[method-assign]
     _Pytree.__delattr__ = __delattr__  # type: ignore[method-assign]
     Variable.set_metadata = set_metadata  # type: ignore[method-assign]
+
+    # NNX's own graph updates (nnx.jit with graph_updates, nnx.merge into existing
+    # objects) rebuild nodes in place through these, bypassing __setattr__.
+    for cls, name in ((_Pytree, "_graph_node_clear"), (_Pytree, "_graph_node_init"), (Variable, "update_from_state")):
+        original = getattr(cls, name, None)
+        if original is not None:
+            setattr(cls, name, _notifying(original))
     setattr(_Pytree, "_fastcall_hooked", True)
 
 
@@ -246,38 +267,77 @@ class NodeSpec:
         return graphlib.unflatten(self.graphdef, list(dynamic))
 
 
+_ARG_STRIDE = 1 << 32  # outer indices of NNX argument k are k * _ARG_STRIDE + index
+
+
 class Traced:
     """One NNX argument inside the trace: the rebuilt node and its leaves before the call."""
 
-    __slots__ = ("node", "spec", "inner", "given")
+    __slots__ = ("node", "spec", "inner", "given", "index_ref")
 
-    def __init__(self, node: Any, spec: Any, given: Any) -> None:
-        self.node = node
-        self.spec = spec
+    def __init__(self, node_spec: Any, given: Any) -> None:
+        self.spec = node_spec
         self.given = list(given)
-        self.inner = list(graphlib.flatten(node, with_paths=True)[1].leaves)
+        self.index_ref = graphlib.IndexMap()  # graphdef index -> object rebuilt here
+        self.node = graphlib.unflatten(node_spec.graphdef, list(given), index_ref=self.index_ref)
+        self.inner = list(graphlib.flatten(self.node, with_paths=True)[1].leaves)
 
-    def writes(self, arg_name: str) -> list[tuple[int, Any]]:
-        """(leaf index, new value) for every Variable the function changed."""
+    def structure_changed(self) -> bool:
         graphdef, flat = graphlib.flatten(self.node, with_paths=True)
         after = list(flat.leaves)
-        if graphdef != self.spec.graphdef or len(after) != len(self.inner) or any(
-            a is not b for a, b in zip(after, self.inner)
-        ):
-            raise FastcallError(
-                f"fastcall.jit: the function changed the structure of {describe_arg(arg_name)} "
-                "(added, removed or replaced a submodule or Variable, or changed a static "
-                "attribute) while traced. fastcall writes back Variable values only: make "
-                "structural changes outside the compiled function, or use nnx.jit for this "
-                "function."
-            )
+        return (
+            graphdef != self.spec.graphdef
+            or len(after) != len(self.inner)
+            or any(a is not b for a, b in zip(after, self.inner))
+        )
+
+    def writes(self, everything: bool) -> list[tuple[int, Any]]:
+        """(leaf index, new value) for every Variable the function changed (or, for a
+        donated argument, every Variable: its old buffers are gone after the call)."""
         out = []
         for i, (v, given) in enumerate(zip(self.inner, self.given)):
             if isinstance(v, Variable):
                 new = v.get_raw_value()
-                if new is not given:
+                if everything or new is not given:
                     out.append((i, new))
         return out
+
+
+def structure_error(arg_name: str) -> FastcallError:
+    return FastcallError(
+        f"fastcall.jit: the function changed the structure of {describe_arg(arg_name)} (added, "
+        "removed or replaced a submodule or Variable, or changed a static attribute) while "
+        "traced, and graph_updates=False. Pass graph_updates=True (the default) to propagate "
+        "such changes, or make them outside the compiled function."
+    )
+
+
+def outer_index_map(traced: list[Any]) -> Any:
+    """inner object -> unique outer index, over every NNX argument of the call (trace time)."""
+    refmap = graphlib.RefMap()
+    for ordinal, (t, _) in enumerate(traced):
+        for index, obj in t.index_ref.items():
+            refmap[obj] = ordinal * _ARG_STRIDE + index
+    return refmap
+
+
+def split_updated(node: Any, refmap: Any) -> tuple[Any, list[Any]]:
+    """The new graphdef (existing objects tagged with their outer index) and leaf values."""
+    graphdef, leaves = graphlib.flatten(node, with_paths=False, ref_outer_index=refmap)
+    return graphdef, list(leaves)
+
+
+def apply_structure(graphdef: Any, values: list[Any], outer_objects: list[Any]) -> None:
+    """Update the caller's objects in place to the structure and values made inside
+    (existing nodes and Variables are reused by identity, new ones created), as nnx.jit
+    does with graph updates."""
+    outer = graphlib.IndexMap()
+    for ordinal, obj in enumerate(outer_objects):
+        refmap = graphlib.RefMap()
+        graphlib.flatten(obj, with_paths=False, ref_index=refmap)
+        for o, index in refmap.items():
+            outer[ordinal * _ARG_STRIDE + index] = o
+    graphlib.unflatten(graphdef, values, outer_index_outer_ref=outer)
 
 
 def write_back(items: list[Any], index: int, value: Any) -> None:

@@ -220,6 +220,10 @@ def test_tied_weights_stay_shared(wrap):
 
 # ---- never stale: every structural change, compared with eager code and nnx.jit ----
 
+def _add_extra(m):
+    m.extra = nnx.Linear(4, 4, rngs=nnx.Rngs(7))
+
+
 CHANGES: dict[str, Callable[[Any], None]] = {
     "replace Variable": lambda m: setattr(m.layers[0], "kernel", nnx.Param(jnp.full((4, 4), 0.3))),
     "swap submodule": lambda m: m.layers.__setitem__(1, nnx.Linear(4, 4, rngs=nnx.Rngs(9))),
@@ -229,6 +233,8 @@ CHANGES: dict[str, Callable[[Any], None]] = {
     "value update": lambda m: m.layers[0].bias.__setitem__(..., jnp.full(4, 2.0)),
     "nnx.update": lambda m: nnx.update(m, jax.tree_util.tree_map(lambda x: x * 2, nnx.state(m))),
     "change Variable metadata": lambda m: m.layers[0].kernel.set_metadata(note="x"),
+    # NNX's own graph updates rebuild nodes in place without __setattr__:
+    "structure change made by nnx.jit": lambda m: nnx.jit(_add_extra)(m),
 }
 
 
@@ -368,13 +374,129 @@ def test_closed_over_mutation_under_outer_jit_is_an_error():
     assert "_StepAside" not in chained  # no internal exception in the user's traceback
 
 
-def test_structure_change_inside_the_function_is_a_clear_error():
-    def grow(m, x):
-        m.extra = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
-        return x
+def grow(m, x):
+    m.extra = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    m.layers[0].kernel = nnx.Param(m.layers[0].kernel[...] * 2)
+    return m.extra(x)
 
+
+def test_structure_change_inside_is_propagated_like_nnx_jit():
+    ours, theirs = MLP(nnx.Rngs(0)), MLP(nnx.Rngs(0))
+    first_layer = ours.layers[1]
+    assert_trees_equal(fastcall.jit(grow)(ours, jnp.ones(4)), nnx.jit(grow)(theirs, jnp.ones(4)))
+    assert_same_state(ours, theirs)
+    assert ours.layers[1] is first_layer  # existing objects are updated in place
+    assert isinstance(ours.extra, nnx.Linear)
+    assert_trees_equal(ours(jnp.ones(4)), theirs(jnp.ones(4)))
+
+
+def test_structure_change_inside_with_graph_updates_false_is_a_clear_error():
     with pytest.raises(fastcall.FastcallError, match="structure"):
-        fastcall.jit(grow)(MLP(nnx.Rngs(0)), jnp.ones(4))
+        fastcall.jit(grow, graph_updates=False)(MLP(nnx.Rngs(0)), jnp.ones(4))
+
+
+class Built(nnx.Module):
+    @fastcall.jit
+    def __init__(self, din: int, dout: int, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(din, dout, rngs=rngs)
+        self.bn = nnx.BatchNorm(dout, rngs=rngs)
+        self.rngs = rngs
+
+    @fastcall.jit
+    def __call__(self, x):
+        return self.bn(self.linear(x))
+
+
+class BuiltRef(nnx.Module):
+    @nnx.jit(static_argnums=(1, 2))
+    def __init__(self, din: int, dout: int, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(din, dout, rngs=rngs)
+        self.bn = nnx.BatchNorm(dout, rngs=rngs)
+        self.rngs = rngs
+
+    @nnx.jit
+    def __call__(self, x):
+        return self.bn(self.linear(x))
+
+
+def test_decorated_init_and_call():
+    rngs_a, rngs_b = nnx.Rngs(0), nnx.Rngs(0)
+    ours, theirs = Built(3, 2, rngs_a), BuiltRef(3, 2, rngs_b)
+    assert_same_state(ours, theirs)
+    assert ours.rngs is rngs_a  # the caller's Rngs, not a copy
+    assert_same_state(rngs_a, rngs_b)
+    for _ in range(3):
+        assert_trees_equal(ours(jnp.ones((4, 3))), theirs(jnp.ones((4, 3))))
+    assert_same_state(ours, theirs)
+
+
+def test_donated_module_stays_usable():
+    def step(m, x):
+        m.layers[0].bias[...] += 1.0
+        return m(x)
+
+    ours, theirs = MLP(nnx.Rngs(0)), MLP(nnx.Rngs(0))
+    f = fastcall.jit(step, donate_argnums=0)
+    g = nnx.jit(step, donate_argnums=0)
+    for _ in range(3):
+        assert_trees_equal(f(ours, jnp.ones(4)), g(theirs, jnp.ones(4)))
+    assert_same_state(ours, theirs)
+    assert_trees_equal(ours(jnp.ones(4)), theirs(jnp.ones(4)))  # no deleted buffers
+
+
+def test_lower_compile_writes_state_back():
+    ours, theirs = BNDrop(nnx.Rngs(0)), BNDrop(nnx.Rngs(0))
+    x = jnp.ones((3, 4))
+    compiled = fastcall.jit(forward).lower(ours, x).compile()
+    for _ in range(2):
+        assert_trees_equal(compiled(ours, x), nnx.jit(forward)(theirs, x))
+    assert_same_state(ours, theirs)
+
+
+def test_traces_as_often_as_nnx_jit():
+    counts = []
+    for wrap in (fastcall.jit, nnx.jit):
+        traces = []
+
+        def fn(m, x):
+            traces.append(1)
+            return m(x)
+
+        f = wrap(fn)
+        m = BNDrop(nnx.Rngs(0))
+        for x in (jnp.ones((2, 4)), jnp.ones((2, 4)), jnp.ones((3, 4)), jnp.ones((2, 4))):
+            f(m, x)
+        m.eval()
+        f(m, jnp.ones((2, 4)))
+        f(m, jnp.ones((2, 4)))
+        counts.append(len(traces))
+    assert counts[0] == counts[1] == 3
+
+
+def test_inside_nnx_remat_and_scan():
+    m = MLP(nnx.Rngs(0))
+    f = fastcall.jit(lambda m, x: m(x))
+    x = jnp.ones(4)
+    assert_trees_equal(nnx.remat(f)(m, x), m(x))
+
+    @nnx.scan(in_axes=(nnx.Carry, None), out_axes=nnx.Carry, length=3)
+    def loop(c, m):
+        return f(m, c)
+
+    assert_trees_equal(loop(x, m), m(m(m(x))))
+
+
+def test_next_to_nnx_cached_partial():
+    m = BNDrop(nnx.Rngs(0))
+    ref = BNDrop(nnx.Rngs(0))
+    ours = fastcall.partial(forward, m)
+    x = jnp.ones((2, 4))
+    cached = nnx.cached_partial(nnx.jit(forward), m)
+    refjit = nnx.jit(forward)
+    for _ in range(2):
+        assert_trees_equal(ours(x), refjit(ref, x))
+        assert_trees_equal(cached(x), refjit(ref, x))
+    assert_same_state(m, ref)
 
 
 # ---- threads ----
