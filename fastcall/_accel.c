@@ -1,12 +1,16 @@
 /* The hot path of fastcall.jit in C: `FastWrapper`.
  *
- * It handles exactly one case, the one an inference loop hits every call:
- * the first argument is an object in fastcall's identity cache (same object,
- * checked through its weakref) that has a "bound" record for this wrapped
- * function, and every other argument is a plain jax array of the exact
- * ArrayImpl type. Then it calls the compiled function (a functools.partial
- * with the object's leaves already bound) on the remaining arguments and
- * applies the post-processing function if there is one.
+ * It handles the case an inference loop hits every call: every argument but
+ * the first is a plain jax array of the exact ArrayImpl type, and the first is
+ *  - an object in fastcall's identity cache (same object, checked through its
+ *    weakref) with a "bound" record for this wrapped function: the compiled
+ *    function (a functools.partial with the object's leaves already bound) is
+ *    called on the remaining arguments; or
+ *  - an NNX object whose cached structure is still valid, with a bound record:
+ *    its Variables' values are read through the _raw_value slot and passed
+ *    with the remaining arguments; changed state is written back by the
+ *    post_nnx function.
+ * Then the post-processing function is applied if there is one.
  *
  * Everything else (keyword arguments, a cache miss, a new structure, a
  * tracer, NNX objects, ...) goes to `fallback`, the pure-Python wrapper in
@@ -31,6 +35,8 @@ typedef struct {
     PyObject *array_type;  /* jaxlib ArrayImpl */
     PyObject *varies_exc;  /* _StructureVaries: retry through the fallback */
     PyObject *on_error;    /* called with any other exception; re-raises it (translated) */
+    PyObject *nnx_fast;    /* dict: id(nnx object) -> (ref, variables, bound) */
+    PyObject *raw_desc;    /* the Variable._raw_value slot descriptor */
     Py_ssize_t calls;      /* calls served here (added to JitStats.calls) */
     PyObject *dict;
     PyObject *weakreflist;
@@ -40,6 +46,137 @@ static PyObject *
 fw_fallback(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+}
+
+/* After a failed call of the compiled function: retry through the fallback for
+ * _StructureVaries, otherwise hand the exception to on_error (which re-raises it,
+ * translated when it is an eqx.error_if failure). Always returns NULL or the
+ * fallback's result. */
+static PyObject *
+fw_failed(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    self->calls--;
+    if (PyErr_ExceptionMatches(self->varies_exc)) {
+        PyErr_Clear();
+        return fw_fallback(self, args, nargsf, kwnames);
+    }
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL && value != NULL) {
+        PyException_SetTraceback(value, tb);
+    }
+    PyObject *res = value ? PyObject_CallOneArg(self->on_error, value) : NULL;
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    if (res != NULL) { /* on_error must raise; be safe if it does not */
+        Py_DECREF(res);
+        PyErr_SetString(PyExc_RuntimeError, "fastcall: error handler returned");
+    }
+    return NULL;
+}
+
+#define SMALL_STACK 64
+
+/* The NNX case: the first argument is an NNX object whose cached structure is
+ * still valid (it is in nnx_fast), with a bound record
+ * (nargs, fn, post_nnx or None, post or None) for this function. The Variables'
+ * current values are read through the _raw_value slot. */
+static PyObject *
+fw_nnx(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *kwnames, PyObject *key)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *first = args[0];
+    PyObject *rec = PyDict_GetItemWithError(self->nnx_fast, key); /* borrowed */
+    if (rec == NULL || !PyTuple_CheckExact(rec) || PyTuple_GET_SIZE(rec) != 3) {
+        return PyErr_Occurred() ? NULL : fw_fallback(self, args, nargsf, kwnames);
+    }
+    PyObject *ref = PyTuple_GET_ITEM(rec, 0);
+    PyObject *items = PyTuple_GET_ITEM(rec, 1);
+    PyObject *bound_map = PyTuple_GET_ITEM(rec, 2);
+    if (!PyWeakref_CheckRef(ref) || PyWeakref_GET_OBJECT(ref) != first || !PyList_CheckExact(items)
+        || !PyDict_CheckExact(bound_map)) {
+        return fw_fallback(self, args, nargsf, kwnames);
+    }
+    PyObject *bound = PyDict_GetItemWithError(bound_map, self->state); /* borrowed */
+    if (bound == NULL || !PyTuple_CheckExact(bound) || PyTuple_GET_SIZE(bound) != 4) {
+        return PyErr_Occurred() ? NULL : fw_fallback(self, args, nargsf, kwnames);
+    }
+    Py_ssize_t expected = PyLong_AsSsize_t(PyTuple_GET_ITEM(bound, 0));
+    if (expected != nargs) {
+        return (expected == -1 && PyErr_Occurred()) ? NULL : fw_fallback(self, args, nargsf, kwnames);
+    }
+    for (Py_ssize_t i = 1; i < nargs; i++) {
+        if ((PyObject *)Py_TYPE(args[i]) != self->array_type) {
+            return fw_fallback(self, args, nargsf, kwnames);
+        }
+    }
+    /* Hold what we use: another thread may replace the records during the call. */
+    Py_INCREF(bound);
+    Py_INCREF(items);
+    Py_ssize_t nvars = PyList_GET_SIZE(items);
+    Py_ssize_t total = nvars + nargs - 1;
+    PyObject *small[SMALL_STACK];
+    PyObject **stack = total <= SMALL_STACK ? small : PyMem_Malloc(total * sizeof(PyObject *));
+    PyObject *out = NULL;
+    Py_ssize_t filled = 0;
+    if (stack == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    descrgetfunc get = Py_TYPE(self->raw_desc)->tp_descr_get;
+    for (; filled < nvars; filled++) {
+        PyObject *var = PyList_GET_ITEM(items, filled);
+        PyObject *value = get(self->raw_desc, var, (PyObject *)Py_TYPE(var));
+        if (value == NULL) {
+            goto done;
+        }
+        stack[filled] = value;
+    }
+    if (nvars > 0 && (PyObject *)Py_TYPE(stack[0]) != self->array_type) {
+        /* tracers (inside an nnx transform) or another kind of value: slow path */
+        for (Py_ssize_t i = 0; i < filled; i++) Py_DECREF(stack[i]);
+        filled = 0;
+        if (stack != small) PyMem_Free(stack);
+        stack = NULL;
+        Py_DECREF(bound);
+        Py_DECREF(items);
+        return fw_fallback(self, args, nargsf, kwnames);
+    }
+    for (Py_ssize_t i = 1; i < nargs; i++) {
+        stack[nvars + i - 1] = args[i]; /* borrowed: not decref'd below */
+    }
+    self->calls++;
+    out = PyObject_Vectorcall(PyTuple_GET_ITEM(bound, 1), stack, total, NULL);
+    if (out == NULL) {
+        for (Py_ssize_t i = 0; i < filled; i++) Py_DECREF(stack[i]);
+        filled = 0;
+        if (stack != small) PyMem_Free(stack);
+        stack = NULL;
+        Py_DECREF(bound);
+        Py_DECREF(items);
+        return fw_failed(self, args, nargsf, kwnames);
+    }
+    PyObject *post_nnx = PyTuple_GET_ITEM(bound, 2);
+    PyObject *post = PyTuple_GET_ITEM(bound, 3);
+    if (post_nnx != Py_None) {
+        PyObject *refs = Py_BuildValue("[(OO)]", first, items);
+        PyObject *result = refs ? PyObject_CallFunctionObjArgs(post_nnx, out, refs, NULL) : NULL;
+        Py_XDECREF(refs);
+        Py_DECREF(out);
+        out = result;
+    } else if (post != Py_None) {
+        PyObject *result = PyObject_CallOneArg(post, out);
+        Py_DECREF(out);
+        out = result;
+    }
+done:
+    for (Py_ssize_t i = 0; i < filled; i++) Py_DECREF(stack[i]);
+    if (stack != NULL && stack != small) PyMem_Free(stack);
+    Py_DECREF(bound);
+    Py_DECREF(items);
+    return out;
 }
 
 static PyObject *
@@ -56,13 +193,16 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
         return NULL;
     }
     PyObject *hit = PyDict_GetItemWithError(self->by_id, key); /* borrowed */
-    Py_DECREF(key);
     if (hit == NULL) {
         if (PyErr_Occurred()) {
+            Py_DECREF(key);
             return NULL;
         }
-        return fw_fallback(self, args, nargsf, kwnames);
+        PyObject *res = fw_nnx(self, args, nargsf, kwnames, key);
+        Py_DECREF(key);
+        return res;
     }
+    Py_DECREF(key);
     if (!PyTuple_CheckExact(hit) || PyTuple_GET_SIZE(hit) != 4) {
         return fw_fallback(self, args, nargsf, kwnames);
     }
@@ -102,26 +242,7 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
     PyObject *out = PyObject_Vectorcall(PyTuple_GET_ITEM(bound, 1), args + 1, nargs - 1, NULL);
     if (out == NULL) {
         Py_DECREF(bound);
-        self->calls--;
-        if (PyErr_ExceptionMatches(self->varies_exc)) {
-            PyErr_Clear();
-            return fw_fallback(self, args, nargsf, kwnames);
-        }
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyErr_NormalizeException(&type, &value, &tb);
-        if (tb != NULL && value != NULL) {
-            PyException_SetTraceback(value, tb);
-        }
-        PyObject *res = value ? PyObject_CallOneArg(self->on_error, value) : NULL;
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(tb);
-        if (res != NULL) { /* on_error must raise; be safe if it does not */
-            Py_DECREF(res);
-            PyErr_SetString(PyExc_RuntimeError, "fastcall: error handler returned");
-        }
-        return NULL;
+        return fw_failed(self, args, nargsf, kwnames);
     }
     PyObject *post = PyTuple_GET_ITEM(bound, 2);
     if (post != Py_None) {
@@ -159,6 +280,8 @@ fw_traverse(PyObject *op, visitproc visit, void *arg)
     Py_VISIT(self->array_type);
     Py_VISIT(self->varies_exc);
     Py_VISIT(self->on_error);
+    Py_VISIT(self->nnx_fast);
+    Py_VISIT(self->raw_desc);
     Py_VISIT(self->dict);
     return 0;
 }
@@ -173,6 +296,8 @@ fw_clear(PyObject *op)
     Py_CLEAR(self->array_type);
     Py_CLEAR(self->varies_exc);
     Py_CLEAR(self->on_error);
+    Py_CLEAR(self->nnx_fast);
+    Py_CLEAR(self->raw_desc);
     Py_CLEAR(self->dict);
     return 0;
 }
@@ -192,17 +317,21 @@ fw_dealloc(PyObject *op)
 static PyObject *
 fw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    PyObject *fallback, *by_id, *state, *array_type, *varies_exc, *on_error;
+    PyObject *fallback, *by_id, *state, *array_type, *varies_exc, *on_error, *nnx_fast, *raw_desc;
     if (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) {
         PyErr_SetString(PyExc_TypeError, "FastWrapper takes positional arguments only");
         return NULL;
     }
-    if (!PyArg_UnpackTuple(args, "FastWrapper", 6, 6, &fallback, &by_id, &state, &array_type,
-                           &varies_exc, &on_error)) {
+    if (!PyArg_UnpackTuple(args, "FastWrapper", 8, 8, &fallback, &by_id, &state, &array_type,
+                           &varies_exc, &on_error, &nnx_fast, &raw_desc)) {
         return NULL;
     }
-    if (!PyDict_CheckExact(by_id)) {
-        PyErr_SetString(PyExc_TypeError, "by_id must be a dict");
+    if (!PyDict_CheckExact(by_id) || !PyDict_CheckExact(nnx_fast)) {
+        PyErr_SetString(PyExc_TypeError, "by_id and nnx_fast must be dicts");
+        return NULL;
+    }
+    if (Py_TYPE(raw_desc)->tp_descr_get == NULL) {
+        PyErr_SetString(PyExc_TypeError, "raw_desc must be a descriptor");
         return NULL;
     }
     FastWrapper *self = (FastWrapper *)type->tp_alloc(type, 0);
@@ -216,6 +345,8 @@ fw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     Py_INCREF(array_type); self->array_type = array_type;
     Py_INCREF(varies_exc); self->varies_exc = varies_exc;
     Py_INCREF(on_error); self->on_error = on_error;
+    Py_INCREF(nnx_fast); self->nnx_fast = nnx_fast;
+    Py_INCREF(raw_desc); self->raw_desc = raw_desc;
     self->calls = 0;
     self->dict = NULL;
     self->weakreflist = NULL;

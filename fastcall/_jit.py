@@ -1001,8 +1001,8 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
                 if node is not None and node.ref() is a and not node.stale and node.all_vars:
                     # Same for a known NNX object (structure unchanged): the compiled
                     # entry is remembered on it; only its Variables' values are read.
-                    entry = node.bound.get(state)
-                    if entry is not None and entry[0] == len(args):
+                    bound = node.bound.get(state)  # (arity, fn, post_nnx or None, post or None)
+                    if bound is not None and bound[0] == len(args):
                         rest = args[1:]
                         for b in rest:
                             if type(b) is not ArrayImpl:
@@ -1011,17 +1011,16 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
                             values = list(map(raw_value, node.items))
                             if not values or type(values[0]) is ArrayImpl:
                                 calls[0] += 1
-                                entry = entry[1]
                                 try:
-                                    out = entry.fn(*values, *rest)
+                                    out = bound[1](*values, *rest)
                                 except _StructureVaries:
                                     pass  # the general path below switches entries
                                 except (_JaxRuntimeError, ValueError) as err:
                                     _translate(err)
                                 else:
-                                    if entry.post_nnx is not None:
-                                        return entry.post_nnx(out, [(a, node.items)])
-                                    return out if entry.passthrough else entry.post(out)
+                                    if bound[2] is not None:
+                                        return bound[2](out, [(a, node.items)])
+                                    return out if bound[3] is None else bound[3](out)
         # Any positional call: each argument is a plain array (one leaf), an
         # object in the identity cache (its cached leaves), or resolved once.
         leaves = list(fun_leaves)
@@ -1088,7 +1087,8 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
                 return
         node = nnx_get(id(args[0]))
         if node is not None and node.ref() is args[0] and state not in node.bound:
-            node.bound[state] = (len(args), entry)
+            post = None if entry.passthrough else entry.post
+            node.bound[state] = (len(args), entry.fn, entry.post_nnx, post)
 
     def _bind_first(args: tuple[Any, ...], key_t: tuple[Any, ...], entry: _Entry) -> None:
         """Install the bound record on args[0]'s identity entry (see the hot path)."""
@@ -1148,7 +1148,16 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
     public: Any = wrapper
     if _accel is not None and USE_ACCEL:
         # The same fast case in C (see _accel.c); everything else falls back to `wrapper`.
-        public = _accel.FastWrapper(wrapper, _flatten.by_id, state, ArrayImpl, _StructureVaries, _translate)
+        public = _accel.FastWrapper(
+            wrapper,
+            _flatten.by_id,
+            state,
+            ArrayImpl,
+            _StructureVaries,
+            _translate,
+            _nnx.fast,
+            _nnx.RAW_VALUE_SLOT,
+        )
         functools.update_wrapper(public, user_fun)
         state.accelerated.add(public)
     public._fastcall_state = state

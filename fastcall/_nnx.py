@@ -39,7 +39,8 @@ from flax.nnx.variablelib import Variable
 from ._errors import FastcallError, describe_arg
 
 _raw = raw_value = operator.attrgetter("_raw_value")
-_set_raw: Any = Variable.__dict__["_raw_value"].__set__  # the slot itself: no checks, no hooks
+RAW_VALUE_SLOT: Any = Variable.__dict__["_raw_value"]  # the slot descriptor (read from C too)
+_set_raw: Any = RAW_VALUE_SLOT.__set__  # the slot itself: no checks, no hooks
 
 _Pytree = getattr(nnx, "Pytree", None) or nnx.Module
 
@@ -71,6 +72,13 @@ def _notify(obj: Any) -> None:
     if entries:
         for e in entries:
             e.stale = True
+            _drop_fast(e)
+
+
+def _drop_fast(entry: NodeEntry) -> None:
+    record = fast.get(entry.ref.oid)
+    if record is not None and record[0] is entry.ref:
+        fast.pop(entry.ref.oid, None)
 
 
 def _notifying(method: Any) -> Any:
@@ -151,6 +159,9 @@ class NodeEntry:
 
 
 by_id: dict[int, NodeEntry] = {}
+# For the C fast path: id -> (weakref, Variables, bound) of entries that are not stale
+# and hold only Variables (an entry leaves this dict the moment it goes stale).
+fast: dict[int, tuple[Any, list[Any], dict[Any, Any]]] = {}
 
 
 def _evict(ref: Any, _by_id: dict = by_id) -> None:
@@ -158,6 +169,7 @@ def _evict(ref: Any, _by_id: dict = by_id) -> None:
     if entry is not None and entry.ref is ref:
         _by_id.pop(ref.oid, None)
         try:
+            _drop_fast(entry)
             _unwatch(entry)
         except Exception:  # at interpreter exit module globals may be gone
             pass
@@ -219,6 +231,7 @@ def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
             "Variable."
         ) from None
     if old is not None:
+        _drop_fast(old)
         _unwatch(old)
     watched_nodes = _graph_nodes(obj)
     ref = _Ref(obj, _evict)
@@ -228,6 +241,8 @@ def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
         for n in watched_nodes:
             _watchers.setdefault(id(n), []).append(entry)
     by_id[ref.oid] = entry
+    if entry.all_vars:
+        fast[ref.oid] = (ref, items, entry.bound)
     return entry
 
 
@@ -241,6 +256,7 @@ def clear() -> None:
     for entry in list(by_id.values()):
         _unwatch(entry)
     by_id.clear()
+    fast.clear()
 
 
 # --------------------------------------------------------------------------
