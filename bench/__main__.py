@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from . import _harness, _report
+from . import _harness, _report, _sweep
 from ._registry import workloads
 
 
@@ -19,13 +19,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--round-ms", type=float, help="target milliseconds per variant per round")
     p.add_argument("--json", metavar="FILE", help="write results as JSON")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="run the leaf-scaling sweep (10 to 2000 leaves) and plot us/call against leaves",
+    )
     p.add_argument("--list", action="store_true", help="list workloads and exit")
     args = p.parse_args(argv)
 
     quick = not args.full
     rounds = args.rounds or (15 if quick else 41)
     round_s = (args.round_ms or (8.0 if quick else 25.0)) / 1000
-    builders = workloads(quick)
+    builders = workloads(quick, sweep=bool(args.plot))
     if args.list:
         for name in builders:
             print(name)
@@ -61,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     print(_report.table(rows, markdown=args.markdown))
     if args.json:
         _report.write_json(args.json, rows, info, {"rounds": rounds})
+    if args.plot:
+        if _sweep.plot(rows, args.plot, _report.machine_line(info)):
+            print(f"\nleaf-scaling plot written to {args.plot}", file=sys.stderr)
+        else:
+            print("\nno leaf-scaling rows to plot (use --only leaves_N or no --only)", file=sys.stderr)
     failed = [r for r in rows if r.error]
     if failed:
         print(f"\n{len(failed)} variant(s) FAILED their correctness check:", file=sys.stderr)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import linen as linen_nn
 from flax import nnx
 
 import fastcall
@@ -80,7 +81,9 @@ def _compare(ref: list[Any], outs: list[Any]) -> None:
     allclose_tree(ref[-1][1](), outs[-1][1]())
 
 
-def _forward_variants(build: Callable[[], Any], x: Any, writes_state: bool) -> list[Variant]:
+def _forward_variants(
+    build: Callable[[], Any], x: Any, writes_state: bool, linen: Callable[[Any], Any] | None = None
+) -> list[Variant]:
     def call(m, x):
         return m(x)
 
@@ -162,11 +165,83 @@ def _forward_variants(build: Callable[[], Any], x: Any, writes_state: bool) -> l
         ),
         Variant("split/merge + jax.jit", make_split_merge, note="state threaded by hand"),
     ]
+    if linen is not None:
+
+        def make_linen():
+            model = build()
+            module, params = linen(model)  # the NNX model's weights, in Linen's layout
+            f = jax.jit(module.apply)
+            getter = lambda: _state_leaves(model)  # noqa: E731 - same weights as the others
+            return lambda: (f(params, x), getter)
+
+        variants.append(Variant("linen jax.jit(apply)", make_linen, note="Linen twin, same weights"))
     return variants
 
 
-def forward(name: str, description: str, build: Callable[[], Any], x: Any, writes_state: bool) -> Workload:
-    return Workload(name, description, _forward_variants(build, x, writes_state), _compare)
+def forward(
+    name: str,
+    description: str,
+    build: Callable[[], Any],
+    x: Any,
+    writes_state: bool,
+    linen: Callable[[Any], Any] | None = None,
+) -> Workload:
+    return Workload(name, description, _forward_variants(build, x, writes_state, linen), _compare)
+
+
+# ---- Linen twins (same weights, converted to Linen's parameter tree) ----
+
+
+class LinenMLP(linen_nn.Module):
+    width: int
+    depth: int
+
+    @linen_nn.compact
+    def __call__(self, x):
+        for i in range(self.depth):
+            x = linen_nn.Dense(self.width)(x)
+            if i < self.depth - 1:
+                x = linen_nn.relu(x)
+        return x
+
+
+def linen_mlp(model: MLP) -> tuple[Any, Any]:
+    layers = list(model.layers)
+    params = {
+        f"Dense_{i}": {"kernel": layer.kernel[...], "bias": layer.bias[...]} for i, layer in enumerate(layers)
+    }
+    return LinenMLP(layers[0].out_features, len(layers)), {"params": params}
+
+
+class CNN(nnx.Module):
+    """A small image classifier: two 3x3 convolutions, global average pool, dense."""
+
+    def __init__(self, channels: int, rngs: nnx.Rngs):
+        self.conv1 = nnx.Conv(3, channels, kernel_size=(3, 3), rngs=rngs)
+        self.conv2 = nnx.Conv(channels, channels, kernel_size=(3, 3), rngs=rngs)
+        self.head = nnx.Linear(channels, 10, rngs=rngs)
+
+    def __call__(self, x):
+        x = nnx.relu(self.conv2(nnx.relu(self.conv1(x))))
+        return self.head(x.mean(axis=(1, 2)))
+
+
+class LinenCNN(linen_nn.Module):
+    channels: int
+
+    @linen_nn.compact
+    def __call__(self, x):
+        x = linen_nn.relu(linen_nn.Conv(self.channels, (3, 3))(x))
+        x = linen_nn.relu(linen_nn.Conv(self.channels, (3, 3))(x))
+        return linen_nn.Dense(10)(x.mean(axis=(1, 2)))
+
+
+def linen_cnn(model: CNN) -> tuple[Any, Any]:
+    def p(layer):
+        return {"kernel": layer.kernel[...], "bias": layer.bias[...]}
+
+    params = {"Conv_0": p(model.conv1), "Conv_1": p(model.conv2), "Dense_0": p(model.head)}
+    return LinenCNN(model.conv1.out_features), {"params": params}
 
 
 def optimizer_step(name: str, description: str, width: int, depth: int, batch: int) -> Workload:
@@ -195,16 +270,42 @@ def optimizer_step(name: str, description: str, width: int, depth: int, batch: i
 
         return make
 
+    def make_floor():
+        model, opt = build()
+        graphdef, state = nnx.split((model, opt))
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        n = len(leaves)
+        changed: list[int] = []
+
+        def flat(*a):
+            m, o = nnx.merge(graphdef, treedef.unflatten(a[:n]))
+            loss = step(m, o, a[n], a[n + 1])
+            new = jax.tree_util.tree_leaves(nnx.state((m, o)))
+            changed[:] = [i for i in range(n) if new[i] is not a[i]]
+            return (loss, *[new[i] for i in changed])
+
+        f = jax.jit(flat)
+        current = list(leaves)
+
+        def run():
+            out = f(*current, x, y)
+            for i, v in zip(changed, out[1:]):
+                current[i] = v
+            return out[0], lambda: list(current)
+
+        return run
+
     return Workload(
         name,
         description,
         [
             Variant("eager", variant(lambda s: s), timed=False),
+            Variant("floor", make_floor, note="jax.jit on flat state leaves, changed state returned and rebound"),
             Variant("fastcall.jit", variant(fastcall.jit)),
             Variant("nnx.jit", variant(nnx.jit)),
+            Variant("nnx.jit(graph=False)", variant(lambda s: nnx.jit(s, graph=False))),
         ],
         _compare,
-        floor="fastcall.jit",
     )
 
 
@@ -212,7 +313,7 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
     x32 = jnp.ones((1, 32))
     out = {
         "nnx_mlp3": lambda: forward(
-            "nnx_mlp3", "NNX MLP width 32 depth 3, same model", lambda: MLP(32, 3, nnx.Rngs(0)), x32, False
+            "nnx_mlp3", "NNX MLP width 32 depth 3, same model", lambda: MLP(32, 3, nnx.Rngs(0)), x32, False, linen_mlp
         ),
         "nnx_mlp24": lambda: forward(
             "nnx_mlp24", "NNX MLP width 32 depth 24, same model", lambda: MLP(32, 24, nnx.Rngs(0)), x32, False
@@ -232,7 +333,51 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
             True,
         ),
         "nnx_train": lambda: optimizer_step("nnx_train", "NNX MLP w32 d3 + nnx.Optimizer(adam) step", 32, 3, 8),
+        "cnn": lambda: forward(
+            "cnn",
+            "small CNN (2 conv 3x3, 16 channels) on one 16x16 image: NNX vs Linen, same weights",
+            lambda: CNN(16, nnx.Rngs(0)),
+            jnp.ones((1, 16, 16, 3)),
+            False,
+            linen_cnn,
+        ),
     }
+    if not quick:  # compute-bound sizes: what share of a step the overhead is
+        out |= {
+            "nnx_mlp3_compute": lambda: forward(
+                "nnx_mlp3_compute",
+                "NNX MLP width 512 depth 3, batch 256 (compute-bound)",
+                lambda: MLP(512, 3, nnx.Rngs(0)),
+                jnp.ones((256, 512)),
+                False,
+                linen_mlp,
+            ),
+            "cnn_compute": lambda: forward(
+                "cnn_compute",
+                "CNN 64 channels on 32 images of 32x32 (compute-bound): NNX vs Linen",
+                lambda: CNN(64, nnx.Rngs(0)),
+                jnp.ones((32, 32, 32, 3)),
+                False,
+                linen_cnn,
+            ),
+            "nnx_bn_dropout_compute": lambda: forward(
+                "nnx_bn_dropout_compute",
+                "NNX Linear+BatchNorm+Dropout width 1024, batch 512, train mode (compute-bound)",
+                lambda: BNDrop(1024, nnx.Rngs(0)),
+                jnp.ones((512, 1024)),
+                True,
+            ),
+            "nnx_decode_compute": lambda: forward(
+                "nnx_decode_compute",
+                "KV-cache decode step, dim 512, cache 2048 (compute-bound)",
+                lambda: TinyDecoder(4096, 512, 2048, nnx.Rngs(0)),
+                jnp.asarray(3, jnp.int32),
+                True,
+            ),
+            "nnx_train_compute": lambda: optimizer_step(
+                "nnx_train_compute", "NNX MLP w512 d3 + nnx.Optimizer(adam), batch 256 (compute-bound)", 512, 3, 256
+            ),
+        }
     return out
 
 

@@ -51,3 +51,46 @@ def test_a_wrong_variant_is_reported_as_failed_not_timed():
 def test_unknown_workload_is_an_error():
     with pytest.raises(SystemExit):
         bench_main.main(["--only", "nope"])
+
+
+def test_leaf_sweep_plot(tmp_path):
+    png = tmp_path / "sweep.png"
+    code = bench_main.main(["--only", "leaves_10", "--rounds", "1", "--round-ms", "0.2", "--plot", str(png)])
+    assert code == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cross_framework_workloads_are_proven_equal():
+    """The 3D transposed conv (eqx vs Flax) and the CNN (NNX vs Linen) pass their
+    equality checks; a wrong conversion would be reported as FAILED."""
+    from bench import _cross_workloads, _nnx_workloads
+
+    for workload in (
+        _cross_workloads.build(quick=True)["conv3d_transpose"](),
+        _nnx_workloads.build(quick=True)["cnn"](),
+    ):
+        errors = _harness.verify(workload)
+        assert all(e is None for e in errors.values()), errors
+
+
+def test_a_wrong_layout_conversion_is_caught():
+    """Using the Equinox kernel without transposing it to Flax's layout must fail the check."""
+    from bench import _cross_workloads
+
+    workload = _cross_workloads.conv_transpose_3d("w", "", 2, 3)
+    broken = [v for v in workload.variants if v.name == "linen jax.jit(apply)"][0]
+    import jax
+
+    def make_wrong():
+        import jax.numpy as jnp
+        from flax import linen
+
+        m = linen.ConvTranspose(2, kernel_size=(3, 3, 3), strides=(2, 2, 2), padding="VALID")
+        params = {"params": {"kernel": jnp.ones((3, 3, 3, 2, 2)), "bias": jnp.zeros(2)}}
+        x = jnp.ones((1, 3, 3, 3, 2))
+        f = jax.jit(m.apply)
+        return lambda: f(params, x)
+
+    broken.make = make_wrong
+    errors = _harness.verify(workload)
+    assert errors["linen jax.jit(apply)"] is not None

@@ -1,0 +1,132 @@
+"""Leaf-scaling sweep: microseconds per call against the number of array leaves.
+
+The model holds N small arrays and uses every one of them (an unused leaf would
+be pruned from the executable and make the floor cheaper), so what grows with N
+is the per-leaf cost of each call path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import fastcall
+
+from ._harness import Row, Variant, Workload, allclose_tree
+
+PREFIX = "leaves_"
+
+
+class Leaves(eqx.Module):
+    arrays: tuple
+
+    def __call__(self, x):
+        return x + jnp.concatenate(self.arrays).sum()  # one cheap op that reads every leaf
+
+
+class NNXLeaves(nnx.Module):
+    def __init__(self, values: list[Any]):
+        self.arrays = nnx.List([nnx.Param(v) for v in values])
+
+    def __call__(self, x):
+        return x + jnp.concatenate([p[...] for p in self.arrays]).sum()
+
+
+def _compare(ref: list[Any], outs: list[Any]) -> None:
+    for a, b in zip(ref, outs):
+        allclose_tree(a, b, rtol=1e-4, atol=1e-4)
+
+
+def leaves_workload(n: int) -> Workload:
+    values = [jnp.full((4,), (i % 7) * 0.01, jnp.float32) for i in range(n)]
+    model = Leaves(tuple(values))
+    x = jnp.ones(4)
+
+    def call(m, x):
+        return m(x)
+
+    def make_floor():
+        f = jax.jit(lambda *a: call(Leaves(a[:-1]), a[-1]))
+        args = (*values, x)
+        return lambda: f(*args)
+
+    def eqx_variant(wrap: Callable[[Any], Any]):
+        def make():
+            f = wrap(call)
+            return lambda: f(model, x)
+
+        return make
+
+    def make_partitioned():
+        dynamic, static = eqx.partition(model, eqx.is_array)
+        f = jax.jit(lambda d, x: call(eqx.combine(d, static), x))
+        return lambda: f(dynamic, x)
+
+    def nnx_variant(wrap: Callable[[Any], Any]):
+        def make():
+            m = NNXLeaves(values)
+            f = wrap(call)
+            return lambda: f(m, x)
+
+        return make
+
+    def make_jit_partial():
+        f = nnx.jit_partial(call, NNXLeaves(values), graph=False)
+        return lambda: f(x)
+
+    return Workload(
+        f"{PREFIX}{n}",
+        f"{n} array leaves, every one used",
+        [
+            Variant("floor", make_floor, note="jax.jit on the flat leaves"),
+            Variant("fastcall.jit", eqx_variant(fastcall.jit), note="Equinox model"),
+            Variant("eqx.filter_jit", eqx_variant(eqx.filter_jit)),
+            Variant("jax.jit(partitioned)", make_partitioned),
+            Variant("fastcall.jit (nnx)", nnx_variant(fastcall.jit), note="NNX model"),
+            Variant("nnx.jit", nnx_variant(nnx.jit)),
+            Variant("nnx.jit(graph=False)", nnx_variant(lambda f: nnx.jit(f, graph=False))),
+            Variant("nnx.jit_partial(graph=False)", make_jit_partial),
+        ],
+        _compare,
+    )
+
+
+def build(sizes: list[int]) -> dict[str, Callable[[], Workload]]:
+    return {f"{PREFIX}{n}": (lambda n=n: leaves_workload(n)) for n in sizes}
+
+
+def plot(rows: list[Row], path: str, machine_line: str) -> bool:
+    """Write the sweep as a log-log PNG; False if there is nothing to plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        if r.workload.startswith(PREFIX) and r.median_us is not None:
+            series.setdefault(r.variant, []).append((int(r.workload[len(PREFIX) :]), r.median_us))
+    if not series:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for name, points in series.items():
+        points.sort()
+        style = "-" if "fastcall" in name or name == "floor" else "--"
+        width = 2.5 if "fastcall" in name else 1.5
+        ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", lw=width, label=name)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("array leaves in the model")
+    ax.set_ylabel("microseconds per call (median of interleaved rounds)")
+    ax.set_title("Dispatch cost against number of leaves")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.text(0.01, 0.005, machine_line.replace("\n", " | "), fontsize=5.5, alpha=0.7)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
