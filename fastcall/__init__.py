@@ -9,6 +9,7 @@ from ._jit import partial as partial
 from ._stats import Change as Change
 from ._stats import JitStats as JitStats
 from ._stats import Recompile as Recompile
+from ._stats import RecompileWarning as RecompileWarning
 from ._trace import currently_jitting as currently_jitting
 
 __version__ = "0.1.0"

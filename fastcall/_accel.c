@@ -19,7 +19,7 @@
  * or import, fastcall behaves identically, only ~0.5 us slower per call.
  *
  * Layout of an identity-cache entry (see _flatten.py):
- *   by_id[id(obj)] = (ref, leaves, spec_id, bound)
+ *   by_id[id(obj)] = (ref, leaves, spec_id, bound, spec)
  *   bound[state]   = (nargs, call, post_or_None)
  */
 #define PY_SSIZE_T_CLEAN
@@ -34,7 +34,7 @@ typedef struct {
     PyObject *state;       /* key of this wrapped function in entry[3] */
     PyObject *array_type;  /* jaxlib ArrayImpl */
     PyObject *varies_exc;  /* _StructureVaries: retry through the fallback */
-    PyObject *on_error;    /* called with any other exception; re-raises it (translated) */
+    PyObject *on_error;    /* on_error(exception, args): re-raises it, made clearer */
     PyObject *nnx_fast;    /* dict: id(nnx object) -> (ref, variables, bound) */
     PyObject *raw_desc;    /* the Variable._raw_value slot descriptor */
     Py_ssize_t calls;      /* calls served here (added to JitStats.calls) */
@@ -66,7 +66,18 @@ fw_failed(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *kwn
     if (tb != NULL && value != NULL) {
         PyException_SetTraceback(value, tb);
     }
-    PyObject *res = value ? PyObject_CallOneArg(self->on_error, value) : NULL;
+    PyObject *res = NULL;
+    if (value != NULL) {
+        PyObject *argtuple = PyTuple_New(PyVectorcall_NARGS(nargsf));
+        if (argtuple != NULL) {
+            for (Py_ssize_t i = 0; i < PyVectorcall_NARGS(nargsf); i++) {
+                Py_INCREF(args[i]);
+                PyTuple_SET_ITEM(argtuple, i, args[i]);
+            }
+            res = PyObject_CallFunctionObjArgs(self->on_error, value, argtuple, NULL);
+            Py_DECREF(argtuple);
+        }
+    }
     Py_XDECREF(type);
     Py_XDECREF(value);
     Py_XDECREF(tb);
@@ -203,7 +214,7 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
         return res;
     }
     Py_DECREF(key);
-    if (!PyTuple_CheckExact(hit) || PyTuple_GET_SIZE(hit) != 4) {
+    if (!PyTuple_CheckExact(hit) || PyTuple_GET_SIZE(hit) < 4) {
         return fw_fallback(self, args, nargsf, kwnames);
     }
     PyObject *ref = PyTuple_GET_ITEM(hit, 0);

@@ -130,13 +130,18 @@ class Spec:
 
 
 _intern_lock = threading.Lock()
-_spec_ids: dict[Any, Any] = {}  # key -> Spec (or NNX NodeSpec)
-_spec_by_id: dict[int, Any] = {}
+# key -> Spec (or NNX NodeSpec), oldest first; at most MAX_SPECS (then the oldest is
+# dropped: an equal structure seen later gets a new id and compiles again).
+_spec_ids: dict[Any, Any] = {}
+MAX_SPECS = 16384
+# id -> Spec, weakly: a spec lives while the intern table, a compiled entry, a template
+# or a cached object refers to it.
+_spec_by_id: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _next_id = itertools.count(1)
 
 ARRAY_SPEC = Spec("array", None, (True,), ())
 ARRAY_SPEC.id = 0
-_spec_by_id[0] = ARRAY_SPEC
+_spec_by_id[0] = ARRAY_SPEC  # (held by this module global)
 
 
 def spec_by_id(spec_id: int) -> Any:
@@ -155,6 +160,8 @@ def intern(spec: Any, key: Any) -> Any:
         spec.id = next(_next_id)
         _spec_ids[key] = spec
         _spec_by_id[spec.id] = spec
+        while len(_spec_ids) > MAX_SPECS:
+            _spec_ids.pop(next(iter(_spec_ids)))
         return spec
 
 
@@ -166,7 +173,7 @@ def _unhashable_error(arg_name: str, value: Any, err: Exception) -> FastcallErro
                 continue
             try:
                 hash(leaf_key(leaf))
-                leaf_key(leaf) == leaf_key(leaf)  # noqa: B015 - __eq__ may raise too
+                bool(leaf == leaf)  # __eq__ may raise too (tuples would skip it by identity)
             except Exception as leaf_err:
                 return FastcallError(
                     f"fastcall.jit: {describe_arg(arg_name, keystr(path))} is a static "
@@ -240,7 +247,8 @@ class _Ref(weakref.ref):
 # plain arrays: (number of arguments, compiled function with this object's
 # leaves already bound, post-processing or None). `unbind` drops them when the
 # state's compiled entries are replaced or cleared.
-by_id: dict[int, tuple[Callable[[], Any], Sequence[Any], int, dict[Any, Any]]] = {}
+# The fifth element is the Spec itself, which keeps it alive while the object is cached.
+by_id: dict[int, tuple[Callable[[], Any], Sequence[Any], int, dict[Any, Any], Any]] = {}
 
 
 def _evict(ref: _Ref, _by_id: dict = by_id) -> None:
@@ -252,23 +260,23 @@ def _evict(ref: _Ref, _by_id: dict = by_id) -> None:
         _by_id.pop(ref.oid, None)
 
 
-def remember(obj: Any, leaves: Sequence[Any], spec_id: int) -> None:
+def remember(obj: Any, leaves: Sequence[Any], spec: Any) -> None:
     """Cache `obj`'s dynamic leaves by identity (no-op for non-weakrefable objects)."""
     try:
         ref = _Ref(obj, _evict)
     except TypeError:
         return
     ref.oid = id(obj)
-    by_id[ref.oid] = (ref, leaves, spec_id, {})
+    by_id[ref.oid] = (ref, leaves, spec.id, {}, spec)
 
 
-def remember_strongly(obj: Any, leaves: Sequence[Any], spec_id: int) -> Any:
+def remember_strongly(obj: Any, leaves: Sequence[Any], spec: Any) -> Any:
     """Cache a non-weakrefable immutable object (a tuple such as an optax state) by
     identity, holding it alive so that its id cannot be reused while cached. The
     caller must `forget_strong` the returned token soon (fastcall keeps only the
     outputs of the latest call of each compiled entry)."""
     token = functools.partial(_first, (obj,))  # calling it returns obj, like a weakref
-    by_id[id(obj)] = (token, leaves, spec_id, {})
+    by_id[id(obj)] = (token, leaves, spec.id, {}, spec)
     return id(obj), token
 
 
@@ -290,8 +298,6 @@ def clear() -> None:
     templates.clear()
     with _intern_lock:
         _spec_ids.clear()
-        for k in [k for k in _spec_by_id if k != 0]:
-            del _spec_by_id[k]
 
 
 # --------------------------------------------------------------------------

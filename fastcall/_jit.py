@@ -202,9 +202,9 @@ class _OutInfo:
                 continue
             item = result if index is None else result[index]
             if type(item) is tuple:
-                strong.append(_flatten.remember_strongly(item, tuple(dyn[start:stop]), spec_id))
+                strong.append(_flatten.remember_strongly(item, tuple(dyn[start:stop]), spec_by_id(spec_id)))
             else:
-                remember(item, tuple(dyn[start:stop]), spec_id)
+                remember(item, tuple(dyn[start:stop]), spec_by_id(spec_id))
 
 
 def _registrations(out: Any, mask: tuple[bool, ...]):
@@ -248,6 +248,49 @@ def _translate(err: BaseException) -> None:
         msg = info[0] if info else str(err)
         raise eqx.EquinoxRuntimeError(msg) from None
     raise err
+
+
+def _on_error(err: BaseException, args: Any = (), kwargs: Any = None, state: Any = None) -> None:
+    """Re-raise an exception from running a compiled function, made clearer where we can:
+    a deleted (e.g. donated) input array is named by argument and leaf path; an
+    `eqx.error_if` failure becomes `eqx.EquinoxRuntimeError`. Always raises."""
+    if isinstance(err, RuntimeError) and "has been deleted" in str(err):
+        culprit = _find_deleted(args, kwargs or {}, state)
+        if culprit is not None:
+            raise FastcallError(
+                f"fastcall.jit: {culprit} is a deleted array: it was donated to an earlier call "
+                "(donate=... / donate_argnums) or deleted explicitly, and cannot be used again. "
+                "Pass the new value returned by that call instead, or do not donate it."
+            ) from err
+    _translate(err)
+
+
+def _find_deleted(args: Any, kwargs: dict[str, Any], state: Any) -> str | None:
+    from ._errors import describe_arg
+
+    named = [(state.arg_name(i) if state is not None else f"args[{i}]", a) for i, a in enumerate(args)]
+    named += list(kwargs.items())
+    for name, value in named:
+        if _nnx.is_node(value):
+            try:
+                flat = _nnx.graphlib.flatten(value, with_paths=True)[1]
+                pairs = [
+                    ("." + ".".join(map(str, p)), v.get_raw_value() if isinstance(v, _nnx.Variable) else v)
+                    for p, v in zip(flat.paths, flat.leaves)
+                ]
+            except Exception:
+                continue
+        else:
+            pairs = [(jax.tree_util.keystr(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(value)[0]]
+        for path, leaf in pairs:
+            is_deleted = getattr(leaf, "is_deleted", None)
+            if is_deleted is not None and not isinstance(leaf, Tracer):
+                try:
+                    if is_deleted():
+                        return describe_arg(name, path)
+                except Exception:
+                    pass
+    return None
 
 
 class _QuietEquinoxCallbacks(logging.Filter):
@@ -422,6 +465,8 @@ class _JitState:
         self.donate_argnames = frozenset(_as_tuple(options["donate_argnames"]))
         self.needs_slow_path = bool(self.static_argnums or self.static_argnames)
         self.accelerated: weakref.WeakSet[Any] = weakref.WeakSet()  # C wrappers (their call counts)
+        self.storm_warned = False
+        self.name = getattr(user_fun, "__qualname__", None) or type(user_fun).__name__
         _all_states.add(self)
 
     def _argnums(self, argnums: Any, argnames: Any) -> frozenset[int]:
@@ -462,7 +507,7 @@ class _JitState:
                 leaves += found
                 spec = template.spec
                 if spec.cacheable:
-                    remember(value, found, spec.id)
+                    remember(value, found, spec)
                 return spec.id
         if isinstance(value, ARRAY_TYPES):
             if isinstance(value, Tracer):
@@ -477,7 +522,7 @@ class _JitState:
             raise _StepAside
         leaves.extend(dynamic)
         if spec.cacheable:
-            remember(value, tuple(dynamic), spec.id)
+            remember(value, tuple(dynamic), spec)
         if not spec.templated:
             spec.templated = True
             _flatten.learn(value, spec, dynamic)
@@ -519,6 +564,11 @@ class _JitState:
                 return found
             e = _Entry()
             self._build(e, key, fun)
+            if len(self.table) >= MAX_SIGNATURES:
+                # Drop the oldest static signature (its compiled programs go with it).
+                self.table.pop(next(iter(self.table)))
+                _flatten.unbind(self)
+                _nnx.unbind(self)
             self.table[key] = e
             return e
 
@@ -650,11 +700,18 @@ class _JitState:
     def on_trace(self, named_values: list[tuple[str, Any]]) -> None:
         """Count a trace and explain it if it is a recompile. Trace time only."""
         signature = _stats.describe(named_values)
+        storm = None
         with self.lock:
             self.traces += 1
             if self.last_signature is not None:
                 self.recompiles.append(_stats.Recompile(_stats.diff(self.last_signature, signature)))
+                del self.recompiles[:-_stats.MAX_RECOMPILE_RECORDS]
             self.last_signature = signature
+            if not self.storm_warned:
+                storm = _stats.storm(self.traces, self.recompiles)
+                self.storm_warned = storm is not None
+        if storm is not None:
+            warnings.warn(f"fastcall.jit({self.name}): {storm}", _stats.RecompileWarning, stacklevel=2)
 
     def make_varying(self, key: tuple[Any, ...], old: _Entry, fun: Any) -> _Entry:
         """Swap in an entry that carries its output structure through jax (rare)."""
@@ -685,6 +742,8 @@ class _JitState:
             _nnx.unbind(self)
 
 
+# Bounds on what fastcall keeps (documented in README "Guarantees and limits").
+MAX_SIGNATURES = 1024  # static signatures (compiled entries) per wrapped function
 _all_states: weakref.WeakSet[_JitState] = weakref.WeakSet()
 _states: dict[Any, _JitState] = {}
 _states_lock = threading.Lock()
@@ -738,7 +797,7 @@ def _as_tuple(x: Any) -> tuple[Any, ...]:
 
 
 _SCALARS = (int, float, bool, str, complex, type(None))
-_scalar_specs: dict[Any, int] = {}
+_scalar_specs: dict[Any, Spec] = {}
 
 
 def _scalar_spec(value: Any) -> int | None:
@@ -746,13 +805,13 @@ def _scalar_spec(value: Any) -> int | None:
     if type(value) not in _SCALARS:
         return None
     key = _flatten.leaf_key(value)
-    spec_id = _scalar_specs.get(key)
-    if spec_id is None:
+    spec = _scalar_specs.get(key)
+    if spec is None:
         spec, _ = _flatten.flatten_generic(value, "scalar")
         if len(_scalar_specs) > 4096:
             _scalar_specs.clear()
-        _scalar_specs[key] = spec_id = spec.id
-    return spec_id
+        _scalar_specs[key] = spec
+    return spec.id
 
 
 def _state_for(fun: Any, fun_spec: Spec, options: dict[str, Any]) -> _JitState:
@@ -960,6 +1019,7 @@ def _with_out_shardings(fun: Any, shardings: Any) -> Any:
 
 def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> Any:
     table = state.table
+    on_error = functools.partial(_on_error, state=state)
     by_id_get = _flatten.by_id.get
     nnx_get = _nnx.by_id.get
     raw_value = _nnx.raw_value
@@ -992,8 +1052,8 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
                             out = bound[1](*rest)
                         except _StructureVaries:
                             pass  # the general path below switches entries
-                        except (_JaxRuntimeError, ValueError) as err:
-                            _translate(err)
+                        except (RuntimeError, ValueError) as err:
+                            on_error(err, args)
                         else:
                             return out if bound[2] is None else bound[2](out)
             else:
@@ -1015,8 +1075,8 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
                                     out = bound[1](*values, *rest)
                                 except _StructureVaries:
                                     pass  # the general path below switches entries
-                                except (_JaxRuntimeError, ValueError) as err:
-                                    _translate(err)
+                                except (RuntimeError, ValueError) as err:
+                                    on_error(err, args)
                                 else:
                                     if bound[2] is not None:
                                         return bound[2](out, [(a, node.items)])
@@ -1065,8 +1125,8 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
         except _StructureVaries:
             entry = state.make_varying(key_t, entry, fun)
             out = entry.fn(*leaves)
-        except (_JaxRuntimeError, ValueError) as err:
-            _translate(err)  # an eqx.error_if check failed while running
+        except (RuntimeError, ValueError) as err:
+            on_error(err, args)  # an eqx.error_if check failed, a deleted array, ...
         if nnx_refs:
             if len(nnx_refs) == 1 and nnx_refs[0][0] is args[0] and not fun_leaves and not entry.varies:
                 _bind_first_nnx(args, key_t, entry)
@@ -1117,8 +1177,8 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
         except _StructureVaries:
             entry = state.make_varying(key_t, entry, fun)
             out = entry.fn(*leaves)
-        except (_JaxRuntimeError, ValueError) as err:
-            _translate(err)
+        except (RuntimeError, ValueError) as err:
+            on_error(err, args, kwargs)
         if nnx_refs and entry.post_nnx is not None:
             return entry.post_nnx(out, nnx_refs)
         return out if entry.passthrough else entry.post(out)
@@ -1154,7 +1214,7 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
             state,
             ArrayImpl,
             _StructureVaries,
-            _translate,
+            on_error,
             _nnx.fast,
             _nnx.RAW_VALUE_SLOT,
         )
@@ -1214,8 +1274,8 @@ class Compiled:
         entry = low._entry
         try:
             out = self._compiled(*leaves)
-        except (_JaxRuntimeError, ValueError) as err:
-            _translate(err)
+        except (RuntimeError, ValueError) as err:
+            _on_error(err, args, kwargs, low._state)
         if entry.varies:
             return _post_varying_nnx(out, nnx_refs) if nnx_refs else _post_varying(out)
         if nnx_refs and entry.post_nnx is not None:

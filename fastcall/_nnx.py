@@ -139,11 +139,12 @@ _install_hooks()
 class NodeEntry:
     """What fastcall knows about one NNX object: its spec id, Variables, fixed leaves."""
 
-    __slots__ = ("ref", "spec_id", "items", "all_vars", "stale", "watched", "fresh", "bound", "__weakref__")
+    __slots__ = ("ref", "spec_id", "spec", "items", "all_vars", "stale", "watched", "fresh", "bound", "__weakref__")
 
-    def __init__(self, ref: Any, spec_id: int, items: list[Any], watched: list[int]) -> None:
+    def __init__(self, ref: Any, spec: Any, items: list[Any], watched: list[int]) -> None:
         self.ref = ref
-        self.spec_id = spec_id
+        self.spec = spec  # held: keeps the interned spec (and its id) alive
+        self.spec_id = spec.id
         self.items = items  # Variables, or fixed raw values (array attributes)
         self.all_vars = all(isinstance(x, Variable) for x in items)
         self.stale = False
@@ -236,7 +237,7 @@ def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
     watched_nodes = _graph_nodes(obj)
     ref = _Ref(obj, _evict)
     ref.oid = id(obj)
-    entry = NodeEntry(ref, spec.id, items, [id(n) for n in watched_nodes])
+    entry = NodeEntry(ref, spec, items, [id(n) for n in watched_nodes])
     with _watch_lock:
         for n in watched_nodes:
             _watchers.setdefault(id(n), []).append(entry)

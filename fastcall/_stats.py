@@ -101,3 +101,45 @@ def _around_first_difference(a: str, b: str, width: int = 50) -> tuple[str, str]
     start = max(0, i - width)
     clip = lambda s: ("..." if start else "") + s[start : i + width] + ("..." if len(s) > i + width else "")  # noqa: E731
     return clip(a), clip(b)
+
+
+class RecompileWarning(UserWarning):
+    """A wrapped function keeps recompiling because the same input keeps changing."""
+
+
+MAX_RECOMPILE_RECORDS = 256  # JitStats.recompiles keeps the most recent ones
+STORM_COMPILES = 8  # warn once a function has compiled this often ...
+STORM_WINDOW = 6  # ... and the same leaf changed in this many of the latest recompiles
+
+
+def storm(traces: int, recompiles: list[Recompile]) -> str | None:
+    """A warning message if the latest recompiles keep changing the same input, else None."""
+    if traces < STORM_COMPILES or len(recompiles) < STORM_WINDOW:
+        return None
+    recent = recompiles[-STORM_WINDOW:]
+    counts: dict[tuple[str, str], int] = {}
+    for r in recent:
+        for c in {(c.argument, c.path) for c in r.changes}:
+            counts[c] = counts.get(c, 0) + 1
+    culprits = [k for k, n in counts.items() if n == STORM_WINDOW]
+    if not culprits:
+        return None
+    argument, path = culprits[0]
+    last = next(c for c in recent[-1].changes if (c.argument, c.path) == (argument, path))
+    where = argument + (" " + path if path.startswith("(") else path)
+    if last.old.startswith("static") or last.new.startswith("static"):
+        advice = (
+            "A non-array value is part of the compile key, so every new value compiles a new "
+            "program: pass it as an array (jnp.asarray(value)) to trace it instead."
+        )
+    elif last.old.startswith("array") and last.new.startswith("array"):
+        advice = (
+            "Every new shape or dtype compiles a new program: pad inputs to a few fixed sizes "
+            "(bucketing), or keep the dtype fixed."
+        )
+    else:
+        advice = "Every new structure compiles a new program: keep the structure of this input fixed."
+    return (
+        f"compiled {traces} times; each of the last {STORM_WINDOW} recompiles changed {where} "
+        f"(latest: {last.old} -> {last.new}). {advice} (See .stats().recompiles for the history.)"
+    )
