@@ -1,0 +1,69 @@
+"""Sharded models on 8 simulated CPU devices, and two JAX processes over loopback.
+
+Each check runs in its own Python process: the device count is fixed when JAX
+starts, so the child gets XLA_FLAGS=--xla_force_host_platform_device_count=N
+from this test (the test session itself keeps its single device).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "tests" / "scripts"
+
+
+def _env(devices: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def test_data_and_model_parallel_on_eight_devices():
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "sharded_check.py")],
+        env=_env(8),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "SHARDED CHECKS PASSED" in proc.stdout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_with_jax_distributed_on_loopback():
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPTS / "multiprocess_check.py"), str(i), port],
+            env=_env(2),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=240)
+            outputs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, (code, out, err) in enumerate(outputs):
+        assert code == 0, f"process {i}:\n{out[-2000:]}\n{err[-4000:]}"
+        assert f"process {i}: MULTIPROCESS CHECK PASSED" in out
