@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
-from . import _harness, _report, _sweep
+from . import _harness, _report, _serving, _sweep
 from ._registry import workloads
+
+
+SERVING = "serving"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         help="run the leaf-scaling sweep (10 to 2000 leaves) and plot us/call against leaves",
     )
     p.add_argument("--list", action="store_true", help="list workloads and exit")
+    p.add_argument("--requests", type=int, help="serving: requests per call path per round (default 300)")
+    p.add_argument("--concurrency", type=int, default=8, help="serving: client threads (default 8)")
     args = p.parse_args(argv)
 
     quick = not args.full
@@ -32,13 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     round_s = (args.round_ms or (8.0 if quick else 25.0)) / 1000
     builders = workloads(quick, sweep=bool(args.plot))
     if args.list:
-        for name in builders:
+        for name in [*builders, SERVING]:
             print(name)
         return 0
+    serving = not args.only or SERVING in args.only
     if args.only:
-        unknown = [w for w in args.only if w not in builders]
+        unknown = [w for w in args.only if w not in builders and w != SERVING]
         if unknown:
-            p.error(f"unknown workload(s) {unknown}; choose from {list(builders)}")
+            p.error(f"unknown workload(s) {unknown}; choose from {[*builders, SERVING]}")
         builders = {k: v for k, v in builders.items() if k in args.only}
 
     info = _report.machine()
@@ -60,12 +67,28 @@ def main(argv: list[str] | None = None) -> int:
 
         progress(f"{name}: verifying")
         rows += _harness.measure(workload, rounds, round_s, progress)
+    served: list[_serving.LoadResult] = []
+    if serving:
+        print(f"[serving] {args.concurrency} client threads on 127.0.0.1 ({time.time() - t0:.0f}s)", file=sys.stderr)
+        served = _serving.run(
+            requests=args.requests or (300 if quick else 2000),
+            concurrency=args.concurrency,
+            rounds=3 if quick else 7,
+        )
     print(file=sys.stderr)
 
     print(_report.machine_line(info) if not args.markdown else "")
-    print(_report.table(rows, markdown=args.markdown))
+    if rows:
+        print(_report.table(rows, markdown=args.markdown))
+    if served:
+        print(
+            f"\nserving: NNX/Equinox MLP width 32 depth 3 behind a threaded HTTP server on loopback, "
+            f"{args.concurrency} concurrent clients; medians over rounds\n"
+        )
+        print(_serving.table(served, markdown=args.markdown))
     if args.json:
-        _report.write_json(args.json, rows, info, {"rounds": rounds})
+        extra = {"rounds": rounds, "serving": [dataclasses.asdict(r) for r in served]}
+        _report.write_json(args.json, rows, info, extra)
     if args.plot:
         if _sweep.plot(rows, args.plot, _report.machine_line(info)):
             print(f"\nleaf-scaling plot written to {args.plot}", file=sys.stderr)

@@ -59,7 +59,7 @@ def table(rows: list[Row], markdown: bool) -> str:
         out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         out += ["| " + " | ".join(line) + " |" for line in lines]
         return "\n".join(out)
-    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+    widths = [max([len(h)] + [len(line[i]) for line in lines]) for i, h in enumerate(header)]
     fmt = "  ".join("{:<%d}" % w for w in widths)
     out = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
     out += [fmt.format(*line) for line in lines]

@@ -94,3 +94,9 @@ def test_a_wrong_layout_conversion_is_caught():
     broken.make = make_wrong
     errors = _harness.verify(workload)
     assert errors["linen jax.jit(apply)"] is not None
+
+
+def test_serving_workload(capsys):
+    assert bench_main.main(["--only", "serving", "--requests", "10", "--concurrency", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "p99 ms" in out and "fastcall.jit (nnx)" in out and "eqx.filter_jit" in out
