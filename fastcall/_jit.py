@@ -594,6 +594,8 @@ class _JitState:
         # returned and written back, so that the caller's Variables stay usable.
         donated = set(self._donated_slots(all_specs, pos_specs, kw_names))
         donated_slots = [slot in donated for slot, sp in enumerate(all_specs) if sp.kind == "nnx"]
+        # With in_shardings, written-back Variables keep their input sharding (as nnx.jit).
+        state_shardings = self._nnx_state_shardings(all_specs)
 
         def flat_fn(*dyn: Any) -> Any:
             values = []
@@ -630,7 +632,10 @@ class _JitState:
                     restructure.append((ordinal, graphdef, len(leaves)))
                     written += leaves
                     continue
+                shardings = state_shardings[ordinal]
                 for index, value in t.writes(everything=donated_slots[ordinal]):
+                    if shardings is not None and shardings[index] is not None:
+                        value = jax.lax.with_sharding_constraint(value, shardings[index])
                     writes.append((ordinal, index))
                     written.append(value)
             out, has_nodes = _mark_nodes(out, traced)
@@ -674,6 +679,27 @@ class _JitState:
         if opts["in_shardings"] is not _UNSPECIFIED:
             kw["in_shardings"] = _flat_shardings(opts["in_shardings"], all_specs, counts)
         return kw
+
+    def _nnx_state_shardings(self, all_specs: list[Any]) -> list[list[Any] | None]:
+        """Per NNX argument (in order): the in_shardings of its leaves, or None."""
+        shardings = self.options["in_shardings"]
+        out: list[list[Any] | None] = []
+        for slot, spec in enumerate(all_specs):
+            if spec.kind != "nnx":
+                continue
+            if shardings is _UNSPECIFIED or shardings is None:
+                out.append(None)
+                continue
+            entry = shardings[slot - 1] if isinstance(shardings, tuple) and 0 < slot <= len(shardings) else (
+                None if isinstance(shardings, tuple) else shardings
+            )
+            if entry is None:
+                out.append(None)
+            elif isinstance(entry, jax.sharding.Sharding):
+                out.append([entry] * spec.n_dyn)
+            else:
+                out.append(_nnx.leaf_shardings(spec, entry))
+        return out
 
     def _donated_slots(self, all_specs: list[Any], pos_specs: list[Any], kw_names: Any):
         """Slots (0: the function, then positional, then keyword arguments) donated."""
@@ -757,7 +783,10 @@ def _flat_shardings(shardings: Any, all_specs: list[Spec], counts: list[int]) ->
         return shardings
     flat: list[Any] = [None] * counts[0]
     for spec, n, sh in zip(all_specs[1:], counts[1:], list(shardings) + [None] * len(all_specs)):
-        if spec.kind == "tree" and sh is not None and not isinstance(sh, jax.sharding.Sharding):
+        if spec.kind == "nnx" and sh is not None and not isinstance(sh, jax.sharding.Sharding):
+            # nnx.StateSharding (filters -> shardings) or an nnx.prefix(...) result.
+            flat.extend(_nnx.leaf_shardings(spec, sh))
+        elif spec.kind == "tree" and sh is not None and not isinstance(sh, jax.sharding.Sharding):
             # A pytree prefix of the argument: broadcast it to the dynamic leaves.
             full = spec.treedef.unflatten([object()] * len(spec.mask))
             per_leaf = _broadcast_prefix(sh, full)

@@ -357,5 +357,26 @@ def apply_structure(graphdef: Any, values: list[Any], outer_objects: list[Any]) 
     graphlib.unflatten(graphdef, values, outer_index_outer_ref=outer)
 
 
+def leaf_shardings(spec: Any, prefix: Any) -> list[Any]:
+    """One sharding per leaf of an NNX argument, from an `nnx.StateSharding` (checked
+    against each Variable's path and type, as nnx.jit does) or from an `nnx.prefix`
+    result (one entry per leaf, in flatten order)."""
+    n = spec.n_dyn
+    if hasattr(prefix, "map_prefix") and hasattr(prefix, "filters"):
+        placeholder = graphlib.unflatten(spec.graphdef, [None] * n)
+        flat = graphlib.flatten(placeholder, with_paths=True)[1]
+        return [prefix.map_prefix(path, leaf) for path, leaf in zip(flat.paths, flat.leaves)]
+    import jax
+
+    leaves = jax.tree_util.tree_leaves(prefix, is_leaf=lambda x: x is None)
+    if len(leaves) != n:
+        raise FastcallError(
+            f"fastcall.jit: in_shardings for an NNX argument has {len(leaves)} entries but the "
+            f"object has {n} leaves. Pass one jax Sharding, an nnx.StateSharding, or "
+            "nnx.prefix(obj, ...) computed for this very object."
+        )
+    return leaves
+
+
 def write_back(items: list[Any], index: int, value: Any) -> None:
     _set_raw(items[index], value)

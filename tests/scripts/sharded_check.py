@@ -149,6 +149,27 @@ def nnx_checks():
         same_shardings(nnx.state(ours), nnx.state(theirs))
         close(nnx.state(ours), nnx.state(ref_model))
         assert ours.l1.kernel.get_raw_value().sharding.is_equivalent_to(before, 2)
+        # in_shardings with nnx.StateSharding and nnx.prefix, as nnx.jit takes them
+        rep = NamedSharding(mesh, P())
+        data = NamedSharding(mesh, P("data"))
+        layout = {  # how the parameters (and their Adam moments) were created
+            nnx.All(nnx.PathContains("l1"), nnx.PathContains("kernel")): NamedSharding(mesh, P(None, "model")),
+            nnx.All(nnx.PathContains("l2"), nnx.PathContains("kernel")): NamedSharding(mesh, P("model", None)),
+            ...: rep,
+        }
+        state_sharding = nnx.StateSharding(layout)
+        opt_sharding = nnx.StateSharding(layout)
+        a2, b2 = Block(nnx.Rngs(0)), Block(nnx.Rngs(0))
+        oa2, ob2 = (nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param) for m in (a2, b2))
+        f2 = fastcall.jit(train_step, in_shardings=(state_sharding, opt_sharding, data, data))
+        g2 = nnx.jit(train_step, in_shardings=(state_sharding, opt_sharding, data, data))
+        for _ in range(2):
+            close(f2(a2, oa2, xs, ys), g2(b2, ob2, xs, ys))
+        same_shardings(nnx.state(a2), nnx.state(b2))
+        close(nnx.state(a2), nnx.state(b2))
+        prefix = nnx.prefix(a2, layout)
+        f3 = fastcall.jit(lambda m, x: m(x), in_shardings=(prefix, data))
+        close(f3(a2, xs), nnx.jit(lambda m, x: m(x))(b2, xs))
         serve = fastcall.partial(lambda m, x: m(x), ours)
         out = serve(xs)
         close(out, ref_model(x))
