@@ -28,20 +28,12 @@ from flax import nnx
 
 import fastcall
 
-
-class NNXModel(nnx.Module):
-    def __init__(self, width: int, depth: int, rngs: nnx.Rngs):
-        self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(depth)])
-
-    def __call__(self, x):
-        for layer in self.layers[:-1]:
-            x = nnx.relu(layer(x))
-        return self.layers[-1](x)
+from ._nnx_workloads import MLP
 
 
 def models(width: int, depth: int) -> tuple[Any, Any]:
     """An NNX model and an Equinox model with the same weights (layout converted)."""
-    nm = NNXModel(width, depth, nnx.Rngs(0))
+    nm = MLP(width, depth, nnx.Rngs(0))
     em = eqx.nn.MLP(width, width, width, depth - 1, key=jax.random.PRNGKey(0))
     for i, layer in enumerate(nm.layers):
         em = eqx.tree_at(lambda m, i=i: m.layers[i].weight, em, layer.kernel[...].T)  # (in,out) -> (out,in)

@@ -15,6 +15,8 @@ from flax import nnx
 
 import fastcall
 
+from bench._nnx_workloads import TinyDecoder  # the same decoder the benchmark times
+
 from .conftest import assert_trees_equal
 
 pytestmark = pytest.mark.usefixtures("hot_path")
@@ -154,32 +156,6 @@ def test_optimizer_ten_steps(wrap):
     assert_same_state(m1, m2)
     assert_same_state(o1, o2)
     assert int(o1.step[...]) == 10
-
-
-class TinyDecoder(nnx.Module):
-    """One attention layer over a KV cache held in nnx.Cache variables."""
-
-    def __init__(self, vocab: int, dim: int, max_len: int, rngs: nnx.Rngs):
-        self.embed = nnx.Embed(vocab, dim, rngs=rngs)
-        self.q = nnx.Linear(dim, dim, rngs=rngs)
-        self.k = nnx.Linear(dim, dim, rngs=rngs)
-        self.v = nnx.Linear(dim, dim, rngs=rngs)
-        self.out = nnx.Linear(dim, vocab, rngs=rngs)
-        self.k_cache = nnx.Cache(jnp.zeros((max_len, dim)))
-        self.v_cache = nnx.Cache(jnp.zeros((max_len, dim)))
-        self.index = nnx.Cache(jnp.zeros((), jnp.int32))
-        self.max_len = max_len
-
-    def __call__(self, token):
-        h = self.embed(token)
-        i = self.index[...]
-        self.k_cache[...] = jax.lax.dynamic_update_slice(self.k_cache[...], self.k(h)[None], (i, 0))
-        self.v_cache[...] = jax.lax.dynamic_update_slice(self.v_cache[...], self.v(h)[None], (i, 0))
-        scores = self.k_cache[...] @ self.q(h)
-        scores = jnp.where(jnp.arange(self.max_len) <= i, scores, -jnp.inf)
-        ctx = jax.nn.softmax(scores) @ self.v_cache[...]
-        self.index[...] = i + 1
-        return jnp.argmax(self.out(ctx + h)).astype(jnp.int32)
 
 
 @pytest.mark.parametrize("wrap", FASTCALL)
