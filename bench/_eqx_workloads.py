@@ -58,6 +58,10 @@ def forward(name: str, description: str, model: Any, x: Any) -> Workload:
         f = fastcall.jit(call)
         return lambda: f(model, x)
 
+    def make_partial():
+        f = fastcall.partial(call, model)
+        return lambda: f(x)
+
     def make_filter_jit():
         f = eqx.filter_jit(call)
         return lambda: f(model, x)
@@ -78,6 +82,7 @@ def forward(name: str, description: str, model: Any, x: Any) -> Workload:
             Variant("eager", make_eager, timed=False),
             Variant("floor", make_floor, note="jax.jit on the pre-flattened leaf list"),
             Variant("fastcall.jit", make_fastcall),
+            Variant("fastcall.partial", make_partial, note="model bound once"),
             Variant("eqx.filter_jit", make_filter_jit, note="model as argument"),
             Variant("eqx.filter_jit (closure)", make_filter_jit_closure, note="model closed over"),
             Variant("jax.jit(partitioned)", make_partitioned, note="eqx.partition'ed pytree as argument"),
@@ -272,6 +277,12 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
                 "eqx_mlp3_compute",
                 "eqx.nn.MLP width 512 depth 3, batch 256 (compute-bound)",
                 _Batched(mlp(3, 512)),
+                xb,
+            ),
+            "eqx_mlp24_compute": lambda: forward(
+                "eqx_mlp24_compute",
+                "eqx.nn.MLP width 512 depth 24, batch 256 (compute-bound)",
+                _Batched(mlp(24, 512)),
                 xb,
             ),
             "eqx_train_compute": lambda: train_step(

@@ -316,7 +316,7 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
             "nnx_mlp3", "NNX MLP width 32 depth 3, same model", lambda: MLP(32, 3, nnx.Rngs(0)), x32, False, linen_mlp
         ),
         "nnx_mlp24": lambda: forward(
-            "nnx_mlp24", "NNX MLP width 32 depth 24, same model", lambda: MLP(32, 24, nnx.Rngs(0)), x32, False
+            "nnx_mlp24", "NNX MLP width 32 depth 24, same model", lambda: MLP(32, 24, nnx.Rngs(0)), x32, False, linen_mlp
         ),
         "nnx_bn_dropout": lambda: forward(
             "nnx_bn_dropout",
@@ -348,6 +348,14 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
                 "nnx_mlp3_compute",
                 "NNX MLP width 512 depth 3, batch 256 (compute-bound)",
                 lambda: MLP(512, 3, nnx.Rngs(0)),
+                jnp.ones((256, 512)),
+                False,
+                linen_mlp,
+            ),
+            "nnx_mlp24_compute": lambda: forward(
+                "nnx_mlp24_compute",
+                "NNX MLP width 512 depth 24, batch 256 (compute-bound)",
+                lambda: MLP(512, 24, nnx.Rngs(0)),
                 jnp.ones((256, 512)),
                 False,
                 linen_mlp,
