@@ -32,6 +32,7 @@ import weakref
 from typing import Any, Callable, Sequence
 
 import equinox as eqx
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,6 +41,7 @@ from jax.tree_util import tree_flatten, tree_flatten_with_path, keystr
 from ._errors import FastcallError, describe_arg
 
 ArrayImpl = type(jnp.zeros(()))
+_NNX_TYPES = (nnx.Pytree, nnx.Variable)
 ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 
 
@@ -88,6 +90,13 @@ def _node_is_immutable(node_type: type) -> bool:
     return isinstance(node_type, type) and issubclass(node_type, eqx.Module)
 
 
+def _treedef_has_nnx(treedef: Any) -> bool:
+    node_data = treedef.node_data()
+    if node_data is not None and isinstance(node_data[0], type) and issubclass(node_data[0], _NNX_TYPES):
+        return True
+    return any(_treedef_has_nnx(c) for c in treedef.children())
+
+
 def _treedef_is_immutable(treedef: Any) -> bool:
     node_data = treedef.node_data()
     if node_data is not None and not _node_is_immutable(node_data[0]):
@@ -103,7 +112,9 @@ class Spec:
     static_argnums/argnames, compared by value).
     """
 
-    __slots__ = ("id", "kind", "treedef", "mask", "statics", "n_dyn", "cacheable", "templated", "__weakref__")
+    __slots__ = (
+        "id", "kind", "treedef", "mask", "statics", "n_dyn", "cacheable", "templated", "has_nnx", "__weakref__",
+    )
 
     treedef: Any
 
@@ -116,6 +127,7 @@ class Spec:
         self.n_dyn = sum(mask)
         self.cacheable = kind == "tree" and _treedef_is_immutable(treedef)
         self.templated = False  # whether learn() has been tried for this structure
+        self.has_nnx = kind == "tree" and _treedef_has_nnx(treedef)  # NNX objects nested inside
 
     def rebuild(self, dynamic: Sequence[Any]) -> Any:
         """Put `dynamic` leaves back together with the static ones."""

@@ -35,6 +35,7 @@ from jaxtyping import PyTree
 
 from . import _flatten, _nnx, _stats
 from ._errors import FastcallError
+from ._errors import describe_arg as _describe
 from ._flatten import ARRAY_TYPES, ArrayImpl, Spec, remember, spec_by_id
 from ._trace import Tracer, contains_tracer, current_trace_has_callback
 
@@ -194,9 +195,11 @@ class _OutInfo:
         """Cache returned modules (and tuples such as optimizer states) by identity, so
         that `model, opt_state = step(model, opt_state, ...)` hits the cache next step.
         Only concrete arrays (not tracers of an outer trace) may be cached."""
-        for old in self.strong:
+        strong: list[Any] = []
+        with _strong_lock:  # (two threads finishing calls of one program at once)
+            previous, self.strong = self.strong, strong
+        for old in previous:
             _flatten.forget_strong(old)
-        self.strong = strong = []
         for index, start, stop, spec_id in self.regs:
             if type(dyn[start]) is not ArrayImpl:
                 continue
@@ -205,6 +208,9 @@ class _OutInfo:
                 strong.append(_flatten.remember_strongly(item, tuple(dyn[start:stop]), spec_by_id(spec_id)))
             else:
                 remember(item, tuple(dyn[start:stop]), spec_by_id(spec_id))
+
+
+_strong_lock = threading.Lock()
 
 
 def _registrations(out: Any, mask: tuple[bool, ...]):
@@ -306,18 +312,20 @@ logging.getLogger("jax._src.callback").addFilter(_QuietEquinoxCallbacks())
 
 
 class _InputNode:
-    """Output marker: the function returned its k-th NNX argument (the caller's object is returned)."""
+    """Output marker: the function returned its k-th NNX argument, or the object at graph
+    index `index` inside it (a submodule, a Variable): the caller's own object is returned."""
 
-    __slots__ = ("k",)
+    __slots__ = ("k", "index")
 
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int, index: int = 0) -> None:
         self.k = k
+        self.index = index
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is _InputNode and other.k == self.k
+        return type(other) is _InputNode and (other.k, other.index) == (self.k, self.index)
 
     def __hash__(self) -> int:
-        return hash((_InputNode, self.k))
+        return hash((_InputNode, self.k, self.index))
 
 
 class _NewNode:
@@ -339,6 +347,11 @@ def _mark_nodes(out: Any, traced: list[Any]) -> tuple[Any, bool]:
     """Replace NNX objects in the output by markers (trace time)."""
     found = [False]
 
+    inner: dict[int, tuple[int, int]] = {}  # id(object rebuilt in the trace) -> (k, index)
+    for k, (t, _) in enumerate(traced):
+        for index, obj in t.index_ref.items():
+            inner.setdefault(id(obj), (k, index))
+
     def mark(x: Any) -> Any:
         if not _nnx.is_node(x):
             return x
@@ -346,6 +359,8 @@ def _mark_nodes(out: Any, traced: list[Any]) -> tuple[Any, bool]:
         for k, (t, _) in enumerate(traced):
             if x is t.node:
                 return _InputNode(k)
+        if id(x) in inner:
+            return _InputNode(*inner[id(x)])
         graphdef, values = _nnx.graphlib.flatten(x, with_paths=False)
         return _NewNode(graphdef, list(values))
 
@@ -356,7 +371,7 @@ def _mark_nodes(out: Any, traced: list[Any]) -> tuple[Any, bool]:
 def _unmark_nodes(result: Any, nnx_refs: list[tuple[Any, list[Any]]]) -> Any:
     def unmark(x: Any) -> Any:
         if type(x) is _InputNode:
-            return nnx_refs[x.k][0]
+            return nnx_refs[x.k][0] if x.index == 0 else _nnx.object_at(nnx_refs[x.k][0], x.index)
         if type(x) is _NewNode:
             return _nnx.graphlib.unflatten(x.graphdef, list(x.values))
         return x
@@ -387,9 +402,11 @@ class _Entry:
     (otherwise call `post`). jax.jit's own cache handles shapes and dtypes.
     """
 
-    __slots__ = ("fn", "passthrough", "post", "post_nnx", "out", "varies", "lock", "__weakref__")
+    __slots__ = ("fn", "passthrough", "post", "post_nnx", "out", "varies", "lock", "key", "on_varies", "__weakref__")
 
     def __init__(self) -> None:
+        self.key: Any = None
+        self.on_varies: Callable[[], Any] | None = None  # installs the varying replacement
         self.post_nnx: Callable[[Any, Any], Any] | None = None
         self.fn: Any = None
         self.passthrough = False
@@ -399,6 +416,7 @@ class _Entry:
         self.lock = threading.Lock()
 
     def set_out(self, info: _OutInfo) -> None:
+        varied = False
         with self.lock:
             if self.out is None:
                 self.out = info
@@ -410,7 +428,13 @@ class _Entry:
                 else:
                     self.post = info.post
             elif not self.out.same_as(info):
-                raise _StructureVaries
+                varied = True
+        if varied:
+            # Install the replacement now, so that the caller's retry finds it and this
+            # shape is traced once more, not twice.
+            if self.on_varies is not None:
+                self.on_varies()
+            raise _StructureVaries
 
 
 def _identity(x: Any) -> Any:
@@ -520,6 +544,13 @@ class _JitState:
         spec, dynamic = _flatten.flatten_generic(value, arg_name)
         if contains_tracer(dynamic):
             raise _StepAside
+        if spec.has_nnx:
+            raise FastcallError(
+                f"fastcall.jit: {_describe(arg_name)} holds NNX objects inside a container "
+                f"({type(value).__name__}). fastcall tracks NNX state (values read, changes "
+                "written back) only for NNX objects passed directly as arguments: pass each "
+                "module, Optimizer or Rngs as its own argument."
+            )
         leaves.extend(dynamic)
         if spec.cacheable:
             remember(value, tuple(dynamic), spec)
@@ -564,6 +595,9 @@ class _JitState:
                 return found
             e = _Entry()
             self._build(e, key, fun)
+            e.key = key
+            state_ref = weakref.ref(self)
+            e.on_varies = lambda: (s := state_ref()) is not None and s.make_varying(key, e, fun)
             if len(self.table) >= MAX_SIGNATURES:
                 # Drop the oldest static signature (its compiled programs go with it).
                 self.table.pop(next(iter(self.table)))
@@ -619,7 +653,7 @@ class _JitState:
             out = f(*args, **kwargs)
             # NNX: which Variables changed (decided here, once per compile), and whether
             # the graph itself changed (then the new structure is propagated back).
-            writes, written = [], []
+            writes, written, restructured = [], [], []
             restructure: list[tuple[int, Any, int]] = []  # (ordinal, new graphdef, n leaves)
             refmap = None
             for ordinal, (t, arg_name) in enumerate(traced):
@@ -630,7 +664,7 @@ class _JitState:
                         refmap = _nnx.outer_index_map(traced)
                     graphdef, leaves = _nnx.split_updated(t.node, refmap)
                     restructure.append((ordinal, graphdef, len(leaves)))
-                    written += leaves
+                    restructured += leaves
                     continue
                 shardings = state_shardings[ordinal]
                 for index, value in t.writes(everything=donated_slots[ordinal]):
@@ -640,7 +674,9 @@ class _JitState:
                     written.append(value)
             out, has_nodes = _mark_nodes(out, traced)
             info = _OutInfo(out, current_trace_has_callback(), tuple(writes), has_nodes, tuple(restructure))
-            flat = out if info.mode == "pass" else info.flat_outputs(out) + written
+            # Layout: user outputs, restructured graphs' leaves, then written Variables
+            # (the order post_nnx reads them back in).
+            flat = out if info.mode == "pass" else info.flat_outputs(out) + restructured + written
             if varies:
                 return flat, _Box(info)
             e.set_out(info)
@@ -957,10 +993,11 @@ def jit(
       sharding for all arrays or one entry per positional argument (a pytree
       prefix of it); `out_shardings` (a sharding or a pytree prefix of the
       output) is applied as a sharding constraint on the outputs.
-    - `graph`, `graph_updates`: accepted for `nnx.jit` compatibility. fastcall
-      always keeps NNX sharing (what graph mode gives) at tree-mode cost;
-      structural changes inside the function are not propagated (a
-      `FastcallError` says so), whatever `graph_updates` says.
+    - `graph`, `graph_updates`: as in `nnx.jit`. fastcall always keeps NNX
+      sharing (what graph mode gives) at tree-mode cost, so `graph` changes
+      nothing; structural changes made inside the function are propagated to
+      the caller's objects unless `graph_updates=False`, which makes them a
+      `FastcallError`.
 
     **Returns:** a function with `fun`'s name, docstring and signature, plus
     `.lower(*args, **kwargs)`, `.stats()` and `.clear_cache()`.
@@ -1087,7 +1124,7 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
                             return out if bound[2] is None else bound[2](out)
             else:
                 node = nnx_get(id(a))
-                if node is not None and node.ref() is a and not node.stale and node.all_vars:
+                if node is not None and node.ref() is a and not node.stale and node.direct:
                     # Same for a known NNX object (structure unchanged): the compiled
                     # entry is remembered on it; only its Variables' values are read.
                     bound = node.bound.get(state)  # (arity, fn, post_nnx or None, post or None)
@@ -1128,7 +1165,7 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
                     key.append(hit[2])
                     continue
                 node = nnx_get(id(a))
-                if node is not None and node.ref() is a and not node.stale and node.all_vars:
+                if node is not None and node.ref() is a and not node.stale and node.direct:
                     # A known NNX object whose structure has not changed: read its
                     # Variables' current values through the slot, nothing else.
                     n0 = len(leaves)
@@ -1181,6 +1218,10 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
 
     def _bind_first(args: tuple[Any, ...], key_t: tuple[Any, ...], entry: _Entry) -> None:
         """Install the bound record on args[0]'s identity entry (see the hot path)."""
+        if fun_leaves:
+            # Wrappers of equal functions share a state; records are keyed by state, so
+            # a wrapper whose function carries arrays of its own must not bind them.
+            return
         for k in key_t[1:]:
             if k != 0:
                 return

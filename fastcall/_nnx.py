@@ -27,6 +27,7 @@ very tracer it was given is an output, and only those are written back.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import threading
 import weakref
@@ -70,7 +71,7 @@ _watchers: dict[int, list[NodeEntry]] = {}
 def _notify(obj: Any) -> None:
     entries = _watchers.get(id(obj))
     if entries:
-        for e in entries:
+        for e in list(entries):  # (the list may change under us in another thread)
             e.stale = True
             _drop_fast(e)
 
@@ -122,10 +123,28 @@ def _install_hooks() -> None:
 
     # NNX's own graph updates (nnx.jit with graph_updates, nnx.merge into existing
     # objects) rebuild nodes in place through these, bypassing __setattr__.
-    for cls, name in ((_Pytree, "_graph_node_clear"), (_Pytree, "_graph_node_init"), (Variable, "update_from_state")):
+    for cls, name in (
+        (_Pytree, "_graph_node_clear"),
+        (_Pytree, "_graph_node_init"),
+        (Variable, "update_from_state"),
+        (Variable, "del_metadata"),
+        (Variable, "copy_from"),
+    ):
         original = getattr(cls, name, None)
         if original is not None:
             setattr(cls, name, _notifying(original))
+    # NNX registers each graph node class's clear/init functions when the class is
+    # created; classes created before this (every built-in layer) keep references to the
+    # originals in the registry, so wrap those too. Classes created later are covered by
+    # the base-class wrappers above (their registrations read the wrapped attributes).
+    for node_type, impl in list(graphlib.GRAPH_REGISTRY.items()):
+        if isinstance(node_type, type) and issubclass(node_type, _Pytree):
+            try:
+                graph_impl: Any = impl
+                wrapped = dataclasses.replace(graph_impl, clear=_notifying(graph_impl.clear), init=_notifying(graph_impl.init))
+                graphlib.GRAPH_REGISTRY[node_type] = wrapped
+            except Exception:  # pragma: no cover - registry layout of other flax versions
+                pass
     setattr(_Pytree, "_fastcall_hooked", True)
 
 
@@ -139,18 +158,28 @@ _install_hooks()
 class NodeEntry:
     """What fastcall knows about one NNX object: its spec id, Variables, fixed leaves."""
 
-    __slots__ = ("ref", "spec_id", "spec", "items", "all_vars", "stale", "watched", "fresh", "bound", "__weakref__")
+    __slots__ = (
+        "ref", "spec_id", "spec", "items", "all_vars", "volatile", "direct", "stale", "watched", "fresh",
+        "bound", "__weakref__",
+    )
 
     def __init__(self, ref: Any, spec: Any, items: list[Any], watched: list[int]) -> None:
         self.ref = ref
-        self.spec = spec  # held: keeps the interned spec (and its id) alive
-        self.spec_id = spec.id
-        self.items = items  # Variables, or fixed raw values (array attributes)
-        self.all_vars = all(isinstance(x, Variable) for x in items)
         self.stale = False
+        self.volatile = False
+        self.direct = False
+        self.set_spec(spec, items, False)
         self.fresh = True  # values not yet checked for tracers
         self.bound: dict[Any, Any] = {}  # wrapped-function state -> (arity, compiled entry)
         self.watched = watched
+
+    def set_spec(self, spec: Any, items: list[Any], volatile: bool) -> None:
+        self.spec = spec  # held: keeps the interned spec (and its id) alive
+        self.spec_id = spec.id if spec is not None else -1
+        self.items = items  # Variables, or raw values (array attributes, list items)
+        self.all_vars = all(isinstance(x, Variable) for x in items)
+        self.volatile = volatile  # holds mutable containers: re-read every call
+        self.direct = self.all_vars and not volatile  # eligible for the fast paths
 
     def values(self) -> list[Any]:
         """Current values of the leaves, read through the `_raw_value` slot."""
@@ -207,43 +236,82 @@ def lookup(obj: Any, arg_name: str) -> NodeEntry:
     """The current entry for `obj`, built or rebuilt if missing or stale."""
     entry = by_id.get(id(obj))
     if entry is not None and entry.ref() is obj and not entry.stale:
-        return entry
+        if not entry.volatile:
+            return entry
+        # Mutable containers (lists, dicts) in the graph change without any hook:
+        # re-read the graph; reuse the entry if its structure is unchanged.
+        graphdef, flat = _flatten_node(obj, arg_name)
+        if graphdef == entry.spec.graphdef:
+            entry.items = list(flat.leaves)
+            return entry
     return _build(obj, arg_name, entry)
 
 
-def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
-    from . import _flatten
-
+def _flatten_node(obj: Any, arg_name: str) -> tuple[Any, Any]:
     try:
-        graphdef, flat = graphlib.flatten(obj, with_paths=True)
+        return graphlib.flatten(obj, with_paths=True)
     except Exception as err:
         raise FastcallError(
             f"fastcall.jit: {describe_arg(arg_name)} is an NNX object that could not be "
             f"flattened ({type(err).__name__}: {err})."
         ) from err
-    items = list(flat.leaves)
-    try:
-        spec = _flatten.intern(NodeSpec(graphdef, len(items)), ("nnx", graphdef))
-    except Exception as err:
-        raise FastcallError(
-            f"fastcall.jit: {describe_arg(arg_name)} has a static attribute that cannot be "
-            f"hashed or compared ({type(err).__name__}: {err}). NNX static attributes "
-            "become part of the compile key: make them hashable, or store them in a "
-            "Variable."
-        ) from None
+
+
+def _has_mutable_containers(graphdef: Any) -> bool:
+    """Whether the graph holds plain lists, dicts or other pytree nodes whose contents can
+    change without going through an NNX object's __setattr__ (e.g. `nnx.data([...])`)."""
+    for node in graphdef.nodes:
+        t = getattr(node, "type", None)
+        if type(node).__name__ != "NodeDef" or t is None:
+            continue
+        if t in graphlib.GRAPH_REGISTRY or t is tuple or t is getattr(graphlib, "GenericPytree", None):
+            continue
+        if isinstance(t, type) and issubclass(t, tuple):
+            continue  # namedtuples
+        return True
+    return False
+
+
+def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
+    from . import _flatten
+
     if old is not None:
         _drop_fast(old)
         _unwatch(old)
-    watched_nodes = _graph_nodes(obj)
+    # Watch first, then flatten: a change made while flattening marks the new entry
+    # stale (re-read next call) instead of being lost.
     ref = _Ref(obj, _evict)
     ref.oid = id(obj)
-    entry = NodeEntry(ref, spec, items, [id(n) for n in watched_nodes])
+    entry = NodeEntry(ref, None, [], [])
+    watched_nodes = _graph_nodes(obj)
+    entry.watched = [id(n) for n in watched_nodes]
     with _watch_lock:
         for n in watched_nodes:
             _watchers.setdefault(id(n), []).append(entry)
+    try:
+        graphdef, flat = _flatten_node(obj, arg_name)
+        try:
+            spec = _flatten.intern(NodeSpec(graphdef, len(flat.leaves)), ("nnx", graphdef))
+        except Exception as err:
+            raise FastcallError(
+                f"fastcall.jit: {describe_arg(arg_name)} has a static attribute that cannot be "
+                f"hashed or compared ({type(err).__name__}: {err}). NNX static attributes "
+                "become part of the compile key: make them hashable, or store them in a "
+                "Variable."
+            ) from None
+    except BaseException:
+        _unwatch(entry)
+        raise
+    entry.set_spec(spec, list(flat.leaves), _has_mutable_containers(graphdef))
+    previous = by_id.get(ref.oid)
+    if previous is not None and previous is not old and previous is not entry:
+        _drop_fast(previous)  # another thread built one concurrently: keep one only
+        _unwatch(previous)
     by_id[ref.oid] = entry
-    if entry.all_vars:
-        fast[ref.oid] = (ref, items, entry.bound)
+    if entry.direct:
+        fast[ref.oid] = (ref, entry.items, entry.bound)
+    if entry.stale:  # changed while we were flattening
+        _drop_fast(entry)
     return entry
 
 
@@ -376,6 +444,16 @@ def leaf_shardings(spec: Any, prefix: Any) -> list[Any]:
             "nnx.prefix(obj, ...) computed for this very object."
         )
     return leaves
+
+
+def object_at(root: Any, index: int) -> Any:
+    """The object at graph index `index` of `root` (the caller's own submodule/Variable)."""
+    refmap = graphlib.RefMap()
+    graphlib.flatten(root, with_paths=False, ref_index=refmap)
+    for obj, i in refmap.items():
+        if i == index:
+            return obj
+    raise FastcallError(f"fastcall.jit: could not find object {index} of the returned NNX graph.")
 
 
 def write_back(items: list[Any], index: int, value: Any) -> None:
