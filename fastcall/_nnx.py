@@ -27,6 +27,7 @@ very tracer it was given is an output, and only those are written back.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import operator
 import threading
@@ -223,13 +224,29 @@ def _unwatch(entry: NodeEntry) -> None:
                     del _watchers[oid]
 
 
-def _graph_nodes(node: Any) -> list[Any]:
-    """Every graph node and Variable reachable from `node` (each once)."""
+def _is_container(x: Any) -> bool:
+    return isinstance(x, (list, dict, collections.abc.MutableMapping)) and not is_node(x)
+
+
+def _graph_nodes(node: Any) -> tuple[list[Any], bool]:
+    """Every graph node and Variable reachable from `node` (each once), and whether the
+    graph is volatile: a plain list or dict (`nnx.data([...])`) holding arrays, values or
+    modules directly, which can change in place without any hook. Containers that hold
+    only Variables (an nnx.Optimizer's optax state) are not volatile: their Variables'
+    values are read every call."""
     seen: dict[int, Any] = {}
-    for _, sub in graphlib.iter_graph(node):
+    by_path: dict[tuple[Any, ...], Any] = {}
+    for path, sub in graphlib.iter_graph(node):
+        by_path[tuple(path)] = sub
         if is_node(sub):
             seen[id(sub)] = sub
-    return list(seen.values())
+    volatile = False
+    for path, sub in by_path.items():
+        if path and _is_container(by_path.get(path[:-1])):
+            if not (isinstance(sub, Variable) or _is_container(sub) or sub is None):
+                volatile = True
+                break
+    return list(seen.values()), volatile
 
 
 def lookup(obj: Any, arg_name: str) -> NodeEntry:
@@ -257,21 +274,6 @@ def _flatten_node(obj: Any, arg_name: str) -> tuple[Any, Any]:
         ) from err
 
 
-def _has_mutable_containers(graphdef: Any) -> bool:
-    """Whether the graph holds plain lists, dicts or other pytree nodes whose contents can
-    change without going through an NNX object's __setattr__ (e.g. `nnx.data([...])`)."""
-    for node in graphdef.nodes:
-        t = getattr(node, "type", None)
-        if type(node).__name__ != "NodeDef" or t is None:
-            continue
-        if t in graphlib.GRAPH_REGISTRY or t is tuple or t is getattr(graphlib, "GenericPytree", None):
-            continue
-        if isinstance(t, type) and issubclass(t, tuple):
-            continue  # namedtuples
-        return True
-    return False
-
-
 def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
     from . import _flatten
 
@@ -283,7 +285,7 @@ def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
     ref = _Ref(obj, _evict)
     ref.oid = id(obj)
     entry = NodeEntry(ref, None, [], [])
-    watched_nodes = _graph_nodes(obj)
+    watched_nodes, volatile = _graph_nodes(obj)
     entry.watched = [id(n) for n in watched_nodes]
     with _watch_lock:
         for n in watched_nodes:
@@ -302,7 +304,7 @@ def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
     except BaseException:
         _unwatch(entry)
         raise
-    entry.set_spec(spec, list(flat.leaves), _has_mutable_containers(graphdef))
+    entry.set_spec(spec, list(flat.leaves), volatile or not all(isinstance(x, Variable) for x in flat.leaves))
     previous = by_id.get(ref.oid)
     if previous is not None and previous is not old and previous is not entry:
         _drop_fast(previous)  # another thread built one concurrently: keep one only

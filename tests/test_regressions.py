@@ -112,7 +112,7 @@ def test_change_made_while_the_cache_entry_is_built_is_not_lost(monkeypatch):
         return original(node)
 
     m.flag = 0  # marks the entry stale: the next call rebuilds it
-    monkeypatch.setattr(_nnx, "_graph_nodes", interleaved)
+    monkeypatch.setattr(_nnx, "_graph_nodes", interleaved)  # (returns nodes, volatile)
     f(m)
     assert float(f(m)) == 1.0
 
@@ -170,3 +170,20 @@ def test_output_structure_depending_on_shape_traces_a_bounded_number_of_times():
     # changed structure and once per earlier shape (README, "Guarantees and limits").
     assert len(traces) <= 5
     np.testing.assert_allclose(f(jnp.ones(3)), np.ones(3))
+
+
+def test_optimizer_state_is_read_through_its_variables_not_rewalked():
+    """Containers holding only Variables (optax state) are not re-walked every call."""
+    import optax
+
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    def step(m, o, x):
+        o.update(m, nnx.grad(lambda m: jnp.sum(m(x) ** 2))(m))
+
+    fastcall.jit(step)(model, opt, jnp.ones(2))
+    assert not _nnx.by_id[id(opt)].volatile
+    with_data = WithData()
+    fastcall.jit(lambda m, x: m(x))(with_data, jnp.ones(1))
+    assert _nnx.by_id[id(with_data)].volatile  # arrays and modules held directly in lists
