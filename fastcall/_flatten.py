@@ -482,6 +482,7 @@ class _BuilderGen:
         self.counter = itertools.count()
         self.pos = 0
         self.nodes = 0
+        self.stmts: list[str] = []  # modules are built by statements, leaves-first
 
     def const(self, value: Any) -> str:
         name = f"_c{next(self.counter)}"
@@ -526,16 +527,15 @@ class _BuilderGen:
                     parts.append(f"{f.name!r}: {self.const(v)}")
                 else:
                     parts.append(f"{f.name!r}: {self.expr(v)}")
-            return f"_module({self.const(t)}, {{{', '.join(parts)}}})"
+            # object.__new__ + setting __dict__: what Equinox's own unflatten does,
+            # without a Python call per module.
+            v = f"_o{next(self.counter)}"
+            self.stmts.append(f"{v} = _new({self.const(t)})")
+            self.stmts.append(f"_setattr({v}, '__dict__', {{{', '.join(parts)}}})")
+            return v
         if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
             return self.const(value)  # a static output, returned as it was at trace time
         raise _NoTemplate
-
-
-def _module(cls: type, fields: dict[str, Any]) -> Any:
-    obj: Any = object.__new__(cls)
-    object.__getattribute__(obj, "__dict__").update(fields)
-    return obj
 
 
 def make_builder(example: Any) -> Callable[[Sequence[Any]], Any] | None:
@@ -546,9 +546,10 @@ def make_builder(example: Any) -> Callable[[Sequence[Any]], Any] | None:
     except (_NoTemplate, RecursionError):
         return None
     namespace: dict[str, Any] = dict(gen.consts)
-    namespace.update(_tnew=tuple.__new__, _module=_module)
+    namespace.update(_tnew=tuple.__new__, _new=object.__new__, _setattr=object.__setattr__)
+    lines = "".join(f"    {stmt}\n" for stmt in gen.stmts)
     try:
-        exec(compile(f"def build(d):\n    return {body}\n", "<fastcall output builder>", "exec"), namespace)
+        exec(compile(f"def build(d):\n{lines}    return {body}\n", "<fastcall output builder>", "exec"), namespace)
     except Exception:
         return None
     return namespace["build"]
