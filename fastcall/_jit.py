@@ -200,21 +200,21 @@ class _OutInfo:
             previous, self.strong = self.strong, strong
         for old in previous:
             _flatten.forget_strong(old)
-        for index, start, stop, spec_id in self.regs:
+        for index, start, stop, spec in self.regs:
             if type(dyn[start]) is not ArrayImpl:
                 continue
             item = result if index is None else result[index]
             if type(item) is tuple:
-                strong.append(_flatten.remember_strongly(item, tuple(dyn[start:stop]), spec_by_id(spec_id)))
+                strong.append(_flatten.remember_strongly(item, dyn[start:stop], spec))
             else:
-                remember(item, tuple(dyn[start:stop]), spec_by_id(spec_id))
+                remember(item, dyn[start:stop], spec)
 
 
 _strong_lock = threading.Lock()
 
 
 def _registrations(out: Any, mask: tuple[bool, ...]):
-    """(index, start, stop, spec id) for each Equinox module or immutable tuple returned
+    """(index, start, stop, spec) for each Equinox module or immutable tuple returned
     at top level (as the output, or as an element of an output tuple)."""
     if isinstance(out, eqx.Module):
         candidates: list[tuple[int | None, Any]] = [(None, out)]
@@ -232,7 +232,7 @@ def _registrations(out: Any, mask: tuple[bool, ...]):
             except FastcallError:
                 spec = None
             if spec is not None and spec.cacheable:
-                yield (index, pos, pos + n_dyn, spec.id)
+                yield (index, pos, pos + n_dyn, spec)  # (interned: compares by identity)
         pos += n_dyn
 
 
