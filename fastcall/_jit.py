@@ -832,13 +832,15 @@ def _flat_shardings(shardings: Any, all_specs: list[Spec], counts: list[int]) ->
     return tuple(flat)
 
 
-def _broadcast_prefix(prefix: Any, full: Any) -> list[Any]:
+def _broadcast_prefix(prefix: Any, full: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[Any]:
     prefix_def: Any
-    prefix_leaves, prefix_def = jax.tree_util.tree_flatten(prefix, is_leaf=lambda x: x is None)
+    prefix_leaves, prefix_def = jax.tree_util.tree_flatten(
+        prefix, is_leaf=lambda x: x is None or hasattr(x, "map_prefix")  # (nnx.StateSharding)
+    )
     subtrees = prefix_def.flatten_up_to(full)
     out: list[Any] = []
     for p, sub in zip(prefix_leaves, subtrees):
-        out.extend([p] * len(jax.tree_util.tree_leaves(sub)))
+        out.extend([p] * len(jax.tree_util.tree_leaves(sub, is_leaf=is_leaf)))
     return out
 
 
@@ -1066,16 +1068,25 @@ class _OutShardings(eqx.Module):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         out = self.fun(*args, **kwargs)
         treedef: Any
-        leaves, treedef = jax.tree_util.tree_flatten(out)
+        # NNX objects stay whole (their identity matters for write-back); their Variables
+        # are constrained in place, per Variable for an nnx.StateSharding.
+        leaves, treedef = jax.tree_util.tree_flatten(out, is_leaf=_nnx.is_node)
         if isinstance(self.shardings, jax.sharding.Sharding) or self.shardings is None:
             per_leaf = [self.shardings] * len(leaves)
         else:
-            per_leaf = _broadcast_prefix(self.shardings, out)
-        leaves = [
-            jax.lax.with_sharding_constraint(x, s) if s is not None and isinstance(x, jax.Array) else x
-            for x, s in zip(leaves, per_leaf)
-        ]
-        return treedef.unflatten(leaves)
+            per_leaf = _broadcast_prefix(self.shardings, out, is_leaf=_nnx.is_node)
+        constrained = []
+        for x, sh in zip(leaves, per_leaf):
+            if sh is None:
+                constrained.append(x)
+            elif _nnx.is_node(x):
+                _nnx.constrain(x, sh)
+                constrained.append(x)
+            elif isinstance(x, jax.Array):
+                constrained.append(jax.lax.with_sharding_constraint(x, sh))
+            else:
+                constrained.append(x)
+        return treedef.unflatten(constrained)
 
 
 def _with_out_shardings(fun: Any, shardings: Any) -> Any:

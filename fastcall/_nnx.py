@@ -458,5 +458,19 @@ def object_at(root: Any, index: int) -> Any:
     raise FastcallError(f"fastcall.jit: could not find object {index} of the returned NNX graph.")
 
 
+def constrain(node: Any, sharding: Any) -> None:
+    """Constrain the values of `node`'s Variables (inside a trace) to `sharding`: one jax
+    Sharding for all, or an nnx.StateSharding mapping each Variable by path and type."""
+    import jax
+
+    flat = graphlib.flatten(node, with_paths=True)[1]
+    for path, leaf in zip(flat.paths, flat.leaves):
+        if not isinstance(leaf, Variable):
+            continue
+        target = sharding.map_prefix(path, leaf) if hasattr(sharding, "map_prefix") else sharding
+        if target is not None:
+            leaf.set_raw_value(jax.lax.with_sharding_constraint(leaf.get_raw_value(), target))
+
+
 def write_back(items: list[Any], index: int, value: Any) -> None:
     _set_raw(items[index], value)

@@ -170,6 +170,20 @@ def nnx_checks():
         prefix = nnx.prefix(a2, layout)
         f3 = fastcall.jit(lambda m, x: m(x), in_shardings=(prefix, data))
         close(f3(a2, xs), nnx.jit(lambda m, x: m(x))(b2, xs))
+        # out_shardings with an nnx.StateSharding for a returned module, as nnx.jit takes it
+        def touch(m, x):
+            m.l1.bias[...] = m.l1.bias[...] + 0.0 * x.sum()
+            return m, m(x)
+
+        a3, b3 = Block(nnx.Rngs(0)), Block(nnx.Rngs(0))
+        io = dict(in_shardings=(nnx.StateSharding(layout), data), out_shardings=(nnx.StateSharding(layout), data))
+        f4 = fastcall.jit(touch, **io)
+        g4 = nnx.jit(touch, **io)
+        (ma, ya), (mb, yb) = f4(a3, xs), g4(b3, xs)
+        assert ma is a3 and mb is b3
+        close(ya, yb)
+        same_shardings(ya, yb)
+        same_shardings(nnx.state(a3), nnx.state(b3))
         serve = fastcall.partial(lambda m, x: m(x), ours)
         out = serve(xs)
         close(out, ref_model(x))
