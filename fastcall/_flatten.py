@@ -127,7 +127,10 @@ class Spec:
         self.n_dyn = sum(mask)
         self.cacheable = kind == "tree" and _treedef_is_immutable(treedef)
         self.templated = False  # whether learn() has been tried for this structure
-        self.has_nnx = kind == "tree" and _treedef_has_nnx(treedef)  # NNX objects nested inside
+        # NNX objects nested inside (pytree ones as nodes, `nnx.Object`s as static leaves)
+        self.has_nnx = kind == "tree" and (
+            _treedef_has_nnx(treedef) or any(isinstance(s, _NNX_TYPES) for s in statics)
+        )
 
     def rebuild(self, dynamic: Sequence[Any]) -> Any:
         """Put `dynamic` leaves back together with the static ones."""

@@ -165,15 +165,27 @@ class _OutInfo:
                     "or nnx.split/merge outside), or call the function outside of it."
                 )
             pos = 0
+            # Objects returned from inside an argument's graph are looked up before the
+            # graph changes (the indices refer to the graph the function was given).
+            resolved = self._resolve_input_nodes(nnx_refs) if self.nodes and self.restructure else None
             for ordinal, graphdef, n in self.restructure:
-                _nnx.apply_structure(graphdef, list(values[pos : pos + n]), [obj for obj, _ in nnx_refs])
+                _nnx.apply_structure(graphdef, list(values[pos : pos + n]), [ref[0] for ref in nnx_refs])
                 pos += n
             for (ordinal, index), value in zip(self.writes, values[pos:]):
                 _nnx.write_back(nnx_refs[ordinal][1], index, value)
+        else:
+            resolved = None
         result = dyn if self.mode == "pass" else self.post(dyn)
         if self.nodes:
-            result = _unmark_nodes(result, nnx_refs)
+            result = _unmark_nodes(result, nnx_refs, resolved)
         return result
+
+    def _resolve_input_nodes(self, nnx_refs: list[Any]) -> dict[tuple[int, int], Any]:
+        return {
+            (m.k, m.index): _nnx.object_at(nnx_refs[m.k][0], m.index)
+            for m in self.statics
+            if type(m) is _InputNode and m.index != 0
+        }
 
     def post(self, dyn: list[Any]) -> Any:
         if self.block:
@@ -349,6 +361,8 @@ def _mark_nodes(out: Any, traced: list[Any]) -> tuple[Any, bool]:
 
     inner: dict[int, tuple[int, int]] = {}  # id(object rebuilt in the trace) -> (k, index)
     for k, (t, _) in enumerate(traced):
+        if t.spec.joint:
+            continue  # (indices shared between arguments: sub-objects come back as copies)
         for index, obj in t.index_ref.items():
             inner.setdefault(id(obj), (k, index))
 
@@ -368,10 +382,14 @@ def _mark_nodes(out: Any, traced: list[Any]) -> tuple[Any, bool]:
     return marked, found[0]
 
 
-def _unmark_nodes(result: Any, nnx_refs: list[tuple[Any, list[Any]]]) -> Any:
+def _unmark_nodes(result: Any, nnx_refs: list[tuple[Any, list[Any]]], resolved: Any = None) -> Any:
     def unmark(x: Any) -> Any:
         if type(x) is _InputNode:
-            return nnx_refs[x.k][0] if x.index == 0 else _nnx.object_at(nnx_refs[x.k][0], x.index)
+            if x.index == 0:
+                return nnx_refs[x.k][0]
+            if resolved is not None:
+                return resolved[(x.k, x.index)]
+            return _nnx.object_at(nnx_refs[x.k][0], x.index)
         if type(x) is _NewNode:
             return _nnx.graphlib.unflatten(x.graphdef, list(x.values))
         return x
@@ -506,12 +524,23 @@ class _JitState:
 
     # ---- resolving one argument (the miss path) ----
 
-    def resolve(self, value: Any, leaves: list[Any], arg_name: str, nnx_refs: list[Any]) -> int:
+    def resolve(
+        self, value: Any, leaves: list[Any], arg_name: str, nnx_refs: list[Any], joint: Any = None
+    ) -> int:
         """Append `value`'s dynamic leaves to `leaves`; return its spec id.
 
-        NNX objects also append (object, Variables) to `nnx_refs` for write-back.
+        NNX objects also append (object, Variables, cache entry) to `nnx_refs` for
+        write-back. With `joint` (a shared NNX RefMap), NNX arguments that share objects
+        are flattened together, so that shared Variables stay shared (as in nnx.jit).
         Raises _StepAside if `value` holds a tracer.
         """
+        if joint is not None and _nnx.is_node(value):
+            spec, items, current = _nnx.joint_flatten(value, joint, arg_name)
+            if contains_tracer(current):
+                raise _StepAside
+            leaves += current
+            nnx_refs.append((value, items, None))
+            return spec.id
         if _nnx.is_node(value):
             node_entry = _nnx.lookup(value, arg_name)
             current = node_entry.values()
@@ -523,7 +552,7 @@ class _JitState:
                 if contains_tracer(current):
                     raise _StepAside
             leaves += current
-            nnx_refs.append((value, node_entry.items))
+            nnx_refs.append((value, node_entry.items, node_entry))
             return node_entry.spec_id
         for template in _flatten.templates.get(type(value), ()):
             found = template.extract(value)
@@ -559,8 +588,9 @@ class _JitState:
             _flatten.learn(value, spec, dynamic)
         return spec.id
 
-    def prepare(self, fun_leaves: Sequence[Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
-        """The general path: kwargs, static arguments. Returns (args, kwargs, leaves, key)."""
+    def prepare(self, fun_leaves: Sequence[Any], args: tuple[Any, ...], kwargs: dict[str, Any], joint: bool = False):
+        """The general path: kwargs, static arguments, NNX arguments sharing objects.
+        Returns (args, kwargs, leaves, key, nnx_refs)."""
         if kwargs and self.signature is not None:
             try:
                 bound = self.signature.bind(*args, **kwargs)
@@ -570,12 +600,13 @@ class _JitState:
         leaves = list(fun_leaves)
         key: list[Any] = []
         nnx_refs: list[Any] = []
+        shared = _nnx.graphlib.RefMap() if joint else None
         for i, a in enumerate(args):
             name = self.arg_name(i)
             if i in self.static_argnums or name in self.static_argnames:
                 key.append(_flatten.static_spec(a, name).id)
             else:
-                key.append(self.resolve(a, leaves, name, nnx_refs))
+                key.append(self.resolve(a, leaves, name, nnx_refs, shared))
         if kwargs:
             names = tuple(sorted(kwargs))
             key.append(names)
@@ -583,7 +614,9 @@ class _JitState:
                 if name in self.static_argnames:
                     key.append(_flatten.static_spec(kwargs[name], name).id)
                 else:
-                    key.append(self.resolve(kwargs[name], leaves, name, nnx_refs))
+                    key.append(self.resolve(kwargs[name], leaves, name, nnx_refs, shared))
+        if not joint and len(nnx_refs) > 1 and _nnx.overlapping([r[2] for r in nnx_refs]):
+            return self.prepare(fun_leaves, args, kwargs, joint=True)
         return args, kwargs, leaves, tuple(key), nnx_refs
 
     # ---- compiling ----
@@ -634,16 +667,18 @@ class _JitState:
         def flat_fn(*dyn: Any) -> Any:
             values = []
             traced = []  # NNX arguments: (_nnx.Traced, argument name)
+            shared_index = _nnx.graphlib.IndexMap()  # for NNX arguments flattened jointly
             start = 0
             for spec, n, arg_name in zip(all_specs, counts, ["fun"] + arg_names):
                 segment = dyn[start : start + n]
                 if spec.kind == "nnx":
-                    t = _nnx.Traced(spec, segment)
+                    t = _nnx.Traced(spec, segment, shared_index if spec.joint else None)
                     traced.append((t, arg_name))
                     values.append(t.node)
                 else:
                     values.append(spec.rebuild(segment))
                 start += n
+            _nnx.Traced.snapshot([t for t, _ in traced])
             f, rest = values[0], values[1:]
             args = rest[: len(pos_specs)]
             kwargs = dict(zip(kw_names, rest[len(pos_specs) :]))
@@ -656,8 +691,11 @@ class _JitState:
             writes, written, restructured = [], [], []
             restructure: list[tuple[int, Any, int]] = []  # (ordinal, new graphdef, n leaves)
             refmap = None
+            changed = _nnx.Traced.structure_changed([t for t, _ in traced])
             for ordinal, (t, arg_name) in enumerate(traced):
-                if t.structure_changed():
+                if changed[ordinal]:
+                    if t.spec.joint:
+                        raise _nnx.joint_structure_error(arg_name)
                     if not graph_updates:
                         raise _nnx.structure_error(arg_name)
                     if refmap is None:
@@ -1156,7 +1194,7 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
                                     on_error(err, args)
                                 else:
                                     if bound[2] is not None:
-                                        return bound[2](out, [(a, node.items)])
+                                        return bound[2](out, [(a, node.items, node)])
                                     return out if bound[3] is None else bound[3](out)
         # Any positional call: each argument is a plain array (one leaf), an
         # object in the identity cache (its cached leaves), or resolved once.
@@ -1182,7 +1220,7 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
                     n0 = len(leaves)
                     leaves += map(raw_value, node.items)
                     if len(leaves) == n0 or type(leaves[n0]) is ArrayImpl:
-                        nnx_refs.append((a, node.items))
+                        nnx_refs.append((a, node.items, node))
                         key.append(node.spec_id)
                         continue
                     del leaves[n0:]  # tracers (inside an nnx transform): take the slow path
@@ -1192,6 +1230,8 @@ def _make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: _JitState) -> An
             inline = True  # (run inline below, outside this handler: no chained traceback)
         if inline:
             return fun(*args)
+        if len(nnx_refs) > 1 and _nnx.overlapping([r[2] for r in nnx_refs]):
+            return _call_general(args, kwargs)  # NNX arguments share objects: flatten jointly
         key_t = tuple(key)
         entry = table.get(key_t)
         if entry is None:

@@ -34,6 +34,7 @@ import threading
 import weakref
 from typing import Any
 
+import jax
 from flax import nnx
 from flax.nnx import graphlib
 from flax.nnx.variablelib import Variable
@@ -161,7 +162,7 @@ class NodeEntry:
 
     __slots__ = (
         "ref", "spec_id", "spec", "items", "all_vars", "volatile", "direct", "stale", "watched", "fresh",
-        "bound", "__weakref__",
+        "bound", "node_ids", "disjoint", "__weakref__",
     )
 
     def __init__(self, ref: Any, spec: Any, items: list[Any], watched: list[int]) -> None:
@@ -172,6 +173,8 @@ class NodeEntry:
         self.set_spec(spec, items, False)
         self.fresh = True  # values not yet checked for tracers
         self.bound: dict[Any, Any] = {}  # wrapped-function state -> (arity, compiled entry)
+        self.node_ids: frozenset[int] = frozenset(watched)  # every node and Variable
+        self.disjoint: dict[int, Any] = {}  # id(other entry) -> (weakref, shares nothing?)
         self.watched = watched
 
     def set_spec(self, spec: Any, items: list[Any], volatile: bool) -> None:
@@ -241,11 +244,15 @@ def _graph_nodes(node: Any) -> tuple[list[Any], bool]:
         if is_node(sub):
             seen[id(sub)] = sub
     volatile = False
+    parents = set()
     for path, sub in by_path.items():
         if path and _is_container(by_path.get(path[:-1])):
-            if not (isinstance(sub, Variable) or _is_container(sub) or sub is None):
-                volatile = True
+            parents.add(path[:-1])
+            if not (isinstance(sub, Variable) or _is_container(sub)):
+                volatile = True  # arrays, None (a cache slot to fill), modules, values
                 break
+    if not volatile:  # an empty list or dict is waiting to be filled in place
+        volatile = any(_is_container(sub) and path not in parents for path, sub in by_path.items())
     return list(seen.values()), volatile
 
 
@@ -287,6 +294,7 @@ def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
     entry = NodeEntry(ref, None, [], [])
     watched_nodes, volatile = _graph_nodes(obj)
     entry.watched = [id(n) for n in watched_nodes]
+    entry.node_ids = frozenset(entry.watched)
     with _watch_lock:
         for n in watched_nodes:
             _watchers.setdefault(id(n), []).append(entry)
@@ -305,6 +313,8 @@ def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
         _unwatch(entry)
         raise
     entry.set_spec(spec, list(flat.leaves), volatile or not all(isinstance(x, Variable) for x in flat.leaves))
+    if {id(n) for n in _graph_nodes(obj)[0]} != set(entry.watched):
+        entry.stale = True  # the graph changed while we were building: rebuild next call
     previous = by_id.get(ref.oid)
     if previous is not None and previous is not old and previous is not entry:
         _drop_fast(previous)  # another thread built one concurrently: keep one only
@@ -338,10 +348,11 @@ class NodeSpec:
     """Spec of an NNX argument (duck-types `_flatten.Spec` for the parts the compiled
     function uses): its graphdef; its leaves are all dynamic."""
 
-    __slots__ = ("id", "kind", "graphdef", "n_dyn", "cacheable", "templated", "mask", "__weakref__")
+    __slots__ = ("id", "kind", "graphdef", "n_dyn", "cacheable", "templated", "mask", "joint", "__weakref__")
 
-    def __init__(self, graphdef: Any, n: int) -> None:
+    def __init__(self, graphdef: Any, n: int, joint: bool = False) -> None:
         self.id = -1
+        self.joint = joint  # flattened together with the call's earlier NNX arguments
         self.kind = "nnx"
         self.graphdef = graphdef
         self.n_dyn = n
@@ -358,25 +369,47 @@ _ARG_STRIDE = 1 << 32  # outer indices of NNX argument k are k * _ARG_STRIDE + i
 
 
 class Traced:
-    """One NNX argument inside the trace: the rebuilt node and its leaves before the call."""
+    """One NNX argument inside the trace: the rebuilt node and its leaves before the call.
+
+    Arguments flattened jointly (they share objects) are rebuilt with one shared index
+    map, so shared Variables and submodules are one object inside the trace too."""
 
     __slots__ = ("node", "spec", "inner", "given", "index_ref")
 
-    def __init__(self, node_spec: Any, given: Any) -> None:
+    def __init__(self, node_spec: Any, given: Any, shared_index: Any = None) -> None:
         self.spec = node_spec
         self.given = list(given)
-        self.index_ref = graphlib.IndexMap()  # graphdef index -> object rebuilt here
+        # graphdef index -> object rebuilt here
+        self.index_ref = shared_index if shared_index is not None else graphlib.IndexMap()
         self.node = graphlib.unflatten(node_spec.graphdef, list(given), index_ref=self.index_ref)
-        self.inner = list(graphlib.flatten(self.node, with_paths=True)[1].leaves)
+        self.inner: list[Any] = []
 
-    def structure_changed(self) -> bool:
-        graphdef, flat = graphlib.flatten(self.node, with_paths=True)
-        after = list(flat.leaves)
-        return (
-            graphdef != self.spec.graphdef
-            or len(after) != len(self.inner)
-            or any(a is not b for a, b in zip(after, self.inner))
-        )
+    @staticmethod
+    def _flatten_all(traced: list[Traced]) -> list[tuple[Any, list[Any]]]:
+        """(graphdef, leaves) per argument, joint ones sharing one RefMap (as given)."""
+        shared = graphlib.RefMap()
+        out = []
+        for t in traced:
+            ref_index = shared if t.spec.joint else None
+            graphdef, flat = graphlib.flatten(t.node, with_paths=True, ref_index=ref_index)
+            out.append((graphdef, list(flat.leaves)))
+        return out
+
+    @staticmethod
+    def snapshot(traced: list[Traced]) -> None:
+        for t, (_, leaves) in zip(traced, Traced._flatten_all(traced)):
+            t.inner = leaves
+
+    @staticmethod
+    def structure_changed(traced: list[Traced]) -> list[bool]:
+        changed = []
+        for t, (graphdef, after) in zip(traced, Traced._flatten_all(traced)):
+            changed.append(
+                graphdef != t.spec.graphdef
+                or len(after) != len(t.inner)
+                or any(a is not b for a, b in zip(after, t.inner))
+            )
+        return changed
 
     def writes(self, everything: bool) -> list[tuple[int, Any]]:
         """(leaf index, new value) for every Variable the function changed (or, for a
@@ -385,9 +418,59 @@ class Traced:
         for i, (v, given) in enumerate(zip(self.inner, self.given)):
             if isinstance(v, Variable):
                 new = v.get_raw_value()
-                if everything or new is not given:
+                # A non-array value (a dict of arrays, ...) may have changed in place:
+                # always written back.
+                if everything or new is not given or not isinstance(new, jax.Array):
                     out.append((i, new))
         return out
+
+
+def joint_structure_error(arg_name: str) -> FastcallError:
+    return FastcallError(
+        f"fastcall.jit: the function changed the structure of {describe_arg(arg_name)}, which "
+        "shares objects with another NNX argument. fastcall propagates structural changes only "
+        "for NNX arguments that share nothing: make the change outside the compiled function, "
+        "or pass only the object that holds the others (e.g. the optimizer that holds the model)."
+    )
+
+
+# --------------------------------------------------------------------------
+# NNX arguments that share objects (a model and an optimizer that holds it)
+
+
+def overlapping(entries: list[Any]) -> bool:
+    """Whether any two of these NNX cache entries share a node or Variable (cached)."""
+    for i, a in enumerate(entries):
+        if a is None:
+            return True  # (already flattened jointly)
+        for b in entries[i + 1 :]:
+            if b is None:
+                return True
+            known = a.disjoint.get(id(b))
+            if known is None or known[0]() is not b:
+                known = (weakref.ref(b), a.node_ids.isdisjoint(b.node_ids))
+                a.disjoint[id(b)] = known
+            if not known[1]:
+                return True
+    return False
+
+
+def joint_flatten(obj: Any, shared: Any, arg_name: str) -> tuple[Any, list[Any], list[Any]]:
+    """Flatten `obj` continuing the shared RefMap of the call's earlier NNX arguments:
+    objects already seen become references, so each shared Variable is passed once."""
+    from . import _flatten
+
+    try:
+        graphdef, flat = graphlib.flatten(obj, with_paths=True, ref_index=shared)
+    except Exception as err:
+        raise FastcallError(
+            f"fastcall.jit: {describe_arg(arg_name)} is an NNX object that could not be "
+            f"flattened ({type(err).__name__}: {err})."
+        ) from err
+    items = list(flat.leaves)
+    spec = _flatten.intern(NodeSpec(graphdef, len(items), joint=True), ("nnx-joint", graphdef))
+    values = [_raw(x) if isinstance(x, Variable) else x for x in items]
+    return spec, items, values
 
 
 def structure_error(arg_name: str) -> FastcallError:

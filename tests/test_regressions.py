@@ -187,3 +187,125 @@ def test_optimizer_state_is_read_through_its_variables_not_rewalked():
     with_data = WithData()
     fastcall.jit(lambda m, x: m(x))(with_data, jnp.ones(1))
     assert _nnx.by_id[id(with_data)].volatile  # arrays and modules held directly in lists
+
+
+# ---- second review ----
+
+
+def test_returned_submodule_is_found_before_the_graph_changes():
+    class M(nnx.Module):
+        def __init__(self):
+            self.b = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+            self.c = nnx.Linear(2, 3, rngs=nnx.Rngs(1))
+
+    def grow_and_return(m):
+        m.a = nnx.Linear(2, 4, rngs=nnx.Rngs(2))
+        return m.b
+
+    m = M()
+    assert fastcall.jit(grow_and_return)(m) is m.b
+
+
+def test_variables_shared_between_arguments_stay_shared():
+    import optax
+
+    def step(model, opt, x):
+        loss, g = nnx.value_and_grad(lambda m: (m(x) ** 2).mean())(model)
+        opt.update(g)
+        return loss, (model(x) ** 2).mean()  # reads the parameters the update just wrote
+
+    results = []
+    for wrap in (nnx.jit, fastcall.jit):
+        model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+        opt = nnx.ModelAndOptimizer(model, optax.sgd(0.1), wrt=nnx.Param)  # holds the model
+        f = wrap(step)
+        results.append([tuple(float(v) for v in f(model, opt, jnp.ones(3))) for _ in range(2)])
+    np.testing.assert_allclose(results[0], results[1], rtol=1e-5)
+
+    class W(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Variable(jnp.array(0.0))
+
+    def both(a, b):
+        a.w[...] = a.w[...] + 1.0
+        b.w[...] = b.w[...] + 10.0
+        return a.w[...]
+
+    m = W()
+    assert float(fastcall.jit(both)(m, m)) == 11.0 and float(m.w[...]) == 11.0
+
+
+def test_containers_holding_none_or_nothing_are_reread():
+    class Cached(nnx.Module):
+        def __init__(self):
+            self.slot = nnx.data([None])
+            self.hist = nnx.data([])
+
+        def __call__(self, x):
+            total = x
+            if self.slot[0] is not None:
+                total = total + self.slot[0]
+            for h in self.hist:
+                total = total + h
+            return total
+
+    ours, twin = Cached(), Cached()
+    f, g = fastcall.jit(lambda m, x: m(x)), nnx.jit(lambda m, x: m(x))
+    x = jnp.ones(3)
+    assert_trees_equal(f(ours, x), g(twin, x))
+    for m in (ours, twin):
+        m.slot[0] = jnp.full(3, 10.0)
+    assert_trees_equal(f(ours, x), g(twin, x))
+    for m in (ours, twin):
+        m.hist.append(jnp.full(3, 100.0))
+    assert_trees_equal(f(ours, x), g(twin, x))
+
+
+def test_non_pytree_nnx_object_nested_in_a_container_is_an_error():
+    class O(nnx.Object):
+        def __init__(self):
+            self.w = nnx.Variable(jnp.array(1.0))
+
+    with pytest.raises(fastcall.FastcallError, match="NNX objects inside a container"):
+        fastcall.jit(lambda c, x: c[0].w[...] * x)([O()], jnp.ones(1))
+
+
+def test_variable_holding_a_dict_mutated_in_place_is_written_back():
+    class S(nnx.Module):
+        def __init__(self):
+            self.s = nnx.Variable({"a": jnp.array(0.0), "b": jnp.array(0.0)})
+
+    def bump(m, x):
+        state = m.s.get_raw_value()
+        state["a"] = state["a"] + x
+        return state["a"]
+
+    m = S()
+    f = fastcall.jit(bump)
+    outs = [float(f(m, jnp.array(1.0))) for _ in range(3)]
+    assert outs == [1.0, 2.0, 3.0] and float(m.s.get_raw_value()["a"]) == 3.0
+
+
+def test_submodule_replaced_while_the_entry_is_built_is_watched(monkeypatch):
+    class M(nnx.Module):
+        def __init__(self):
+            self.sub = nnx.Linear(2, 2, use_bias=False, rngs=nnx.Rngs(0))
+
+    m = M()
+    g = fastcall.jit(lambda m, x: m.sub(x))
+    x = jnp.ones((1, 2))
+    original = _nnx._graph_nodes
+    raced = []
+
+    def racing(node):
+        result = original(node)
+        if node is m and not raced:
+            raced.append(1)
+            m.sub = nnx.Linear(2, 2, use_bias=False, rngs=nnx.Rngs(1))  # "another thread"
+        return result
+
+    monkeypatch.setattr(_nnx, "_graph_nodes", racing)
+    g(m, x)
+    monkeypatch.setattr(_nnx, "_graph_nodes", original)
+    m.sub.kernel = nnx.Param(jnp.zeros((2, 2)))
+    assert_trees_equal(g(m, x), m.sub(x))
