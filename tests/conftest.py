@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 import equinox as eqx
@@ -94,3 +95,22 @@ def hot_path(request, monkeypatch):
     elif _jit._accel is None:
         pytest.skip("the C accelerator is not built")
     return request.param
+
+
+def run_threads(n: int, target, *args) -> list[BaseException]:
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(n)
+
+    def wrapped(i):
+        try:
+            barrier.wait()
+            target(i, *args)
+        except BaseException as e:  # pragma: no cover - reported by the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=wrapped, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors

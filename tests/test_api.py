@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import warnings
 
 import equinox as eqx
@@ -13,7 +12,7 @@ import pytest
 
 import fastcall
 
-from .conftest import assert_trees_equal
+from .conftest import assert_trees_equal, run_threads
 
 pytestmark = pytest.mark.usefixtures("hot_path")
 
@@ -258,21 +257,11 @@ def test_threads_share_one_wrapper(mlp):
     f = fastcall.jit(lambda m, x: m(x))
     xs = [jnp.full(4, float(i)) for i in range(8)]
     expected = [mlp(x) for x in xs]
-    errors = []
-
     def worker(i):
-        try:
-            for _ in range(50):
-                np.testing.assert_allclose(f(mlp, xs[i]), expected[i], rtol=1e-6)
-        except Exception as e:  # pragma: no cover - reported below
-            errors.append(e)
+        for _ in range(50):
+            np.testing.assert_allclose(f(mlp, xs[i]), expected[i], rtol=1e-6)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    assert not run_threads(8, worker)
     assert f.stats().compiles == 1
 
 

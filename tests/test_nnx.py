@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable
 
 import equinox as eqx
@@ -17,7 +16,7 @@ import fastcall
 
 from bench._nnx_workloads import TinyDecoder  # the same decoder the benchmark times
 
-from .conftest import assert_trees_equal
+from .conftest import assert_trees_equal, run_threads
 
 pytestmark = pytest.mark.usefixtures("hot_path")
 
@@ -484,18 +483,9 @@ def test_eight_threads_one_module(wrap):
     f = wrap(forward, m)
     xs = [jnp.full((4,), float(i)) for i in range(8)]
     expected = [m(x) for x in xs]
-    errors: list[BaseException] = []
-
     def worker(i):
-        try:
-            for _ in range(100):
-                np.testing.assert_allclose(f(xs[i]), expected[i], rtol=1e-6)
-        except BaseException as e:  # pragma: no cover - reported below
-            errors.append(e)
+        for _ in range(100):
+            np.testing.assert_allclose(f(xs[i]), expected[i], rtol=1e-6)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_threads(8, worker)
     assert not errors, errors[:1]

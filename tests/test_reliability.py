@@ -17,26 +17,7 @@ from flax import nnx
 import fastcall
 from fastcall import _flatten, _nnx
 
-from .conftest import assert_trees_equal
-
-
-def run_threads(n: int, target, *args) -> list[BaseException]:
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(n)
-
-    def wrapped(i):
-        try:
-            barrier.wait()
-            target(i, *args)
-        except BaseException as e:  # pragma: no cover - reported by the caller
-            errors.append(e)
-
-    threads = [threading.Thread(target=wrapped, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return errors
+from .conftest import assert_trees_equal, run_threads
 
 
 # ---- threads ----
