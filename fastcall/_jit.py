@@ -30,7 +30,6 @@ from typing import Any, Callable, Literal, ParamSpec, Protocol, Sequence, TypeVa
 
 import equinox as eqx
 import jax
-import numpy as np
 from jaxtyping import PyTree
 
 from . import _flatten, _nnx, _stats
@@ -97,13 +96,14 @@ class _OutInfo:
 
     __slots__ = (
         "mode", "treedef", "mask", "statics", "static_keys", "block", "regs", "writes", "nodes", "build",
-        "strong", "restructure",
+        "strong", "restructure", "n_written",
     )
     treedef: Any
 
     def __init__(self, out: Any, block: bool, writes: tuple = (), nodes: bool = False, restructure: tuple = ()) -> None:
         self.writes = writes  # (NNX argument ordinal, leaf index) per written Variable
         self.restructure = restructure  # (NNX argument ordinal, new graphdef, n leaves)
+        self.n_written = len(writes) + sum(n for _, _, n in restructure)  # trailing outputs
         self.nodes = nodes  # output holds NNX node markers to turn back into objects
         leaves, treedef = jax.tree_util.tree_flatten(out)
         mask = tuple(isinstance(x, ARRAY_TYPES) for x in leaves)
@@ -152,7 +152,7 @@ class _OutInfo:
 
     def post_nnx(self, dyn: Any, nnx_refs: list[tuple[Any, list[Any]]]) -> Any:
         """Write changed Variables back to the caller's objects, then post-process."""
-        k = len(self.writes) + sum(n for _, _, n in self.restructure)
+        k = self.n_written
         if k:
             values = dyn[-k:]
             dyn = dyn[:-k]
@@ -168,7 +168,7 @@ class _OutInfo:
             # Objects returned from inside an argument's graph are looked up before the
             # graph changes (the indices refer to the graph the function was given).
             resolved = self._resolve_input_nodes(nnx_refs) if self.nodes and self.restructure else None
-            for ordinal, graphdef, n in self.restructure:
+            for _, graphdef, n in self.restructure:
                 _nnx.apply_structure(graphdef, list(values[pos : pos + n]), [ref[0] for ref in nnx_refs])
                 pos += n
             for (ordinal, index), value in zip(self.writes, values[pos:]):
@@ -661,8 +661,15 @@ class _JitState:
         # returned and written back, so that the caller's Variables stay usable.
         donated = set(self._donated_slots(all_specs, pos_specs, kw_names))
         donated_slots = [slot in donated for slot, sp in enumerate(all_specs) if sp.kind == "nnx"]
-        # With in_shardings, written-back Variables keep their input sharding (as nnx.jit).
-        state_shardings = self._nnx_state_shardings(all_specs)
+        # in_shardings, one per leaf, computed once; with them, written-back Variables
+        # keep their input sharding (as nnx.jit).
+        in_shardings = self.options["in_shardings"]
+        slot_shardings = None if in_shardings is _UNSPECIFIED else _leaf_shardings(in_shardings, all_specs)
+        state_shardings = [
+            slot_shardings[slot] if slot_shardings is not None else None
+            for slot, sp in enumerate(all_specs)
+            if sp.kind == "nnx"
+        ]
 
         def flat_fn(*dyn: Any) -> Any:
             values = []
@@ -722,7 +729,7 @@ class _JitState:
 
         name = getattr(fun, "__name__", None) or type(fun).__name__
         flat_fn.__name__ = flat_fn.__qualname__ = str(name)
-        jit_kwargs = self._jit_kwargs(all_specs, pos_specs, kw_names, counts)
+        jit_kwargs = self._jit_kwargs(counts, donated, slot_shardings)
         e.fn = jax.jit(flat_fn, **jit_kwargs)
         if self.options["donate"] in ("all", "all-except-first"):
             e.fn = _suppress_donation_warning(e.fn)
@@ -731,7 +738,7 @@ class _JitState:
             e.post_nnx = _post_varying_nnx
             e.passthrough = False
 
-    def _jit_kwargs(self, all_specs, pos_specs, kw_names, counts) -> dict[str, Any]:
+    def _jit_kwargs(self, counts: list[int], donated_slots: set[int], slot_shardings: Any) -> dict[str, Any]:
         opts = self.options
         kw: dict[str, Any] = {}
         for name in ("keep_unused", "inline"):
@@ -740,8 +747,7 @@ class _JitState:
         for name in ("device", "backend", "compiler_options"):
             if opts[name] is not None:
                 kw[name] = opts[name]
-        # Donation: decide per argument, then list that argument's flat positions.
-        donated_slots = set(self._donated_slots(all_specs, pos_specs, kw_names))
+        # Donation and shardings are decided per argument (slot), then listed per leaf.
         donated: list[int] = []
         start = 0
         for slot, n in enumerate(counts):
@@ -750,30 +756,9 @@ class _JitState:
             start += n
         if donated:
             kw["donate_argnums"] = tuple(donated)
-        if opts["in_shardings"] is not _UNSPECIFIED:
-            kw["in_shardings"] = _flat_shardings(opts["in_shardings"], all_specs, counts)
+        if slot_shardings is not None:
+            kw["in_shardings"] = tuple(sh for per_leaf in slot_shardings for sh in per_leaf)
         return kw
-
-    def _nnx_state_shardings(self, all_specs: list[Any]) -> list[list[Any] | None]:
-        """Per NNX argument (in order): the in_shardings of its leaves, or None."""
-        shardings = self.options["in_shardings"]
-        out: list[list[Any] | None] = []
-        for slot, spec in enumerate(all_specs):
-            if spec.kind != "nnx":
-                continue
-            if shardings is _UNSPECIFIED or shardings is None:
-                out.append(None)
-                continue
-            entry = shardings[slot - 1] if isinstance(shardings, tuple) and 0 < slot <= len(shardings) else (
-                None if isinstance(shardings, tuple) else shardings
-            )
-            if entry is None:
-                out.append(None)
-            elif isinstance(entry, jax.sharding.Sharding):
-                out.append([entry] * spec.n_dyn)
-            else:
-                out.append(_nnx.leaf_shardings(spec, entry))
-        return out
 
     def _donated_slots(self, all_specs: list[Any], pos_specs: list[Any], kw_names: Any):
         """Slots (0: the function, then positional, then keyword arguments) donated."""
@@ -850,24 +835,27 @@ _states_lock = threading.Lock()
 _MAX_STATES = 8192
 
 
-def _flat_shardings(shardings: Any, all_specs: list[Spec], counts: list[int]) -> Any:
-    """Map jax.jit-style in_shardings (one entry per positional argument, or one for
-    all) onto the flat leaf list."""
-    if not isinstance(shardings, (tuple, list)):
-        return shardings
-    flat: list[Any] = [None] * counts[0]
-    for spec, n, sh in zip(all_specs[1:], counts[1:], list(shardings) + [None] * len(all_specs)):
-        if spec.kind == "nnx" and sh is not None and not isinstance(sh, jax.sharding.Sharding):
-            # nnx.StateSharding (filters -> shardings) or an nnx.prefix(...) result.
-            flat.extend(_nnx.leaf_shardings(spec, sh))
-        elif spec.kind == "tree" and sh is not None and not isinstance(sh, jax.sharding.Sharding):
-            # A pytree prefix of the argument: broadcast it to the dynamic leaves.
-            full = spec.treedef.unflatten([object()] * len(spec.mask))
-            per_leaf = _broadcast_prefix(sh, full)
-            flat.extend(s for s, m in zip(per_leaf, spec.mask) if m)
+def _leaf_shardings(shardings: Any, all_specs: list[Any]) -> list[list[Any]]:
+    """jax.jit-style in_shardings (one for all, or one entry per positional argument, each
+    a Sharding or a pytree prefix; for NNX arguments also an nnx.StateSharding or an
+    nnx.prefix result) as one sharding per dynamic leaf, per slot (0: the function)."""
+    per_slot: list[list[Any]] = []
+    for slot, spec in enumerate(all_specs):
+        if not isinstance(shardings, (tuple, list)):
+            entry = shardings
         else:
-            flat.extend([sh] * n)
-    return tuple(flat)
+            entry = shardings[slot - 1] if 0 < slot <= len(shardings) else None
+        if entry is None or isinstance(entry, jax.sharding.Sharding):
+            per_slot.append([entry] * spec.n_dyn)
+        elif spec.kind == "nnx":
+            per_slot.append(_nnx.leaf_shardings(spec, entry))
+        elif spec.kind == "tree":  # a pytree prefix of the argument
+            full = spec.treedef.unflatten([object()] * len(spec.mask))
+            per_leaf = _broadcast_prefix(entry, full)
+            per_slot.append([sh for sh, m in zip(per_leaf, spec.mask) if m])
+        else:
+            per_slot.append([entry] * spec.n_dyn)
+    return per_slot
 
 
 def _broadcast_prefix(prefix: Any, full: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[Any]:

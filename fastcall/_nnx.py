@@ -147,7 +147,7 @@ def _install_hooks() -> None:
                 graphlib.GRAPH_REGISTRY[node_type] = wrapped
             except Exception:  # pragma: no cover - registry layout of other flax versions
                 pass
-    setattr(_Pytree, "_fastcall_hooked", True)
+    _Pytree._fastcall_hooked = True  # type: ignore[attr-defined,union-attr]
 
 
 _install_hooks()

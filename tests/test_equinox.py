@@ -10,7 +10,7 @@ import pytest
 
 import fastcall
 
-from .conftest import WithStatics, assert_trees_equal, check_against_peers
+from .conftest import assert_trees_equal, check_against_peers
 
 pytestmark = pytest.mark.usefixtures("hot_path")
 

@@ -164,7 +164,6 @@ def test_output_structure_depending_on_shape_traces_a_bounded_number_of_times():
     f = fastcall.jit(fn)
     for n in (1, 2, 3, 2, 1):
         out = f(jnp.ones(n))
-        expected = fn.__wrapped__(jnp.ones(n)) if hasattr(fn, "__wrapped__") else None
         assert (type(out) is tuple) == (n % 2 == 0)
     # eqx.filter_jit traces 3 times here; fastcall at most once more at the first
     # changed structure and once per earlier shape (README, "Guarantees and limits").
