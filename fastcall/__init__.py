@@ -1,11 +1,12 @@
 """fastcall: call JAX models (Equinox, Flax NNX, plain pytrees) at close to `jax.jit`'s floor."""
 
+from ._aot import Compiled as Compiled
+from ._aot import Lowered as Lowered
+from ._api import clear_caches as clear_caches
+from ._api import jit as jit
+from ._api import partial as partial
 from ._errors import FastcallError as FastcallError
-from ._jit import Compiled as Compiled
-from ._jit import Lowered as Lowered
-from ._jit import clear_caches as clear_caches
-from ._jit import jit as jit
-from ._jit import partial as partial
+from ._errors import UnverifiedFlaxWarning as UnverifiedFlaxWarning
 from ._stats import Change as Change
 from ._stats import JitStats as JitStats
 from ._stats import Recompile as Recompile

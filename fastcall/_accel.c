@@ -1,43 +1,50 @@
-/* The hot path of fastcall.jit in C: `FastWrapper`.
+/* The fast path of fastcall.jit in C: `FastWrapper`.
  *
- * It handles the case an inference loop hits every call: every argument but
- * the first is a plain jax array of the exact ArrayImpl type, and the first is
- *  - an object in fastcall's identity cache (same object, checked through its
- *    weakref) with a "bound" record for this wrapped function: the compiled
- *    function (a functools.partial with the object's leaves already bound) is
- *    called on the remaining arguments; or
- *  - an NNX object whose cached structure is still valid, with a bound record:
- *    its Variables' values are read through the _raw_value slot and passed
- *    with the remaining arguments; changed state is written back by the
- *    post_nnx function.
- * Then the post-processing function is applied if there is one.
+ * It serves exactly the case `_dispatch.make_wrapper`'s Python fast path
+ * serves, from the same records (`fastcall/_fast.py`):
  *
- * Everything else (keyword arguments, a cache miss, a new structure, a
- * tracer, NNX objects, ...) goes to `fallback`, the pure-Python wrapper in
- * _jit.py, which holds all the logic. The Python wrapper implements the same
- * fast case, so this module is an optional accelerator: if it fails to build
- * or import, fastcall behaves identically, only ~0.5 us slower per call.
+ *   f(first, *arrays)  where  INDEX[id(first)] is a FastSlot whose ref() is
+ *   first, slot.records[state] is a FastRecord with arity == len(args), and
+ *   every other argument is exactly a jax ArrayImpl.
  *
- * Layout of an identity-cache entry (see _flatten.py):
- *   by_id[id(obj)] = (ref, leaves, spec_id, bound, spec)
- *   bound[state]   = (nargs, call, post_or_None)
+ * Then: for an NNX record (variables is not None), the Variables' current
+ * values are read through the _raw_value slot and passed first (if the first
+ * value is not an ArrayImpl, e.g. a tracer inside an nnx transform, the call
+ * goes to the fallback); `call` runs; `post(out, first, variables)` is applied
+ * when present. Every other case goes to `fallback`, the Python wrapper, which
+ * holds all the logic. This module is an optional accelerator: if it fails to
+ * build or import, fastcall behaves identically, only slower.
+ *
+ * The records are NamedTuples; their fields are read through the index
+ * constants below, and the constructor checks the Python field names against
+ * them, so a change of layout on one side fails loudly instead of misreading.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
 
+/* FastSlot(ref, records) */
+#define SLOT_REF 0
+#define SLOT_RECORDS 1
+static const char *SLOT_FIELDS[] = {"ref", "records", NULL};
+/* FastRecord(arity, call, variables, post) */
+#define REC_ARITY 0
+#define REC_CALL 1
+#define REC_VARIABLES 2
+#define REC_POST 3
+static const char *RECORD_FIELDS[] = {"arity", "call", "variables", "post", NULL};
+
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
     PyObject *fallback;    /* the Python wrapper: handles every other case */
-    PyObject *by_id;       /* dict: id(obj) -> entry tuple */
-    PyObject *state;       /* key of this wrapped function in entry[3] */
+    PyObject *index;       /* dict: id(first) -> FastSlot */
+    PyObject *state;       /* key of this wrapped function in slot.records */
     PyObject *array_type;  /* jaxlib ArrayImpl */
-    PyObject *varies_exc;  /* _StructureVaries: retry through the fallback */
+    PyObject *varies_exc;  /* StructureVaries: retry through the fallback */
     PyObject *on_error;    /* on_error(exception, args): re-raises it, made clearer */
-    PyObject *nnx_fast;    /* dict: id(nnx object) -> (ref, variables, bound) */
-    PyObject *raw_desc;    /* the Variable._raw_value slot descriptor */
-    Py_ssize_t calls;      /* calls served here (added to JitStats.calls) */
+    PyObject *value_slot;  /* one-element list: the Variable._raw_value descriptor, or None */
+    Py_ssize_t calls;      /* calls served here (JitStats.paths["c_fast"]) */
     PyObject *dict;
     PyObject *weakreflist;
 } FastWrapper;
@@ -48,16 +55,35 @@ fw_fallback(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *k
     return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
 }
 
+/* Whether the weak reference `ref` refers to `obj` (1), not (0), or error (-1). */
+static int
+ref_is(PyObject *ref, PyObject *obj)
+{
+    if (!PyWeakref_Check(ref)) {
+        return 0;
+    }
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *target;
+    if (PyWeakref_GetRef(ref, &target) < 0) {
+        return -1;
+    }
+    int same = target == obj;
+    Py_XDECREF(target);
+    return same;
+#else
+    return PyWeakref_GET_OBJECT(ref) == obj;
+#endif
+}
+
 /* After a failed call of the compiled function: retry through the fallback for
- * _StructureVaries, otherwise hand the exception to on_error (which re-raises it,
- * translated when it is an eqx.error_if failure). Always returns NULL or the
- * fallback's result. */
+ * StructureVaries (the call is then counted there, not here); otherwise hand the
+ * exception to on_error, which re-raises it (translated where it can). */
 static PyObject *
 fw_failed(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
-    self->calls--;
     if (PyErr_ExceptionMatches(self->varies_exc)) {
         PyErr_Clear();
+        self->calls--;
         return fw_fallback(self, args, nargsf, kwnames);
     }
     PyObject *type, *value, *tb;
@@ -68,9 +94,10 @@ fw_failed(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *kwn
     }
     PyObject *res = NULL;
     if (value != NULL) {
-        PyObject *argtuple = PyTuple_New(PyVectorcall_NARGS(nargsf));
+        Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+        PyObject *argtuple = PyTuple_New(nargs);
         if (argtuple != NULL) {
-            for (Py_ssize_t i = 0; i < PyVectorcall_NARGS(nargsf); i++) {
+            for (Py_ssize_t i = 0; i < nargs; i++) {
                 Py_INCREF(args[i]);
                 PyTuple_SET_ITEM(argtuple, i, args[i]);
             }
@@ -90,106 +117,6 @@ fw_failed(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *kwn
 
 #define SMALL_STACK 64
 
-/* The NNX case: the first argument is an NNX object whose cached structure is
- * still valid (it is in nnx_fast), with a bound record
- * (nargs, fn, post_nnx or None, post or None) for this function. The Variables'
- * current values are read through the _raw_value slot. */
-static PyObject *
-fw_nnx(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *kwnames, PyObject *key)
-{
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    PyObject *first = args[0];
-    PyObject *rec = PyDict_GetItemWithError(self->nnx_fast, key); /* borrowed */
-    if (rec == NULL || !PyTuple_CheckExact(rec) || PyTuple_GET_SIZE(rec) != 3) {
-        return PyErr_Occurred() ? NULL : fw_fallback(self, args, nargsf, kwnames);
-    }
-    PyObject *ref = PyTuple_GET_ITEM(rec, 0);
-    PyObject *items = PyTuple_GET_ITEM(rec, 1);
-    PyObject *bound_map = PyTuple_GET_ITEM(rec, 2);
-    if (!PyWeakref_CheckRef(ref) || PyWeakref_GET_OBJECT(ref) != first || !PyList_CheckExact(items)
-        || !PyDict_CheckExact(bound_map)) {
-        return fw_fallback(self, args, nargsf, kwnames);
-    }
-    PyObject *bound = PyDict_GetItemWithError(bound_map, self->state); /* borrowed */
-    if (bound == NULL || !PyTuple_CheckExact(bound) || PyTuple_GET_SIZE(bound) != 4) {
-        return PyErr_Occurred() ? NULL : fw_fallback(self, args, nargsf, kwnames);
-    }
-    Py_ssize_t expected = PyLong_AsSsize_t(PyTuple_GET_ITEM(bound, 0));
-    if (expected != nargs) {
-        return (expected == -1 && PyErr_Occurred()) ? NULL : fw_fallback(self, args, nargsf, kwnames);
-    }
-    for (Py_ssize_t i = 1; i < nargs; i++) {
-        if ((PyObject *)Py_TYPE(args[i]) != self->array_type) {
-            return fw_fallback(self, args, nargsf, kwnames);
-        }
-    }
-    /* Hold what we use: another thread may replace the records during the call. */
-    Py_INCREF(bound);
-    Py_INCREF(items);
-    Py_ssize_t nvars = PyList_GET_SIZE(items);
-    Py_ssize_t total = nvars + nargs - 1;
-    PyObject *small[SMALL_STACK];
-    PyObject **stack = total <= SMALL_STACK ? small : PyMem_Malloc(total * sizeof(PyObject *));
-    PyObject *out = NULL;
-    Py_ssize_t filled = 0;
-    if (stack == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    descrgetfunc get = Py_TYPE(self->raw_desc)->tp_descr_get;
-    for (; filled < nvars; filled++) {
-        PyObject *var = PyList_GET_ITEM(items, filled);
-        PyObject *value = get(self->raw_desc, var, (PyObject *)Py_TYPE(var));
-        if (value == NULL) {
-            goto done;
-        }
-        stack[filled] = value;
-    }
-    if (nvars > 0 && (PyObject *)Py_TYPE(stack[0]) != self->array_type) {
-        /* tracers (inside an nnx transform) or another kind of value: slow path */
-        for (Py_ssize_t i = 0; i < filled; i++) Py_DECREF(stack[i]);
-        filled = 0;
-        if (stack != small) PyMem_Free(stack);
-        stack = NULL;
-        Py_DECREF(bound);
-        Py_DECREF(items);
-        return fw_fallback(self, args, nargsf, kwnames);
-    }
-    for (Py_ssize_t i = 1; i < nargs; i++) {
-        stack[nvars + i - 1] = args[i]; /* borrowed: not decref'd below */
-    }
-    self->calls++;
-    out = PyObject_Vectorcall(PyTuple_GET_ITEM(bound, 1), stack, total, NULL);
-    if (out == NULL) {
-        for (Py_ssize_t i = 0; i < filled; i++) Py_DECREF(stack[i]);
-        filled = 0;
-        if (stack != small) PyMem_Free(stack);
-        stack = NULL;
-        Py_DECREF(bound);
-        Py_DECREF(items);
-        return fw_failed(self, args, nargsf, kwnames);
-    }
-    PyObject *post_nnx = PyTuple_GET_ITEM(bound, 2);
-    PyObject *post = PyTuple_GET_ITEM(bound, 3);
-    if (post_nnx != Py_None) {
-        PyObject *refs = Py_BuildValue("[(OO)]", first, items);
-        PyObject *result = refs ? PyObject_CallFunctionObjArgs(post_nnx, out, refs, NULL) : NULL;
-        Py_XDECREF(refs);
-        Py_DECREF(out);
-        out = result;
-    } else if (post != Py_None) {
-        PyObject *result = PyObject_CallOneArg(post, out);
-        Py_DECREF(out);
-        out = result;
-    }
-done:
-    for (Py_ssize_t i = 0; i < filled; i++) Py_DECREF(stack[i]);
-    if (stack != NULL && stack != small) PyMem_Free(stack);
-    Py_DECREF(bound);
-    Py_DECREF(items);
-    return out;
-}
-
 static PyObject *
 fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
@@ -203,65 +130,94 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
     if (key == NULL) {
         return NULL;
     }
-    PyObject *hit = PyDict_GetItemWithError(self->by_id, key); /* borrowed */
-    if (hit == NULL) {
-        if (PyErr_Occurred()) {
-            Py_DECREF(key);
-            return NULL;
-        }
-        PyObject *res = fw_nnx(self, args, nargsf, kwnames, key);
-        Py_DECREF(key);
-        return res;
-    }
+    PyObject *slot = PyDict_GetItemWithError(self->index, key); /* borrowed */
     Py_DECREF(key);
-    if (!PyTuple_CheckExact(hit) || PyTuple_GET_SIZE(hit) < 4) {
+    if (slot == NULL) {
+        return PyErr_Occurred() ? NULL : fw_fallback(self, args, nargsf, kwnames);
+    }
+    if (!PyTuple_Check(slot) || PyTuple_GET_SIZE(slot) != 2) {
         return fw_fallback(self, args, nargsf, kwnames);
     }
-    PyObject *ref = PyTuple_GET_ITEM(hit, 0);
-    if (!PyWeakref_CheckRef(ref) || PyWeakref_GET_OBJECT(ref) != first) {
+    int same = ref_is(PyTuple_GET_ITEM(slot, SLOT_REF), first);
+    if (same <= 0) {
+        return same < 0 ? NULL : fw_fallback(self, args, nargsf, kwnames);
+    }
+    PyObject *records = PyTuple_GET_ITEM(slot, SLOT_RECORDS);
+    if (!PyDict_CheckExact(records)) {
         return fw_fallback(self, args, nargsf, kwnames);
     }
-    PyObject *bound_map = PyTuple_GET_ITEM(hit, 3);
-    if (!PyDict_CheckExact(bound_map)) {
+    PyObject *record = PyDict_GetItemWithError(records, self->state); /* borrowed */
+    if (record == NULL) {
+        return PyErr_Occurred() ? NULL : fw_fallback(self, args, nargsf, kwnames);
+    }
+    if (!PyTuple_Check(record) || PyTuple_GET_SIZE(record) != 4) {
         return fw_fallback(self, args, nargsf, kwnames);
     }
-    PyObject *bound = PyDict_GetItemWithError(bound_map, self->state); /* borrowed */
-    if (bound == NULL) {
-        if (PyErr_Occurred()) {
-            return NULL;
-        }
-        return fw_fallback(self, args, nargsf, kwnames);
-    }
-    if (!PyTuple_CheckExact(bound) || PyTuple_GET_SIZE(bound) != 3) {
-        return fw_fallback(self, args, nargsf, kwnames);
-    }
-    Py_ssize_t expected = PyLong_AsSsize_t(PyTuple_GET_ITEM(bound, 0));
-    if (expected != nargs) {
-        if (expected == -1 && PyErr_Occurred()) {
-            return NULL;
-        }
-        return fw_fallback(self, args, nargsf, kwnames);
+    Py_ssize_t arity = PyLong_AsSsize_t(PyTuple_GET_ITEM(record, REC_ARITY));
+    if (arity != nargs) {
+        return (arity == -1 && PyErr_Occurred()) ? NULL : fw_fallback(self, args, nargsf, kwnames);
     }
     for (Py_ssize_t i = 1; i < nargs; i++) {
         if ((PyObject *)Py_TYPE(args[i]) != self->array_type) {
             return fw_fallback(self, args, nargsf, kwnames);
         }
     }
-    /* The bound record may be replaced by another thread during the call. */
-    Py_INCREF(bound);
-    self->calls++;
-    PyObject *out = PyObject_Vectorcall(PyTuple_GET_ITEM(bound, 1), args + 1, nargs - 1, NULL);
-    if (out == NULL) {
-        Py_DECREF(bound);
-        return fw_failed(self, args, nargsf, kwnames);
+    PyObject *variables = PyTuple_GET_ITEM(record, REC_VARIABLES);
+    PyObject *descr = PyList_GET_ITEM(self->value_slot, 0);
+    if (variables != Py_None && (!PyList_CheckExact(variables) || descr == Py_None)) {
+        return fw_fallback(self, args, nargsf, kwnames);
     }
-    PyObject *post = PyTuple_GET_ITEM(bound, 2);
+    /* Hold what we use: another thread may replace the records during the call. */
+    Py_INCREF(record);
+    Py_ssize_t nvars = variables == Py_None ? 0 : PyList_GET_SIZE(variables);
+    Py_ssize_t total = nvars + nargs - 1;
+    PyObject *small[SMALL_STACK];
+    PyObject **stack = total <= SMALL_STACK ? small : PyMem_Malloc(total * sizeof(PyObject *));
+    PyObject *out = NULL;
+    Py_ssize_t filled = 0; /* owned references at the start of the stack */
+    if (stack == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (nvars > 0) {
+        descrgetfunc get = Py_TYPE(descr)->tp_descr_get;
+        for (; filled < nvars; filled++) {
+            PyObject *var = PyList_GET_ITEM(variables, filled);
+            PyObject *value = get(descr, var, (PyObject *)Py_TYPE(var));
+            if (value == NULL) {
+                goto done;
+            }
+            stack[filled] = value;
+        }
+        if ((PyObject *)Py_TYPE(stack[0]) != self->array_type) {
+            /* tracers (inside an nnx transform) or another kind of value */
+            for (Py_ssize_t i = 0; i < filled; i++) Py_DECREF(stack[i]);
+            filled = 0;
+            out = fw_fallback(self, args, nargsf, kwnames);
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 1; i < nargs; i++) {
+        stack[nvars + i - 1] = args[i]; /* borrowed: not decref'd below */
+    }
+    self->calls++;
+    out = PyObject_Vectorcall(PyTuple_GET_ITEM(record, REC_CALL), stack, total, NULL);
+    if (out == NULL) {
+        for (Py_ssize_t i = 0; i < filled; i++) Py_DECREF(stack[i]);
+        filled = 0;
+        out = fw_failed(self, args, nargsf, kwnames);
+        goto done;
+    }
+    PyObject *post = PyTuple_GET_ITEM(record, REC_POST);
     if (post != Py_None) {
-        PyObject *result = PyObject_CallOneArg(post, out);
+        PyObject *result = PyObject_CallFunctionObjArgs(post, out, first, variables, NULL);
         Py_DECREF(out);
         out = result;
     }
-    Py_DECREF(bound);
+done:
+    for (Py_ssize_t i = 0; i < filled; i++) Py_DECREF(stack[i]);
+    if (stack != NULL && stack != small) PyMem_Free(stack);
+    Py_DECREF(record);
     return out;
 }
 
@@ -286,13 +242,12 @@ fw_traverse(PyObject *op, visitproc visit, void *arg)
 {
     FastWrapper *self = (FastWrapper *)op;
     Py_VISIT(self->fallback);
-    Py_VISIT(self->by_id);
+    Py_VISIT(self->index);
     Py_VISIT(self->state);
     Py_VISIT(self->array_type);
     Py_VISIT(self->varies_exc);
     Py_VISIT(self->on_error);
-    Py_VISIT(self->nnx_fast);
-    Py_VISIT(self->raw_desc);
+    Py_VISIT(self->value_slot);
     Py_VISIT(self->dict);
     return 0;
 }
@@ -302,13 +257,12 @@ fw_clear(PyObject *op)
 {
     FastWrapper *self = (FastWrapper *)op;
     Py_CLEAR(self->fallback);
-    Py_CLEAR(self->by_id);
+    Py_CLEAR(self->index);
     Py_CLEAR(self->state);
     Py_CLEAR(self->array_type);
     Py_CLEAR(self->varies_exc);
     Py_CLEAR(self->on_error);
-    Py_CLEAR(self->nnx_fast);
-    Py_CLEAR(self->raw_desc);
+    Py_CLEAR(self->value_slot);
     Py_CLEAR(self->dict);
     return 0;
 }
@@ -325,24 +279,50 @@ fw_dealloc(PyObject *op)
     Py_TYPE(op)->tp_free(op);
 }
 
+/* Check that the Python record `fields` (a tuple of names) matches `expected`. */
+static int
+check_fields(PyObject *fields, const char **expected, const char *record)
+{
+    Py_ssize_t n = 0;
+    while (expected[n] != NULL) n++;
+    if (!PyTuple_Check(fields) || PyTuple_GET_SIZE(fields) != n) {
+        PyErr_Format(PyExc_TypeError, "fastcall._accel: %s has another layout than this C build reads", record);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *name = PyTuple_GET_ITEM(fields, i);
+        if (!PyUnicode_Check(name) || PyUnicode_CompareWithASCIIString(name, expected[i]) != 0) {
+            PyErr_Format(PyExc_TypeError, "fastcall._accel: %s field %zd is %R, C reads it as '%s'", record, i,
+                         name, expected[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static PyObject *
 fw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    PyObject *fallback, *by_id, *state, *array_type, *varies_exc, *on_error, *nnx_fast, *raw_desc;
+    PyObject *fallback, *index, *state, *array_type, *varies_exc, *on_error, *value_slot;
+    PyObject *slot_fields, *record_fields;
     if (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) {
         PyErr_SetString(PyExc_TypeError, "FastWrapper takes positional arguments only");
         return NULL;
     }
-    if (!PyArg_UnpackTuple(args, "FastWrapper", 8, 8, &fallback, &by_id, &state, &array_type,
-                           &varies_exc, &on_error, &nnx_fast, &raw_desc)) {
+    if (!PyArg_UnpackTuple(args, "FastWrapper", 9, 9, &fallback, &index, &state, &array_type, &varies_exc,
+                           &on_error, &value_slot, &slot_fields, &record_fields)) {
         return NULL;
     }
-    if (!PyDict_CheckExact(by_id) || !PyDict_CheckExact(nnx_fast)) {
-        PyErr_SetString(PyExc_TypeError, "by_id and nnx_fast must be dicts");
+    if (!PyDict_CheckExact(index)) {
+        PyErr_SetString(PyExc_TypeError, "FastWrapper: index must be a dict");
         return NULL;
     }
-    if (Py_TYPE(raw_desc)->tp_descr_get == NULL) {
-        PyErr_SetString(PyExc_TypeError, "raw_desc must be a descriptor");
+    if (!PyList_CheckExact(value_slot) || PyList_GET_SIZE(value_slot) != 1) {
+        PyErr_SetString(PyExc_TypeError, "FastWrapper: value_slot must be a one-element list");
+        return NULL;
+    }
+    if (check_fields(slot_fields, SLOT_FIELDS, "FastSlot") < 0
+        || check_fields(record_fields, RECORD_FIELDS, "FastRecord") < 0) {
         return NULL;
     }
     FastWrapper *self = (FastWrapper *)type->tp_alloc(type, 0);
@@ -351,13 +331,12 @@ fw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     }
     self->vectorcall = fw_vectorcall;
     Py_INCREF(fallback); self->fallback = fallback;
-    Py_INCREF(by_id); self->by_id = by_id;
+    Py_INCREF(index); self->index = index;
     Py_INCREF(state); self->state = state;
     Py_INCREF(array_type); self->array_type = array_type;
     Py_INCREF(varies_exc); self->varies_exc = varies_exc;
     Py_INCREF(on_error); self->on_error = on_error;
-    Py_INCREF(nnx_fast); self->nnx_fast = nnx_fast;
-    Py_INCREF(raw_desc); self->raw_desc = raw_desc;
+    Py_INCREF(value_slot); self->value_slot = value_slot;
     self->calls = 0;
     self->dict = NULL;
     self->weakreflist = NULL;

@@ -1,4 +1,4 @@
-"""Errors raised by fastcall itself (never by the user's function)."""
+"""Errors and warnings raised by fastcall itself (never by the user's function)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,13 @@ class FastcallError(TypeError):
     because every such case is a value of the wrong kind (unhashable static
     data, an array where a static value is required, ...).
     """
+
+
+class UnverifiedFlaxWarning(UserWarning):
+    """fastcall could not verify its Flax NNX structure hooks on the installed flax
+    (a version outside the verified range, or a hooked method missing): NNX objects
+    have their structure re-read on every call, which is correct but slower. Warned
+    once, when NNX support loads; filter it if that is acceptable."""
 
 
 def describe_arg(arg_name: str, path: str = "") -> str:

@@ -9,39 +9,34 @@ split once per structure and once per object:
   (`Spec.id`). Two arguments with equal specs run the same compiled program.
   Interning means the hot path hashes a tuple of small ints instead of a
   treedef and its static leaves.
-* the identity cache (`lookup` / `remember`): `id(obj) -> (weakref, leaves,
-  spec id)` for immutable structures (Equinox modules, tuples of them). The
-  entry is checked with `weakref() is obj`, so a reused `id` never matches,
-  and it is evicted by the weakref's callback when the object dies.
-* `Template`: for a new object of a structure seen before, Python code
-  generated for that structure reads the leaves straight from each node's
-  `__dict__` and compares static fields by identity, several times faster
-  than `jax.tree_util.tree_flatten` on Equinox modules (whose flatten runs
-  Python per node). Anything unexpected makes the template decline, and the
-  generic path (`flatten_generic`) takes over.
+* the identity cache (`by_id`, `remember`): `id(obj) -> CacheEntry` for
+  immutable structures (Equinox modules, tuples of them). An entry is used
+  only if `entry.ref() is obj`, so a reused `id` never matches, and it is
+  evicted by the weakref's callback when the object dies.
+
+For a new object of a structure seen before, `_codegen` generates code that
+extracts its leaves faster than `jax.tree_util.tree_flatten`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import operator
 import threading
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import equinox as eqx
-from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.tree_util import tree_flatten, tree_flatten_with_path, keystr
+from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path
 
+from . import _fast, _nnx_gate
 from ._errors import FastcallError, describe_arg
 
 ArrayImpl = type(jnp.zeros(()))
-_NNX_TYPES = (nnx.Pytree, nnx.Variable)
 ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 
 
@@ -92,7 +87,7 @@ def _node_is_immutable(node_type: type) -> bool:
 
 def _treedef_has_nnx(treedef: Any) -> bool:
     node_data = treedef.node_data()
-    if node_data is not None and isinstance(node_data[0], type) and issubclass(node_data[0], _NNX_TYPES):
+    if node_data is not None and isinstance(node_data[0], type) and _nnx_gate.is_node_type(node_data[0]):
         return True
     return any(_treedef_has_nnx(c) for c in treedef.children())
 
@@ -129,7 +124,7 @@ class Spec:
         self.templated = False  # whether learn() has been tried for this structure
         # NNX objects nested inside (pytree ones as nodes, `nnx.Object`s as static leaves)
         self.has_nnx = kind == "tree" and (
-            _treedef_has_nnx(treedef) or any(isinstance(s, _NNX_TYPES) for s in statics)
+            _treedef_has_nnx(treedef) or any(_nnx_gate.is_node(s) for s in statics)
         )
 
     def rebuild(self, dynamic: Sequence[Any]) -> Any:
@@ -221,35 +216,17 @@ def flatten_generic(value: Any, arg_name: str) -> tuple[Spec, list[Any]]:
         raise _unhashable_error(arg_name, value, err) from None
 
 
-def static_spec(value: Any, arg_name: str) -> Spec:
-    """The Spec of an argument marked static (static_argnums / static_argnames)."""
-    if is_array(value):
-        raise FastcallError(
-            f"fastcall.jit: {describe_arg(arg_name)} is marked static "
-            "(static_argnums/static_argnames) but is an array. Arrays cannot be part "
-            "of the compile key: drop it from static_argnums/static_argnames (arrays "
-            "are traced automatically)."
-        )
-    try:
-        key = ("static", leaf_key(value))
-        hash(key)
-        return intern(Spec("static", None, (), (value,)), key)
-    except FastcallError:
-        raise
-    except Exception as err:
-        raise FastcallError(
-            f"fastcall.jit: {describe_arg(arg_name)} is marked static "
-            f"(static_argnums/static_argnames) but is not hashable "
-            f"({type(err).__name__}: {err}). Pass a hashable value, or drop it from "
-            "static_argnums/static_argnames so that its arrays are traced."
-        ) from None
-
-
 # --------------------------------------------------------------------------
-# Identity cache: id(obj) -> (weakref, dynamic leaves, spec id)
+# Identity cache
 
 
-_first = operator.itemgetter(0)
+class CacheEntry(NamedTuple):
+    """What the identity cache knows about one object."""
+
+    ref: Callable[[], Any]  # a weakref (or, for `remember_strongly`, a strong token)
+    leaves: Sequence[Any]  # the object's dynamic leaves
+    spec_id: int
+    spec: Any  # held: keeps the interned Spec (and so its id) alive while cached
 
 
 class _Ref(weakref.ref):
@@ -257,22 +234,23 @@ class _Ref(weakref.ref):
     oid: int
 
 
-# The fourth element maps a wrapped function's state to a "bound" record for
-# calls whose first argument is this object and whose other arguments are
-# plain arrays: (number of arguments, compiled function with this object's
-# leaves already bound, post-processing or None). `unbind` drops them when the
-# state's compiled entries are replaced or cleared.
-# The fifth element is the Spec itself, which keeps it alive while the object is cached.
-by_id: dict[int, tuple[Callable[[], Any], Sequence[Any], int, dict[Any, Any], Any]] = {}
+class _Strong(functools.partial):
+    """A strong stand-in for a weakref: calling it returns the object it holds."""
+
+    oid: int
 
 
-def _evict(ref: _Ref, _by_id: dict = by_id) -> None:
+by_id: dict[int, CacheEntry] = {}
+
+
+def _evict(ref: _Ref, _by_id: dict = by_id, _withdraw: Callable = _fast.withdraw) -> None:
     # Runs when the object dies, before its id can be reused. The `is` check
     # keeps a newer entry under the same id (set by another thread) alive.
-    # (`_by_id` is bound early: at interpreter exit module globals are gone.)
+    # (Globals are bound early: at interpreter exit module globals are gone.)
     entry = _by_id.get(ref.oid)
-    if entry is not None and entry[0] is ref:
+    if entry is not None and entry.ref is ref:
         _by_id.pop(ref.oid, None)
+    _withdraw(ref)
 
 
 def remember(obj: Any, leaves: Sequence[Any], spec: Any) -> None:
@@ -282,297 +260,27 @@ def remember(obj: Any, leaves: Sequence[Any], spec: Any) -> None:
     except TypeError:
         return
     ref.oid = id(obj)
-    by_id[ref.oid] = (ref, leaves, spec.id, {}, spec)
+    by_id[ref.oid] = CacheEntry(ref, leaves, spec.id, spec)
 
 
-def remember_strongly(obj: Any, leaves: Sequence[Any], spec: Any) -> Any:
+def remember_strongly(obj: Any, leaves: Sequence[Any], spec: Any) -> _Strong:
     """Cache a non-weakrefable immutable object (a tuple such as an optax state) by
     identity, holding it alive so that its id cannot be reused while cached. The
     caller must `forget_strong` the returned token soon (fastcall keeps only the
     outputs of the latest call of each compiled entry)."""
-    token = functools.partial(_first, (obj,))  # calling it returns obj, like a weakref
-    by_id[id(obj)] = (token, leaves, spec.id, {}, spec)
-    return id(obj), token
+    token = _Strong(operator.itemgetter(0), (obj,))
+    token.oid = id(obj)
+    by_id[token.oid] = CacheEntry(token, leaves, spec.id, spec)
+    return token
 
 
-def forget_strong(registered: Any) -> None:
-    oid, token = registered
-    entry = by_id.get(oid)
-    if entry is not None and entry[0] is token:
-        by_id.pop(oid, None)
-
-
-def unbind(state: Any) -> None:
-    """Forget every bound record of `state` (its compiled entries were replaced)."""
-    for entry in list(by_id.values()):
-        entry[3].pop(state, None)
+def forget_strong(token: _Strong) -> None:
+    entry = by_id.get(token.oid)
+    if entry is not None and entry.ref is token:
+        by_id.pop(token.oid, None)
 
 
 def clear() -> None:
     by_id.clear()
-    templates.clear()
     with _intern_lock:
         _spec_ids.clear()
-
-
-# --------------------------------------------------------------------------
-# Templates: generated extractors for a structure seen before
-
-
-class _NoTemplate(Exception):
-    pass
-
-
-_MAX_TEMPLATE_NODES = 4096
-
-
-class _CodeGen:
-    """Emits straight-line Python that walks one known structure.
-
-    The generated `_inner(obj)` returns the tuple of dynamic leaves, or None as
-    soon as anything differs from the structure it was generated for: a node
-    of another type, a container of another length, an Equinox module with
-    other attributes, a static value that is not the same (by identity, then
-    by exact equality), or a leaf that is not a concrete jax array.
-    """
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-        self.consts: dict[str, Any] = {}
-        self.counter = itertools.count()
-        self.nodes = 0
-        self.arrays: list[str] = []
-
-    def const(self, value: Any) -> str:
-        name = f"_c{next(self.counter)}"
-        self.consts[name] = value
-        return name
-
-    def var(self) -> str:
-        return f"_v{next(self.counter)}"
-
-    def emit(self, line: str) -> None:
-        self.lines.append("    " + line)
-
-    def bind(self, expr: str) -> str:
-        if expr.isidentifier():
-            return expr
-        v = self.var()
-        self.emit(f"{v} = {expr}")
-        return v
-
-    def walk(self, expr: str, value: Any) -> None:
-        self.nodes += 1
-        if self.nodes > _MAX_TEMPLATE_NODES:
-            raise _NoTemplate
-        t = type(value)
-        if t is ArrayImpl:
-            v = self.var()
-            self.emit(f"{v} = {expr}")
-            self.arrays.append(v)
-            return
-        if value is None:
-            self.emit(f"if {expr} is not None: return None")
-            return
-        if t is tuple or t is list:
-            v = self.bind(expr)
-            self.emit(f"if type({v}) is not {self.const(t)} or len({v}) != {len(value)}: return None")
-            for i, item in enumerate(value):
-                self.walk(f"{v}[{i}]", item)
-            return
-        if t is dict:
-            try:
-                keys = sorted(value)
-            except TypeError:
-                raise _NoTemplate from None
-            v = self.bind(expr)
-            self.emit(f"if type({v}) is not dict or len({v}) != {len(value)}: return None")
-            for k in keys:
-                self.walk(f"{v}[{self.const(k)}]", value[k])
-            return
-        if isinstance(value, eqx.Module):
-            fields = dataclasses.fields(value)
-            d = value.__dict__
-            if len(d) != len(fields) or any(f.name not in d for f in fields):
-                raise _NoTemplate  # wrapper modules carry extra attributes
-            node = self.bind(expr)
-            v = self.var()
-            self.emit(f"if type({node}) is not {self.const(t)}: return None")
-            # object.__getattribute__ skips eqx.Module.__getattribute__ (~1 us each).
-            self.emit(f"{v} = _getattr({node}, '__dict__')")
-            self.emit(f"if len({v}) != {len(fields)}: return None")
-            statics = []
-            for f in fields:
-                if f.metadata.get("static", False):
-                    statics.append((f"{v}[{f.name!r}]", d[f.name]))
-                else:
-                    self.walk(f"{v}[{f.name!r}]", d[f.name])
-            self.statics(statics)
-            return
-        if issubclass(t, tuple) and hasattr(t, "_fields"):
-            v = self.bind(expr)
-            self.emit(f"if type({v}) is not {self.const(t)}: return None")
-            for i, item in enumerate(value):
-                self.walk(f"{v}[{i}]", item)
-            return
-        # A leaf, unless some other pytree node type: those are not specialised.
-        if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
-            if isinstance(value, ARRAY_TYPES):
-                raise _NoTemplate  # NumPy arrays and tracers: generic path
-            self.statics([(expr, value)])
-            return
-        raise _NoTemplate
-
-    def statics(self, pairs: list[tuple[str, Any]]) -> None:
-        """One line checks every static value of a node by identity; only if that
-        fails are they compared by exact equality."""
-        if not pairs:
-            return
-        names = [self.bind(expr) for expr, _ in pairs]
-        consts = [self.const(value) for _, value in pairs]
-        fast = " and ".join(f"{n} is {c}" for n, c in zip(names, consts))
-        slow = " and ".join(f"_static_equal({n}, {c})" for n, c in zip(names, consts))
-        self.emit(f"if not ({fast}) and not ({slow}): return None")
-
-    def finish(self) -> str:
-        if self.arrays:
-            check = " or ".join(f"type({a}) is not _ArrayImpl" for a in self.arrays)
-            self.emit(f"if {check}: return None")
-        self.emit(f"return ({', '.join(self.arrays)}{',' if self.arrays else ''})")
-        return "\n".join(self.lines)
-
-
-class Template:
-    """Generated extractor for one structure: `extract(obj) -> leaves tuple | None`.
-
-    Returns the dynamic leaves of `obj` (in `tree_flatten` order) if `obj` has
-    exactly the structure and static values of `spec`, else None.
-    """
-
-    __slots__ = ("spec", "extract", "source")
-
-    def __init__(self, spec: Spec, example: Any, dynamic: list[Any]):
-        gen = _CodeGen()
-        gen.walk("obj", example)
-        body = gen.finish()
-        self.source = (
-            "def _extract(obj):\n"
-            "    try:\n"
-            "        return _inner(obj)\n"
-            "    except (KeyError, AttributeError, IndexError, TypeError):\n"
-            "        return None\n"
-            "def _inner(obj):\n"
-            f"{body}\n"
-        )
-        namespace: dict[str, Any] = dict(gen.consts)
-        namespace.update(_ArrayImpl=ArrayImpl, _static_equal=static_equal, _getattr=object.__getattribute__)
-        exec(compile(self.source, f"<fastcall template {spec.id}>", "exec"), namespace)
-        self.spec = spec
-        self.extract: Callable[[Any], tuple[Any, ...] | None] = namespace["_extract"]
-        # Prove the template agrees with tree_flatten on the object it came from.
-        check = self.extract(example)
-        if check is None or len(check) != len(dynamic) or any(a is not b for a, b in zip(check, dynamic)):
-            raise _NoTemplate
-
-
-class _BuilderGen:
-    """Emits one Python expression that rebuilds a known output structure from the flat
-    list `d` of dynamic outputs (the inverse of a Template, used instead of
-    `treedef.unflatten`, whose Equinox unflatten runs Python per node anyway)."""
-
-    def __init__(self) -> None:
-        self.consts: dict[str, Any] = {}
-        self.counter = itertools.count()
-        self.pos = 0
-        self.nodes = 0
-        self.stmts: list[str] = []  # modules are built by statements, leaves-first
-
-    def const(self, value: Any) -> str:
-        name = f"_c{next(self.counter)}"
-        self.consts[name] = value
-        return name
-
-    def expr(self, value: Any) -> str:
-        self.nodes += 1
-        if self.nodes > _MAX_TEMPLATE_NODES:
-            raise _NoTemplate
-        t = type(value)
-        if isinstance(value, ARRAY_TYPES):
-            e = f"d[{self.pos}]"
-            self.pos += 1
-            return e
-        if value is None:
-            return "None"
-        if t is tuple:
-            items = [self.expr(v) for v in value]
-            return "(" + "".join(i + ", " for i in items) + ")"
-        if t is list:
-            return "[" + ", ".join(self.expr(v) for v in value) + "]"
-        if t is dict:
-            try:
-                keys = sorted(value)
-            except TypeError:
-                raise _NoTemplate from None
-            # jax flattens dicts in sorted key order and rebuilds them that way too.
-            return "{" + ", ".join(f"{self.const(k)}: {self.expr(value[k])}" for k in keys) + "}"
-        if issubclass(t, tuple) and hasattr(t, "_fields"):
-            items = [self.expr(v) for v in value]
-            return f"_tnew({self.const(t)}, (" + "".join(i + ", " for i in items) + "))"
-        if isinstance(value, eqx.Module):
-            fields = dataclasses.fields(value)
-            d = value.__dict__
-            if len(d) != len(fields) or any(f.name not in d for f in fields):
-                raise _NoTemplate
-            parts = []
-            for f in fields:
-                v = d[f.name]
-                if f.metadata.get("static", False):
-                    parts.append(f"{f.name!r}: {self.const(v)}")
-                else:
-                    parts.append(f"{f.name!r}: {self.expr(v)}")
-            # object.__new__ + setting __dict__: what Equinox's own unflatten does,
-            # without a Python call per module.
-            v = f"_o{next(self.counter)}"
-            self.stmts.append(f"{v} = _new({self.const(t)})")
-            self.stmts.append(f"_setattr({v}, '__dict__', {{{', '.join(parts)}}})")
-            return v
-        if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
-            return self.const(value)  # a static output, returned as it was at trace time
-        raise _NoTemplate
-
-
-def make_builder(example: Any) -> Callable[[Sequence[Any]], Any] | None:
-    """Generated `build(dynamic_outputs) -> output` for `example`'s structure, or None."""
-    gen = _BuilderGen()
-    try:
-        body = gen.expr(example)
-    except (_NoTemplate, RecursionError):
-        return None
-    namespace: dict[str, Any] = dict(gen.consts)
-    namespace.update(_tnew=tuple.__new__, _new=object.__new__, _setattr=object.__setattr__)
-    lines = "".join(f"    {stmt}\n" for stmt in gen.stmts)
-    try:
-        exec(compile(f"def build(d):\n{lines}    return {body}\n", "<fastcall output builder>", "exec"), namespace)
-    except Exception:
-        return None
-    return namespace["build"]
-
-
-# root type -> templates, most recent first (a few structures per type).
-templates: dict[type, list[Template]] = {}
-_TEMPLATES_PER_TYPE = 4
-
-
-def learn(value: Any, spec: Spec, dynamic: list[Any]) -> None:
-    """Build a template for `value`'s structure so the next new object of it is fast."""
-    if spec.kind != "tree" or not spec.n_dyn:
-        return
-    try:
-        tmpl = Template(spec, value, dynamic)
-    except (_NoTemplate, RecursionError):
-        return
-    except Exception:  # a template is an optimisation; never fail a call over it
-        return
-    group = templates.setdefault(type(value), [])
-    group.insert(0, tmpl)
-    del group[_TEMPLATES_PER_TYPE:]

@@ -1,7 +1,8 @@
-"""The Flax NNX graph adapter: cached graphdef and Variable list, write-back, structure checks.
+"""The Flax NNX adapter: every line of fastcall that touches flax.
 
-For an NNX graph node (Module, Pytree, Rngs, Optimizer, Variable) passed to a
-wrapped function, fastcall keeps per object (validated by weakref):
+Loaded by `_nnx_gate` only once an NNX object reaches fastcall. For an NNX
+graph node (Module, Pytree, Rngs, Optimizer, Variable) passed to a wrapped
+function, fastcall keeps per object (validated by weakref), in a `NodeEntry`:
 
 * the graphdef, interned to a spec id (static attributes such as
   `deterministic` or `use_running_average` are part of it, so `model.eval()`
@@ -11,55 +12,38 @@ wrapped function, fastcall keeps per object (validated by weakref):
   walk), so `v[...] = ...`, `nnx.update` and optimizer steps made outside are
   seen by the next call.
 
-Structure changes are seen through a watch list: fastcall wraps
-`nnx.Pytree.__setattr__`/`__delattr__` (which nnx.List and nnx.Dict also go
-through), `Pytree._graph_node_clear`/`_graph_node_init` (NNX's own in-place
-graph updates, e.g. nnx.jit with graph_updates), `Variable.set_metadata` and
-`Variable.update_from_state`, and each call to them on a node that
-belongs to a cached graph marks that cache entry stale (a dict lookup per
-attribute assignment). A stale entry is re-flattened on its next use. What this
-cannot see is listed in README.md ("NNX caveats").
+Structure changes are seen through the hooks of `_nnx_hooks` (its table lists
+each method wrapped): a call of one on a node that belongs to a cached graph
+marks that entry stale, and a stale entry is re-read on its next use. If the
+hooks cannot be verified on the installed flax, or the graph holds plain lists
+or dicts (which change in place without any hook), the entry is re-read on
+every call instead.
 
-Inside the trace, the module is rebuilt from the graphdef with the traced
-values; after the function returns, each Variable whose value is no longer the
-very tracer it was given is an output, and only those are written back.
+Inside the trace (`TracedInputs`), each NNX argument is rebuilt from its
+graphdef with the traced values; after the function returns, each Variable
+whose value is no longer the very tracer it was given is an output, and only
+those are written back (`NnxOutputs`, `finish`). Structural changes made
+inside are propagated to the caller's objects (graph updates), and NNX objects
+in the output come back as the caller's own objects or as new ones.
 """
 
 from __future__ import annotations
 
 import collections.abc
-import dataclasses
+import inspect
 import operator
 import threading
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
-from flax import nnx
 from flax.nnx import graphlib
 from flax.nnx.variablelib import Variable
 
+from . import _fast, _nnx_hooks
 from ._errors import FastcallError, describe_arg
-
-_raw = raw_value = operator.attrgetter("_raw_value")
-RAW_VALUE_SLOT: Any = Variable.__dict__["_raw_value"]  # the slot descriptor (read from C too)
-_set_raw: Any = RAW_VALUE_SLOT.__set__  # the slot itself: no checks, no hooks
-
-_Pytree = getattr(nnx, "Pytree", None) or nnx.Module
-
-
-_is_node_type: dict[type, bool] = {}
-
-
-def is_node(x: Any) -> bool:
-    """Whether x is an NNX graph node (handled by this adapter). Cached per type:
-    NNX decides graph-node-ness by type registration."""
-    t = type(x)
-    known = _is_node_type.get(t)
-    if known is None:
-        known = _is_node_type[t] = isinstance(x, Variable) or graphlib.is_graph_node(x)
-    return known
-
+from ._flatten import ArrayImpl, intern
+from ._trace import StepAside, contains_tracer
 
 # --------------------------------------------------------------------------
 # Watching for structure changes
@@ -71,147 +55,91 @@ _watchers: dict[int, list[NodeEntry]] = {}
 
 
 def _notify(obj: Any) -> None:
+    if not _watchers:
+        return
     entries = _watchers.get(id(obj))
     if entries:
         for e in list(entries):  # (the list may change under us in another thread)
             e.stale = True
-            _drop_fast(e)
+            _fast.withdraw(e.ref)
 
 
-def _drop_fast(entry: NodeEntry) -> None:
-    record = fast.get(entry.ref.oid)
-    if record is not None and record[0] is entry.ref:
-        fast.pop(entry.ref.oid, None)
+# Whether the hooks can be trusted on this flax (see _nnx_hooks): if not, every
+# entry is re-read on every call.
+TRUSTED = not _nnx_hooks.install(_notify)
+
+RAW_VALUE_SLOT: Any = inspect.getattr_static(Variable, "_raw_value", None)
+if type(RAW_VALUE_SLOT).__name__ == "member_descriptor":
+    # Values are read and written through the slot itself (no checks, no hooks; the C
+    # fast path reads it too).
+    raw_value: Any = operator.attrgetter("_raw_value")
+    _set_raw: Any = RAW_VALUE_SLOT.__set__
+    _fast.VALUE_SLOT[0] = RAW_VALUE_SLOT
+else:  # pragma: no cover - an unverified flax without the slot: public, slower accessors
+    RAW_VALUE_SLOT = None
+    raw_value = operator.methodcaller("get_raw_value")
+    _set_raw = Variable.set_raw_value
 
 
-def _notifying(method: Any) -> Any:
-    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = method(self, *args, **kwargs)
-        if _watchers:
-            _notify(self)
-        return result
-
-    wrapped.__name__ = method.__name__
-    wrapped.__doc__ = method.__doc__
-    return wrapped
+def is_node_type(t: type) -> bool:
+    """Whether instances of `t` are NNX graph nodes or Variables (NNX decides this by
+    type: registration in its graph registry)."""
+    return issubclass(t, (_nnx_hooks.Pytree, Variable)) or t in graphlib.GRAPH_REGISTRY
 
 
-def _install_hooks() -> None:
-    """Wrap the few NNX methods through which a graph's structure changes."""
-    if getattr(_Pytree, "_fastcall_hooked", False):
-        return
-    orig_setattr = _Pytree.__setattr__
-    orig_delattr = _Pytree.__delattr__
-    orig_set_metadata = Variable.set_metadata
-
-    def __setattr__(self: Any, name: str, value: Any) -> None:
-        orig_setattr(self, name, value)
-        if _watchers:
-            _notify(self)
-
-    def __delattr__(self: Any, name: str) -> None:
-        orig_delattr(self, name)
-        if _watchers:
-            _notify(self)
-
-    def set_metadata(self: Any, *args: Any, **kwargs: Any) -> None:
-        orig_set_metadata(self, *args, **kwargs)
-        if _watchers:
-            _notify(self)
-
-    _Pytree.__setattr__ = __setattr__  # type: ignore[method-assign]
-    _Pytree.__delattr__ = __delattr__  # type: ignore[method-assign]
-    Variable.set_metadata = set_metadata  # type: ignore[method-assign]
-
-    # NNX's own graph updates (nnx.jit with graph_updates, nnx.merge into existing
-    # objects) rebuild nodes in place through these, bypassing __setattr__.
-    for cls, name in (
-        (_Pytree, "_graph_node_clear"),
-        (_Pytree, "_graph_node_init"),
-        (Variable, "update_from_state"),
-        (Variable, "del_metadata"),
-        (Variable, "copy_from"),
-    ):
-        original = getattr(cls, name, None)
-        if original is not None:
-            setattr(cls, name, _notifying(original))
-    # NNX registers each graph node class's clear/init functions when the class is
-    # created; classes created before this (every built-in layer) keep references to the
-    # originals in the registry, so wrap those too. Classes created later are covered by
-    # the base-class wrappers above (their registrations read the wrapped attributes).
-    for node_type, impl in list(graphlib.GRAPH_REGISTRY.items()):
-        if isinstance(node_type, type) and issubclass(node_type, _Pytree):
-            try:
-                graph_impl: Any = impl
-                wrapped = dataclasses.replace(graph_impl, clear=_notifying(graph_impl.clear), init=_notifying(graph_impl.init))
-                graphlib.GRAPH_REGISTRY[node_type] = wrapped
-            except Exception:  # pragma: no cover - registry layout of other flax versions
-                pass
-    _Pytree._fastcall_hooked = True  # type: ignore[attr-defined,union-attr]
-
-
-_install_hooks()
+def _is_node(x: Any) -> bool:
+    return isinstance(x, Variable) or graphlib.is_graph_node(x)
 
 
 # --------------------------------------------------------------------------
 # Per-object cache
 
 
+class _Ref(weakref.ref):
+    __slots__ = ("oid",)
+    oid: int
+
+
 class NodeEntry:
-    """What fastcall knows about one NNX object: its spec id, Variables, fixed leaves."""
+    """What fastcall knows about one NNX object: its spec, its Variables, and whether
+    that knowledge is current."""
 
-    __slots__ = (
-        "ref", "spec_id", "spec", "items", "all_vars", "volatile", "direct", "stale", "watched", "fresh",
-        "bound", "node_ids", "disjoint", "__weakref__",
-    )
+    __slots__ = ("ref", "spec_id", "spec", "items", "volatile", "direct", "stale", "fresh", "fast", "node_ids",
+                 "disjoint", "watched", "__weakref__")
 
-    def __init__(self, ref: Any, spec: Any, items: list[Any], watched: list[int]) -> None:
+    def __init__(self, ref: _Ref) -> None:
         self.ref = ref
-        self.stale = False
-        self.volatile = False
-        self.direct = False
-        self.set_spec(spec, items, False)
+        self.stale = False  # a hook saw a structure change: re-read on next use
+        self.spec: Any = None
+        self.spec_id = -1
+        self.items: list[Any] = []  # Variables, or raw values (array attributes, list items)
+        self.volatile = False  # re-read on every call (see _build)
+        self.direct = False  # eligible for the fast path: only Variables, not volatile
         self.fresh = True  # values not yet checked for tracers
-        self.bound: dict[Any, Any] = {}  # wrapped-function state -> (arity, compiled entry)
-        self.node_ids: frozenset[int] = frozenset(watched)  # every node and Variable
+        self.fast: dict[Any, _fast.FastRecord] = {}  # published in the fast index while direct
+        self.watched: list[int] = []  # ids of every node and Variable of the graph
+        self.node_ids: frozenset[int] = frozenset()
         self.disjoint: dict[int, Any] = {}  # id(other entry) -> (weakref, shares nothing?)
-        self.watched = watched
-
-    def set_spec(self, spec: Any, items: list[Any], volatile: bool) -> None:
-        self.spec = spec  # held: keeps the interned spec (and its id) alive
-        self.spec_id = spec.id if spec is not None else -1
-        self.items = items  # Variables, or raw values (array attributes, list items)
-        self.all_vars = all(isinstance(x, Variable) for x in items)
-        self.volatile = volatile  # holds mutable containers: re-read every call
-        self.direct = self.all_vars and not volatile  # eligible for the fast paths
 
     def values(self) -> list[Any]:
         """Current values of the leaves, read through the `_raw_value` slot."""
-        if self.all_vars:
-            return list(map(_raw, self.items))
-        return [_raw(x) if isinstance(x, Variable) else x for x in self.items]
+        if self.direct:
+            return list(map(raw_value, self.items))
+        return [raw_value(x) if isinstance(x, Variable) else x for x in self.items]
 
 
 by_id: dict[int, NodeEntry] = {}
-# For the C fast path: id -> (weakref, Variables, bound) of entries that are not stale
-# and hold only Variables (an entry leaves this dict the moment it goes stale).
-fast: dict[int, tuple[Any, list[Any], dict[Any, Any]]] = {}
 
 
-def _evict(ref: Any, _by_id: dict = by_id) -> None:
+def _evict(ref: _Ref, _by_id: dict = by_id) -> None:
     entry = _by_id.get(ref.oid)
     if entry is not None and entry.ref is ref:
         _by_id.pop(ref.oid, None)
         try:
-            _drop_fast(entry)
+            _fast.withdraw(ref)
             _unwatch(entry)
         except Exception:  # at interpreter exit module globals may be gone
             pass
-
-
-class _Ref(weakref.ref):
-    __slots__ = ("oid",)
-    oid: int
 
 
 def _unwatch(entry: NodeEntry) -> None:
@@ -228,7 +156,7 @@ def _unwatch(entry: NodeEntry) -> None:
 
 
 def _is_container(x: Any) -> bool:
-    return isinstance(x, (list, dict, collections.abc.MutableMapping)) and not is_node(x)
+    return isinstance(x, (list, dict, collections.abc.MutableMapping)) and not _is_node(x)
 
 
 def _graph_nodes(node: Any) -> tuple[list[Any], bool]:
@@ -241,7 +169,7 @@ def _graph_nodes(node: Any) -> tuple[list[Any], bool]:
     by_path: dict[tuple[Any, ...], Any] = {}
     for path, sub in graphlib.iter_graph(node):
         by_path[tuple(path)] = sub
-        if is_node(sub):
+        if _is_node(sub):
             seen[id(sub)] = sub
     volatile = False
     parents = set()
@@ -257,13 +185,14 @@ def _graph_nodes(node: Any) -> tuple[list[Any], bool]:
 
 
 def lookup(obj: Any, arg_name: str) -> NodeEntry:
-    """The current entry for `obj`, built or rebuilt if missing or stale."""
+    """The current entry for `obj`: the cached one if its structure is known to be
+    unchanged, else re-read. The one place that decides whether an entry is usable."""
     entry = by_id.get(id(obj))
     if entry is not None and entry.ref() is obj and not entry.stale:
         if not entry.volatile:
             return entry
-        # Mutable containers (lists, dicts) in the graph change without any hook:
-        # re-read the graph; reuse the entry if its structure is unchanged.
+        # Mutable containers in the graph (or unverified hooks): re-read the graph;
+        # reuse the entry if its structure is unchanged.
         graphdef, flat = _flatten_node(obj, arg_name)
         if graphdef == entry.spec.graphdef:
             entry.items = list(flat.leaves)
@@ -271,9 +200,9 @@ def lookup(obj: Any, arg_name: str) -> NodeEntry:
     return _build(obj, arg_name, entry)
 
 
-def _flatten_node(obj: Any, arg_name: str) -> tuple[Any, Any]:
+def _flatten_node(obj: Any, arg_name: str, **kwargs: Any) -> tuple[Any, Any]:
     try:
-        return graphlib.flatten(obj, with_paths=True)
+        return graphlib.flatten(obj, with_paths=True, **kwargs)
     except Exception as err:
         raise FastcallError(
             f"fastcall.jit: {describe_arg(arg_name)} is an NNX object that could not be "
@@ -281,17 +210,27 @@ def _flatten_node(obj: Any, arg_name: str) -> tuple[Any, Any]:
         ) from err
 
 
-def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
-    from . import _flatten
+def _intern_graphdef(graphdef: Any, n: int, arg_name: str, joint: bool = False) -> NodeSpec:
+    try:
+        return intern(NodeSpec(graphdef, n, joint), ("nnx-joint" if joint else "nnx", graphdef))
+    except Exception as err:
+        raise FastcallError(
+            f"fastcall.jit: {describe_arg(arg_name)} has a static attribute that cannot be "
+            f"hashed or compared ({type(err).__name__}: {err}). NNX static attributes "
+            "become part of the compile key: make them hashable, or store them in a "
+            "Variable."
+        ) from None
 
+
+def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
     if old is not None:
-        _drop_fast(old)
+        _fast.withdraw(old.ref)
         _unwatch(old)
     # Watch first, then flatten: a change made while flattening marks the new entry
     # stale (re-read next call) instead of being lost.
     ref = _Ref(obj, _evict)
     ref.oid = id(obj)
-    entry = NodeEntry(ref, None, [], [])
+    entry = NodeEntry(ref)
     watched_nodes, volatile = _graph_nodes(obj)
     entry.watched = [id(n) for n in watched_nodes]
     entry.node_ids = frozenset(entry.watched)
@@ -300,44 +239,102 @@ def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
             _watchers.setdefault(id(n), []).append(entry)
     try:
         graphdef, flat = _flatten_node(obj, arg_name)
-        try:
-            spec = _flatten.intern(NodeSpec(graphdef, len(flat.leaves)), ("nnx", graphdef))
-        except Exception as err:
-            raise FastcallError(
-                f"fastcall.jit: {describe_arg(arg_name)} has a static attribute that cannot be "
-                f"hashed or compared ({type(err).__name__}: {err}). NNX static attributes "
-                "become part of the compile key: make them hashable, or store them in a "
-                "Variable."
-            ) from None
+        spec = _intern_graphdef(graphdef, len(flat.leaves), arg_name)
     except BaseException:
         _unwatch(entry)
         raise
-    entry.set_spec(spec, list(flat.leaves), volatile or not all(isinstance(x, Variable) for x in flat.leaves))
+    entry.spec, entry.spec_id, entry.items = spec, spec.id, list(flat.leaves)
+    only_variables = all(isinstance(x, Variable) for x in entry.items)
+    entry.volatile = volatile or not only_variables or not TRUSTED
+    entry.direct = only_variables and not entry.volatile
     if {id(n) for n in _graph_nodes(obj)[0]} != set(entry.watched):
         entry.stale = True  # the graph changed while we were building: rebuild next call
     previous = by_id.get(ref.oid)
     if previous is not None and previous is not old and previous is not entry:
-        _drop_fast(previous)  # another thread built one concurrently: keep one only
+        _fast.withdraw(previous.ref)  # another thread built one concurrently: keep one only
         _unwatch(previous)
     by_id[ref.oid] = entry
-    if entry.direct:
-        fast[ref.oid] = (ref, entry.items, entry.bound)
-    if entry.stale:  # changed while we were flattening
-        _drop_fast(entry)
+    if entry.direct and not entry.stale:
+        _fast.publish(ref, entry.fast)
     return entry
-
-
-def unbind(state: Any) -> None:
-    """Forget the compiled entries of `state` remembered on NNX objects."""
-    for entry in list(by_id.values()):
-        entry.bound.pop(state, None)
 
 
 def clear() -> None:
     for entry in list(by_id.values()):
         _unwatch(entry)
+        _fast.withdraw(entry.ref)
     by_id.clear()
-    fast.clear()
+
+
+# --------------------------------------------------------------------------
+# Reading NNX arguments for a call
+
+
+class NnxArg(NamedTuple):
+    """An NNX argument of one call, for writing state back after it."""
+
+    obj: Any  # the caller's object
+    variables: list[Any]  # its Variables (and raw leaves) in flatten order
+    entry: NodeEntry | None  # its cache entry (None: flattened jointly with others)
+
+
+def read_argument(obj: Any, leaves: list[Any], arg_name: str, nnx_args: list[NnxArg], joint: Any) -> int:
+    """Append `obj`'s current leaf values to `leaves` and its NnxArg to `nnx_args`;
+    return its spec id. With `joint` (a RefMap shared by the call's NNX arguments),
+    objects already seen in an earlier argument become references, so each shared
+    Variable is passed once (as nnx.jit does). Raises StepAside for tracer values."""
+    if joint is not None:
+        graphdef, flat = _flatten_node(obj, arg_name, ref_index=joint)
+        items = list(flat.leaves)
+        values = [raw_value(x) if isinstance(x, Variable) else x for x in items]
+        if contains_tracer(values):
+            raise StepAside
+        leaves += values
+        nnx_args.append(NnxArg(obj, items, None))
+        return _intern_graphdef(graphdef, len(items), arg_name, joint=True).id
+    entry = lookup(obj, arg_name)
+    values = entry.values()
+    # Inside nnx.grad/vmap/scan the module is a copy holding tracers: run inline.
+    # Variables of a module created outside cannot receive tracers (NNX forbids it),
+    # so for a known object the first value tells.
+    if values and (type(values[0]) is not ArrayImpl or entry.fresh):
+        entry.fresh = False
+        if contains_tracer(values):
+            raise StepAside
+    leaves += values
+    nnx_args.append(NnxArg(obj, entry.items, entry))
+    return entry.spec_id
+
+
+def overlapping(nnx_args: list[NnxArg]) -> bool:
+    """Whether any two of these NNX arguments share a node or Variable (cached per pair)."""
+    entries = [a.entry for a in nnx_args]
+    for i, a in enumerate(entries):
+        if a is None:
+            return True  # (already flattened jointly)
+        for b in entries[i + 1 :]:
+            if b is None:
+                return True
+            known = a.disjoint.get(id(b))
+            if known is None or known[0]() is not b:
+                known = (weakref.ref(b), a.node_ids.isdisjoint(b.node_ids))
+                a.disjoint[id(b)] = known
+            if not known[1]:
+                return True
+    return False
+
+
+def joint_index() -> Any:
+    return graphlib.RefMap()
+
+
+def named_leaves(obj: Any) -> list[tuple[str, Any]]:
+    """(path, value) for every leaf of an NNX object (to name a deleted array)."""
+    flat = graphlib.flatten(obj, with_paths=True)[1]
+    return [
+        ("." + ".".join(map(str, p)), v.get_raw_value() if isinstance(v, Variable) else v)
+        for p, v in zip(flat.paths, flat.leaves)
+    ]
 
 
 # --------------------------------------------------------------------------
@@ -360,56 +357,23 @@ class NodeSpec:
         self.cacheable = False
         self.templated = True
 
-    def rebuild(self, dynamic: Any) -> Any:
-        """A fresh module with the traced values (its Variables are new objects)."""
-        return graphlib.unflatten(self.graphdef, list(dynamic))
-
 
 _ARG_STRIDE = 1 << 32  # outer indices of NNX argument k are k * _ARG_STRIDE + index
 
 
-class Traced:
-    """One NNX argument inside the trace: the rebuilt node and its leaves before the call.
+class _Traced:
+    """One NNX argument inside the trace: the rebuilt node and its leaves before the call."""
 
-    Arguments flattened jointly (they share objects) are rebuilt with one shared index
-    map, so shared Variables and submodules are one object inside the trace too."""
+    __slots__ = ("node", "spec", "inner", "given", "index_ref", "name")
 
-    __slots__ = ("node", "spec", "inner", "given", "index_ref")
-
-    def __init__(self, node_spec: Any, given: Any, shared_index: Any = None) -> None:
+    def __init__(self, node_spec: NodeSpec, given: Any, shared_index: Any, name: str) -> None:
         self.spec = node_spec
+        self.name = name
         self.given = list(given)
         # graphdef index -> object rebuilt here
-        self.index_ref = shared_index if shared_index is not None else graphlib.IndexMap()
+        self.index_ref = shared_index if node_spec.joint else graphlib.IndexMap()
         self.node = graphlib.unflatten(node_spec.graphdef, list(given), index_ref=self.index_ref)
         self.inner: list[Any] = []
-
-    @staticmethod
-    def _flatten_all(traced: list[Traced]) -> list[tuple[Any, list[Any]]]:
-        """(graphdef, leaves) per argument, joint ones sharing one RefMap (as given)."""
-        shared = graphlib.RefMap()
-        out = []
-        for t in traced:
-            ref_index = shared if t.spec.joint else None
-            graphdef, flat = graphlib.flatten(t.node, with_paths=True, ref_index=ref_index)
-            out.append((graphdef, list(flat.leaves)))
-        return out
-
-    @staticmethod
-    def snapshot(traced: list[Traced]) -> None:
-        for t, (_, leaves) in zip(traced, Traced._flatten_all(traced)):
-            t.inner = leaves
-
-    @staticmethod
-    def structure_changed(traced: list[Traced]) -> list[bool]:
-        changed = []
-        for t, (graphdef, after) in zip(traced, Traced._flatten_all(traced)):
-            changed.append(
-                graphdef != t.spec.graphdef
-                or len(after) != len(t.inner)
-                or any(a is not b for a, b in zip(after, t.inner))
-            )
-        return changed
 
     def writes(self, everything: bool) -> list[tuple[int, Any]]:
         """(leaf index, new value) for every Variable the function changed (or, for a
@@ -425,7 +389,122 @@ class Traced:
         return out
 
 
-def joint_structure_error(arg_name: str) -> FastcallError:
+class NnxOutputs(NamedTuple):
+    """What a compiled entry's NNX arguments need after each call (decided at trace time).
+
+    The entry's flat outputs end with `n_written` extra leaves: first the leaves of
+    each restructured argument, then the new value of each written Variable."""
+
+    writes: tuple[tuple[int, int], ...]  # (NNX argument ordinal, leaf index) per written Variable
+    restructure: tuple[tuple[int, Any, int], ...]  # (ordinal, new graphdef, number of leaves)
+    has_nodes: bool  # the output holds NNX object markers to turn back into objects
+    inner_nodes: tuple[tuple[int, int], ...]  # (ordinal, graph index) of returned sub-objects
+    n_written: int
+
+
+class TracedInputs:
+    """The NNX arguments of one trace: rebuilt before the function runs, compared after."""
+
+    def __init__(self) -> None:
+        self.args: list[_Traced] = []
+        self.shared_index = graphlib.IndexMap()  # for NNX arguments flattened jointly
+
+    def rebuild(self, spec: NodeSpec, segment: Any, name: str) -> Any:
+        t = _Traced(spec, segment, self.shared_index, name)
+        self.args.append(t)
+        return t.node
+
+    def _flatten_all(self) -> list[tuple[Any, list[Any]]]:
+        """(graphdef, leaves) per argument, joint ones sharing one RefMap (as given)."""
+        shared = graphlib.RefMap()
+        out = []
+        for t in self.args:
+            ref_index = shared if t.spec.joint else None
+            graphdef, flat = graphlib.flatten(t.node, with_paths=True, ref_index=ref_index)
+            out.append((graphdef, list(flat.leaves)))
+        return out
+
+    def snapshot(self) -> None:
+        for t, (_, leaves) in zip(self.args, self._flatten_all()):
+            t.inner = leaves
+
+    def outputs(
+        self, out: Any, graph_updates: bool, donated: list[bool], shardings: list[Any]
+    ) -> tuple[Any, NnxOutputs | None, list[Any]]:
+        """After the function returned `out`: (out with NNX objects replaced by markers,
+        what to do after each call or None, the extra leaves to return)."""
+        writes: list[tuple[int, int]] = []
+        written: list[Any] = []
+        restructured: list[Any] = []
+        restructure: list[tuple[int, Any, int]] = []
+        refmap = None
+        for ordinal, (t, (graphdef, after)) in enumerate(zip(self.args, self._flatten_all())):
+            changed = (
+                graphdef != t.spec.graphdef
+                or len(after) != len(t.inner)
+                or any(a is not b for a, b in zip(after, t.inner))
+            )
+            if changed:
+                if t.spec.joint:
+                    raise _joint_structure_error(t.name)
+                if not graph_updates:
+                    raise _structure_error(t.name)
+                if refmap is None:
+                    refmap = self._outer_index_map()
+                new_graphdef, leaves = graphlib.flatten(t.node, with_paths=False, ref_outer_index=refmap)
+                restructure.append((ordinal, new_graphdef, len(leaves)))
+                restructured += list(leaves)
+                continue
+            per_leaf = shardings[ordinal]
+            for index, value in t.writes(everything=donated[ordinal]):
+                if per_leaf is not None and per_leaf[index] is not None:
+                    value = jax.lax.with_sharding_constraint(value, per_leaf[index])
+                writes.append((ordinal, index))
+                written.append(value)
+        out, has_nodes, inner_nodes = self._mark_nodes(out)
+        extra = restructured + written
+        if not (writes or restructure or has_nodes):
+            return out, None, []
+        return out, NnxOutputs(tuple(writes), tuple(restructure), has_nodes, inner_nodes, len(extra)), extra
+
+    def _outer_index_map(self) -> Any:
+        """inner object -> unique outer index, over every NNX argument of the call."""
+        refmap = graphlib.RefMap()
+        for ordinal, t in enumerate(self.args):
+            for index, obj in t.index_ref.items():
+                refmap[obj] = ordinal * _ARG_STRIDE + index
+        return refmap
+
+    def _mark_nodes(self, out: Any) -> tuple[Any, bool, tuple[tuple[int, int], ...]]:
+        """Replace NNX objects in the output by markers; also returns whether there were
+        any, and the (ordinal, index) of each sub-object of an argument returned."""
+        found = [False]
+        sub_objects: list[tuple[int, int]] = []
+        inner: dict[int, tuple[int, int]] = {}  # id(object rebuilt in the trace) -> (k, index)
+        for k, t in enumerate(self.args):
+            if t.spec.joint:
+                continue  # (indices shared between arguments: sub-objects come back as copies)
+            for index, obj in t.index_ref.items():
+                inner.setdefault(id(obj), (k, index))
+
+        def mark(x: Any) -> Any:
+            if not _is_node(x):
+                return x
+            found[0] = True
+            for k, t in enumerate(self.args):
+                if x is t.node:
+                    return _InputNode(k)
+            if id(x) in inner:
+                sub_objects.append(inner[id(x)])
+                return _InputNode(*inner[id(x)])
+            graphdef, values = graphlib.flatten(x, with_paths=False)
+            return _NewNode(graphdef, list(values))
+
+        marked = jax.tree_util.tree_map(mark, out, is_leaf=_is_node)
+        return marked, found[0], tuple(sub_objects)
+
+
+def _joint_structure_error(arg_name: str) -> FastcallError:
     return FastcallError(
         f"fastcall.jit: the function changed the structure of {describe_arg(arg_name)}, which "
         "shares objects with another NNX argument. fastcall propagates structural changes only "
@@ -434,46 +513,7 @@ def joint_structure_error(arg_name: str) -> FastcallError:
     )
 
 
-# --------------------------------------------------------------------------
-# NNX arguments that share objects (a model and an optimizer that holds it)
-
-
-def overlapping(entries: list[Any]) -> bool:
-    """Whether any two of these NNX cache entries share a node or Variable (cached)."""
-    for i, a in enumerate(entries):
-        if a is None:
-            return True  # (already flattened jointly)
-        for b in entries[i + 1 :]:
-            if b is None:
-                return True
-            known = a.disjoint.get(id(b))
-            if known is None or known[0]() is not b:
-                known = (weakref.ref(b), a.node_ids.isdisjoint(b.node_ids))
-                a.disjoint[id(b)] = known
-            if not known[1]:
-                return True
-    return False
-
-
-def joint_flatten(obj: Any, shared: Any, arg_name: str) -> tuple[Any, list[Any], list[Any]]:
-    """Flatten `obj` continuing the shared RefMap of the call's earlier NNX arguments:
-    objects already seen become references, so each shared Variable is passed once."""
-    from . import _flatten
-
-    try:
-        graphdef, flat = graphlib.flatten(obj, with_paths=True, ref_index=shared)
-    except Exception as err:
-        raise FastcallError(
-            f"fastcall.jit: {describe_arg(arg_name)} is an NNX object that could not be "
-            f"flattened ({type(err).__name__}: {err})."
-        ) from err
-    items = list(flat.leaves)
-    spec = _flatten.intern(NodeSpec(graphdef, len(items), joint=True), ("nnx-joint", graphdef))
-    values = [_raw(x) if isinstance(x, Variable) else x for x in items]
-    return spec, items, values
-
-
-def structure_error(arg_name: str) -> FastcallError:
+def _structure_error(arg_name: str) -> FastcallError:
     return FastcallError(
         f"fastcall.jit: the function changed the structure of {describe_arg(arg_name)} (added, "
         "removed or replaced a submodule or Variable, or changed a static attribute) while "
@@ -482,22 +522,86 @@ def structure_error(arg_name: str) -> FastcallError:
     )
 
 
-def outer_index_map(traced: list[Any]) -> Any:
-    """inner object -> unique outer index, over every NNX argument of the call (trace time)."""
-    refmap = graphlib.RefMap()
-    for ordinal, (t, _) in enumerate(traced):
-        for index, obj in t.index_ref.items():
-            refmap[obj] = ordinal * _ARG_STRIDE + index
-    return refmap
+class _InputNode:
+    """Output marker: the function returned its k-th NNX argument, or the object at graph
+    index `index` inside it (a submodule, a Variable): the caller's own object is returned."""
+
+    __slots__ = ("k", "index")
+
+    def __init__(self, k: int, index: int = 0) -> None:
+        self.k = k
+        self.index = index
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _InputNode and (other.k, other.index) == (self.k, self.index)
+
+    def __hash__(self) -> int:
+        return hash((_InputNode, self.k, self.index))
 
 
-def split_updated(node: Any, refmap: Any) -> tuple[Any, list[Any]]:
-    """The new graphdef (existing objects tagged with their outer index) and leaf values."""
-    graphdef, leaves = graphlib.flatten(node, with_paths=False, ref_outer_index=refmap)
-    return graphdef, list(leaves)
+class _NewNode:
+    """Output marker: an NNX object created by the function, rebuilt outside from its values."""
+
+    __slots__ = ("graphdef", "values")
+
+    def __init__(self, graphdef: Any, values: list[Any]) -> None:
+        self.graphdef = graphdef
+        self.values = values
 
 
-def apply_structure(graphdef: Any, values: list[Any], outer_objects: list[Any]) -> None:
+jax.tree_util.register_pytree_node(
+    _NewNode, lambda n: (n.values, n.graphdef), lambda gd, vals: _NewNode(gd, list(vals))
+)
+
+
+# --------------------------------------------------------------------------
+# After the call
+
+
+def write_back(nnx_out: NnxOutputs, written: Any, nnx_args: list[NnxArg]) -> Any:
+    """Apply structural changes and write changed Variables back to the caller's objects.
+    Returns the caller's sub-objects that the output refers to, resolved before the
+    graph changed (the markers' indices refer to the graph the function was given)."""
+    if isinstance(written[0], jax.core.Tracer):  # all outputs are tracers, or none
+        raise FastcallError(
+            "fastcall.jit: the function changes NNX state (Variables), but it was "
+            "called inside an outer JAX transformation with the NNX objects closed "
+            "over, so the new values are tracers and cannot be written back. Pass the "
+            "NNX objects through the outer transformation (use nnx.jit/nnx.grad/... "
+            "or nnx.split/merge outside), or call the function outside of it."
+        )
+    resolved = None
+    if nnx_out.restructure:
+        if nnx_out.inner_nodes:
+            resolved = {(k, index): _object_at(nnx_args[k].obj, index) for k, index in nnx_out.inner_nodes}
+        pos = 0
+        for _, graphdef, n in nnx_out.restructure:
+            _apply_structure(graphdef, list(written[pos : pos + n]), [a.obj for a in nnx_args])
+            pos += n
+        written = written[pos:]
+    for (ordinal, index), value in zip(nnx_out.writes, written):
+        _set_raw(nnx_args[ordinal].variables[index], value)
+    return resolved
+
+
+def unmark_nodes(result: Any, nnx_args: list[NnxArg], resolved: Any = None) -> Any:
+    """Turn output markers back into objects: the caller's own, or new ones."""
+
+    def unmark(x: Any) -> Any:
+        if type(x) is _InputNode:
+            if x.index == 0:
+                return nnx_args[x.k].obj
+            if resolved is not None:
+                return resolved[(x.k, x.index)]
+            return _object_at(nnx_args[x.k].obj, x.index)
+        if type(x) is _NewNode:
+            return graphlib.unflatten(x.graphdef, list(x.values))
+        return x
+
+    return jax.tree_util.tree_map(unmark, result, is_leaf=lambda x: type(x) in (_InputNode, _NewNode))
+
+
+def _apply_structure(graphdef: Any, values: list[Any], outer_objects: list[Any]) -> None:
     """Update the caller's objects in place to the structure and values made inside
     (existing nodes and Variables are reused by identity, new ones created), as nnx.jit
     does with graph updates."""
@@ -510,7 +614,21 @@ def apply_structure(graphdef: Any, values: list[Any], outer_objects: list[Any]) 
     graphlib.unflatten(graphdef, values, outer_index_outer_ref=outer)
 
 
-def leaf_shardings(spec: Any, prefix: Any) -> list[Any]:
+def _object_at(root: Any, index: int) -> Any:
+    """The object at graph index `index` of `root` (the caller's own submodule/Variable)."""
+    refmap = graphlib.RefMap()
+    graphlib.flatten(root, with_paths=False, ref_index=refmap)
+    for obj, i in refmap.items():
+        if i == index:
+            return obj
+    raise FastcallError(f"fastcall.jit: could not find object {index} of the returned NNX graph.")
+
+
+# --------------------------------------------------------------------------
+# Shardings
+
+
+def leaf_shardings(spec: NodeSpec, prefix: Any) -> list[Any]:
     """One sharding per leaf of an NNX argument, from an `nnx.StateSharding` (checked
     against each Variable's path and type, as nnx.jit does) or from an `nnx.prefix`
     result (one entry per leaf, in flatten order)."""
@@ -519,8 +637,6 @@ def leaf_shardings(spec: Any, prefix: Any) -> list[Any]:
         placeholder = graphlib.unflatten(spec.graphdef, [None] * n)
         flat = graphlib.flatten(placeholder, with_paths=True)[1]
         return [prefix.map_prefix(path, leaf) for path, leaf in zip(flat.paths, flat.leaves)]
-    import jax
-
     leaves = jax.tree_util.tree_leaves(prefix, is_leaf=lambda x: x is None)
     if len(leaves) != n:
         raise FastcallError(
@@ -531,21 +647,9 @@ def leaf_shardings(spec: Any, prefix: Any) -> list[Any]:
     return leaves
 
 
-def object_at(root: Any, index: int) -> Any:
-    """The object at graph index `index` of `root` (the caller's own submodule/Variable)."""
-    refmap = graphlib.RefMap()
-    graphlib.flatten(root, with_paths=False, ref_index=refmap)
-    for obj, i in refmap.items():
-        if i == index:
-            return obj
-    raise FastcallError(f"fastcall.jit: could not find object {index} of the returned NNX graph.")
-
-
 def constrain(node: Any, sharding: Any) -> None:
     """Constrain the values of `node`'s Variables (inside a trace) to `sharding`: one jax
     Sharding for all, or an nnx.StateSharding mapping each Variable by path and type."""
-    import jax
-
     flat = graphlib.flatten(node, with_paths=True)[1]
     for path, leaf in zip(flat.paths, flat.leaves):
         if not isinstance(leaf, Variable):
@@ -553,7 +657,3 @@ def constrain(node: Any, sharding: Any) -> None:
         target = sharding.map_prefix(path, leaf) if hasattr(sharding, "map_prefix") else sharding
         if target is not None:
             leaf.set_raw_value(jax.lax.with_sharding_constraint(leaf.get_raw_value(), target))
-
-
-def write_back(items: list[Any], index: int, value: Any) -> None:
-    _set_raw(items[index], value)

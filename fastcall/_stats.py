@@ -50,12 +50,17 @@ class JitStats:
     - `hits`: calls that reused an already compiled program.
     - `recompiles`: one entry per compile after the first, saying what changed
       (argument, leaf path, old and new shape/dtype or static value).
+    - `paths`: how many calls each route served: `"c_fast"` (the C fast path),
+      `"python_fast"` (the same fast path in Python, when the C one is not
+      built or is disabled), `"general"` (everything else: arguments resolved
+      through the identity cache or read afresh). They add up to `calls`.
     """
 
     calls: int
     compiles: int
     hits: int
     recompiles: tuple[Recompile, ...]
+    paths: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def _describe_leaf(leaf: Any) -> str:

@@ -17,6 +17,11 @@ import jax.numpy as jnp
 
 Tracer = jax.core.Tracer
 
+
+class StepAside(Exception):
+    """An argument holds a tracer: the call comes from inside an outer JAX
+    transformation, so the function runs inline in that trace instead."""
+
 try:  # jax >= 0.4.36 keeps the current trace in a context object.
     from jax._src.core import trace_ctx as _trace_ctx
 
@@ -77,7 +82,7 @@ def current_trace_has_callback() -> bool:
     read, answers True: waiting is slower but never hides an error.
     """
     try:
-        frame = _trace_ctx.trace.frame
+        frame = _trace_ctx.trace.frame  # type: ignore[union-attr]
         eqns = []
         for ref in frame.tracing_eqns:
             eqn = ref() if callable(ref) and not hasattr(ref, "primitive") else ref

@@ -88,11 +88,11 @@ def with_statics(key):
 @pytest.fixture(params=["c", "python"])
 def hot_path(request, monkeypatch):
     """Run a test through the C fast path and through the pure-Python one."""
-    from fastcall import _jit
+    from fastcall import _dispatch
 
     if request.param == "python":
-        monkeypatch.setattr(_jit, "USE_ACCEL", False)
-    elif _jit._accel is None:
+        monkeypatch.setattr(_dispatch, "USE_ACCEL", False)
+    elif _dispatch._accel is None:
         pytest.skip("the C accelerator is not built")
     return request.param
 

@@ -12,9 +12,9 @@ import fastcall
 
 def test_c_accelerator_is_built_and_used():
     """CI builds the C fast path; a silent fallback would only show up as lost speed."""
-    from fastcall import _jit
+    from fastcall import _dispatch
 
-    assert _jit._accel is not None, "fastcall/_accel.c was not built (is a C compiler installed?)"
+    assert _dispatch._accel is not None, "fastcall/_accel.c was not built (is a C compiler installed?)"
     f = fastcall.jit(lambda m, x: m(x))
     assert type(f).__name__ == "FastWrapper"
     m = eqx.nn.Linear(2, 2, key=jax.random.PRNGKey(0))
@@ -25,9 +25,9 @@ def test_c_accelerator_is_built_and_used():
 
 
 def test_c_wrapper_behaves_like_a_function():
-    from fastcall import _jit
+    from fastcall import _dispatch
 
-    if _jit._accel is None:
+    if _dispatch._accel is None:
         pytest.skip("not built")
 
     class Model(eqx.Module):

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 import fastcall
-from fastcall import _flatten, _nnx
+from fastcall import _fast, _flatten, _nnx
 
 from .conftest import assert_trees_equal, run_threads
 
@@ -166,7 +166,7 @@ def test_new_nnx_model_every_call_keeps_caches_bounded():
         del m
     gc.collect()
     assert all(r() is None for r in refs)
-    assert len(_nnx.by_id) < 5 and len(_nnx.fast) < 5
+    assert len(_nnx.by_id) < 5 and len(_fast.INDEX) < 5
     assert len(_nnx._watchers) < 50
     assert f.stats().compiles == 1
 
@@ -193,9 +193,9 @@ def test_no_tracers_or_executables_kept_after_clear():
 
 
 def test_signature_table_is_bounded(monkeypatch):
-    from fastcall import _jit
+    from fastcall import _function
 
-    monkeypatch.setattr(_jit, "MAX_SIGNATURES", 4)
+    monkeypatch.setattr(_function, "MAX_SIGNATURES", 4)
     f = fastcall.jit(lambda x, k: x * k)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", fastcall.RecompileWarning)

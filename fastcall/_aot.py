@@ -1,0 +1,79 @@
+"""Ahead-of-time objects: `wrapped.lower(...)` -> `Lowered`, `.compile()` -> `Compiled`.
+
+They resolve arguments exactly as a call does (`_args.resolve_call`) and a
+`Compiled` runs through the same `_dispatch.run`, so calling it writes NNX
+state back like a normal call. Everything else (`cost_analysis`,
+`memory_analysis`, `as_text`, `compiler_ir`, shardings, ...) is delegated to
+the underlying jax objects, which describe the program over flat leaves.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import _args, _dispatch
+from ._build import StructureVaries
+from ._errors import FastcallError
+from ._trace import StepAside
+
+
+def lower(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lowered:
+    """Trace and lower `state`'s function for these arguments (as `jax.jit(...).lower`)."""
+    try:
+        resolved = _args.resolve_call(state, fun_leaves, args, kwargs)
+    except StepAside:
+        raise FastcallError(
+            "fastcall.jit(...).lower: the arguments contain tracers; lower outside of any jax transformation."
+        ) from None
+    if resolved is None:
+        state.fun(*args, **kwargs)  # raises the function's own TypeError
+        raise FastcallError("fastcall.jit(...).lower: could not bind the arguments.")
+    entry = state.table.get(resolved.key) or state.entry(resolved.key)
+    try:
+        lowered = entry.fn.lower(*resolved.leaves)
+    except StructureVaries:
+        entry = state.make_varying(resolved.key, entry)
+        lowered = entry.fn.lower(*resolved.leaves)
+    return Lowered(lowered, entry, state, fun_leaves, resolved.key)
+
+
+class Lowered:
+    """A lowered fastcall function (from `wrapped.lower(...)`). `.compile()` gives a
+    callable taking the same arguments (static ones included)."""
+
+    def __init__(self, lowered: Any, entry: Any, state: Any, fun_leaves: Any, key: Any):
+        self._lowered = lowered
+        self._entry = entry
+        self._state = state
+        self._fun_leaves = fun_leaves
+        self._key = key
+
+    def compile(self, *args: Any, **kwargs: Any) -> Compiled:
+        return Compiled(self._lowered.compile(*args, **kwargs), self)
+
+    def __getattr__(self, name: str) -> Any:  # as_text, compiler_ir, cost_analysis, ...
+        return getattr(self._lowered, name)
+
+
+class Compiled:
+    """An ahead-of-time compiled fastcall function: call it with the original arguments."""
+
+    def __init__(self, compiled: Any, lowered: Lowered) -> None:
+        self._compiled = compiled
+        self._lowered = lowered
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        low = self._lowered
+        resolved = _args.resolve_call(low._state, low._fun_leaves, args, kwargs)
+        if resolved is None:
+            raise FastcallError("fastcall Compiled: could not bind the arguments.")
+        if resolved.key != low._key:
+            raise FastcallError(
+                "fastcall Compiled: the static part of these arguments (structure or "
+                "non-array values) differs from the one this was compiled for; lower and "
+                "compile again for these arguments."
+            )
+        return _dispatch.run(low._state, low._entry, resolved, executable=self._compiled)
+
+    def __getattr__(self, name: str) -> Any:  # as_text, cost_analysis, memory_analysis, ...
+        return getattr(self._compiled, name)

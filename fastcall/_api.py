@@ -1,0 +1,259 @@
+"""The public entry points: `fastcall.jit`, `fastcall.partial`, `fastcall.clear_caches`.
+
+`jit` freezes its options into a `JitOptions` record, flattens the function
+itself once (a callable pytree may carry arrays), finds the per-function state
+shared by equal functions, and builds the wrapper (`_dispatch.make_wrapper`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, ParamSpec, Protocol, Sequence, TypeVar, overload
+
+import equinox as eqx
+import jax
+from jaxtyping import PyTree
+
+from . import _aot, _args, _codegen, _dispatch, _fast, _flatten, _function, _nnx_gate, _stats
+from ._build import broadcast_prefix
+from ._options import UNSPECIFIED, Donate, make_options
+from ._trace import StepAside
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class JitWrapped(Protocol[P, R]):
+    """What `fastcall.jit` returns: `fun` with the same signature, plus AOT and stats."""
+
+    __wrapped__: Callable[P, R]
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R: ...
+
+    def lower(self, *args: P.args, **kwargs: P.kwargs) -> _aot.Lowered: ...
+
+    def stats(self) -> _stats.JitStats: ...
+
+    def clear_cache(self) -> None: ...
+
+
+@overload
+def jit(
+    fun: Callable[P, R],
+    *,
+    donate: Donate = ...,
+    static_argnums: int | Sequence[int] | None = ...,
+    static_argnames: str | Sequence[str] | None = ...,
+    donate_argnums: int | Sequence[int] | None = ...,
+    donate_argnames: str | Sequence[str] | None = ...,
+    in_shardings: PyTree = ...,
+    out_shardings: PyTree = ...,
+    device: Any = ...,
+    backend: str | None = ...,
+    keep_unused: bool = ...,
+    inline: bool = ...,
+    compiler_options: dict[str, Any] | None = ...,
+    graph: bool | None = ...,
+    graph_updates: bool | None = ...,
+) -> JitWrapped[P, R]: ...
+
+
+@overload
+def jit(
+    fun: None = None,
+    *,
+    donate: Donate = ...,
+    static_argnums: int | Sequence[int] | None = ...,
+    static_argnames: str | Sequence[str] | None = ...,
+    donate_argnums: int | Sequence[int] | None = ...,
+    donate_argnames: str | Sequence[str] | None = ...,
+    in_shardings: PyTree = ...,
+    out_shardings: PyTree = ...,
+    device: Any = ...,
+    backend: str | None = ...,
+    keep_unused: bool = ...,
+    inline: bool = ...,
+    compiler_options: dict[str, Any] | None = ...,
+    graph: bool | None = ...,
+    graph_updates: bool | None = ...,
+) -> Callable[[Callable[P, R]], JitWrapped[P, R]]: ...
+
+
+def jit(
+    fun: Callable | None = None,
+    *,
+    donate: Donate = "none",
+    static_argnums: int | Sequence[int] | None = None,
+    static_argnames: str | Sequence[str] | None = None,
+    donate_argnums: int | Sequence[int] | None = None,
+    donate_argnames: str | Sequence[str] | None = None,
+    in_shardings: Any = UNSPECIFIED,
+    out_shardings: Any = UNSPECIFIED,
+    device: Any = None,
+    backend: str | None = None,
+    keep_unused: bool = False,
+    inline: bool = False,
+    compiler_options: dict[str, Any] | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
+) -> Any:
+    """Compile `fun` with `eqx.filter_jit` semantics at close to `jax.jit`'s cost.
+
+    **Arguments:**
+
+    - `fun`: the function to compile. May be a plain function, a method (the
+      wrapper is a descriptor, so `@fastcall.jit def __call__(self, x)` works
+      on an `eqx.Module`), or any callable pytree (e.g. an `eqx.Module`, whose
+      arrays are then traced).
+    - `donate`: as in `eqx.filter_jit`: `"all"`, `"all-except-first"`,
+      `"warn"`, `"warn-except-first"` or `"none"`.
+    - `static_argnums`, `static_argnames`: as in `jax.jit`; the whole argument
+      is static (hashed and compared by value). Non-array leaves are static
+      anyway; use these only to force a value into the compile key whole.
+    - `donate_argnums`, `donate_argnames`: donate the arrays of these arguments.
+    - `in_shardings`, `out_shardings`, `device`, `backend`, `keep_unused`,
+      `inline`, `compiler_options`: passed to `jax.jit`. `in_shardings` is one
+      sharding for all arrays or one entry per positional argument (a pytree
+      prefix of it); `out_shardings` (a sharding or a pytree prefix of the
+      output) is applied as a sharding constraint on the outputs.
+    - `graph`, `graph_updates`: as in `nnx.jit`. fastcall always keeps NNX
+      sharing (what graph mode gives) at tree-mode cost, so `graph` changes
+      nothing; structural changes made inside the function are propagated to
+      the caller's objects unless `graph_updates=False`, which makes them a
+      `FastcallError`.
+
+    **Returns:** a function with `fun`'s name, docstring and signature, plus
+    `.lower(*args, **kwargs)`, `.stats()` and `.clear_cache()`.
+
+    Every JAX/NumPy array leaf of the arguments is traced; every other leaf
+    (Python scalars, strings, callables, `eqx.field(static=True)`, None) is
+    static and part of the compile key. Called under an outer trace (jit,
+    grad, vmap, scan, ...) with traced arguments, it runs `fun` inline.
+
+    !!! example
+
+        ```python
+        @fastcall.jit
+        def forward(model, x):
+            return model(x)
+
+        forward(model, x)  # compiles
+        forward(model, x)  # ~1 us of Python on top of jax.jit's own dispatch
+        ```
+    """
+    options = make_options(
+        donate=donate,
+        static_argnums=static_argnums,
+        static_argnames=static_argnames,
+        donate_argnums=donate_argnums,
+        donate_argnames=donate_argnames,
+        in_shardings=in_shardings,
+        out_shardings=out_shardings,
+        device=device,
+        backend=backend,
+        keep_unused=keep_unused,
+        inline=inline,
+        compiler_options=compiler_options,
+        graph_updates=graph_updates,
+    )
+    if fun is None:
+        return functools.partial(jit, **options._asdict())
+    if not callable(fun):
+        raise TypeError(f"fastcall.jit expects a callable, got {type(fun).__name__}.")
+    user_fun = fun
+    if options.out_shardings is not UNSPECIFIED:
+        fun = _OutShardings(fun, options.out_shardings)
+    fun_spec, leaves = _flatten.flatten_generic(fun, "fun")
+    fun_leaves = tuple(leaves)
+    state = _function.state_for(fun, fun_spec, options, user_fun)
+    public = _dispatch.make_wrapper(fun, fun_leaves, state, user_fun)
+    public._fastcall_state = state
+    public.lower = lambda *args, **kwargs: _aot.lower(state, fun_leaves, args, kwargs)
+    public.lower.__doc__ = "Trace and lower for these arguments (as `jax.jit(...).lower`)."
+    public.stats = state.stats
+    public.clear_cache = state.clear
+    return public
+
+
+class _OutShardings(eqx.Module):
+    """`fun` with a sharding constraint on its array outputs (for `out_shardings`)."""
+
+    fun: Callable
+    shardings: Any = eqx.field(static=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.fun(*args, **kwargs)
+        treedef: Any
+        # NNX objects stay whole (their identity matters for write-back); their Variables
+        # are constrained in place, per Variable for an nnx.StateSharding.
+        leaves, treedef = jax.tree_util.tree_flatten(out, is_leaf=_nnx_gate.is_node)
+        if isinstance(self.shardings, jax.sharding.Sharding) or self.shardings is None:
+            per_leaf = [self.shardings] * len(leaves)
+        else:
+            per_leaf = broadcast_prefix(self.shardings, out, is_leaf=_nnx_gate.is_node)
+        constrained = []
+        for x, sh in zip(leaves, per_leaf):
+            if sh is None:
+                constrained.append(x)
+            elif _nnx_gate.is_node(x):
+                _nnx_gate.adapter().constrain(x, sh)
+                constrained.append(x)
+            elif isinstance(x, jax.Array):
+                constrained.append(jax.lax.with_sharding_constraint(x, sh))
+            else:
+                constrained.append(x)
+        return treedef.unflatten(constrained)
+
+
+def clear_caches() -> None:
+    """Drop every cache fastcall holds: identity cache, templates, compiled programs.
+
+    Wrapped functions keep working; their next call re-flattens and recompiles.
+    """
+    _flatten.clear()
+    _codegen.templates.clear()
+    _fast.clear()
+    adapter = _nnx_gate.loaded()
+    if adapter is not None:
+        adapter.clear()
+    _args.clear()
+    _function.clear_all()
+
+
+def partial(fun: Callable, *bound: Any, **jit_options: Any) -> Callable:
+    """Bind leading arguments (typically the model) for serving, like
+    `nnx.jit_partial` / `nnx.cached_partial`, without their staleness.
+
+    **Arguments:**
+
+    - `fun`: a function, or a function already wrapped by `fastcall.jit`.
+    - `*bound`: leading positional arguments to bind (NNX modules, Equinox
+      modules, arrays, anything).
+    - `**jit_options`: options for `fastcall.jit` when `fun` is not wrapped yet.
+
+    **Returns:** a callable taking the remaining arguments. The bound objects
+    are flattened once, here; each call reads their current Variable values,
+    writes changed state back, and re-flattens a bound NNX module only after
+    its structure changed (`model.layers[1] = nnx.Linear(...)`,
+    `model.eval()`), where `nnx.jit_partial` and `nnx.cached_partial` would
+    return stale results.
+
+    !!! example
+
+        ```python
+        serve = fastcall.partial(forward, model)
+        y = serve(x)
+        ```
+    """
+    wrapped = fun if getattr(fun, "_fastcall_state", None) is not None else jit(fun, **jit_options)
+    state: _function.FunctionState = wrapped._fastcall_state  # type: ignore[attr-defined]
+    scratch: list[Any] = []
+    for i, arg in enumerate(bound):  # flatten once now: errors surface here, caches are warm
+        if type(arg) is not _flatten.ArrayImpl:
+            try:
+                _args.resolve(arg, scratch, state.arg_name(i), [])
+            except StepAside:
+                pass
+    bound_call = functools.partial(wrapped, *bound)
+    functools.update_wrapper(bound_call, wrapped)  # type: ignore[arg-type]
+    return bound_call

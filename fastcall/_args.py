@@ -1,0 +1,162 @@
+"""Resolving a call's arguments: each one to its dynamic leaves and its spec id.
+
+This is the one route for every call the fast path does not serve. Per
+argument, cheapest first: a plain array is one leaf; an object in the
+identity cache gives its cached leaves; an NNX object is read through the
+adapter (values fresh, structure cached); a new object of a known structure
+goes through its generated extractor; anything else is flattened once (and
+cached by identity if immutable). Raises `StepAside` when an argument holds a
+tracer (the call comes from inside an outer transformation).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from . import _codegen, _flatten, _nnx_gate
+from ._errors import FastcallError, describe_arg
+from ._flatten import ARRAY_TYPES, ArrayImpl, Spec, remember
+from ._trace import StepAside, Tracer, contains_tracer
+
+
+class Resolved(NamedTuple):
+    """One call, resolved."""
+
+    leaves: list[Any]  # the function's own leaves, then every argument's, in order
+    key: tuple[Any, ...]  # spec ids (and sorted keyword names): selects the compiled entry
+    nnx_args: list[Any]  # the adapter's NnxArg per NNX argument, for write-back
+    args: tuple[Any, ...]  # the positional arguments (keywords bound to positions where possible)
+    kwargs: dict[str, Any]
+
+
+def resolve_call(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Resolved | None:
+    """Resolve every argument of one call. Returns None if the arguments do not fit the
+    function's signature (the caller then lets the function raise its own TypeError).
+    NNX arguments that share objects are flattened jointly (as nnx.jit does)."""
+    if kwargs and state.signature is not None:
+        try:
+            bound = state.signature.bind(*args, **kwargs)
+        except TypeError:
+            return None
+        args, kwargs = bound.args, bound.kwargs
+    resolved = _resolve_all(state, fun_leaves, args, kwargs, joint=None)
+    if len(resolved.nnx_args) > 1 and _nnx_gate.adapter().overlapping(resolved.nnx_args):
+        resolved = _resolve_all(state, fun_leaves, args, kwargs, joint=_nnx_gate.adapter().joint_index())
+    return resolved
+
+
+def _resolve_all(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any], joint: Any) -> Resolved:
+    leaves = list(fun_leaves)
+    key: list[Any] = []
+    nnx_args: list[Any] = []
+    static_argnums = state.static_argnums
+    for i, a in enumerate(args):
+        if i in static_argnums:
+            key.append(static_spec(a, state.arg_name(i)).id)
+        elif type(a) is ArrayImpl:
+            leaves.append(a)
+            key.append(0)
+        else:
+            key.append(resolve(a, leaves, state.arg_name(i), nnx_args, joint))
+    if kwargs:
+        names = tuple(sorted(kwargs))
+        key.append(names)
+        for name in names:
+            if name in state.static_argnames:
+                key.append(static_spec(kwargs[name], name).id)
+            else:
+                key.append(resolve(kwargs[name], leaves, name, nnx_args, joint))
+    return Resolved(leaves, tuple(key), nnx_args, args, kwargs)
+
+
+def resolve(value: Any, leaves: list[Any], arg_name: str, nnx_args: list[Any], joint: Any = None) -> int:
+    """Append `value`'s dynamic leaves to `leaves`; return its spec id.
+
+    NNX objects also append their NnxArg to `nnx_args`. With `joint` (a RefMap shared
+    by the call's NNX arguments), NNX objects are flattened together.
+    """
+    hit = _flatten.by_id.get(id(value))
+    if hit is not None and hit.ref() is value:  # seen before, same object
+        leaves += hit.leaves
+        return hit.spec_id
+    if _nnx_gate.is_node(value):
+        return _nnx_gate.adapter().read_argument(value, leaves, arg_name, nnx_args, joint)
+    for template in _codegen.templates.get(type(value), ()):
+        found = template.extract(value)
+        if found is not None:
+            leaves += found
+            spec = template.spec
+            if spec.cacheable:
+                remember(value, found, spec)
+            return spec.id
+    if isinstance(value, ARRAY_TYPES):
+        if isinstance(value, Tracer):
+            raise StepAside
+        leaves.append(value)
+        return 0
+    scalar = _scalar_spec(value)
+    if scalar is not None:
+        return scalar
+    spec, dynamic = _flatten.flatten_generic(value, arg_name)
+    if contains_tracer(dynamic):
+        raise StepAside
+    if spec.has_nnx:
+        raise FastcallError(
+            f"fastcall.jit: {describe_arg(arg_name)} holds NNX objects inside a container "
+            f"({type(value).__name__}). fastcall tracks NNX state (values read, changes "
+            "written back) only for NNX objects passed directly as arguments: pass each "
+            "module, Optimizer or Rngs as its own argument."
+        )
+    leaves.extend(dynamic)
+    if spec.cacheable:
+        remember(value, tuple(dynamic), spec)
+    if not spec.templated:
+        spec.templated = True
+        _codegen.learn(value, spec, dynamic)
+    return spec.id
+
+
+def static_spec(value: Any, arg_name: str) -> Spec:
+    """The Spec of an argument marked static (static_argnums / static_argnames)."""
+    if _flatten.is_array(value):
+        raise FastcallError(
+            f"fastcall.jit: {describe_arg(arg_name)} is marked static "
+            "(static_argnums/static_argnames) but is an array. Arrays cannot be part "
+            "of the compile key: drop it from static_argnums/static_argnames (arrays "
+            "are traced automatically)."
+        )
+    try:
+        key = ("static", _flatten.leaf_key(value))
+        hash(key)
+        return _flatten.intern(Spec("static", None, (), (value,)), key)
+    except FastcallError:
+        raise
+    except Exception as err:
+        raise FastcallError(
+            f"fastcall.jit: {describe_arg(arg_name)} is marked static "
+            f"(static_argnums/static_argnames) but is not hashable "
+            f"({type(err).__name__}: {err}). Pass a hashable value, or drop it from "
+            "static_argnums/static_argnames so that its arrays are traced."
+        ) from None
+
+
+_SCALARS = (int, float, bool, str, complex, type(None))
+_scalar_specs: dict[Any, Spec] = {}
+
+
+def _scalar_spec(value: Any) -> int | None:
+    """Spec id of a Python scalar argument (static), without tree_flatten."""
+    if type(value) not in _SCALARS:
+        return None
+    key = _flatten.leaf_key(value)
+    spec = _scalar_specs.get(key)
+    if spec is None:
+        spec, _ = _flatten.flatten_generic(value, "scalar")
+        if len(_scalar_specs) > 4096:
+            _scalar_specs.clear()
+        _scalar_specs[key] = spec
+    return spec.id
+
+
+def clear() -> None:
+    _scalar_specs.clear()

@@ -1,0 +1,203 @@
+"""Building one compiled entry: the traced function over flat leaves, and its jax.jit.
+
+A wrapped function has one `Entry` per static signature (the tuple of interned
+spec ids of its arguments). The entry's `fn` is a `jax.jit` of a function of
+the flat list of dynamic leaves: it rebuilds each argument from its spec (NNX
+arguments through the adapter), calls the user's function, and returns the
+flat outputs. What the output looks like is recorded at trace time
+(`Entry.out`, an `_outputs.OutInfo`); jax.jit's own cache handles shapes and
+dtypes.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from typing import Any, Callable, Sequence
+
+import jax
+
+from . import _nnx_gate
+from ._flatten import spec_by_id
+from ._options import UNSPECIFIED
+from ._outputs import OutInfo, Varying
+from ._trace import current_trace_has_callback
+
+
+class StructureVaries(Exception):
+    """Raised inside a trace whose output structure differs from an earlier trace's:
+    the caller retries with the entry's varying replacement."""
+
+
+class Entry:
+    """One static signature of a wrapped function: a jax.jit over flat leaves."""
+
+    __slots__ = ("fn", "out", "varies", "passthrough", "lock", "on_varies", "__weakref__")
+
+    def __init__(self, varies: bool) -> None:
+        self.fn: Any = None  # fn(*leaves) runs it
+        self.out: OutInfo | None = None  # the output structure, known after the first trace
+        # True: the output structure depends on input shapes, and each call returns
+        # `(flat, Varying(info))` carrying it through jax's output tree.
+        self.varies = varies
+        self.passthrough = False  # jax's output is the user's output: nothing to do after
+        self.lock = threading.Lock()
+        self.on_varies: Callable[[], Any] | None = None  # installs the varying replacement
+
+    def finish(self, out: Any, nnx_args: Sequence[Any]) -> Any:
+        """The user's output from one call's flat outputs (NNX state written back)."""
+        if self.varies:
+            out, box = out
+            return box.info.finish(out, nnx_args)
+        assert self.out is not None
+        return self.out.finish(out, nnx_args)
+
+    def record_output(self, info: OutInfo) -> None:
+        """At trace time: remember the output structure, or raise StructureVaries if it
+        differs from the one recorded by an earlier trace."""
+        varied = False
+        with self.lock:
+            if self.out is None:
+                self.out = info
+                self.passthrough = info.passthrough
+            elif not self.out.same_as(info):
+                varied = True
+        if varied:
+            # Install the replacement now, so that the caller's retry finds it and this
+            # shape is traced once more, not twice.
+            if self.on_varies is not None:
+                self.on_varies()
+            raise StructureVaries
+
+
+def build(state: Any, key: tuple[Any, ...], fun: Any, varies: bool = False) -> Entry:
+    """The compiled entry of `state`'s function `fun` for the static signature `key`."""
+    e = Entry(varies)
+    layout = state.layout(key)
+    pos_specs = [spec_by_id(k) for k in layout.positional]
+    kw_specs = [spec_by_id(k) for k in layout.keyword_ids]
+    all_specs = [state.fun_spec] + pos_specs + kw_specs
+    arg_names = [state.arg_name(i) for i in range(len(pos_specs))] + list(layout.keyword_names)
+    counts = [s.n_dyn for s in all_specs]
+    graph_updates = state.options.graph_updates is not False
+    donated = set(state.donated_slots(len(all_specs), len(pos_specs), layout.keyword_names))
+    # in_shardings, one per leaf, computed once; with them, written-back Variables keep
+    # their input sharding (as nnx.jit).
+    in_shardings = state.options.in_shardings
+    slot_shardings = None if in_shardings is UNSPECIFIED else _leaf_shardings(in_shardings, all_specs)
+    nnx_slots = [slot for slot, sp in enumerate(all_specs) if sp.kind == "nnx"]
+    # Per NNX argument: is it donated? Then every Variable is returned and written back,
+    # so that the caller's Variables stay usable.
+    nnx_donated = [slot in donated for slot in nnx_slots]
+    nnx_shardings = [slot_shardings[slot] if slot_shardings is not None else None for slot in nnx_slots]
+    # Weakly: jax may keep the traced function alive longer than the wrapped function.
+    state_ref = weakref.ref(state)
+
+    def flat_fn(*dyn: Any) -> Any:
+        values = []
+        nnx_inputs = _nnx_gate.adapter().TracedInputs() if nnx_slots else None
+        start = 0
+        for spec, n, arg_name in zip(all_specs, counts, ["fun"] + arg_names):
+            segment = dyn[start : start + n]
+            if nnx_inputs is not None and spec.kind == "nnx":
+                values.append(nnx_inputs.rebuild(spec, segment, arg_name))
+            else:
+                values.append(spec.rebuild(segment))
+            start += n
+        if nnx_inputs is not None:
+            nnx_inputs.snapshot()
+        f, rest = values[0], values[1:]
+        traced_state = state_ref()
+        if traced_state is not None:
+            traced_state.on_trace(list(zip(arg_names, rest)))
+        out = f(*rest[: len(pos_specs)], **dict(zip(layout.keyword_names, rest[len(pos_specs) :])))
+        nnx_out, nnx_extra = None, []
+        if nnx_inputs is not None:
+            # Which Variables changed (decided here, once per compile), and whether the
+            # graph itself changed (then the new structure is propagated back).
+            out, nnx_out, nnx_extra = nnx_inputs.outputs(out, graph_updates, nnx_donated, nnx_shardings)
+        info = OutInfo(out, current_trace_has_callback(), nnx_out)
+        flat = info.flat_outputs(out, nnx_extra)
+        if varies:
+            return flat, Varying(info)
+        e.record_output(info)
+        return flat
+
+    name = getattr(fun, "__name__", None) or type(fun).__name__
+    flat_fn.__name__ = flat_fn.__qualname__ = str(name)
+    e.fn = jax.jit(flat_fn, **_jit_kwargs(state.options, counts, donated, slot_shardings))
+    if state.options.donate in ("all", "all-except-first"):
+        e.fn = _suppress_donation_warning(e.fn)
+    return e
+
+
+def _jit_kwargs(options: Any, counts: list[int], donated_slots: set[int], slot_shardings: Any) -> dict[str, Any]:
+    kw: dict[str, Any] = {}
+    for name in ("keep_unused", "inline"):
+        if getattr(options, name):
+            kw[name] = getattr(options, name)
+    for name in ("device", "backend"):
+        if getattr(options, name) is not None:
+            kw[name] = getattr(options, name)
+    if options.compiler_options is not None:
+        kw["compiler_options"] = dict(options.compiler_options)  # (frozen as pairs)
+    # Donation and shardings are decided per argument (slot), then listed per leaf.
+    donated: list[int] = []
+    start = 0
+    for slot, n in enumerate(counts):
+        if slot in donated_slots:
+            donated.extend(range(start, start + n))
+        start += n
+    if donated:
+        kw["donate_argnums"] = tuple(donated)
+    if slot_shardings is not None:
+        kw["in_shardings"] = tuple(sh for per_leaf in slot_shardings for sh in per_leaf)
+    return kw
+
+
+def _leaf_shardings(shardings: Any, all_specs: list[Any]) -> list[list[Any]]:
+    """jax.jit-style in_shardings (one for all, or one entry per positional argument, each
+    a Sharding or a pytree prefix; for NNX arguments also an nnx.StateSharding or an
+    nnx.prefix result) as one sharding per dynamic leaf, per slot (0: the function)."""
+    per_slot: list[list[Any]] = []
+    for slot, spec in enumerate(all_specs):
+        if not isinstance(shardings, (tuple, list)):
+            entry = shardings
+        else:
+            entry = shardings[slot - 1] if 0 < slot <= len(shardings) else None
+        if entry is None or isinstance(entry, jax.sharding.Sharding):
+            per_slot.append([entry] * spec.n_dyn)
+        elif spec.kind == "nnx":
+            per_slot.append(_nnx_gate.adapter().leaf_shardings(spec, entry))
+        elif spec.kind == "tree":  # a pytree prefix of the argument
+            full = spec.treedef.unflatten([object()] * len(spec.mask))
+            per_leaf = broadcast_prefix(entry, full)
+            per_slot.append([sh for sh, m in zip(per_leaf, spec.mask) if m])
+        else:
+            per_slot.append([entry] * spec.n_dyn)
+    return per_slot
+
+
+def broadcast_prefix(prefix: Any, full: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[Any]:
+    """One entry of the pytree prefix `prefix` per leaf of `full`."""
+    prefix_def: Any
+    prefix_leaves, prefix_def = jax.tree_util.tree_flatten(
+        prefix, is_leaf=lambda x: x is None or hasattr(x, "map_prefix")  # (nnx.StateSharding)
+    )
+    subtrees = prefix_def.flatten_up_to(full)
+    out: list[Any] = []
+    for p, sub in zip(prefix_leaves, subtrees):
+        out.extend([p] * len(jax.tree_util.tree_leaves(sub, is_leaf=is_leaf)))
+    return out
+
+
+def _suppress_donation_warning(fn: Any) -> Any:
+    # donate="all" promises silence about unusable donated buffers, as in eqx.
+    def call(*leaves: Any) -> Any:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            return fn(*leaves)
+
+    call.lower = fn.lower  # type: ignore[attr-defined]
+    return call

@@ -1,0 +1,282 @@
+"""Code generated per known structure: leaf extractors and output builders.
+
+* `Template`: for a new object of a structure seen before, Python code
+  generated for that structure reads the leaves straight from each node's
+  `__dict__` and compares static fields by identity, several times faster
+  than `jax.tree_util.tree_flatten` on Equinox modules (whose flatten runs
+  Python per node). Anything unexpected makes the template decline (it
+  returns None), and the generic path (`_flatten.flatten_generic`) takes over.
+* `make_builder`: the inverse for outputs: statements that rebuild a known
+  output structure from the flat list of dynamic outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Callable, Sequence
+
+import equinox as eqx
+import jax
+
+from ._flatten import ARRAY_TYPES, ArrayImpl, Spec, static_equal
+
+
+class _NoTemplate(Exception):
+    pass
+
+
+_MAX_TEMPLATE_NODES = 4096
+
+
+class _CodeGen:
+    """Emits straight-line Python that walks one known structure.
+
+    The generated `_inner(obj)` returns the tuple of dynamic leaves, or None as
+    soon as anything differs from the structure it was generated for: a node
+    of another type, a container of another length, an Equinox module with
+    other attributes, a static value that is not the same (by identity, then
+    by exact equality), or a leaf that is not a concrete jax array.
+    """
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.consts: dict[str, Any] = {}
+        self.counter = itertools.count()
+        self.nodes = 0
+        self.arrays: list[str] = []
+
+    def const(self, value: Any) -> str:
+        name = f"_c{next(self.counter)}"
+        self.consts[name] = value
+        return name
+
+    def var(self) -> str:
+        return f"_v{next(self.counter)}"
+
+    def emit(self, line: str) -> None:
+        self.lines.append("    " + line)
+
+    def bind(self, expr: str) -> str:
+        if expr.isidentifier():
+            return expr
+        v = self.var()
+        self.emit(f"{v} = {expr}")
+        return v
+
+    def walk(self, expr: str, value: Any) -> None:
+        self.nodes += 1
+        if self.nodes > _MAX_TEMPLATE_NODES:
+            raise _NoTemplate
+        t = type(value)
+        if t is ArrayImpl:
+            v = self.var()
+            self.emit(f"{v} = {expr}")
+            self.arrays.append(v)
+            return
+        if value is None:
+            self.emit(f"if {expr} is not None: return None")
+            return
+        if t is tuple or t is list:
+            v = self.bind(expr)
+            self.emit(f"if type({v}) is not {self.const(t)} or len({v}) != {len(value)}: return None")
+            for i, item in enumerate(value):
+                self.walk(f"{v}[{i}]", item)
+            return
+        if t is dict:
+            try:
+                keys = sorted(value)
+            except TypeError:
+                raise _NoTemplate from None
+            v = self.bind(expr)
+            self.emit(f"if type({v}) is not dict or len({v}) != {len(value)}: return None")
+            for k in keys:
+                self.walk(f"{v}[{self.const(k)}]", value[k])
+            return
+        if isinstance(value, eqx.Module):
+            fields = dataclasses.fields(value)
+            d = value.__dict__
+            if len(d) != len(fields) or any(f.name not in d for f in fields):
+                raise _NoTemplate  # wrapper modules carry extra attributes
+            node = self.bind(expr)
+            v = self.var()
+            self.emit(f"if type({node}) is not {self.const(t)}: return None")
+            # object.__getattribute__ skips eqx.Module.__getattribute__ (~1 us each).
+            self.emit(f"{v} = _getattr({node}, '__dict__')")
+            self.emit(f"if len({v}) != {len(fields)}: return None")
+            statics = []
+            for f in fields:
+                if f.metadata.get("static", False):
+                    statics.append((f"{v}[{f.name!r}]", d[f.name]))
+                else:
+                    self.walk(f"{v}[{f.name!r}]", d[f.name])
+            self.statics(statics)
+            return
+        if issubclass(t, tuple) and hasattr(t, "_fields"):
+            v = self.bind(expr)
+            self.emit(f"if type({v}) is not {self.const(t)}: return None")
+            for i, item in enumerate(value):
+                self.walk(f"{v}[{i}]", item)
+            return
+        # A leaf, unless some other pytree node type: those are not specialised.
+        if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
+            if isinstance(value, ARRAY_TYPES):
+                raise _NoTemplate  # NumPy arrays and tracers: generic path
+            self.statics([(expr, value)])
+            return
+        raise _NoTemplate
+
+    def statics(self, pairs: list[tuple[str, Any]]) -> None:
+        """One line checks every static value of a node by identity; only if that
+        fails are they compared by exact equality."""
+        if not pairs:
+            return
+        names = [self.bind(expr) for expr, _ in pairs]
+        consts = [self.const(value) for _, value in pairs]
+        fast = " and ".join(f"{n} is {c}" for n, c in zip(names, consts))
+        slow = " and ".join(f"_static_equal({n}, {c})" for n, c in zip(names, consts))
+        self.emit(f"if not ({fast}) and not ({slow}): return None")
+
+    def finish(self) -> str:
+        if self.arrays:
+            check = " or ".join(f"type({a}) is not _ArrayImpl" for a in self.arrays)
+            self.emit(f"if {check}: return None")
+        self.emit(f"return ({', '.join(self.arrays)}{',' if self.arrays else ''})")
+        return "\n".join(self.lines)
+
+
+class Template:
+    """Generated extractor for one structure: `extract(obj) -> leaves tuple | None`.
+
+    Returns the dynamic leaves of `obj` (in `tree_flatten` order) if `obj` has
+    exactly the structure and static values of `spec`, else None.
+    """
+
+    __slots__ = ("spec", "extract", "source")
+
+    def __init__(self, spec: Spec, example: Any, dynamic: list[Any]):
+        gen = _CodeGen()
+        gen.walk("obj", example)
+        body = gen.finish()
+        self.source = (
+            "def _extract(obj):\n"
+            "    try:\n"
+            "        return _inner(obj)\n"
+            "    except (KeyError, AttributeError, IndexError, TypeError):\n"
+            "        return None\n"
+            "def _inner(obj):\n"
+            f"{body}\n"
+        )
+        namespace: dict[str, Any] = dict(gen.consts)
+        namespace.update(_ArrayImpl=ArrayImpl, _static_equal=static_equal, _getattr=object.__getattribute__)
+        exec(compile(self.source, f"<fastcall template {spec.id}>", "exec"), namespace)
+        self.spec = spec
+        self.extract: Callable[[Any], tuple[Any, ...] | None] = namespace["_extract"]
+        # Prove the template agrees with tree_flatten on the object it came from.
+        check = self.extract(example)
+        if check is None or len(check) != len(dynamic) or any(a is not b for a, b in zip(check, dynamic)):
+            raise _NoTemplate
+
+
+class _BuilderGen:
+    """Emits Python that rebuilds a known output structure from the flat list `d` of
+    dynamic outputs (the inverse of a Template, used instead of `treedef.unflatten`,
+    whose Equinox unflatten runs Python per node anyway): statements that build
+    Equinox modules, leaves first, then one expression for the whole output."""
+
+    def __init__(self) -> None:
+        self.consts: dict[str, Any] = {}
+        self.counter = itertools.count()
+        self.pos = 0
+        self.nodes = 0
+        self.stmts: list[str] = []  # modules are built by statements, leaves-first
+
+    def const(self, value: Any) -> str:
+        name = f"_c{next(self.counter)}"
+        self.consts[name] = value
+        return name
+
+    def expr(self, value: Any) -> str:
+        self.nodes += 1
+        if self.nodes > _MAX_TEMPLATE_NODES:
+            raise _NoTemplate
+        t = type(value)
+        if isinstance(value, ARRAY_TYPES):
+            e = f"d[{self.pos}]"
+            self.pos += 1
+            return e
+        if value is None:
+            return "None"
+        if t is tuple:
+            items = [self.expr(v) for v in value]
+            return "(" + "".join(i + ", " for i in items) + ")"
+        if t is list:
+            return "[" + ", ".join(self.expr(v) for v in value) + "]"
+        if t is dict:
+            try:
+                keys = sorted(value)
+            except TypeError:
+                raise _NoTemplate from None
+            # jax flattens dicts in sorted key order and rebuilds them that way too.
+            return "{" + ", ".join(f"{self.const(k)}: {self.expr(value[k])}" for k in keys) + "}"
+        if issubclass(t, tuple) and hasattr(t, "_fields"):
+            items = [self.expr(v) for v in value]
+            return f"_tnew({self.const(t)}, (" + "".join(i + ", " for i in items) + "))"
+        if isinstance(value, eqx.Module):
+            fields = dataclasses.fields(value)
+            d = value.__dict__
+            if len(d) != len(fields) or any(f.name not in d for f in fields):
+                raise _NoTemplate
+            parts = []
+            for f in fields:
+                v = d[f.name]
+                if f.metadata.get("static", False):
+                    parts.append(f"{f.name!r}: {self.const(v)}")
+                else:
+                    parts.append(f"{f.name!r}: {self.expr(v)}")
+            # object.__new__ + setting __dict__: what Equinox's own unflatten does,
+            # without a Python call per module.
+            v = f"_o{next(self.counter)}"
+            self.stmts.append(f"{v} = _new({self.const(t)})")
+            self.stmts.append(f"_setattr({v}, '__dict__', {{{', '.join(parts)}}})")
+            return v
+        if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
+            return self.const(value)  # a static output, returned as it was at trace time
+        raise _NoTemplate
+
+
+def make_builder(example: Any) -> Callable[[Sequence[Any]], Any] | None:
+    """Generated `build(dynamic_outputs) -> output` for `example`'s structure, or None."""
+    gen = _BuilderGen()
+    try:
+        body = gen.expr(example)
+    except (_NoTemplate, RecursionError):
+        return None
+    namespace: dict[str, Any] = dict(gen.consts)
+    namespace.update(_tnew=tuple.__new__, _new=object.__new__, _setattr=object.__setattr__)
+    lines = "".join(f"    {stmt}\n" for stmt in gen.stmts)
+    try:
+        exec(compile(f"def build(d):\n{lines}    return {body}\n", "<fastcall output builder>", "exec"), namespace)
+    except Exception:
+        return None
+    return namespace["build"]
+
+
+# root type -> templates, most recent first (a few structures per type).
+templates: dict[type, list[Template]] = {}
+_TEMPLATES_PER_TYPE = 4
+
+
+def learn(value: Any, spec: Spec, dynamic: list[Any]) -> None:
+    """Build a template for `value`'s structure so the next new object of it is fast."""
+    if spec.kind != "tree" or not spec.n_dyn:
+        return
+    try:
+        tmpl = Template(spec, value, dynamic)
+    except (_NoTemplate, RecursionError):
+        return
+    except Exception:  # a template is an optimisation; never fail a call over it
+        return
+    group = templates.setdefault(type(value), [])
+    group.insert(0, tmpl)
+    del group[_TEMPLATES_PER_TYPE:]

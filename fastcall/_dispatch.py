@@ -1,0 +1,192 @@
+"""The call path of a wrapped function: the hot path, one `run`, and fast records.
+
+Reading order: `make_wrapper` builds the closure `wrapper`, whose body is the
+whole route of a call:
+
+1. The fast path. `f(first, *arrays)` where `first` has a `FastRecord` for
+   this function in the fast index (`_fast.INDEX`) and every other argument
+   is a plain jax array: one dict lookup, one weakref check, one type check
+   per array, then the jax.jit C++ fast path. Nothing is flattened or keyed.
+   The C extension (`_accel.c`) serves exactly this case, reading the same
+   records; this Python copy serves it when the C one is not built or is
+   disabled (`FASTCALL_DISABLE_ACCEL=1`).
+2. The general path. Every argument is resolved (`_args.resolve_call`: plain
+   arrays, identity-cache hits, NNX objects, new objects), the tuple of spec
+   ids selects the compiled entry, and `run` runs it.
+
+`run` is the one place that calls a compiled entry: retry once if the output
+structure turned out to vary, translate errors, rebuild the output and write
+NNX state back. The wrapper, `lower(...).compile()` and `fastcall.partial`
+all go through it. After a general call, `_install_fast` decides (the one
+eligibility rule, for Equinox and NNX alike) whether later calls of the same
+shape can take the fast path.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import weakref
+from typing import Any
+
+from . import _args, _fast, _flatten, _nnx_gate
+from ._build import Entry, StructureVaries
+from ._fast import FastRecord, FastSlot
+from ._flatten import ArrayImpl
+from ._outputs import on_error
+from ._trace import StepAside
+
+_accel: Any
+try:  # the optional C fast path (fastcall/_accel.c)
+    _accel = importlib.import_module("fastcall._accel")
+except ImportError:  # pragma: no cover - not built: pure Python, same behaviour
+    _accel = None
+
+# Read once, at import: `FASTCALL_DISABLE_ACCEL=1` serves every call from Python (for
+# debugging, and for the tests that run every behaviour through both paths).
+USE_ACCEL = os.environ.get("FASTCALL_DISABLE_ACCEL", "") not in ("1", "true", "yes")
+
+
+def run(state: Any, entry: Entry, resolved: Any, executable: Any = None) -> Any:
+    """Run one call of `entry` on the resolved arguments and return the user's output.
+
+    `executable`: an ahead-of-time compiled program to call instead of `entry.fn`
+    (its output structure is fixed, so there is nothing to retry)."""
+    try:
+        if executable is not None:
+            out = executable(*resolved.leaves)
+        else:
+            try:
+                out = entry.fn(*resolved.leaves)
+            except StructureVaries:
+                entry = state.make_varying(resolved.key, entry)
+                out = entry.fn(*resolved.leaves)
+    except (RuntimeError, ValueError) as err:
+        on_error(err, list(state.named_args(resolved.args, resolved.kwargs)))
+    if entry.passthrough:
+        return out
+    return entry.finish(out, resolved.nnx_args)
+
+
+def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry: Entry) -> None:
+    """After a general call: let later calls of this shape take the fast path, if the
+    call was `f(first, *plain arrays)` with `first` a cached Equinox/pytree object or an
+    NNX object whose structure is cached, and the compiled entry's outputs are fixed.
+    The one eligibility rule for the fast path (Python and C)."""
+    args = resolved.args
+    # Records are per state, which equal functions carrying other arrays share.
+    if fun_leaves or resolved.kwargs or not args or entry.varies or entry.out is None:
+        return
+    for k in resolved.key[1:]:
+        if k != 0:
+            return  # every other argument must be a plain array
+    first = args[0]
+    if resolved.nnx_args:
+        (nnx_arg,) = resolved.nnx_args
+        node = nnx_arg.entry
+        if nnx_arg.obj is not first or node is None or not node.direct or state in node.fast:
+            return
+        node.fast[state] = FastRecord(len(args), entry.fn, node.items, _fast_post(entry))
+        return
+    hit = _flatten.by_id.get(id(first))
+    if hit is None:
+        return
+    ref: Any = hit.ref
+    if ref() is not first or not isinstance(ref, weakref.ref):
+        return  # not cached by weakref (a strongly held tuple is not served fast)
+    slot = _fast.INDEX.get(id(first))
+    if slot is None or slot.ref() is not first:
+        slot = FastSlot(ref, {})
+        _fast.publish(ref, slot.records)
+    if state not in slot.records:
+        call = functools.partial(entry.fn, *hit.leaves)
+        slot.records[state] = FastRecord(len(args), call, None, _fast_post(entry))
+
+
+def _fast_post(entry: Entry) -> Any:
+    """The post-processing of a fast record: None when jax's output is the result."""
+    if entry.passthrough:
+        return None
+    finish = entry.finish
+
+    def post(out: Any, first: Any, variables: Any) -> Any:
+        if variables is None:
+            return finish(out, ())
+        return finish(out, [_nnx_gate.adapter().NnxArg(first, variables, None)])
+
+    return post
+
+
+def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: Any) -> Any:
+    index_get = _fast.INDEX.get
+    read_value = _fast.read_value
+    counts = state.counts
+    resolve_call = _args.resolve_call
+    fast_ok = not (state.static_argnums or state.static_argnames)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        # ---- 1. the fast path: f(first, *arrays) with a record for `first` ----
+        if args and fast_ok and not kwargs:
+            first = args[0]
+            slot = index_get(id(first))
+            if slot is not None and slot.ref() is first:
+                record = slot.records.get(state)
+                if record is not None and record.arity == len(args):
+                    arity, call, variables, post = record
+                    rest = args[1:]
+                    for b in rest:
+                        if type(b) is not ArrayImpl:
+                            break
+                    else:
+                        if variables is None:
+                            values: Any = ()
+                        else:  # NNX: the Variables' current values, read through the slot
+                            values = list(map(read_value, variables))
+                        # (tracers inside an nnx transform: the general path steps aside)
+                        if not values or type(values[0]) is ArrayImpl:
+                            counts.python_fast += 1
+                            try:
+                                out = call(*values, *rest)
+                            except StructureVaries:
+                                counts.python_fast -= 1  # counted once, by the general path
+                            except (RuntimeError, ValueError) as err:
+                                on_error(err, list(state.named_args(args, kwargs)))
+                            else:
+                                return out if post is None else post(out, first, variables)
+        # ---- 2. the general path: resolve every argument, run the compiled entry ----
+        try:
+            resolved = resolve_call(state, fun_leaves, args, kwargs)
+        except StepAside:
+            resolved = None  # traced arguments: run inline below, outside this handler
+        if resolved is None:  # (or the arguments do not fit: the function raises)
+            return fun(*args, **kwargs)
+        entry = state.table.get(resolved.key) or state.entry(resolved.key)
+        counts.general += 1
+        out = run(state, entry, resolved)
+        if fast_ok:
+            _install_fast(state, fun_leaves, resolved, state.table.get(resolved.key) or entry)
+        return out
+
+    functools.update_wrapper(wrapper, user_fun)
+    if _accel is None or not USE_ACCEL:
+        return wrapper
+    # The same fast path in C (see _accel.c); every other call falls back to `wrapper`.
+    public = _accel.FastWrapper(
+        wrapper,
+        _fast.INDEX,
+        state,
+        ArrayImpl,
+        StructureVaries,
+        functools.partial(_c_error, state),
+        _fast.VALUE_SLOT,
+        FastSlot._fields,
+        FastRecord._fields,
+    )
+    functools.update_wrapper(public, user_fun)
+    state.c_wrappers.add(public)
+    return public
+
+
+def _c_error(state: Any, err: BaseException, args: tuple[Any, ...]) -> None:
+    on_error(err, list(state.named_args(args, None)))

@@ -1,0 +1,69 @@
+"""The fast index: what the fast path (in C, or in Python) serves a call from.
+
+A call `f(first, *arrays)` whose first argument is an object seen before, and
+whose other arguments are plain jax arrays, is served without flattening,
+keying or looking up anything but one dict entry. The records it reads are
+defined here, once; `_dispatch` unpacks them by name and `_accel.c` reads them
+through named index constants, checked against these field names when a C
+wrapper is built.
+
+`INDEX[id(obj)]` is a `FastSlot` for objects whose cached leaves or Variable
+list are known to be current: Equinox modules and other immutable pytrees in
+the identity cache (`_flatten`), and NNX objects whose structure has not
+changed since it was read (`_nnx`). Each slot maps a wrapped function's state
+to the `FastRecord` that serves calls of that function with this object first.
+A slot is withdrawn the moment its object dies or (NNX) its structure changes.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, NamedTuple, Sequence
+
+
+class FastRecord(NamedTuple):
+    """How to serve `f(first, *arrays)` for one wrapped function and one object."""
+
+    arity: int  # the number of positional arguments the call must have
+    call: Callable[..., Any]  # the compiled function (first's leaves already bound, for pytrees)
+    variables: Sequence[Any] | None  # NNX: Variables whose current values are passed first
+    post: Callable[[Any, Any, Any], Any] | None  # post(out, first, variables); None: out is the result
+
+
+class FastSlot(NamedTuple):
+    ref: Any  # a weakref with the object's id as `.oid`: `ref() is first` validates the slot
+    records: dict[Any, FastRecord]  # wrapped function's state -> record
+
+
+INDEX: dict[int, FastSlot] = {}
+
+# NNX records pass their Variables' current values, read through the Variable's
+# `_raw_value` slot. The slot descriptor is put in this one-element cell by the NNX
+# adapter when it loads (C wrappers built before that read it from here); NNX records
+# exist only after it loaded and verified the slot.
+VALUE_SLOT: list[Any] = [None]
+read_value = operator.attrgetter("_raw_value")
+
+
+def publish(ref: Any, records: dict[Any, FastRecord]) -> None:
+    """Make `records` servable for the object `ref` refers to (`ref.oid` is its id)."""
+    INDEX[ref.oid] = FastSlot(ref, records)
+
+
+def withdraw(ref: Any, _index: dict[int, FastSlot] = INDEX) -> None:
+    """Stop serving the object `ref` refers to (only if this slot is still `ref`'s).
+    (`_index` is bound early: weakref callbacks may run at interpreter exit, when
+    module globals are already gone.)"""
+    slot = _index.get(ref.oid)
+    if slot is not None and slot.ref is ref:
+        _index.pop(ref.oid, None)
+
+
+def forget_function(state: Any) -> None:
+    """Drop every record of one wrapped function (its compiled entries were replaced)."""
+    for slot in list(INDEX.values()):
+        slot.records.pop(state, None)
+
+
+def clear() -> None:
+    INDEX.clear()

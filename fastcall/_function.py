@@ -1,0 +1,213 @@
+"""Per wrapped function: its signature, options, table of compiled entries, and stats.
+
+Wrappers of equal functions with equal options share one `FunctionState`
+(`state_for`), so that `fastcall.jit(eqx.filter_grad(loss))` rebuilt every
+step does not recompile.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import warnings
+import weakref
+from typing import Any, Iterator, NamedTuple
+
+from . import _build, _fast, _stats
+from ._build import Entry
+from ._flatten import Spec
+from ._options import JitOptions
+
+# Bounds on what fastcall keeps (documented in README "Guarantees and limits").
+MAX_SIGNATURES = 1024  # static signatures (compiled entries) per wrapped function
+_MAX_STATES = 8192
+
+
+class KeyLayout(NamedTuple):
+    """A call's key split into its parts: positional spec ids, then (if any keyword
+    arguments) the sorted keyword names and their spec ids."""
+
+    positional: tuple[int, ...]
+    keyword_names: tuple[str, ...]
+    keyword_ids: tuple[int, ...]
+
+
+class PathCounts:
+    """Calls served by each route (see `JitStats.paths`). The C fast path counts its
+    own calls on each C wrapper."""
+
+    __slots__ = ("python_fast", "general")
+
+    def __init__(self) -> None:
+        self.python_fast = 0
+        self.general = 0
+
+
+class FunctionState:
+    def __init__(self, fun: Any, fun_spec: Spec, options: JitOptions, user_fun: Any) -> None:
+        self.fun = fun  # what is traced (the user's function, or it with out_shardings)
+        self.fun_spec = fun_spec
+        self.options = options
+        self.table: dict[Any, Entry] = {}
+        self.lock = threading.RLock()
+        self.counts = PathCounts()
+        self.traces = 0
+        self.recompiles: list[_stats.Recompile] = []
+        self.last_signature: _stats.Signature | None = None
+        try:
+            self.signature: inspect.Signature | None = inspect.signature(user_fun)
+        except (TypeError, ValueError):
+            self.signature = None
+        self.param_names: list[str] = []
+        if self.signature is not None:
+            self.param_names = [
+                p.name
+                for p in self.signature.parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
+        self.static_argnums = self._argnums(options.static_argnums, options.static_argnames)
+        self.static_argnames = frozenset(options.static_argnames)
+        self.donate_argnums = self._argnums(options.donate_argnums, options.donate_argnames)
+        self.donate_argnames = frozenset(options.donate_argnames)
+        self.c_wrappers: weakref.WeakSet[Any] = weakref.WeakSet()  # (their call counts)
+        self.storm_warned = False
+        self.name = getattr(user_fun, "__qualname__", None) or type(user_fun).__name__
+        _all_states.add(self)
+
+    def _argnums(self, argnums: tuple[int, ...], argnames: tuple[str, ...]) -> frozenset[int]:
+        nums = set(argnums)
+        for name in argnames:
+            if name in self.param_names:
+                nums.add(self.param_names.index(name))
+        n = len(self.param_names)
+        return frozenset(i + n if i < 0 and n else i for i in nums)
+
+    def arg_name(self, i: int) -> str:
+        return self.param_names[i] if i < len(self.param_names) else f"args[{i}]"
+
+    def named_args(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Iterator[tuple[str, Any]]:
+        for i, a in enumerate(args):
+            yield self.arg_name(i), a
+        if kwargs:
+            yield from kwargs.items()
+
+    # ---- the table of compiled entries ----
+
+    def entry(self, key: tuple[Any, ...]) -> Entry:
+        """The compiled entry for `key`, built on first use (once, under the lock)."""
+        found = self.table.get(key)
+        if found is not None:
+            return found
+        with self.lock:
+            found = self.table.get(key)
+            if found is not None:
+                return found
+            e = _build.build(self, key, self.fun)
+            state_ref = weakref.ref(self)
+            e.on_varies = lambda: (s := state_ref()) is not None and s.make_varying(key, e)
+            if len(self.table) >= MAX_SIGNATURES:
+                # Drop the oldest static signature (its compiled programs go with it).
+                self.table.pop(next(iter(self.table)))
+                _fast.forget_function(self)
+            self.table[key] = e
+            return e
+
+    def make_varying(self, key: tuple[Any, ...], old: Entry) -> Entry:
+        """Swap in an entry that carries its output structure through jax (rare)."""
+        with self.lock:
+            current = self.table.get(key)
+            if current is not None and current is not old and current.varies:
+                return current
+            e = _build.build(self, key, self.fun, varies=True)
+            self.table[key] = e
+            _fast.forget_function(self)
+            return e
+
+    def layout(self, key: tuple[Any, ...]) -> KeyLayout:
+        for i, k in enumerate(key):
+            if type(k) is tuple:
+                return KeyLayout(tuple(key[:i]), k, tuple(key[i + 1 :]))
+        return KeyLayout(tuple(key), (), ())
+
+    def donated_slots(self, n_slots: int, n_positional: int, keyword_names: tuple[str, ...]) -> Iterator[int]:
+        """Slots (0: the function, then positional, then keyword arguments) donated."""
+        mode = self.options.donate
+        for slot in range(n_slots):
+            arg_index = slot - 1  # slot 0 is the function itself
+            if arg_index < 0:
+                give = mode in ("all", "warn")
+            elif arg_index < n_positional:
+                first = arg_index == 0
+                give = (
+                    mode in ("all", "warn")
+                    or (mode in ("all-except-first", "warn-except-first") and not first)
+                    or arg_index in self.donate_argnums
+                )
+            else:
+                name = keyword_names[arg_index - n_positional]
+                give = mode != "none" or name in self.donate_argnames
+            if give:
+                yield slot
+
+    def clear(self) -> None:
+        with self.lock:
+            self.table.clear()
+            _fast.forget_function(self)
+
+    # ---- stats ----
+
+    def on_trace(self, named_values: list[tuple[str, Any]]) -> None:
+        """Count a trace and explain it if it is a recompile. Trace time only."""
+        signature = _stats.describe(named_values)
+        storm = None
+        with self.lock:
+            self.traces += 1
+            if self.last_signature is not None:
+                self.recompiles.append(_stats.Recompile(_stats.diff(self.last_signature, signature)))
+                del self.recompiles[: -_stats.MAX_RECOMPILE_RECORDS]
+            self.last_signature = signature
+            if not self.storm_warned:
+                storm = _stats.storm(self.traces, self.recompiles)
+                self.storm_warned = storm is not None
+        if storm is not None:
+            warnings.warn(f"fastcall.jit({self.name}): {storm}", _stats.RecompileWarning, stacklevel=2)
+
+    def stats(self) -> _stats.JitStats:
+        c_fast = sum(w._fastcall_c_calls for w in list(self.c_wrappers))
+        paths = {"c_fast": c_fast, "python_fast": self.counts.python_fast, "general": self.counts.general}
+        calls = sum(paths.values())
+        return _stats.JitStats(
+            calls=calls,
+            compiles=self.traces,
+            hits=max(calls - self.traces, 0),
+            recompiles=tuple(self.recompiles),
+            paths=paths,
+        )
+
+
+_all_states: weakref.WeakSet[FunctionState] = weakref.WeakSet()
+_states: dict[Any, FunctionState] = {}
+_states_lock = threading.Lock()
+
+
+def state_for(fun: Any, fun_spec: Spec, options: JitOptions, user_fun: Any) -> FunctionState:
+    """The state shared by wrappers of equal functions with equal options."""
+    try:
+        key = (fun_spec.id, options)
+        hash(key)
+    except TypeError:
+        return FunctionState(fun, fun_spec, options, user_fun)
+    with _states_lock:
+        state = _states.get(key)
+        if state is None:
+            if len(_states) >= _MAX_STATES:
+                _states.pop(next(iter(_states)))
+            state = _states[key] = FunctionState(fun, fun_spec, options, user_fun)
+        return state
+
+
+def clear_all() -> None:
+    with _states_lock:
+        _states.clear()
+    for state in list(_all_states):
+        state.clear()

@@ -1,0 +1,134 @@
+"""Structure hooks on Flax NNX's classes, verified at load, failing safe.
+
+fastcall caches each NNX object's structure (graphdef and Variable list) and
+must learn when it changes. Nothing in flax tracks mutation, so fastcall wraps
+the few methods through which a graph's structure changes (`HOOK_TARGETS`)
+and, after each call of one on an object that belongs to a cached graph,
+marks that cache entry stale.
+
+These are private parts of flax. A release that renames or removes one would
+make a hook silently miss changes, and a cache silently stale. So at load the
+table is verified: every target present, NNX's graph registry patchable, the
+`Variable._raw_value` slot present, and the flax version inside the range the
+hooks were verified on. If anything is off, fastcall warns once
+(`fastcall.UnverifiedFlaxWarning`) and the adapter stops trusting the hooks:
+every NNX object then has its structure re-read on every call (correct, at
+the cost of a graph walk per call), never a stale result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Callable, NamedTuple
+
+from flax import nnx
+from flax.nnx import graphlib
+from flax.nnx.variablelib import Variable
+
+from ._errors import UnverifiedFlaxWarning
+
+# Flax releases on which every hook below was verified (by the test suite, the
+# version matrix in tests/matrix.py and the conformance runner); inclusive.
+VERIFIED_FLAX = ((0, 12, 5), (0, 12, 12))
+
+Pytree: Any = getattr(nnx, "Pytree", None) or nnx.Module
+
+
+class HookTarget(NamedTuple):
+    owner: type
+    name: str
+    why: str  # which structural change goes through it
+
+
+HOOK_TARGETS: tuple[HookTarget, ...] = (
+    HookTarget(Pytree, "__setattr__", "attribute assignment, nnx.List/nnx.Dict items"),
+    HookTarget(Pytree, "__delattr__", "attribute deletion"),
+    HookTarget(Pytree, "_graph_node_clear", "NNX's in-place graph rebuilds (nnx.jit graph updates, nnx.update)"),
+    HookTarget(Pytree, "_graph_node_init", "NNX's in-place graph rebuilds"),
+    HookTarget(Variable, "set_metadata", "Variable metadata changes"),
+    HookTarget(Variable, "del_metadata", "Variable metadata deletion"),
+    HookTarget(Variable, "update_from_state", "Variables updated from a State"),
+    HookTarget(Variable, "copy_from", "Variables copied into"),
+)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def problems(flax_version: str, targets: tuple[HookTarget, ...] = HOOK_TARGETS) -> list[str]:
+    """What is missing or changed on this flax (an empty list: the hooks can be trusted)."""
+    found = []
+    low, high = VERIFIED_FLAX
+    if not low <= _version(flax_version) <= high:
+        found.append(
+            f"flax {flax_version} is outside the versions the hooks were verified on "
+            f"({'.'.join(map(str, low))} to {'.'.join(map(str, high))})"
+        )
+    for t in targets:
+        if not callable(t.owner.__dict__.get(t.name, getattr(t.owner, t.name, None))):
+            found.append(f"{t.owner.__name__}.{t.name} is missing ({t.why})")
+    if not hasattr(graphlib, "GRAPH_REGISTRY"):
+        found.append("flax.nnx.graphlib.GRAPH_REGISTRY is missing")
+    if type(Variable.__dict__.get("_raw_value")).__name__ != "member_descriptor":
+        found.append("Variable._raw_value is not a slot")
+    return found
+
+
+def _notifying(method: Callable[..., Any], notify: Callable[[Any], None]) -> Callable[..., Any]:
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = method(self, *args, **kwargs)
+        notify(self)
+        return result
+
+    wrapped.__name__ = getattr(method, "__name__", "hook")
+    wrapped.__doc__ = method.__doc__
+    wrapped._fastcall_original = method  # type: ignore[attr-defined]
+    return wrapped
+
+
+def install(notify: Callable[[Any], None]) -> list[str]:
+    """Wrap every hook target present so that it calls `notify(obj)` after it ran.
+
+    Returns the problems found (see `problems`); any problem means the hooks
+    must not be trusted. Idempotent: a second call installs nothing.
+    """
+    import flax
+
+    found = problems(getattr(flax, "__version__", "0"))
+    if getattr(Pytree, "_fastcall_hooked", False):
+        return found
+    for t in HOOK_TARGETS:
+        original = getattr(t.owner, t.name, None)
+        if callable(original):
+            setattr(t.owner, t.name, _notifying(original, notify))
+    # NNX registers each graph node class's clear/init functions when the class is
+    # created; classes created before this (every built-in layer) keep references to
+    # the originals in the registry, so wrap those too. Classes created later are
+    # covered by the base-class wrappers (their registrations read the wrapped ones).
+    registry = getattr(graphlib, "GRAPH_REGISTRY", {})
+    for node_type, impl in list(registry.items()):
+        if isinstance(node_type, type) and issubclass(node_type, Pytree):
+            try:
+                registry[node_type] = dataclasses.replace(
+                    impl, clear=_notifying(impl.clear, notify), init=_notifying(impl.init, notify)
+                )
+            except Exception as err:  # a registry layout these hooks were not verified on
+                found.append(f"graph registry entry of {node_type.__name__} could not be hooked ({err})")
+                break
+    Pytree._fastcall_hooked = True
+    if found:
+        warnings.warn(
+            "fastcall: NNX structure hooks could not be verified on this flax ("
+            + "; ".join(found)
+            + "). NNX objects will have their structure re-read on every call: results stay "
+            "correct, calls are slower. Use a flax version in the verified range for the fast path.",
+            UnverifiedFlaxWarning,
+            stacklevel=2,
+        )
+    return found

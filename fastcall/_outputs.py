@@ -1,0 +1,250 @@
+"""Outputs: how the flat results of one compiled entry become the user's output.
+
+Decided at trace time, per compiled entry, and recorded in an `OutInfo`:
+whether jax's own output tree already is the user's output ("pass": arrays in
+standard containers, rebuilt by jax in C++), or fastcall must merge static
+leaves back, rebuild modules, wait for `eqx.error_if` checks, write NNX state
+back and register returned modules for the next call ("flat").
+
+Also here: what happens when running a compiled function raises (an
+`eqx.error_if` failure becomes `eqx.EquinoxRuntimeError`, a deleted array is
+named by argument and leaf path).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Sequence
+
+import equinox as eqx
+import jax
+
+from . import _codegen, _flatten, _nnx_gate
+from ._errors import FastcallError, describe_arg
+from ._flatten import ARRAY_TYPES, ArrayImpl, remember
+from ._trace import Tracer
+
+try:
+    _JaxRuntimeError: type[BaseException] = jax.errors.JaxRuntimeError
+except AttributeError:  # pragma: no cover
+    _JaxRuntimeError = RuntimeError
+
+
+class OutInfo:
+    """The output structure of one compiled entry, and what each call must do with it."""
+
+    __slots__ = (
+        "mode", "treedef", "mask", "statics", "static_keys", "block", "regs", "nnx", "build", "strong",
+        "passthrough",
+    )
+    treedef: Any
+
+    def __init__(self, out: Any, block: bool, nnx: Any = None) -> None:
+        """`out`: the function's output (NNX objects already replaced by markers);
+        `block`: wait for the result (the function has `eqx.error_if` checks);
+        `nnx`: the NNX adapter's `NnxOutputs`, or None (no NNX state to write back)."""
+        leaves, treedef = jax.tree_util.tree_flatten(out)
+        mask = tuple(isinstance(x, ARRAY_TYPES) for x in leaves)
+        self.treedef = treedef
+        self.mask = mask
+        self.statics = tuple(x for x, m in zip(leaves, mask) if not m)
+        try:
+            self.static_keys: Any = tuple(_flatten.leaf_key(s) for s in self.statics)
+            hash(self.static_keys)
+        except Exception:
+            self.static_keys = None  # compared by identity below
+        self.block = block
+        self.nnx = nnx
+        self.regs = tuple(_registrations(out, mask))
+        self.mode = "flat" if (self.statics or self.block or self.regs or nnx is not None) else "pass"
+        # Nothing to do after a call: jax's output is the user's output.
+        self.passthrough = self.mode == "pass"
+        # Generated code that rebuilds this output structure (None: use treedef.unflatten).
+        self.build = _codegen.make_builder(out) if self.mode == "flat" else None
+        self.strong: list[Any] = []  # tuples returned by the latest call, cached by identity
+
+    def same_as(self, other: OutInfo) -> bool:
+        if self.static_keys is None or other.static_keys is None:
+            same_statics = len(self.statics) == len(other.statics) and all(
+                a is b for a, b in zip(self.statics, other.statics)
+            )
+        else:
+            try:
+                same_statics = bool(self.static_keys == other.static_keys)
+            except Exception:
+                same_statics = False
+        return (
+            same_statics
+            and self.mode == other.mode
+            and self.block == other.block
+            and self.mask == other.mask
+            and self.treedef == other.treedef
+            and self.regs == other.regs
+            and self.nnx == other.nnx
+        )
+
+    def flat_outputs(self, out: Any, nnx_extra: list[Any]) -> Any:
+        """What the traced function returns: `out` itself ("pass"), or its dynamic leaves,
+        then a marker to wait on (`block`), then the NNX adapter's extra leaves."""
+        if self.mode == "pass":
+            return out
+        dyn = [x for x in jax.tree_util.tree_leaves(out) if isinstance(x, ARRAY_TYPES)]
+        if self.block:
+            dyn.append(jax.numpy.zeros((), jax.numpy.int8))
+        return dyn + nnx_extra
+
+    def finish(self, dyn: Any, nnx_args: Sequence[Any]) -> Any:
+        """The user's output from the flat outputs of one call; NNX state written back."""
+        if self.passthrough:
+            return dyn
+        resolved = None
+        if self.nnx is not None:
+            k = self.nnx.n_written
+            if k:
+                resolved = _nnx_gate.adapter().write_back(self.nnx, dyn[-k:], nnx_args)
+                dyn = dyn[:-k]
+        if self.block:
+            marker = dyn.pop()
+            if type(marker) is ArrayImpl:
+                _wait_and_translate(marker)
+        if self.build is not None:
+            result = self.build(dyn)
+        elif self.statics:
+            it_dyn, it_stat = iter(dyn), iter(self.statics)
+            result = self.treedef.unflatten([next(it_dyn) if m else next(it_stat) for m in self.mask])
+        else:
+            result = self.treedef.unflatten(dyn)
+        if self.regs:
+            self._register(result, dyn)
+        if self.nnx is not None and self.nnx.has_nodes:
+            result = _nnx_gate.adapter().unmark_nodes(result, nnx_args, resolved)
+        return result
+
+    def _register(self, result: Any, dyn: Sequence[Any]) -> None:
+        """Cache returned modules (and tuples such as optimizer states) by identity, so
+        that `model, opt_state = step(model, opt_state, ...)` hits the cache next step.
+        Only concrete arrays (not tracers of an outer trace) may be cached."""
+        strong: list[Any] = []
+        with _strong_lock:  # (two threads finishing calls of one program at once)
+            previous, self.strong = self.strong, strong
+        for old in previous:
+            _flatten.forget_strong(old)
+        for index, start, stop, spec in self.regs:
+            if type(dyn[start]) is not ArrayImpl:
+                continue
+            item = result if index is None else result[index]
+            if type(item) is tuple:
+                strong.append(_flatten.remember_strongly(item, dyn[start:stop], spec))
+            else:
+                remember(item, dyn[start:stop], spec)
+
+
+_strong_lock = threading.Lock()
+
+
+def _registrations(out: Any, mask: tuple[bool, ...]):
+    """(index, start, stop, spec) for each Equinox module or immutable tuple returned
+    at top level (as the output, or as an element of an output tuple)."""
+    if isinstance(out, eqx.Module):
+        candidates: list[tuple[int | None, Any]] = [(None, out)]
+    elif type(out) is tuple:
+        candidates = list(enumerate(out))
+    else:
+        return
+    pos = 0  # position in the dynamic outputs
+    for index, item in candidates:
+        leaves = jax.tree_util.tree_leaves(item)
+        n_dyn = sum(isinstance(x, ARRAY_TYPES) for x in leaves)
+        if (isinstance(item, eqx.Module) or type(item) is tuple) and n_dyn:
+            try:
+                spec, _ = _flatten.flatten_generic(item, "output")
+            except FastcallError:
+                spec = None
+            if spec is not None and spec.cacheable:
+                yield (index, pos, pos + n_dyn, spec)  # (interned: compares by identity)
+        pos += n_dyn
+
+
+class Varying:
+    """Carries an OutInfo through jax's output pytree, for a function whose output
+    structure depends on input shapes (its entry then returns `(flat, Varying(info))`)."""
+
+    __slots__ = ("info",)
+
+    def __init__(self, info: OutInfo) -> None:
+        self.info = info
+
+
+jax.tree_util.register_pytree_node(Varying, lambda b: ((), b.info), lambda info, _: Varying(info))
+
+
+# --------------------------------------------------------------------------
+# Errors from running a compiled function
+
+
+def _wait_and_translate(marker: Any) -> None:
+    """Wait for a program with `eqx.error_if` checks and raise their error as Equinox does."""
+    try:
+        marker.block_until_ready()
+    except (_JaxRuntimeError, ValueError) as err:
+        _translate(err)
+
+
+def _translate(err: BaseException) -> None:
+    """Re-raise an `eqx.error_if` failure as `eqx.EquinoxRuntimeError` with its message
+    (as eqx.filter_jit does); re-raise anything else unchanged."""
+    if "_EquinoxRuntimeError" in str(err):
+        from equinox import _jit as eqx_jit  # where eqx.error_if leaves its message
+
+        info = getattr(eqx_jit, "last_error_info", None)
+        msg = info[0] if info else str(err)
+        raise eqx.EquinoxRuntimeError(msg) from None
+    raise err
+
+
+def on_error(err: BaseException, named_args: Sequence[tuple[str, Any]]) -> None:
+    """Re-raise an exception from running a compiled function, made clearer where we can:
+    a deleted (e.g. donated) input array is named by argument and leaf path; an
+    `eqx.error_if` failure becomes `eqx.EquinoxRuntimeError`. Always raises."""
+    if isinstance(err, RuntimeError) and "has been deleted" in str(err):
+        culprit = _find_deleted(named_args)
+        if culprit is not None:
+            raise FastcallError(
+                f"fastcall.jit: {culprit} is a deleted array: it was donated to an earlier call "
+                "(donate=... / donate_argnums) or deleted explicitly, and cannot be used again. "
+                "Pass the new value returned by that call instead, or do not donate it."
+            ) from err
+    _translate(err)
+
+
+def _find_deleted(named_args: Sequence[tuple[str, Any]]) -> str | None:
+    for name, value in named_args:
+        if _nnx_gate.is_node(value):
+            try:
+                pairs = _nnx_gate.adapter().named_leaves(value)
+            except Exception:
+                continue
+        else:
+            pairs = [(jax.tree_util.keystr(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(value)[0]]
+        for path, leaf in pairs:
+            is_deleted = getattr(leaf, "is_deleted", None)
+            if is_deleted is not None and not isinstance(leaf, Tracer):
+                try:
+                    if is_deleted():
+                        return describe_arg(name, path)
+                except Exception:
+                    pass
+    return None
+
+
+class _QuietEquinoxCallbacks(logging.Filter):
+    """jax logs every failed pure_callback; an `eqx.error_if` failure is raised to the
+    caller as an EquinoxRuntimeError instead, so its log record is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (exc is not None and type(exc).__name__ == "_EquinoxRuntimeError")
+
+
+logging.getLogger("jax._src.callback").addFilter(_QuietEquinoxCallbacks())
