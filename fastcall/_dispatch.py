@@ -109,11 +109,13 @@ def _fast_post(entry: Entry) -> Any:
     if entry.passthrough:
         return None
     finish = entry.finish
+    adapter = _nnx_gate.loaded()
+    nnx_arg = adapter.NnxArg if adapter is not None else None
 
     def post(out: Any, first: Any, variables: Any) -> Any:
         if variables is None:
             return finish(out, ())
-        return finish(out, [_nnx_gate.adapter().NnxArg(first, variables, None)])
+        return finish(out, [nnx_arg(first, variables, None)])  # type: ignore[misc]
 
     return post
 

@@ -36,7 +36,7 @@ class OutInfo:
 
     __slots__ = (
         "mode", "treedef", "mask", "statics", "static_keys", "block", "regs", "nnx", "build", "strong",
-        "passthrough",
+        "passthrough", "adapter",
     )
     treedef: Any
 
@@ -56,6 +56,7 @@ class OutInfo:
             self.static_keys = None  # compared by identity below
         self.block = block
         self.nnx = nnx
+        self.adapter = _nnx_gate.adapter() if nnx is not None else None
         self.regs = tuple(_registrations(out, mask))
         self.mode = "flat" if (self.statics or self.block or self.regs or nnx is not None) else "pass"
         # Nothing to do after a call: jax's output is the user's output.
@@ -102,7 +103,7 @@ class OutInfo:
         if self.nnx is not None:
             k = self.nnx.n_written
             if k:
-                resolved = _nnx_gate.adapter().write_back(self.nnx, dyn[-k:], nnx_args)
+                resolved = self.adapter.write_back(self.nnx, dyn[-k:], nnx_args)
                 dyn = dyn[:-k]
         if self.block:
             marker = dyn.pop()
@@ -118,7 +119,7 @@ class OutInfo:
         if self.regs:
             self._register(result, dyn)
         if self.nnx is not None and self.nnx.has_nodes:
-            result = _nnx_gate.adapter().unmark_nodes(result, nnx_args, resolved)
+            result = self.adapter.unmark_nodes(result, nnx_args, resolved)
         return result
 
     def _register(self, result: Any, dyn: Sequence[Any]) -> None:

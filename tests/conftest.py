@@ -97,6 +97,20 @@ def hot_path(request, monkeypatch):
     return request.param
 
 
+FAST_PATH = {"c": "c_fast", "python": "python_fast"}  # hot_path fixture value -> stats path
+
+
+def served(f: Any, *args: Any, **kwargs: Any) -> tuple[Any, str]:
+    """Call `f` once; return its output and which route served the call ("c_fast",
+    "python_fast" or "general", as counted in `f.stats().paths`)."""
+    before = f.stats().paths
+    out = f(*args, **kwargs)
+    after = f.stats().paths
+    changed = [p for p in after if after[p] != before.get(p, 0)]
+    assert len(changed) == 1 and after[changed[0]] == before.get(changed[0], 0) + 1, (before, after)
+    return out, changed[0]
+
+
 def run_threads(n: int, target, *args) -> list[BaseException]:
     errors: list[BaseException] = []
     barrier = threading.Barrier(n)
