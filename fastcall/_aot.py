@@ -52,6 +52,8 @@ class Lowered:
         return Compiled(self._lowered.compile(*args, **kwargs), self)
 
     def __getattr__(self, name: str) -> Any:  # as_text, compiler_ir, cost_analysis, ...
+        if name.startswith("_"):  # (not set yet, e.g. while copying: no recursion)
+            raise AttributeError(name)
         return getattr(self._lowered, name)
 
 
@@ -76,4 +78,6 @@ class Compiled:
         return _dispatch.run(low._state, low._entry, resolved, executable=self._compiled)
 
     def __getattr__(self, name: str) -> Any:  # as_text, cost_analysis, memory_analysis, ...
+        if name.startswith("_"):
+            raise AttributeError(name)
         return getattr(self._compiled, name)

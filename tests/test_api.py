@@ -287,3 +287,19 @@ def test_device_option_passes_through_with_jax_own_deprecation():
             jax.jit(lambda x: x + 1, device=jax.devices()[0])(jnp.ones(1))
         out = f(jnp.ones(1))
     assert_trees_equal(out, jnp.full(1, 2.0))
+
+
+def test_lowered_and_compiled_offer_what_jax_offers(mlp):
+    """Profiling tools work on them: everything but the call is jax's own object."""
+    f = fastcall.jit(lambda m, x: m(x))
+    lowered = f.lower(mlp, jnp.ones(4))
+    reference = jax.jit(lambda x: x).lower(jnp.ones(4))
+    assert "func" in lowered.as_text() and lowered.compiler_ir() is not None
+    assert type(lowered.cost_analysis()) is type(reference.cost_analysis())
+    compiled = lowered.compile()
+    assert type(compiled.cost_analysis()) is type(reference.compile().cost_analysis())
+    assert compiled.memory_analysis() is not None or reference.compile().memory_analysis() is None
+    assert "HloModule" in compiled.as_text() or "module" in compiled.as_text()
+    assert_trees_equal(compiled(mlp, jnp.ones(4)), mlp(jnp.ones(4)))
+    with pytest.raises(AttributeError):
+        compiled.no_such_attribute
