@@ -1,4 +1,4 @@
-"""Shared fixtures: small models, and comparison helpers (the peers are the oracle)."""
+"""Shared fixtures and comparison helpers (the peers are the oracle); shared models are in models.py."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ from typing import Any, Callable
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import fastcall
+
+from .models import make_with_statics
 
 
 @pytest.fixture(autouse=True)
@@ -52,21 +53,6 @@ def check_against_peers(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     return second
 
 
-class WithStatics(eqx.Module):
-    """Static fields, a callable leaf, a Python scalar leaf and arrays."""
-
-    weight: jax.Array
-    bias: jax.Array
-    activation: Callable
-    scale: float
-    name: str = eqx.field(static=True)
-    n: int = eqx.field(static=True)
-
-    def __call__(self, x):
-        y = self.activation(self.weight @ x + self.bias) * self.scale
-        return y if self.n == 1 else jnp.tile(y, self.n)
-
-
 @pytest.fixture
 def key():
     return jax.random.PRNGKey(0)
@@ -78,11 +64,8 @@ def mlp(key):
 
 
 @pytest.fixture
-def with_statics(key):
-    k1, k2 = jax.random.split(key)
-    return WithStatics(
-        jax.random.normal(k1, (3, 4)), jax.random.normal(k2, (3,)), jax.nn.relu, 2.0, "m", 1
-    )
+def with_statics():
+    return make_with_statics(0)
 
 
 @pytest.fixture(params=["c", "python"])

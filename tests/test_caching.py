@@ -13,7 +13,8 @@ import pytest
 
 import fastcall
 
-from .conftest import WithStatics, assert_trees_equal
+from .conftest import assert_trees_equal
+from .models import WithStatics
 
 pytestmark = pytest.mark.usefixtures("hot_path")
 

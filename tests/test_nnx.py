@@ -14,9 +14,8 @@ from flax import nnx
 
 import fastcall
 
-from bench._nnx_workloads import TinyDecoder  # the same decoder the benchmark times
-
 from .conftest import assert_trees_equal, run_threads
+from .models import TinyDecoder  # a copy of the decoder the benchmark times
 
 pytestmark = pytest.mark.usefixtures("hot_path")
 

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 import fastcall
 
-from .conftest import WithStatics, assert_trees_equal
+from .conftest import assert_trees_equal
+from .models import make_with_statics
 
 settings.register_profile(
     "ci", max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
@@ -37,22 +38,17 @@ settings.load_profile(os.environ.get("FASTCALL_HYPOTHESIS", "ci"))
 EQX_OPS = ["call", "call", "new", "tree_at", "static", "drop", "donate", "callable"]
 
 
-def _eqx_model(seed: int, n: int = 1, act=jax.nn.relu) -> WithStatics:
-    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-    return WithStatics(jax.random.normal(k1, (3, 4)), jax.random.normal(k2, (3,)), act, 2.0, "m", n)
-
-
 @given(st.lists(st.sampled_from(EQX_OPS), min_size=1, max_size=10), st.integers(0, 1000))
 def test_equinox_never_stale(ops, seed):
     fastcall.clear_caches()
     f = fastcall.jit(lambda m, x: m(x))
     donating = fastcall.jit(lambda m, x: (m(x), m.weight + 0), donate="all")
     peer = eqx.filter_jit(lambda m, x: m(x))
-    model = _eqx_model(seed)
+    model = make_with_statics(seed)
     x = jnp.arange(4.0)
     for i, op in enumerate(ops):
         if op == "new":
-            model = _eqx_model(seed + i + 1, model.n, model.activation)
+            model = make_with_statics(seed + i + 1, model.n, model.activation)
         elif op == "tree_at":
             model = eqx.tree_at(lambda m: m.bias, model, model.bias + i + 1.0)
         elif op == "static":
@@ -64,7 +60,7 @@ def test_equinox_never_stale(ops, seed):
             n, act = model.n, model.activation
             del model
             gc.collect()
-            model = _eqx_model(seed + 100 + i, n, act)
+            model = make_with_statics(seed + 100 + i, n, act)
         elif op == "donate":  # donate a copy, keep using the original
             copy = jax.tree_util.tree_map(lambda a: a + 0 if eqx.is_array(a) else a, model)
             y, w = donating(copy, x)
