@@ -251,7 +251,15 @@ def test_rebuilt_wrapper_around_equal_function_does_not_recompile(mlp):
 
 
 def test_wrappers_of_equal_functions_do_not_share_function_arrays():
-    """eqx.Partial(loss, y) wrappers share compiled programs, never each other's y."""
+    """eqx.Partial(loss, y) wrappers share compiled programs, never each other's y.
+
+    Wrappers of equal functions share one compiled program; each passes its own
+    function arrays (y) to it. Every round makes two fresh wrappers: the second
+    one's call is a cache hit on the program the earlier wrappers compiled, with
+    `model` found in the identity cache, and must still use its own y. (A wrapper
+    whose function carries arrays of its own never installs a bound fast record:
+    those are keyed by the state equal functions share, so one would leak y.)
+    """
 
     def mse(y, m, x):
         return jnp.mean((m(x) - y) ** 2)
@@ -260,5 +268,5 @@ def test_wrappers_of_equal_functions_do_not_share_function_arrays():
     x = jnp.ones(2)
     for y in (jnp.array([0.0]), jnp.array([10.0]), jnp.array([100.0])):
         ours = fastcall.jit(eqx.Partial(mse, y))(model, x)
-        ours = fastcall.jit(eqx.Partial(mse, y))(model, x)  # second call: the bound path
+        ours = fastcall.jit(eqx.Partial(mse, y))(model, x)  # a fresh wrapper: shared program
         assert_trees_equal(ours, eqx.filter_jit(eqx.Partial(mse, y))(model, x))
