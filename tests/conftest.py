@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
 import threading
 from typing import Any, Callable
 
@@ -9,10 +11,13 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import fastcall
 
 from .models import make_with_statics
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent  # the repository root
 
 
 @pytest.fixture(autouse=True)
@@ -51,6 +56,21 @@ def check_against_peers(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     assert_trees_equal(second, peer)
     assert_trees_equal(first, eager)
     return second
+
+
+def state_of(model: Any) -> Any:
+    """nnx.state(model) with PRNG key arrays as their key data, so trees compare."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x,
+        nnx.state(model),
+    )
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a child Python process that imports this checkout first."""
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    return env
 
 
 @pytest.fixture

@@ -15,17 +15,10 @@ from flax import nnx
 import fastcall
 from fastcall import _nnx
 
-from .conftest import assert_trees_equal, run_threads
+from .conftest import assert_trees_equal, run_threads, state_of
 from .models import TinyDecoder  # a copy of the decoder the benchmark times
 
 pytestmark = pytest.mark.usefixtures("hot_path")
-
-
-def state_of(model: Any) -> Any:
-    return jax.tree_util.tree_map(
-        lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x,
-        nnx.state(model),
-    )
 
 
 def assert_same_state(a: Any, b: Any) -> None:

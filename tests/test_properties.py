@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import fastcall
 
-from .conftest import assert_trees_equal
+from .conftest import assert_trees_equal, state_of
 from .models import make_with_statics
 
 settings.register_profile(
@@ -106,13 +106,6 @@ NNX_MUTATIONS = {
 NNX_OPS = ["call", "call", "call"] + list(NNX_MUTATIONS)
 
 
-def _state(m):
-    s = nnx.state(m)
-    return jax.tree_util.tree_map(
-        lambda a: jax.random.key_data(a) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else a, s
-    )
-
-
 @given(st.lists(st.sampled_from(NNX_OPS), min_size=1, max_size=10), st.booleans())
 def test_nnx_never_stale(ops, use_partial):
     fastcall.clear_caches()
@@ -130,5 +123,5 @@ def test_nnx_never_stale(ops, use_partial):
             NNX_MUTATIONS[op](twin, i)
         a, b = f(x), g(twin, x)
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-        assert_trees_equal(_state(ours), _state(twin))
+        assert_trees_equal(state_of(ours), state_of(twin))
         assert (ours.layers[-1].bias is ours.layers[0].bias) == (twin.layers[-1].bias is twin.layers[0].bias)
