@@ -94,7 +94,7 @@ def _param(i: int, shape: tuple[int, ...]) -> nnx.Param:
 NNX_MUTATIONS = {
     "value": lambda m, i: m.layers[0].bias.__setitem__(..., jnp.full(4, 0.01 * i)),
     "replace_variable": lambda m, i: setattr(m.layers[0], "kernel", _param(i, (4, 4))),
-    "swap_submodule": lambda m, i: m.layers.__setitem__(1, nnx.Linear(4, 4, rngs=nnx.Rngs(i))),
+    "swap_submodule": lambda m, i: m.layers.__setitem__(min(1, len(m.layers) - 1), nnx.Linear(4, 4, rngs=nnx.Rngs(i))),
     "add_submodule": lambda m, i: m.layers.append(nnx.Linear(4, 4, rngs=nnx.Rngs(i))),
     "delete_submodule": lambda m, i: (m.layers.__delitem__(len(m.layers) - 1) if len(m.layers) > 1 else None),
     "static": lambda m, i: setattr(m, "scale", float(1 + i % 3)),
