@@ -13,10 +13,14 @@ counted in the "errors" column.
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
 import time
 
-from bench import _serving
+# bench/ is not an installed package: import it from the repository this example lives in.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from bench import _serving  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,17 +1,23 @@
-"""Shared fixtures: small models, and comparison helpers (the peers are the oracle)."""
+"""Shared fixtures and comparison helpers (the peers are the oracle); shared models are in models.py."""
 
 from __future__ import annotations
 
+import os
+import pathlib
 import threading
 from typing import Any, Callable
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import fastcall
+
+from .models import make_with_statics
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent  # the repository root
 
 
 @pytest.fixture(autouse=True)
@@ -52,19 +58,19 @@ def check_against_peers(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     return second
 
 
-class WithStatics(eqx.Module):
-    """Static fields, a callable leaf, a Python scalar leaf and arrays."""
+def state_of(model: Any) -> Any:
+    """nnx.state(model) with PRNG key arrays as their key data, so trees compare."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x,
+        nnx.state(model),
+    )
 
-    weight: jax.Array
-    bias: jax.Array
-    activation: Callable
-    scale: float
-    name: str = eqx.field(static=True)
-    n: int = eqx.field(static=True)
 
-    def __call__(self, x):
-        y = self.activation(self.weight @ x + self.bias) * self.scale
-        return y if self.n == 1 else jnp.tile(y, self.n)
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a child Python process that imports this checkout first."""
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    return env
 
 
 @pytest.fixture
@@ -78,11 +84,8 @@ def mlp(key):
 
 
 @pytest.fixture
-def with_statics(key):
-    k1, k2 = jax.random.split(key)
-    return WithStatics(
-        jax.random.normal(k1, (3, 4)), jax.random.normal(k2, (3,)), jax.nn.relu, 2.0, "m", 1
-    )
+def with_statics():
+    return make_with_statics(0)
 
 
 @pytest.fixture(params=["c", "python"])

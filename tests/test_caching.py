@@ -13,7 +13,8 @@ import pytest
 
 import fastcall
 
-from .conftest import WithStatics, assert_trees_equal
+from .conftest import assert_trees_equal
+from .models import WithStatics
 
 pytestmark = pytest.mark.usefixtures("hot_path")
 
@@ -195,6 +196,23 @@ def test_shape_dependent_output_structure():
     assert_trees_equal(f(jnp.ones((2, 2))), b)
 
 
+def test_output_structure_depending_on_shape_traces_a_bounded_number_of_times():
+    traces = []
+
+    def fn(x):
+        traces.append(1)
+        return x if x.shape[0] % 2 else (x, "even")
+
+    f = fastcall.jit(fn)
+    for n in (1, 2, 3, 2, 1):
+        out = f(jnp.ones(n))
+        assert (type(out) is tuple) == (n % 2 == 0)
+    # eqx.filter_jit traces 3 times here; fastcall at most once more at the first
+    # changed structure and once per earlier shape (README, "Guarantees and limits").
+    assert len(traces) <= 5
+    np.testing.assert_allclose(f(jnp.ones(3)), np.ones(3))
+
+
 def test_recompile_explanations(with_statics):
     f = fastcall.jit(lambda m, x: m(x))
     f(with_statics, jnp.ones(4))
@@ -230,3 +248,25 @@ def test_rebuilt_wrapper_around_equal_function_does_not_recompile(mlp):
         grads = fastcall.jit(eqx.filter_grad(loss))(mlp, jnp.ones(4))
     assert len(traces) == 1
     assert_trees_equal(grads, eqx.filter_jit(eqx.filter_grad(loss))(mlp, jnp.ones(4)))
+
+
+def test_wrappers_of_equal_functions_do_not_share_function_arrays():
+    """eqx.Partial(loss, y) wrappers share compiled programs, never each other's y.
+
+    Wrappers of equal functions share one compiled program; each passes its own
+    function arrays (y) to it. Every round makes two fresh wrappers: the second
+    one's call is a cache hit on the program the earlier wrappers compiled, with
+    `model` found in the identity cache, and must still use its own y. (A wrapper
+    whose function carries arrays of its own never installs a bound fast record:
+    those are keyed by the state equal functions share, so one would leak y.)
+    """
+
+    def mse(y, m, x):
+        return jnp.mean((m(x) - y) ** 2)
+
+    model = eqx.nn.Linear(2, 1, key=jax.random.PRNGKey(0))
+    x = jnp.ones(2)
+    for y in (jnp.array([0.0]), jnp.array([10.0]), jnp.array([100.0])):
+        ours = fastcall.jit(eqx.Partial(mse, y))(model, x)
+        ours = fastcall.jit(eqx.Partial(mse, y))(model, x)  # a fresh wrapper: shared program
+        assert_trees_equal(ours, eqx.filter_jit(eqx.Partial(mse, y))(model, x))

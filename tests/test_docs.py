@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import pathlib
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from .conftest import ROOT
 
 
 def test_ci_runs_the_readme_test_command():

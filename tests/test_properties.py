@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 import fastcall
 
-from .conftest import WithStatics, assert_trees_equal
+from .conftest import assert_trees_equal, state_of
+from .models import make_with_statics
 
 settings.register_profile(
     "ci", max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
@@ -37,22 +38,17 @@ settings.load_profile(os.environ.get("FASTCALL_HYPOTHESIS", "ci"))
 EQX_OPS = ["call", "call", "new", "tree_at", "static", "drop", "donate", "callable"]
 
 
-def _eqx_model(seed: int, n: int = 1, act=jax.nn.relu) -> WithStatics:
-    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-    return WithStatics(jax.random.normal(k1, (3, 4)), jax.random.normal(k2, (3,)), act, 2.0, "m", n)
-
-
 @given(st.lists(st.sampled_from(EQX_OPS), min_size=1, max_size=10), st.integers(0, 1000))
 def test_equinox_never_stale(ops, seed):
     fastcall.clear_caches()
     f = fastcall.jit(lambda m, x: m(x))
     donating = fastcall.jit(lambda m, x: (m(x), m.weight + 0), donate="all")
     peer = eqx.filter_jit(lambda m, x: m(x))
-    model = _eqx_model(seed)
+    model = make_with_statics(seed)
     x = jnp.arange(4.0)
     for i, op in enumerate(ops):
         if op == "new":
-            model = _eqx_model(seed + i + 1, model.n, model.activation)
+            model = make_with_statics(seed + i + 1, model.n, model.activation)
         elif op == "tree_at":
             model = eqx.tree_at(lambda m: m.bias, model, model.bias + i + 1.0)
         elif op == "static":
@@ -64,7 +60,7 @@ def test_equinox_never_stale(ops, seed):
             n, act = model.n, model.activation
             del model
             gc.collect()
-            model = _eqx_model(seed + 100 + i, n, act)
+            model = make_with_statics(seed + 100 + i, n, act)
         elif op == "donate":  # donate a copy, keep using the original
             copy = jax.tree_util.tree_map(lambda a: a + 0 if eqx.is_array(a) else a, model)
             y, w = donating(copy, x)
@@ -98,7 +94,7 @@ def _param(i: int, shape: tuple[int, ...]) -> nnx.Param:
 NNX_MUTATIONS = {
     "value": lambda m, i: m.layers[0].bias.__setitem__(..., jnp.full(4, 0.01 * i)),
     "replace_variable": lambda m, i: setattr(m.layers[0], "kernel", _param(i, (4, 4))),
-    "swap_submodule": lambda m, i: m.layers.__setitem__(1, nnx.Linear(4, 4, rngs=nnx.Rngs(i))),
+    "swap_submodule": lambda m, i: m.layers.__setitem__(min(1, len(m.layers) - 1), nnx.Linear(4, 4, rngs=nnx.Rngs(i))),
     "add_submodule": lambda m, i: m.layers.append(nnx.Linear(4, 4, rngs=nnx.Rngs(i))),
     "delete_submodule": lambda m, i: (m.layers.__delitem__(len(m.layers) - 1) if len(m.layers) > 1 else None),
     "static": lambda m, i: setattr(m, "scale", float(1 + i % 3)),
@@ -108,13 +104,6 @@ NNX_MUTATIONS = {
     "share": lambda m, i: setattr(m.layers[-1], "bias", m.layers[0].bias),
 }
 NNX_OPS = ["call", "call", "call"] + list(NNX_MUTATIONS)
-
-
-def _state(m):
-    s = nnx.state(m)
-    return jax.tree_util.tree_map(
-        lambda a: jax.random.key_data(a) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else a, s
-    )
 
 
 @given(st.lists(st.sampled_from(NNX_OPS), min_size=1, max_size=10), st.booleans())
@@ -134,5 +123,5 @@ def test_nnx_never_stale(ops, use_partial):
             NNX_MUTATIONS[op](twin, i)
         a, b = f(x), g(twin, x)
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-        assert_trees_equal(_state(ours), _state(twin))
+        assert_trees_equal(state_of(ours), state_of(twin))
         assert (ours.layers[-1].bias is ours.layers[0].bias) == (twin.layers[-1].bias is twin.layers[0].bias)

@@ -126,6 +126,55 @@ def test_threads_reading_while_another_swaps_a_submodule():
     assert not run_threads(4, work)
 
 
+@pytest.mark.usefixtures("hot_path")
+def test_change_made_while_the_cache_entry_is_built_is_not_lost(monkeypatch):
+    class Model(nnx.Module):
+        def __init__(self):
+            self.p = nnx.Param(jnp.array(0.0))
+            self.flag = 0
+
+    f = fastcall.jit(lambda m: m.p[...] + m.flag)
+    m = Model()
+    f(m)
+    original = _nnx._graph_nodes
+
+    def interleaved(node):  # another thread's assignment lands mid-build
+        monkeypatch.setattr(_nnx, "_graph_nodes", original)
+        m.flag = 1
+        return original(node)
+
+    m.flag = 0  # marks the entry stale: the next call rebuilds it
+    monkeypatch.setattr(_nnx, "_graph_nodes", interleaved)  # (returns nodes, volatile)
+    f(m)
+    assert float(f(m)) == 1.0
+
+
+@pytest.mark.usefixtures("hot_path")
+def test_submodule_replaced_while_the_entry_is_built_is_watched(monkeypatch):
+    class M(nnx.Module):
+        def __init__(self):
+            self.sub = nnx.Linear(2, 2, use_bias=False, rngs=nnx.Rngs(0))
+
+    m = M()
+    g = fastcall.jit(lambda m, x: m.sub(x))
+    x = jnp.ones((1, 2))
+    original = _nnx._graph_nodes
+    raced = []
+
+    def racing(node):
+        result = original(node)
+        if node is m and not raced:
+            raced.append(1)
+            m.sub = nnx.Linear(2, 2, use_bias=False, rngs=nnx.Rngs(1))  # "another thread"
+        return result
+
+    monkeypatch.setattr(_nnx, "_graph_nodes", racing)
+    g(m, x)
+    monkeypatch.setattr(_nnx, "_graph_nodes", original)
+    m.sub.kernel = nnx.Param(jnp.zeros((2, 2)))
+    assert_trees_equal(g(m, x), m.sub(x))
+
+
 # ---- memory ----
 
 
@@ -217,9 +266,9 @@ def test_static_leaf_whose_eq_raises():
             raise RuntimeError("no comparisons")
 
     f = fastcall.jit(lambda cfg, x: x)
+    assert_trees_equal(f({"bad": BadEq()}, jnp.ones(1)), jnp.ones(1))  # nothing cached to compare with yet
     with pytest.raises(fastcall.FastcallError, match=r"argument 'cfg' at leaf \['bad'\].*no comparisons"):
-        f({"bad": BadEq()}, jnp.ones(1))
-        f({"bad": BadEq()}, jnp.ones(1))
+        f({"bad": BadEq()}, jnp.ones(1))  # the lookup compares with the cached key: __eq__ raises
 
 
 def test_static_leaf_whose_hash_raises():

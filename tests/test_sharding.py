@@ -7,22 +7,17 @@ from this test (the test session itself keeps its single device).
 
 from __future__ import annotations
 
-import os
-import pathlib
 import socket
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from .conftest import ROOT, child_env
+
 SCRIPTS = ROOT / "tests" / "scripts"
 
 
 def _env(devices: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
+    return child_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
 
 
 def test_data_and_model_parallel_on_eight_devices():

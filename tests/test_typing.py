@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import pathlib
 import shutil
 import subprocess
 import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from .conftest import ROOT
 
 
 def test_mypy_passes():
