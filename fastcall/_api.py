@@ -97,7 +97,7 @@ def jit(
     graph: bool | None = None,
     graph_updates: bool | None = None,
 ) -> Any:
-    """Compile `fun` with `eqx.filter_jit` semantics at close to `jax.jit`'s cost.
+    """Compile `fun` as `nnx.jit` / `jax.jit` would, at close to `jax.jit`'s floor.
 
     **Arguments:**
 
@@ -108,8 +108,9 @@ def jit(
     - `donate`: as in `eqx.filter_jit`: `"all"`, `"all-except-first"`,
       `"warn"`, `"warn-except-first"` or `"none"`.
     - `static_argnums`, `static_argnames`: as in `jax.jit`; the whole argument
-      is static (hashed and compared by value). Non-array leaves are static
-      anyway; use these only to force a value into the compile key whole.
+      is static (hashed and compared by value). Use them for a Python scalar
+      that selects a different program (a flag, a size), which is traced
+      otherwise.
     - `donate_argnums`, `donate_argnames`: donate the arrays of these arguments.
     - `in_shardings`, `out_shardings`, `device`, `backend`, `keep_unused`,
       `inline`, `compiler_options`: passed to `jax.jit`. `in_shardings` is one
@@ -125,10 +126,15 @@ def jit(
     **Returns:** a function with `fun`'s name, docstring and signature, plus
     `.lower(*args, **kwargs)`, `.stats()` and `.clear_cache()`.
 
-    Every JAX/NumPy array leaf of the arguments is traced; every other leaf
-    (Python scalars, strings, callables, `eqx.field(static=True)`, None) is
-    static and part of the compile key. Called under an outer trace (jit,
-    grad, vmap, scan, ...) with traced arguments, it runs `fun` inline.
+    What is traced follows `nnx.jit` / `jax.jit`: every JAX/NumPy array leaf
+    and every Python scalar (bool, int, float, complex; weakly typed, so a
+    growing step counter compiles once). Other leaves (strings, callables,
+    None) are static and part of the compile key, where `jax.jit` would
+    reject them. Equinox modules keep Equinox's own rule wherever they appear:
+    array fields traced, every other field static (use `fastcall.filter_jit`
+    for `eqx.filter_jit`'s rule everywhere). NNX objects follow `nnx.jit`.
+    Called under an outer trace (jit, grad, vmap, scan, ...) with traced
+    arguments, it runs `fun` inline.
 
     !!! example
 
@@ -155,9 +161,58 @@ def jit(
         inline=inline,
         compiler_options=compiler_options,
         graph_updates=graph_updates,
+        trace_scalars=True,
     )
     if fun is None:
-        return functools.partial(jit, **options._asdict())
+        return functools.partial(_wrap, options=options)
+    return _wrap(fun, options)
+
+
+def filter_jit(fun: Callable | None = None, *, donate: Donate = "none") -> Any:
+    """Compile `fun` with `eqx.filter_jit`'s rules, at close to `jax.jit`'s cost.
+
+    The drop-in for `eqx.filter_jit` (same arguments): every JAX/NumPy array leaf of
+    the arguments is traced, and every other leaf (Python scalars included) is static
+    and part of the compile key. It runs on the same engine as `fastcall.jit` (which
+    follows `nnx.jit`/`jax.jit` instead: Python scalars traced) and returns the same
+    kind of wrapper.
+
+    **Arguments:**
+
+    - `fun`: the function to compile (as for `fastcall.jit`).
+    - `donate`: `"all"`, `"all-except-first"`, `"warn"`, `"warn-except-first"` or
+      `"none"`, as in `eqx.filter_jit`.
+
+    !!! example
+
+        ```python
+        @fastcall.filter_jit               # was: @eqx.filter_jit
+        def forward(model, x, training: bool):
+            return model(x) if training else model(x) * 0.5   # `training` is static
+        ```
+    """
+    options = make_options(
+        donate=donate,
+        static_argnums=None,
+        static_argnames=None,
+        donate_argnums=None,
+        donate_argnames=None,
+        in_shardings=UNSPECIFIED,
+        out_shardings=UNSPECIFIED,
+        device=None,
+        backend=None,
+        keep_unused=False,
+        inline=False,
+        compiler_options=None,
+        graph_updates=None,
+        trace_scalars=False,
+    )
+    if fun is None:
+        return functools.partial(_wrap, options=options)
+    return _wrap(fun, options)
+
+
+def _wrap(fun: Any, options: Any) -> Any:
     if not callable(fun):
         raise TypeError(f"fastcall.jit expects a callable, got {type(fun).__name__}.")
     user_fun = fun
@@ -251,7 +306,7 @@ def partial(fun: Callable, *bound: Any, **jit_options: Any) -> Callable:
     for i, arg in enumerate(bound):  # flatten once now: errors surface here, caches are warm
         if type(arg) is not _flatten.ArrayImpl:
             try:
-                _args.resolve(arg, scratch, state.arg_name(i), [])
+                _args.resolve(arg, scratch, state.arg_name(i), [], None, state.options.trace_scalars)
             except StepAside:
                 pass
     bound_call = functools.partial(wrapped, *bound)

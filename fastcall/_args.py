@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 from . import _codegen, _flatten, _nnx_gate
 from ._errors import FastcallError, describe_arg
-from ._flatten import ARRAY_TYPES, ArrayImpl, Spec, remember
+from ._flatten import ARRAY_TYPES, PY_SCALARS, ArrayImpl, Spec, remember
 from ._trace import StepAside, Tracer, contains_tracer
 
 
@@ -39,9 +39,9 @@ def resolve_call(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...],
         except TypeError:
             return None
         args, kwargs = bound.args, bound.kwargs
-    resolved = _resolve_all(state, fun_leaves, args, kwargs, joint=None)
+    resolved = _resolve_all(state, fun_leaves, args, kwargs, None)
     if len(resolved.nnx_args) > 1 and _nnx_gate.adapter().overlapping(resolved.nnx_args):
-        resolved = _resolve_all(state, fun_leaves, args, kwargs, joint=_nnx_gate.adapter().joint_index())
+        resolved = _resolve_all(state, fun_leaves, args, kwargs, _nnx_gate.adapter().joint_index())
     return resolved
 
 
@@ -50,6 +50,7 @@ def _resolve_all(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...],
     key: list[Any] = []
     nnx_args: list[Any] = []
     static_argnums = state.static_argnums
+    trace_scalars = state.options.trace_scalars
     for i, a in enumerate(args):
         if i in static_argnums:
             key.append(static_spec(a, state.arg_name(i)).id)
@@ -57,7 +58,7 @@ def _resolve_all(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...],
             leaves.append(a)
             key.append(0)
         else:
-            key.append(resolve(a, leaves, state.arg_name(i), nnx_args, joint))
+            key.append(resolve(a, leaves, state.arg_name(i), nnx_args, joint, trace_scalars))
     if kwargs:
         names = tuple(sorted(kwargs))
         key.append(names)
@@ -65,15 +66,19 @@ def _resolve_all(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...],
             if name in state.static_argnames:
                 key.append(static_spec(kwargs[name], name).id)
             else:
-                key.append(resolve(kwargs[name], leaves, name, nnx_args, joint))
+                key.append(resolve(kwargs[name], leaves, name, nnx_args, joint, trace_scalars))
     return Resolved(leaves, tuple(key), nnx_args, args, kwargs)
 
 
-def resolve(value: Any, leaves: list[Any], arg_name: str, nnx_args: list[Any], joint: Any = None) -> int:
+def resolve(
+    value: Any, leaves: list[Any], arg_name: str, nnx_args: list[Any], joint: Any = None, trace_scalars: bool = False
+) -> int:
     """Append `value`'s dynamic leaves to `leaves`; return its spec id.
 
     NNX objects also append their NnxArg to `nnx_args`. With `joint` (a RefMap shared
-    by the call's NNX arguments), NNX objects are flattened together.
+    by the call's NNX arguments), NNX objects are flattened together. `trace_scalars`:
+    Python scalars outside Equinox modules are traced (`fastcall.jit`, as jax.jit and
+    nnx.jit do) rather than static (`fastcall.filter_jit`, as eqx.filter_jit does).
     """
     hit = _flatten.by_id.get(id(value))
     if hit is not None and hit.ref() is value:  # seen before, same object
@@ -89,15 +94,15 @@ def resolve(value: Any, leaves: list[Any], arg_name: str, nnx_args: list[Any], j
             if spec.cacheable:
                 remember(value, found, spec)
             return spec.id
-    if isinstance(value, ARRAY_TYPES):
+    if isinstance(value, ARRAY_TYPES) or (trace_scalars and type(value) in PY_SCALARS):
         if isinstance(value, Tracer):
             raise StepAside
-        leaves.append(value)
+        leaves.append(value)  # (jax.jit traces a Python scalar weakly typed)
         return 0
     scalar = _scalar_spec(value)
     if scalar is not None:
         return scalar
-    spec, dynamic = _flatten.flatten_generic(value, arg_name)
+    spec, dynamic = _flatten.flatten_generic(value, arg_name, trace_scalars)
     if contains_tracer(dynamic):
         raise StepAside
     if spec.has_nnx:
@@ -108,6 +113,8 @@ def resolve(value: Any, leaves: list[Any], arg_name: str, nnx_args: list[Any], j
             "module, Optimizer or Rngs as its own argument."
         )
     leaves.extend(dynamic)
+    if not spec.rule_free:
+        return spec.id  # (caches are shared by functions of either scalar rule)
     if spec.cacheable:
         remember(value, tuple(dynamic), spec)
     if not spec.templated:

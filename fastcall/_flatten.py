@@ -45,6 +45,25 @@ def is_array(x: Any) -> bool:
     return isinstance(x, ARRAY_TYPES)
 
 
+# Python scalars: static under `eqx.filter_jit`'s rule (`fastcall.filter_jit`), traced
+# (weakly typed) under `jax.jit`/`nnx.jit`'s (`fastcall.jit`), except inside an Equinox
+# module, whose own rule (array fields traced, every other field static) always holds.
+PY_SCALARS = (bool, int, float, complex)
+
+
+def _traced_mask(value: Any, leaves: list[Any]) -> tuple[bool, ...]:
+    """`fastcall.jit`'s rule, leaf by leaf (in `tree_flatten` order): arrays, and Python
+    scalars that are not inside an Equinox module."""
+    mask: list[bool] = []
+    for top in jax.tree_util.tree_leaves(value, is_leaf=lambda x: isinstance(x, eqx.Module)):
+        if isinstance(top, eqx.Module):
+            mask += [isinstance(x, ARRAY_TYPES) for x in jax.tree_util.tree_leaves(top)]
+        else:
+            mask.append(isinstance(top, ARRAY_TYPES) or type(top) in PY_SCALARS)
+    assert len(mask) == len(leaves)
+    return tuple(mask)
+
+
 # --------------------------------------------------------------------------
 # Static keys
 
@@ -108,13 +127,20 @@ class Spec:
     """
 
     __slots__ = (
-        "id", "kind", "treedef", "mask", "statics", "n_dyn", "cacheable", "templated", "has_nnx", "__weakref__",
+        "id", "kind", "treedef", "mask", "statics", "n_dyn", "cacheable", "templated", "has_nnx", "rule_free",
+        "__weakref__",
     )
 
     treedef: Any
 
-    def __init__(self, kind: str, treedef: Any, mask: tuple[bool, ...], statics: tuple[Any, ...]):
+    def __init__(
+        self, kind: str, treedef: Any, mask: tuple[bool, ...], statics: tuple[Any, ...], rule_free: bool = True
+    ):
         self.id = -1
+        # True when the split does not depend on the scalar rule (no Python scalar outside
+        # an Equinox module): only then may objects of this spec be shared through the
+        # identity cache and templates by functions of either rule.
+        self.rule_free = rule_free
         self.kind = kind
         self.treedef = treedef
         self.mask = mask
@@ -202,13 +228,21 @@ def _unhashable_error(arg_name: str, value: Any, err: Exception) -> FastcallErro
     )
 
 
-def flatten_generic(value: Any, arg_name: str) -> tuple[Spec, list[Any]]:
-    """Split `value` into its Spec and dynamic leaves with `tree_flatten` (the slow path)."""
+def flatten_generic(value: Any, arg_name: str, trace_scalars: bool = False) -> tuple[Spec, list[Any]]:
+    """Split `value` into its Spec and dynamic leaves with `tree_flatten` (the slow path).
+    `trace_scalars`: `fastcall.jit`'s rule (Python scalars outside Equinox modules are
+    traced) instead of `eqx.filter_jit`'s (every non-array leaf is static)."""
     leaves, treedef = tree_flatten(value)
     mask = tuple(isinstance(x, ARRAY_TYPES) for x in leaves)
+    rule_free = True
+    if any(type(x) in PY_SCALARS for x in leaves):
+        traced = _traced_mask(value, leaves)
+        rule_free = traced == mask
+        if trace_scalars:
+            mask = traced
     dynamic = [x for x, m in zip(leaves, mask) if m]
     statics = tuple(x for x, m in zip(leaves, mask) if not m)
-    spec = Spec("tree", treedef, mask, statics)
+    spec = Spec("tree", treedef, mask, statics, rule_free)
     try:
         key = ("tree", treedef, mask, tuple(leaf_key(s) for s in statics))
         return intern(spec, key), dynamic

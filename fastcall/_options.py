@@ -35,6 +35,9 @@ class JitOptions(NamedTuple):
     inline: bool
     compiler_options: Any
     graph_updates: bool | None  # NNX: propagate structural changes made inside (None: yes)
+    # Python scalars outside Equinox modules traced (fastcall.jit, as jax.jit/nnx.jit) or
+    # static (fastcall.filter_jit, as eqx.filter_jit).
+    trace_scalars: bool
 
 
 def make_options(**given: Any) -> JitOptions:

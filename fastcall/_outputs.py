@@ -56,7 +56,7 @@ class OutInfo:
             self.static_keys = None  # compared by identity below
         self.block = block
         self.nnx = nnx
-        self.adapter = _nnx_gate.adapter() if nnx is not None else None
+        self.adapter: Any = _nnx_gate.adapter() if nnx is not None else None
         self.regs = tuple(_registrations(out, mask))
         self.mode = "flat" if (self.statics or self.block or self.regs or nnx is not None) else "pass"
         # Nothing to do after a call: jax's output is the user's output.
@@ -162,7 +162,7 @@ def _registrations(out: Any, mask: tuple[bool, ...]):
                 spec, _ = _flatten.flatten_generic(item, "output")
             except FastcallError:
                 spec = None
-            if spec is not None and spec.cacheable:
+            if spec is not None and spec.cacheable and spec.rule_free:
                 yield (index, pos, pos + n_dyn, spec)  # (interned: compares by identity)
         pos += n_dyn
 

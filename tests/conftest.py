@@ -45,11 +45,11 @@ def assert_trees_equal(a: Any, b: Any, *, exact: bool = False) -> None:
 
 
 def check_against_peers(fn: Callable, *args: Any, **kwargs: Any) -> Any:
-    """Run fn eagerly, under eqx.filter_jit and under fastcall.jit (twice, to
+    """Run fn eagerly, under eqx.filter_jit and under fastcall.filter_jit (twice, to
     exercise the cached path); assert all agree. Returns fastcall's output."""
     eager = fn(*args, **kwargs)
     peer = eqx.filter_jit(fn)(*args, **kwargs)
-    wrapped = fastcall.jit(fn)
+    wrapped = fastcall.filter_jit(fn)
     first = wrapped(*args, **kwargs)
     second = wrapped(*args, **kwargs)
     assert_trees_equal(first, peer)

@@ -142,7 +142,7 @@ def test_decorator_with_options():
 
 
 def test_lower_compile(mlp):
-    f = fastcall.jit(lambda m, x, n: m(x) * n)
+    f = fastcall.jit(lambda m, x, n: m(x) * n, static_argnums=2)
     lowered = f.lower(mlp, jnp.ones(4), 2)
     assert "func" in lowered.as_text()
     compiled = lowered.compile()
@@ -195,7 +195,7 @@ def test_user_exception_passes_through_unchanged_and_wrapper_recovers():
             raise MyError("boom")
         return x + 1
 
-    g = fastcall.jit(f)
+    g = fastcall.jit(f, static_argnames="fail")
     with pytest.raises(MyError, match="boom"):
         g(jnp.ones(1), True)
     assert_trees_equal(g(jnp.ones(1), False), jnp.full(1, 2.0))

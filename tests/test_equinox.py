@@ -1,4 +1,5 @@
-"""fastcall.jit gives the same results as eqx.filter_jit and as eager code."""
+"""fastcall.filter_jit gives the same results as eqx.filter_jit and as eager code (and
+fastcall.jit keeps Equinox's rule for Equinox modules)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def test_kwargs(mlp):
 def test_python_scalars_are_static():
     traces = []
 
-    @fastcall.jit
+    @fastcall.filter_jit
     def f(x, n, flag):
         traces.append(1)
         assert isinstance(n, int) and isinstance(flag, bool)
@@ -66,7 +67,7 @@ def test_python_scalars_are_static():
 def test_numpy_arrays_are_traced():
     traces = []
 
-    @fastcall.jit
+    @fastcall.filter_jit
     def f(x):
         traces.append(1)
         assert isinstance(x, jax.core.Tracer)
@@ -113,23 +114,23 @@ def test_modules_returned_from_function(mlp):
 
 
 def test_single_array_output_is_the_array(mlp):
-    out = fastcall.jit(lambda m, x: m(x))(mlp, jnp.ones(4))
+    out = fastcall.filter_jit(lambda m, x: m(x))(mlp, jnp.ones(4))
     assert type(out) is type(jnp.ones(1))
 
 
 def test_no_output():
-    assert fastcall.jit(lambda x: None)(jnp.ones(2)) is None
+    assert fastcall.filter_jit(lambda x: None)(jnp.ones(2)) is None
 
 
 def test_static_output_values_returned_as_is():
     marker = object()
-    out = fastcall.jit(lambda x: (x, marker, "s", 1.5))(jnp.ones(1))
+    out = fastcall.filter_jit(lambda x: (x, marker, "s", 1.5))(jnp.ones(1))
     assert out[1] is marker and out[2] == "s" and out[3] == 1.5
 
 
 def test_function_that_is_a_module(mlp):
     # The model itself as the function: its arrays are traced, like eqx.filter_jit(model).
-    out = fastcall.jit(mlp)(jnp.ones(4))
+    out = fastcall.filter_jit(mlp)(jnp.ones(4))
     assert_trees_equal(out, eqx.filter_jit(mlp)(jnp.ones(4)))
 
 
@@ -148,7 +149,7 @@ def test_static_argnums_and_argnames():
 
 
 def test_int_float_bool_are_different_keys():
-    @fastcall.jit
+    @fastcall.filter_jit
     def f(x, s):
         return x * s
 
@@ -160,7 +161,7 @@ def test_int_float_bool_are_different_keys():
 
 
 def test_signed_zero_is_a_different_key():
-    f = fastcall.jit(lambda x, s: x / s)
+    f = fastcall.filter_jit(lambda x, s: x / s)
     assert float(f(jnp.ones(()), 0.0)) == np.inf
     assert float(f(jnp.ones(()), -0.0)) == -np.inf
 
@@ -169,7 +170,7 @@ def test_output_dict_key_order_matches_filter_jit():
     def f(x):
         return {"b": x, "a": x + 1, "c": "s"}
 
-    ours = fastcall.jit(f)(jnp.ones(1))
+    ours = fastcall.filter_jit(f)(jnp.ones(1))
     theirs = eqx.filter_jit(f)(jnp.ones(1))
     assert list(ours) == list(theirs)
     assert_trees_equal(ours, theirs)
@@ -182,7 +183,7 @@ def test_returned_optimizer_state_tuple_is_reused_next_step(mlp):
 
     opt = optax.adam(1e-2)
 
-    @fastcall.jit
+    @fastcall.filter_jit
     def step(m, s, x):
         grads = eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2))(m)
         updates, s = opt.update(grads, s, eqx.filter(m, eqx.is_array))
@@ -197,3 +198,34 @@ def test_returned_optimizer_state_tuple_is_reused_next_step(mlp):
     assert_trees_equal(m, rm)
     assert_trees_equal(s, rs)
     assert step.stats().compiles == 1
+
+
+def test_filter_jit_keeps_scalars_static_and_jit_traces_them(mlp):
+    traces = []
+
+    def f(m, x, n):
+        traces.append(n)
+        return m(x) * n
+
+    x = jnp.ones(4)
+    static = fastcall.filter_jit(f)
+    for n in (1, 2, 2):
+        assert_trees_equal(static(mlp, x, n), eqx.filter_jit(f)(mlp, x, n))
+    assert static.stats().compiles == 2  # one program per value, as eqx.filter_jit
+    traced = fastcall.jit(f)
+    for n in (1, 2, 3):
+        assert_trees_equal(traced(mlp, x, n), mlp(x) * n)
+    assert traced.stats().compiles == 1
+
+
+def test_jit_keeps_equinox_rule_inside_equinox_modules(with_statics):
+    """fastcall.jit traces Python scalars passed as arguments, but an Equinox module's
+    non-array fields stay static (Equinox's rule): a new `scale` is a new program."""
+    f = fastcall.jit(lambda m, x: m(x))
+    x = jnp.ones(4)
+    assert_trees_equal(f(with_statics, x), eqx.filter_jit(lambda m, x: m(x))(with_statics, x))
+    other = eqx.tree_at(lambda m: m.scale, with_statics, 3.0)
+    assert_trees_equal(f(other, x), other(x))
+    assert f.stats().compiles == 2
+    f(other, x)
+    assert f.stats().compiles == 2

@@ -577,7 +577,7 @@ def test_non_pytree_nnx_object_nested_in_a_container_is_an_error():
 
 
 class Built(nnx.Module):
-    @fastcall.jit
+    @fastcall.jit(static_argnums=(1, 2))  # (Python ints are traced, as under nnx.jit)
     def __init__(self, din: int, dout: int, rngs: nnx.Rngs):
         self.linear = nnx.Linear(din, dout, rngs=rngs)
         self.bn = nnx.BatchNorm(dout, rngs=rngs)
@@ -695,3 +695,32 @@ def test_eight_threads_one_module(wrap):
 
     errors = run_threads(8, worker)
     assert not errors, errors[:1]
+
+
+def test_python_scalars_are_traced_as_nnx_jit_traces_them():
+    """flax's minigpt calls generate_step(tokens, sample_index) with a growing Python int:
+    nnx.jit compiles once (weakly typed scalars); so must fastcall.jit."""
+    traces = {"ours": 0, "theirs": 0}
+
+    def make_step(who):
+        def step(m, tokens, index, scale):
+            traces[who] += 1
+            return m(tokens[index]) * scale, (index + 1, scale / 2)
+
+        return step
+
+    ours, theirs = nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    f, g = fastcall.jit(make_step("ours")), nnx.jit(make_step("theirs"))
+    tokens = jnp.arange(32.0).reshape(8, 4)
+    for i in range(6):
+        a, b = f(ours, tokens, i, 0.5), g(theirs, tokens, i, 0.5)
+        assert_trees_equal(a, b)
+        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+            assert x.weak_type == y.weak_type and x.dtype == y.dtype
+    assert traces == {"ours": 1, "theirs": 1}
+    assert f.stats().compiles == 1
+    # Inside containers too (a tuple of scalars), as jax.jit and nnx.jit do.
+    h = fastcall.jit(lambda m, x, cfg: m(x) * cfg[0] + cfg[1])
+    for k in range(3):
+        assert_trees_equal(h(ours, tokens[0], (k, 0.5)), nnx.jit(lambda m, x, cfg: m(x) * cfg[0] + cfg[1])(theirs, tokens[0], (k, 0.5)))
+    assert h.stats().compiles == 1

@@ -32,7 +32,7 @@ def test_threads_compile_each_static_signature_once():
             traces.append(k)
         return x * k
 
-    f = fastcall.jit(fn)
+    f = fastcall.filter_jit(fn)  # (Python scalars static: one signature per value)
 
     def work(i):
         for _ in range(20):
@@ -322,7 +322,7 @@ def test_non_weakrefable_argument_is_reread_each_call():
 
 
 def test_recompile_storm_warns_once_with_what_changed():
-    f = fastcall.jit(lambda x, n: x * n)
+    f = fastcall.filter_jit(lambda x, n: x * n)  # (a static scalar that keeps changing)
     with pytest.warns(fastcall.RecompileWarning, match=r"changed n .*static int 6 -> static int 7.*jnp.asarray"):
         for n in range(8):
             f(jnp.ones(2), n)
