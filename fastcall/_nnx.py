@@ -275,7 +275,7 @@ class NnxArg(NamedTuple):
 
     obj: Any  # the caller's object
     variables: list[Any]  # its Variables (and raw leaves) in flatten order
-    entry: NodeEntry | None  # its cache entry (None: flattened jointly with others)
+    entry: NodeEntry | None  # its cache entry (None: flattened afresh for this call)
 
 
 def read_argument(obj: Any, leaves: list[Any], arg_name: str, nnx_args: list[NnxArg], joint: Any) -> int:
@@ -283,15 +283,17 @@ def read_argument(obj: Any, leaves: list[Any], arg_name: str, nnx_args: list[Nnx
     return its spec id. With `joint` (a RefMap shared by the call's NNX arguments),
     objects already seen in an earlier argument become references, so each shared
     Variable is passed once (as nnx.jit does). Raises StepAside for tracer values."""
-    if joint is not None:
-        graphdef, flat = _flatten_node(obj, arg_name, ref_index=joint)
+    if joint is not None or not type(obj).__weakrefoffset__:
+        # Flattened afresh: jointly with the call's other NNX arguments, or an object the
+        # cache cannot hold (a Variable passed on its own cannot be weakly referenced).
+        graphdef, flat = _flatten_node(obj, arg_name, ref_index=joint if joint is not None else graphlib.RefMap())
         items = list(flat.leaves)
         values = [raw_value(x) if isinstance(x, Variable) else x for x in items]
         if contains_tracer(values):
             raise StepAside
         leaves += values
         nnx_args.append(NnxArg(obj, items, None))
-        return _intern_graphdef(graphdef, len(items), arg_name, joint=True).id
+        return _intern_graphdef(graphdef, len(items), arg_name, joint=joint is not None).id
     entry = lookup(obj, arg_name)
     values = entry.values()
     # Inside nnx.grad/vmap/scan the module is a copy holding tracers: run inline.
@@ -311,7 +313,7 @@ def overlapping(nnx_args: list[NnxArg]) -> bool:
     entries = [a.entry for a in nnx_args]
     for i, a in enumerate(entries):
         if a is None:
-            return True  # (already flattened jointly)
+            return True  # (not cached: flatten jointly, as nnx.jit, to keep sharing)
         for b in entries[i + 1 :]:
             if b is None:
                 return True

@@ -724,3 +724,27 @@ def test_python_scalars_are_traced_as_nnx_jit_traces_them():
     for k in range(3):
         assert_trees_equal(h(ours, tokens[0], (k, 0.5)), nnx.jit(lambda m, x, cfg: m(x) * cfg[0] + cfg[1])(theirs, tokens[0], (k, 0.5)))
     assert h.stats().compiles == 1
+
+
+def test_variable_as_an_argument():
+    """A Variable passed on its own (it cannot be weakly referenced, so it is read afresh
+    each call), alone and shared with a module argument: as nnx.jit."""
+
+    def scale(v, x):
+        v[...] = v[...] * 2
+        return v[...] * x
+
+    def shared(m, v, x):
+        v[...] = v[...] + 1
+        return m(x)
+
+    x = jnp.ones((2, 2))
+    ours, theirs = nnx.Linear(2, 2, rngs=nnx.Rngs(0)), nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    f, g = fastcall.jit(scale), nnx.jit(scale)
+    for _ in range(3):
+        assert_trees_equal(f(ours.kernel, x), g(theirs.kernel, x))
+        assert_same_state(ours, theirs)
+    f, g = fastcall.jit(shared), nnx.jit(shared)
+    for _ in range(3):
+        assert_trees_equal(f(ours, ours.bias, x[0]), g(theirs, theirs.bias, x[0]))
+        assert_same_state(ours, theirs)
