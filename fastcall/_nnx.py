@@ -269,6 +269,8 @@ def clear() -> None:
 # --------------------------------------------------------------------------
 # Reading NNX arguments for a call
 
+_GRAPH_CONTEXT: Any = graphlib.GRAPH_CONTEXT  # (thread-local)
+
 
 class NnxArg(NamedTuple):
     """An NNX argument of one call, for writing state back after it."""
@@ -295,6 +297,13 @@ def read_argument(obj: Any, leaves: list[Any], arg_name: str, nnx_args: list[Nnx
         nnx_args.append(NnxArg(obj, items, None))
         return _intern_graphdef(graphdef, len(items), arg_name, joint=joint is not None).id
     entry = lookup(obj, arg_name)
+    if _GRAPH_CONTEXT.tmp_static_cache is not None:
+        # Called by nnx.cached_partial, which hands its static cache to the next NNX
+        # transform: fastcall's own cache supersedes it, so consume it here, on every
+        # call (the object, the partial's clone, stays off the fast path for that).
+        _GRAPH_CONTEXT.tmp_static_cache = None
+        entry.direct = False
+        _fast.withdraw(entry.ref)
     values = entry.values()
     # Inside nnx.grad/vmap/scan the module is a copy holding tracers: run inline.
     # Variables of a module created outside cannot receive tracers (NNX forbids it),

@@ -748,3 +748,18 @@ def test_variable_as_an_argument():
     for _ in range(3):
         assert_trees_equal(f(ours, ours.bias, x[0]), g(theirs, theirs.bias, x[0]))
         assert_same_state(ours, theirs)
+
+
+def test_nnx_cached_partial_over_a_fastcall_function():
+    """nnx.cached_partial(fastcall.jit(f), model): same results and state as over nnx.jit."""
+
+    def step(m, x):
+        m.bias[...] += 1
+        return m(x)
+
+    ours, theirs = nnx.Linear(2, 2, rngs=nnx.Rngs(0)), nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    f = nnx.cached_partial(fastcall.jit(step), ours)
+    g = nnx.cached_partial(nnx.jit(step), theirs)
+    for i in range(3):
+        assert_trees_equal(f(jnp.ones(2) * i), g(jnp.ones(2) * i))
+        assert_same_state(ours, theirs)
