@@ -13,6 +13,10 @@ import pytest
 
 import fastcall
 
+# tests/conformance runs the peers' own suites in subprocesses (python -m tests.conformance);
+# nothing there belongs to this run.
+collect_ignore = ["conformance"]
+
 
 @pytest.fixture(autouse=True)
 def _fresh_caches():
