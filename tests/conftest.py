@@ -19,6 +19,10 @@ from .models import make_with_statics
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent  # the repository root
 
+# tests/conformance runs the peers' own suites in subprocesses (python -m tests.conformance);
+# nothing there belongs to this run.
+collect_ignore = ["conformance"]
+
 
 @pytest.fixture(autouse=True)
 def _fresh_caches():
