@@ -245,7 +245,10 @@ class _OutShardings(eqx.Module):
         if isinstance(self.shardings, jax.sharding.Sharding) or self.shardings is None:
             per_leaf = [self.shardings] * len(leaves)
         else:
-            per_leaf = broadcast_prefix(self.shardings, out, is_leaf=_nnx_gate.is_node)
+            try:  # a prefix as deep as the output: one entry per array or NNX object
+                per_leaf = treedef.flatten_up_to(self.shardings)
+            except Exception:  # a shallower prefix: one entry for a whole subtree
+                per_leaf = broadcast_prefix(self.shardings, out, is_leaf=_nnx_gate.is_node)
         constrained = []
         for x, sh in zip(leaves, per_leaf):
             if sh is None:

@@ -87,10 +87,14 @@ def build(state: Any, key: tuple[Any, ...], fun: Any, varies: bool = False) -> E
     in_shardings = state.options.in_shardings
     slot_shardings = None if in_shardings is UNSPECIFIED else _leaf_shardings(in_shardings, all_specs)
     nnx_slots = [slot for slot, sp in enumerate(all_specs) if sp.kind == "nnx"]
-    # Per NNX argument: is it donated? Then every Variable is returned and written back,
-    # so that the caller's Variables stay usable.
-    nnx_donated = [slot in donated for slot in nnx_slots]
     nnx_shardings = [slot_shardings[slot] if slot_shardings is not None else None for slot in nnx_slots]
+    # Per NNX argument: is every Variable returned and written back? For a donated one,
+    # so that the caller's Variables stay usable; for one with in_shardings, so that each
+    # Variable ends up with its sharding, unchanged ones included (as nnx.jit does).
+    nnx_everything = [
+        slot in donated or (per_leaf is not None and any(sh is not None for sh in per_leaf))
+        for slot, per_leaf in zip(nnx_slots, nnx_shardings)
+    ]
     # Weakly: jax may keep the traced function alive longer than the wrapped function.
     state_ref = weakref.ref(state)
 
@@ -116,7 +120,7 @@ def build(state: Any, key: tuple[Any, ...], fun: Any, varies: bool = False) -> E
         if nnx_inputs is not None:
             # Which Variables changed (decided here, once per compile), and whether the
             # graph itself changed (then the new structure is propagated back).
-            out, nnx_out, nnx_extra = nnx_inputs.outputs(out, graph_updates, nnx_donated, nnx_shardings)
+            out, nnx_out, nnx_extra = nnx_inputs.outputs(out, graph_updates, nnx_everything, nnx_shardings)
         info = OutInfo(out, current_trace_has_callback(), nnx_out)
         flat = info.flat_outputs(out, nnx_extra)
         if varies:

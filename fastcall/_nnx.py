@@ -37,6 +37,7 @@ import weakref
 from typing import Any, NamedTuple
 
 import jax
+from flax import nnx
 from flax.nnx import graphlib
 from flax.nnx.variablelib import Variable
 
@@ -375,7 +376,7 @@ _ARG_STRIDE = 1 << 32  # outer indices of NNX argument k are k * _ARG_STRIDE + i
 class _Traced:
     """One NNX argument inside the trace: the rebuilt node and its leaves before the call."""
 
-    __slots__ = ("node", "spec", "inner", "given", "index_ref", "name")
+    __slots__ = ("node", "spec", "inner", "paths", "given", "index_ref", "name")
 
     def __init__(self, node_spec: NodeSpec, given: Any, shared_index: Any, name: str) -> None:
         self.spec = node_spec
@@ -384,11 +385,12 @@ class _Traced:
         # graphdef index -> object rebuilt here
         self.index_ref = shared_index if node_spec.joint else graphlib.IndexMap()
         self.node = graphlib.unflatten(node_spec.graphdef, list(given), index_ref=self.index_ref)
-        self.inner: list[Any] = []
+        self.inner: list[Any] = []  # the leaves (Variables, raw values) before the call
+        self.paths: list[Any] = []  # and their paths
 
     def writes(self, everything: bool) -> list[tuple[int, Any]]:
-        """(leaf index, new value) for every Variable the function changed (or, for a
-        donated argument, every Variable: its old buffers are gone after the call)."""
+        """(leaf index, new value) for every Variable the function changed (or, with
+        `everything`, every Variable)."""
         out = []
         for i, (v, given) in enumerate(zip(self.inner, self.given)):
             if isinstance(v, Variable):
@@ -425,31 +427,33 @@ class TracedInputs:
         self.args.append(t)
         return t.node
 
-    def _flatten_all(self) -> list[tuple[Any, list[Any]]]:
-        """(graphdef, leaves) per argument, joint ones sharing one RefMap (as given)."""
+    def _flatten_all(self) -> list[tuple[Any, Any]]:
+        """(graphdef, flat state) per argument, joint ones sharing one RefMap (as given)."""
         shared = graphlib.RefMap()
         out = []
         for t in self.args:
             ref_index = shared if t.spec.joint else None
-            graphdef, flat = graphlib.flatten(t.node, with_paths=True, ref_index=ref_index)
-            out.append((graphdef, list(flat.leaves)))
+            out.append(graphlib.flatten(t.node, with_paths=True, ref_index=ref_index))
         return out
 
     def snapshot(self) -> None:
-        for t, (_, leaves) in zip(self.args, self._flatten_all()):
-            t.inner = leaves
+        for t, (_, flat) in zip(self.args, self._flatten_all()):
+            t.inner, t.paths = list(flat.leaves), list(flat.paths)
 
     def outputs(
-        self, out: Any, graph_updates: bool, donated: list[bool], shardings: list[Any]
+        self, out: Any, graph_updates: bool, everything: list[bool], shardings: list[Any]
     ) -> tuple[Any, NnxOutputs | None, list[Any]]:
         """After the function returned `out`: (out with NNX objects replaced by markers,
-        what to do after each call or None, the extra leaves to return)."""
+        what to do after each call or None, the extra leaves to return). Per argument:
+        `everything`, write back every Variable (not only the changed ones); `shardings`,
+        one sharding per leaf (or None) that written values are constrained to."""
         writes: list[tuple[int, int]] = []
         written: list[Any] = []
         restructured: list[Any] = []
         restructure: list[tuple[int, Any, int]] = []
         refmap = None
-        for ordinal, (t, (graphdef, after)) in enumerate(zip(self.args, self._flatten_all())):
+        for ordinal, (t, (graphdef, flat)) in enumerate(zip(self.args, self._flatten_all())):
+            after = list(flat.leaves)
             changed = (
                 graphdef != t.spec.graphdef
                 or len(after) != len(t.inner)
@@ -462,12 +466,16 @@ class TracedInputs:
                     raise _structure_error(t.name)
                 if refmap is None:
                     refmap = self._outer_index_map()
-                new_graphdef, leaves = graphlib.flatten(t.node, with_paths=False, ref_outer_index=refmap)
+                new_graphdef, new_flat = graphlib.flatten(t.node, with_paths=True, ref_outer_index=refmap)
+                leaves = list(new_flat.leaves)
+                if shardings[ordinal] is not None:  # each new leaf gets its path's in_sharding
+                    by_path = dict(zip(map(tuple, t.paths), shardings[ordinal]))
+                    leaves = [_constrained(leaf, by_path.get(tuple(p))) for p, leaf in zip(new_flat.paths, leaves)]
                 restructure.append((ordinal, new_graphdef, len(leaves)))
-                restructured += list(leaves)
+                restructured += leaves
                 continue
             per_leaf = shardings[ordinal]
-            for index, value in t.writes(everything=donated[ordinal]):
+            for index, value in t.writes(everything=everything[ordinal]):
                 if per_leaf is not None and per_leaf[index] is not None:
                     value = jax.lax.with_sharding_constraint(value, per_leaf[index])
                 writes.append((ordinal, index))
@@ -513,6 +521,18 @@ class TracedInputs:
 
         marked = jax.tree_util.tree_map(mark, out, is_leaf=_is_node)
         return marked, found[0], tuple(sub_objects)
+
+
+def _constrained(leaf: Any, sharding: Any) -> Any:
+    """`leaf` (a Variable or a raw value, inside a trace) constrained to `sharding`."""
+    if sharding is None:
+        return leaf
+    if isinstance(leaf, Variable):
+        leaf.set_raw_value(jax.lax.with_sharding_constraint(leaf.get_raw_value(), sharding))
+        return leaf
+    if isinstance(leaf, jax.Array):
+        return jax.lax.with_sharding_constraint(leaf, sharding)
+    return leaf
 
 
 def _joint_structure_error(arg_name: str) -> FastcallError:
@@ -639,15 +659,34 @@ def _object_at(root: Any, index: int) -> Any:
 # Shardings
 
 
+def _structured_prefix(prefix: Any) -> dict[tuple[Any, ...], Any] | None:
+    """Variable path -> sharding for a prefix shaped like an NNX object: what
+    `nnx.prefix(obj, ..., graph=False)` returns (an object of obj's type whose Variables
+    hold shardings) or `graph=True` returns (a TreeState holding a State of shardings).
+    None for anything else (a single Sharding, an nnx.StateSharding, a flat list)."""
+    state = getattr(prefix, "__state__", None)
+    if state is not None and type(prefix).__name__ == "TreeState":
+        return {tuple(path): value for path, value in nnx.to_flat_state(state)}
+    if _is_node(prefix):
+        flat = graphlib.flatten(prefix, with_paths=True)[1]
+        return {
+            tuple(path): raw_value(v) if isinstance(v, Variable) else v for path, v in zip(flat.paths, flat.leaves)
+        }
+    return None
+
+
 def leaf_shardings(spec: NodeSpec, prefix: Any) -> list[Any]:
     """One sharding per leaf of an NNX argument, from an `nnx.StateSharding` (checked
-    against each Variable's path and type, as nnx.jit does) or from an `nnx.prefix`
-    result (one entry per leaf, in flatten order)."""
+    against each Variable's path and type, as nnx.jit does), from an `nnx.prefix` result
+    (matched by Variable path), or from a flat list (one entry per leaf, in flatten order)."""
     n = spec.n_dyn
+    placeholder = graphlib.unflatten(spec.graphdef, [None] * n)
+    flat = graphlib.flatten(placeholder, with_paths=True)[1]
     if hasattr(prefix, "map_prefix") and hasattr(prefix, "filters"):
-        placeholder = graphlib.unflatten(spec.graphdef, [None] * n)
-        flat = graphlib.flatten(placeholder, with_paths=True)[1]
         return [prefix.map_prefix(path, leaf) for path, leaf in zip(flat.paths, flat.leaves)]
+    by_path = _structured_prefix(prefix)
+    if by_path is not None:
+        return [by_path.get(tuple(path)) for path in flat.paths]
     leaves = jax.tree_util.tree_leaves(prefix, is_leaf=lambda x: x is None)
     if len(leaves) != n:
         raise FastcallError(
@@ -660,11 +699,18 @@ def leaf_shardings(spec: NodeSpec, prefix: Any) -> list[Any]:
 
 def constrain(node: Any, sharding: Any) -> None:
     """Constrain the values of `node`'s Variables (inside a trace) to `sharding`: one jax
-    Sharding for all, or an nnx.StateSharding mapping each Variable by path and type."""
+    Sharding for all, an nnx.StateSharding mapping each Variable by path and type, or an
+    `nnx.prefix` result for an object of this structure (matched by Variable path)."""
     flat = graphlib.flatten(node, with_paths=True)[1]
+    by_path = _structured_prefix(sharding)
     for path, leaf in zip(flat.paths, flat.leaves):
         if not isinstance(leaf, Variable):
             continue
-        target = sharding.map_prefix(path, leaf) if hasattr(sharding, "map_prefix") else sharding
+        if by_path is not None:
+            target = by_path.get(tuple(path))
+        elif hasattr(sharding, "map_prefix"):
+            target = sharding.map_prefix(path, leaf)
+        else:
+            target = sharding
         if target is not None:
             leaf.set_raw_value(jax.lax.with_sharding_constraint(leaf.get_raw_value(), target))

@@ -126,6 +126,7 @@ def nnx_checks():
         opt.update(model, g)
         return loss
 
+    uncommitted = nnx.Linear(16, 32, rngs=nnx.Rngs(0)), nnx.Linear(16, 32, rngs=nnx.Rngs(0))
     with jax.set_mesh(mesh):
         # The reference: eager execution on unsharded copies of the same initial weights.
         ref_model = Block(nnx.Rngs(0))
@@ -184,6 +185,33 @@ def nnx_checks():
         close(ya, yb)
         same_shardings(ya, yb)
         same_shardings(nnx.state(a3), nnx.state(b3))
+        # A module created inside and returned, with out_shardings given as nnx.prefix in
+        # both of its forms: each Variable gets its own path's sharding (not its neighbour's).
+        kernel_sh, bias_sh = NamedSharding(mesh, P("data", "model")), NamedSharding(mesh, P("model"))
+        dummy = nnx.Linear(16, 32, rngs=nnx.Rngs(0))
+        by_path = {nnx.PathContains("kernel"): kernel_sh, nnx.PathContains("bias"): bias_sh}
+
+        def create():
+            return nnx.Linear(16, 32, rngs=nnx.Rngs(0))
+
+        for graph in (False, True):
+            prefix = nnx.prefix(dummy, by_path, graph=graph)
+            made = fastcall.jit(create, out_shardings=prefix)()
+            ref = nnx.jit(create, out_shardings=prefix, graph=graph, graph_updates=False)()
+            assert made.kernel.get_raw_value().sharding.is_equivalent_to(kernel_sh, 2), (graph, made.kernel)
+            assert made.bias.get_raw_value().sharding.is_equivalent_to(bias_sh, 1), (graph, made.bias)
+            same_shardings(nnx.state(made), nnx.state(ref))
+            close(nnx.state(made), nnx.state(ref))
+        # in_shardings: every Variable of the argument ends with its sharding, changed or
+        # not, and one replaced by a raw array inside too (as nnx.jit).
+        def replace_kernel(m):
+            m.kernel = m.kernel[...] * 1.0
+
+        c, d = uncommitted  # (created outside the mesh: not committed to another sharding)
+        fastcall.jit(replace_kernel, in_shardings=(nnx.StateSharding(by_path),))(c)
+        nnx.jit(replace_kernel, in_shardings=(nnx.StateSharding(by_path),))(d)
+        assert c.kernel.sharding.is_equivalent_to(kernel_sh, 2) and c.bias.get_raw_value().sharding.is_equivalent_to(bias_sh, 1)
+        same_shardings(nnx.state(c), nnx.state(d))
         serve = fastcall.partial(lambda m, x: m(x), ours)
         out = serve(xs)
         close(out, ref_model(x))
