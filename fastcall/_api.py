@@ -8,6 +8,7 @@ shared by equal functions, and builds the wrapper (`_dispatch.make_wrapper`).
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, ParamSpec, Protocol, Sequence, TypeVar, overload
 
 import equinox as eqx
@@ -215,6 +216,15 @@ def filter_jit(fun: Callable | None = None, *, donate: Donate = "none") -> Any:
 def _wrap(fun: Any, options: Any) -> Any:
     if not callable(fun):
         raise TypeError(f"fastcall.jit expects a callable, got {type(fun).__name__}.")
+    if inspect.ismethod(fun) and _nnx_gate.is_node(fun.__self__):
+        # The object would be closed over: its state neither traced nor written back, and
+        # its current weights baked into the program (stale after an update). As nnx.jit.
+        raise ValueError(
+            f"fastcall.jit: {fun.__qualname__} is a bound method of an NNX object; bound methods "
+            "are not supported (the object's state would not be tracked). Decorate the method "
+            "in the class body (@fastcall.jit def method(self, ...)), or wrap the unbound method "
+            "and pass the object: fastcall.jit(type(obj).method)(obj, ...)."
+        )
     user_fun = fun
     if options.out_shardings is not UNSPECIFIED:
         fun = _OutShardings(fun, options.out_shardings)

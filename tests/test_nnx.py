@@ -763,3 +763,25 @@ def test_nnx_cached_partial_over_a_fastcall_function():
     for i in range(3):
         assert_trees_equal(f(jnp.ones(2) * i), g(jnp.ones(2) * i))
         assert_same_state(ours, theirs)
+
+
+def test_bound_method_of_an_nnx_object_is_refused_as_nnx_jit_refuses_it():
+    class M(nnx.Module):
+        def __init__(self):
+            self.linear = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+
+        def apply(self, x):
+            return self.linear(x)
+
+        @fastcall.jit
+        def decorated(self, x):
+            return self.linear(x)
+
+    m = M()
+    with pytest.raises(ValueError, match="bound methods"):
+        nnx.jit(m.apply)
+    with pytest.raises(ValueError, match="bound methods"):
+        fastcall.jit(m.apply)
+    x = jnp.ones(2)
+    assert_trees_equal(fastcall.jit(M.apply)(m, x), m.linear(x))  # the unbound method
+    assert_trees_equal(m.decorated(x), m.linear(x))  # the decorated method

@@ -339,6 +339,17 @@ def test_shape_drift_warns():
             f(jnp.ones(n))
 
 
+def test_no_warning_for_many_structures():
+    """Calling one function with many structures is ordinary use (equinox's own
+    test_filter_jvp does it), not a storm: under filterwarnings=error it must not fail."""
+    f = fastcall.jit(lambda xs: sum(x.sum() for x in xs))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for n in range(1, 12):
+            f(tuple(jnp.ones(2) for _ in range(n)))
+    assert f.stats().compiles == 11
+
+
 def test_no_warning_for_a_few_recompiles():
     f = fastcall.jit(lambda x, n: x * n)
     with warnings.catch_warnings():
