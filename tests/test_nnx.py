@@ -785,3 +785,30 @@ def test_bound_method_of_an_nnx_object_is_refused_as_nnx_jit_refuses_it():
     x = jnp.ones(2)
     assert_trees_equal(fastcall.jit(M.apply)(m, x), m.linear(x))  # the unbound method
     assert_trees_equal(m.decorated(x), m.linear(x))  # the decorated method
+
+
+def _is_node(x):
+    return isinstance(x, (nnx.Module, nnx.Variable))
+
+
+def test_new_nnx_objects_returned_are_real_objects():
+    """Created inside and returned: alone, in a tuple, as a bare Variable, from a function
+    without arguments; the same types, values and state as under nnx.jit."""
+    x = jnp.arange(3.0)
+    cases = [
+        (lambda: nnx.Linear(1, 2, rngs=nnx.Rngs(0)), ()),
+        (lambda x: nnx.Param(x * 2), (x,)),
+        (lambda x: (nnx.Linear(3, 2, rngs=nnx.Rngs(1)), x + 1), (x,)),
+        (lambda x: [nnx.BatchNorm(3, rngs=nnx.Rngs(2)), {"v": nnx.Variable(x)}], (x,)),
+    ]
+    for make, args in cases:
+        ours, theirs = fastcall.jit(make)(*args), nnx.jit(make)(*args)
+        for a, b in zip(jax.tree_util.tree_leaves(ours, is_leaf=_is_node),
+                        jax.tree_util.tree_leaves(theirs, is_leaf=_is_node)):
+            assert type(a) is type(b)
+            if isinstance(a, nnx.Variable):
+                assert_trees_equal(a.get_raw_value(), b.get_raw_value())
+            elif isinstance(a, nnx.Module):
+                assert_same_state(a, b)
+            else:
+                assert_trees_equal(a, b)
