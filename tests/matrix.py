@@ -1,4 +1,4 @@
-"""Run the test suite against the oldest and newest supported dependency stacks.
+"""Run the test suite against pinned dependency stacks, oldest to newest supported.
 
     python tests/matrix.py                   # every point in POINTS
     python tests/matrix.py --point oldest    # one point (repeatable)
@@ -176,9 +176,9 @@ def run_point(name: str, work: pathlib.Path, stream: bool) -> Result:
         run([vpy, "-m", "pip", "install", "-q", "--upgrade", "pip"], log=log, timeout=600, env=env)
         proc = run([vpy, "-m", "pip", "install", "-v", f"{src}[test]", *pins], log=log, timeout=INSTALL_TIMEOUT_S, env=env)
         output = proc.stdout + proc.stderr
-        # compiler warnings (fastcall/_accel.c) and setuptools deprecation warnings, if any
+        # C compiler warnings (fastcall/_accel.c) and setuptools/pip deprecation warnings, if any
         res.build_warnings = sorted({line.strip() for line in output.splitlines()
-                                     if re.search(r"warning:|SetuptoolsDeprecationWarning", line)})
+                                     if re.search(r"\.[ch]:\d+:\d+: warning:|DeprecationWarning|DEPRECATION:", line)})
         if proc.returncode:
             errors = [line for line in output.splitlines() if "ERROR" in line or "error:" in line]
             raise PointFailed("pip install failed:\n" + "\n".join(errors[-20:] or output.splitlines()[-30:]))
