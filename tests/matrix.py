@@ -56,9 +56,10 @@ POINTS: dict[str, dict[str, str]] = {
 # Copied next to tests/ for the run: the suite reads them (bench/ and examples/ are
 # imported or run from the checkout root; README.md and .ci/run by tests/test_docs.py;
 # pyproject.toml holds the pytest settings and the mypy configuration).
+# Never fastcall/: pytest puts the run directory on sys.path, where it would shadow the
+# installed package.
 SUITE_FILES = ("tests", "bench", "examples", "README.md", ".ci", "pyproject.toml")
-# Never copied into the run directory: pytest puts that directory on sys.path, where a
-# fastcall/ would shadow the installed package.
+# Left out when the checkout is not a git work tree (else git decides what is source).
 SKIP_IN_SOURCE = {".git", ".venv", "venv", "build", "dist", "__pycache__", ".pytest_cache",
                   ".hypothesis", ".mypy_cache"}
 
@@ -87,35 +88,29 @@ class Result:
 
 def find_python(minor: str) -> pathlib.Path:
     """The interpreter for CPython `minor` ("3.11"): pyenv's highest 3.11.N, else python3.11 on PATH."""
-    pattern = re.compile(rf"^{re.escape(minor)}\.(\d+)$")
-    candidates: list[pathlib.Path] = []
     pyenv = shutil.which("pyenv")
     root = os.environ.get("PYENV_ROOT")
     if not root and pyenv:
         root = subprocess.run([pyenv, "root"], capture_output=True, text=True).stdout.strip()
-    if root and (pathlib.Path(root) / "versions").is_dir():
-        versions = sorted(
-            (int(m.group(1)), p.name)
-            for p in (pathlib.Path(root) / "versions").iterdir()
-            if (m := pattern.match(p.name))
-        )
-        for _, version in reversed(versions):
-            exe = pathlib.Path(root) / "versions" / version / "bin" / f"python{minor}"
+    exe = None
+    versions = pathlib.Path(root) / "versions" if root else None
+    if versions is not None and versions.is_dir():
+        pattern = re.compile(rf"{re.escape(minor)}\.(\d+)")
+        patches = sorted((int(m.group(1)), p.name) for p in versions.iterdir() if (m := pattern.fullmatch(p.name)))
+        if patches:
+            version = patches[-1][1]
+            exe = versions / version / "bin" / f"python{minor}"
             if pyenv:  # ask pyenv itself, as a user would
                 out = subprocess.run([pyenv, "which", f"python{minor}"], capture_output=True, text=True,
                                      env=dict(os.environ, PYENV_VERSION=version))
                 if out.returncode == 0 and out.stdout.strip():
                     exe = pathlib.Path(out.stdout.strip())
-            if exe.exists():
-                candidates.append(exe)
-                break
-    if not candidates and (on_path := shutil.which(f"python{minor}")):
-        candidates.append(pathlib.Path(on_path))
-    if not candidates:
-        raise PointFailed(
-            f"no CPython {minor} found: install it (e.g. `pyenv install {minor}`) or put python{minor} on PATH"
-        )
-    exe = candidates[0]
+    if exe is None or not exe.exists():
+        on_path = shutil.which(f"python{minor}")
+        exe = pathlib.Path(on_path) if on_path else None
+    if exe is None:
+        raise PointFailed(f"no CPython {minor} found (pyenv root: {root or 'none'}): install it, e.g. "
+                          f"`pyenv install {minor}`, or put python{minor} on PATH")
     got = subprocess.run([str(exe), "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
                          capture_output=True, text=True).stdout.strip()
     if got != minor:
