@@ -82,7 +82,7 @@ def current_trace_has_callback() -> bool:
     read, answers True: waiting is slower but never hides an error.
     """
     try:
-        frame = _trace_ctx.trace.frame  # type: ignore[union-attr]
+        frame = _trace_ctx.trace.frame  # type: ignore[union-attr]  # typed Trace | None in jax 0.8
         eqns = []
         for ref in frame.tracing_eqns:
             eqn = ref() if callable(ref) and not hasattr(ref, "primitive") else ref

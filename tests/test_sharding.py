@@ -11,6 +11,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import ROOT, child_env
 
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -23,6 +25,22 @@ def _env(devices: int) -> dict[str, str]:
 def test_data_and_model_parallel_on_eight_devices():
     proc = subprocess.run(
         [sys.executable, str(SCRIPTS / "sharded_check.py")],
+        env=_env(8),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "SHARDED CHECKS PASSED" in proc.stdout
+
+
+def test_in_shardings_with_nnx_prefix_on_eight_devices():
+    from flax import nnx
+
+    if not hasattr(nnx, "prefix"):
+        pytest.skip("nnx.prefix needs flax >= 0.12.7")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "sharded_check.py"), "prefix"],
         env=_env(8),
         capture_output=True,
         text=True,

@@ -117,6 +117,29 @@ class Block(nnx.Module):
         return self.l2(nnx.relu(self.l1(x)))
 
 
+def nnx_layout(mesh):
+    """How Block's parameters (and their Adam moments) are created: filters to shardings."""
+    return {
+        nnx.All(nnx.PathContains("l1"), nnx.PathContains("kernel")): NamedSharding(mesh, P(None, "model")),
+        nnx.All(nnx.PathContains("l2"), nnx.PathContains("kernel")): NamedSharding(mesh, P("model", None)),
+        ...: NamedSharding(mesh, P()),
+    }
+
+
+def nnx_prefix_checks():
+    """in_shardings with an nnx.prefix(...) result (flax >= 0.12.7), as nnx.jit takes it."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AUTO, AUTO))
+    x = jax.random.normal(jax.random.PRNGKey(1), (16, 16))
+    with jax.set_mesh(mesh):
+        data = NamedSharding(mesh, P("data"))
+        xs = jax.device_put(x, data)
+        a, b = Block(nnx.Rngs(0)), Block(nnx.Rngs(0))
+        prefix = nnx.prefix(a, nnx_layout(mesh))
+        f = fastcall.jit(lambda m, x: m(x), in_shardings=(prefix, data))
+        close(f(a, xs), nnx.jit(lambda m, x: m(x))(b, xs))
+        close(f(a, xs), Block(nnx.Rngs(0))(x))
+
+
 def nnx_checks():
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AUTO, AUTO))
     x = jax.random.normal(jax.random.PRNGKey(1), (16, 16))
@@ -150,14 +173,9 @@ def nnx_checks():
         same_shardings(nnx.state(ours), nnx.state(theirs))
         close(nnx.state(ours), nnx.state(ref_model))
         assert ours.l1.kernel.get_raw_value().sharding.is_equivalent_to(before, 2)
-        # in_shardings with nnx.StateSharding and nnx.prefix, as nnx.jit takes them
-        rep = NamedSharding(mesh, P())
+        # in_shardings with nnx.StateSharding, as nnx.jit takes it (nnx.prefix: nnx_prefix_checks)
         data = NamedSharding(mesh, P("data"))
-        layout = {  # how the parameters (and their Adam moments) were created
-            nnx.All(nnx.PathContains("l1"), nnx.PathContains("kernel")): NamedSharding(mesh, P(None, "model")),
-            nnx.All(nnx.PathContains("l2"), nnx.PathContains("kernel")): NamedSharding(mesh, P("model", None)),
-            ...: rep,
-        }
+        layout = nnx_layout(mesh)
         state_sharding = nnx.StateSharding(layout)
         opt_sharding = nnx.StateSharding(layout)
         a2, b2 = Block(nnx.Rngs(0)), Block(nnx.Rngs(0))
@@ -168,9 +186,6 @@ def nnx_checks():
             close(f2(a2, oa2, xs, ys), g2(b2, ob2, xs, ys))
         same_shardings(nnx.state(a2), nnx.state(b2))
         close(nnx.state(a2), nnx.state(b2))
-        prefix = nnx.prefix(a2, layout)
-        f3 = fastcall.jit(lambda m, x: m(x), in_shardings=(prefix, data))
-        close(f3(a2, xs), nnx.jit(lambda m, x: m(x))(b2, xs))
         # out_shardings with an nnx.StateSharding for a returned module, as nnx.jit takes it
         def touch(m, x):
             m.l1.bias[...] = m.l1.bias[...] + 0.0 * x.sum()
@@ -219,7 +234,10 @@ def nnx_checks():
 
 
 if __name__ == "__main__":
-    equinox_checks()
-    nnx_checks()
+    if sys.argv[1:] == ["prefix"]:
+        nnx_prefix_checks()
+    else:
+        equinox_checks()
+        nnx_checks()
     print("SHARDED CHECKS PASSED")
     sys.exit(0)
