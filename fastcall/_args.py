@@ -27,6 +27,7 @@ class Resolved(NamedTuple):
     nnx_args: list[Any]  # the adapter's NnxArg per NNX argument, for write-back
     args: tuple[Any, ...]  # the positional arguments (keywords bound to positions where possible)
     kwargs: dict[str, Any]
+    first_known: bool  # the first argument was in the identity cache before this call
 
 
 def resolve_call(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Resolved | None:
@@ -51,6 +52,10 @@ def _resolve_all(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...],
     nnx_args: list[Any] = []
     static_argnums = state.static_argnums
     trace_scalars = state.options.trace_scalars
+    first_known = False
+    if args:
+        hit = _flatten.by_id.get(id(args[0]))
+        first_known = hit is not None and hit.ref() is args[0]
     for i, a in enumerate(args):
         if i in static_argnums:
             key.append(static_spec(a, state.arg_name(i)).id)
@@ -67,7 +72,7 @@ def _resolve_all(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...],
                 key.append(static_spec(kwargs[name], name).id)
             else:
                 key.append(resolve(kwargs[name], leaves, name, nnx_args, joint, trace_scalars))
-    return Resolved(leaves, tuple(key), nnx_args, args, kwargs)
+    return Resolved(leaves, tuple(key), nnx_args, args, kwargs, first_known)
 
 
 def resolve(

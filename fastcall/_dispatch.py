@@ -89,6 +89,8 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
             return
         node.fast[state] = FastRecord(len(args), entry.fn, node.items, _fast_post(entry))
         return
+    if not resolved.first_known:
+        return  # seen for the first time: a record waits for its second use (most die first)
     hit = _flatten.by_id.get(id(first))
     if hit is None:
         return

@@ -29,14 +29,16 @@ def test_same_equinox_model_takes_the_fast_path(hot_path):
     f = fastcall.jit(forward)
     x = jnp.ones(4)
     out, path = served(f, m, x)
-    assert path == "general"  # first call: resolved and compiled
+    assert path == "general"  # first call: resolved, compiled, cached by identity
+    out, path = served(f, m, x)
+    assert path == "general"  # seen before: its fast record is installed now
     out2, path2 = served(f, m, x)
     assert path2 == FAST_PATH[hot_path]
     assert_trees_equal(out2, m(x))
     assert_trees_equal(out2, eqx.filter_jit(forward)(m, x))
     # Another model of the same structure is a new object: general path, then fast.
     m2 = eqx.nn.MLP(4, 3, 8, 2, key=jax.random.PRNGKey(1))
-    assert served(f, m2, x)[1] == "general"
+    assert [served(f, m2, x)[1] for _ in range(2)] == ["general", "general"]
     out3, path3 = served(f, m2, x)
     assert path3 == FAST_PATH[hot_path]
     assert_trees_equal(out3, m2(x))
@@ -132,7 +134,7 @@ def test_disable_accel_environment_variable():
         "import jax, jax.numpy as jnp, equinox as eqx, fastcall\n"
         "f = fastcall.jit(lambda m, x: m(x))\n"
         "m = eqx.nn.Linear(2, 2, key=jax.random.PRNGKey(0))\n"
-        "f(m, jnp.ones(2)); f(m, jnp.ones(2))\n"
+        "f(m, jnp.ones(2)); f(m, jnp.ones(2)); f(m, jnp.ones(2))\n"
         "print(type(f).__name__, f.stats().paths['python_fast'], f.stats().paths['c_fast'])\n"
     )
     env = dict(os.environ, FASTCALL_DISABLE_ACCEL="1")
