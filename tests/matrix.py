@@ -177,6 +177,10 @@ def run_point(name: str, work: pathlib.Path, stream: bool) -> Result:
         if proc.returncode:
             errors = [line for line in output.splitlines() if "ERROR" in line or "error:" in line]
             raise PointFailed("pip install failed:\n" + "\n".join(errors[-20:] or output.splitlines()[-30:]))
+        # The C extension must build cleanly on every supported Python (no deprecated API).
+        accel_warnings = [line for line in res.build_warnings if "_accel.c" in line]
+        if accel_warnings:
+            raise PointFailed("fastcall/_accel.c built with warnings:\n" + "\n".join(accel_warnings))
 
         # What was installed, and where fastcall and its C extension come from.
         probe = (
