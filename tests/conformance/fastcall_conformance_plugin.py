@@ -96,14 +96,18 @@ def _apply_patch() -> dict[str, str]:
     patched: dict[str, str] = {}
     if _PEER == "flax":
         import flax.nnx
-        import flax.nnx.compat
 
         _originals["flax.nnx.jit"] = flax.nnx.jit
-        _originals["flax.nnx.compat.jit"] = flax.nnx.compat.jit
         flax.nnx.jit = fastcall.jit
-        flax.nnx.compat.jit = functools.partial(fastcall.jit, graph=True, graph_updates=True)
         patched["flax.nnx.jit"] = "fastcall.jit"
-        patched["flax.nnx.compat.jit"] = "functools.partial(fastcall.jit, graph=True, graph_updates=True)"
+        try:  # flax.nnx.compat arrived in flax 0.12.7
+            import flax.nnx.compat
+        except ImportError:
+            pass
+        else:
+            _originals["flax.nnx.compat.jit"] = flax.nnx.compat.jit
+            flax.nnx.compat.jit = functools.partial(fastcall.jit, graph=True, graph_updates=True)
+            patched["flax.nnx.compat.jit"] = "functools.partial(fastcall.jit, graph=True, graph_updates=True)"
     elif _PEER == "equinox":
         import equinox
 

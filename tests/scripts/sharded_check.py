@@ -127,7 +127,8 @@ def nnx_layout(mesh):
 
 
 def nnx_prefix_checks():
-    """in_shardings with an nnx.prefix(...) result (flax >= 0.12.7), as nnx.jit takes it."""
+    """in_shardings and out_shardings with nnx.prefix(...) results (flax >= 0.12.7), as
+    nnx.jit takes them."""
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AUTO, AUTO))
     x = jax.random.normal(jax.random.PRNGKey(1), (16, 16))
     with jax.set_mesh(mesh):
@@ -138,6 +139,23 @@ def nnx_prefix_checks():
         f = fastcall.jit(lambda m, x: m(x), in_shardings=(prefix, data))
         close(f(a, xs), nnx.jit(lambda m, x: m(x))(b, xs))
         close(f(a, xs), Block(nnx.Rngs(0))(x))
+        # A module created inside and returned, with out_shardings given as nnx.prefix in
+        # both of its forms: each Variable gets its own path's sharding (not its neighbour's).
+        kernel_sh, bias_sh = NamedSharding(mesh, P("data", "model")), NamedSharding(mesh, P("model"))
+        dummy = nnx.Linear(16, 32, rngs=nnx.Rngs(0))
+        by_path = {nnx.PathContains("kernel"): kernel_sh, nnx.PathContains("bias"): bias_sh}
+
+        def create():
+            return nnx.Linear(16, 32, rngs=nnx.Rngs(0))
+
+        for graph in (False, True):
+            prefix = nnx.prefix(dummy, by_path, graph=graph)
+            made = fastcall.jit(create, out_shardings=prefix)()
+            ref = nnx.jit(create, out_shardings=prefix, graph=graph, graph_updates=False)()
+            assert made.kernel.get_raw_value().sharding.is_equivalent_to(kernel_sh, 2), (graph, made.kernel)
+            assert made.bias.get_raw_value().sharding.is_equivalent_to(bias_sh, 1), (graph, made.bias)
+            same_shardings(nnx.state(made), nnx.state(ref))
+            close(nnx.state(made), nnx.state(ref))
 
 
 def nnx_checks():
@@ -200,23 +218,8 @@ def nnx_checks():
         close(ya, yb)
         same_shardings(ya, yb)
         same_shardings(nnx.state(a3), nnx.state(b3))
-        # A module created inside and returned, with out_shardings given as nnx.prefix in
-        # both of its forms: each Variable gets its own path's sharding (not its neighbour's).
         kernel_sh, bias_sh = NamedSharding(mesh, P("data", "model")), NamedSharding(mesh, P("model"))
-        dummy = nnx.Linear(16, 32, rngs=nnx.Rngs(0))
         by_path = {nnx.PathContains("kernel"): kernel_sh, nnx.PathContains("bias"): bias_sh}
-
-        def create():
-            return nnx.Linear(16, 32, rngs=nnx.Rngs(0))
-
-        for graph in (False, True):
-            prefix = nnx.prefix(dummy, by_path, graph=graph)
-            made = fastcall.jit(create, out_shardings=prefix)()
-            ref = nnx.jit(create, out_shardings=prefix, graph=graph, graph_updates=False)()
-            assert made.kernel.get_raw_value().sharding.is_equivalent_to(kernel_sh, 2), (graph, made.kernel)
-            assert made.bias.get_raw_value().sharding.is_equivalent_to(bias_sh, 1), (graph, made.bias)
-            same_shardings(nnx.state(made), nnx.state(ref))
-            close(nnx.state(made), nnx.state(ref))
         # in_shardings: every Variable of the argument ends with its sharding, changed or
         # not, and one replaced by a raw array inside too (as nnx.jit).
         def replace_kernel(m):
