@@ -309,6 +309,45 @@ def optimizer_step(name: str, description: str, width: int, depth: int, batch: i
     )
 
 
+# ---- NNX objects in other argument shapes: a lone Variable, containers ----
+
+
+def variable_arg(name: str, description: str, width: int) -> Workload:
+    """A Variable passed on its own (a Linear's kernel): `f(model.kernel, x)`."""
+    x = jnp.ones((1, width))
+
+    def f(v, x):
+        return x @ v[...]
+
+    def variant(wrap: Callable[[Any], Any]):
+        def make():
+            model = nnx.Linear(width, width, rngs=nnx.Rngs(0))
+            g = wrap(f)
+            getter = lambda: _state_leaves(model)  # noqa: E731 - only called when verifying
+            return lambda: (g(model.kernel, x), getter)
+
+        return make
+
+    def make_floor():
+        model = nnx.Linear(width, width, rngs=nnx.Rngs(0))
+        kernel = model.kernel[...]  # the Variable's one leaf, taken out once
+        g = jax.jit(lambda k, x: x @ k)
+        getter = lambda: _state_leaves(model)  # noqa: E731
+        return lambda: (g(kernel, x), getter)
+
+    return Workload(
+        name,
+        description,
+        [
+            Variant("eager", variant(lambda s: s), timed=False),
+            Variant("floor", make_floor, note="jax.jit on the kernel array"),
+            Variant("fastcall.jit", variant(fastcall.jit)),
+            Variant("nnx.jit", variant(nnx.jit)),
+        ],
+        _compare,
+    )
+
+
 def build(quick: bool) -> dict[str, Callable[[], Workload]]:
     x32 = jnp.ones((1, 32))
     out = {
@@ -340,6 +379,9 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
             jnp.ones((1, 16, 16, 3)),
             False,
             linen_cnn,
+        ),
+        "nnx_variable_arg": lambda: variable_arg(
+            "nnx_variable_arg", "an nnx.Variable (a Linear's 32x32 kernel) passed on its own: x @ v[...]", 32
         ),
     }
     if not quick:  # compute-bound sizes: what share of a step the overhead is
