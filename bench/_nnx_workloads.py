@@ -348,6 +348,46 @@ def variable_arg(name: str, description: str, width: int) -> Workload:
     )
 
 
+def functional(name: str, description: str, width: int, depth: int) -> Workload:
+    """Flax's recommended functional API: split once, `f(graphdef, state, x)` merges
+    inside the jitted function (the State is a container of Variables)."""
+    x = jnp.ones((1, width))
+
+    def f(graphdef, state, x):
+        model = nnx.merge(graphdef, state)
+        return model(x)
+
+    def variant(wrap: Callable[[Any], Any]):
+        def make():
+            graphdef, state = nnx.split(MLP(width, depth, nnx.Rngs(0)))
+            g = wrap(f)
+            getter = lambda: jax.tree_util.tree_leaves(state)  # noqa: E731 - only called when verifying
+            return lambda: (g(graphdef, state, x), getter)
+
+        return make
+
+    def make_floor():
+        graphdef, state = nnx.split(MLP(width, depth, nnx.Rngs(0)))
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        n = len(leaves)
+        g = jax.jit(lambda *a: f(graphdef, treedef.unflatten(a[:n]), a[n]))
+        getter = lambda: list(leaves)  # noqa: E731
+        return lambda: (g(*leaves, x), getter)
+
+    return Workload(
+        name,
+        description,
+        [
+            Variant("eager", variant(lambda s: s), timed=False),
+            Variant("floor", make_floor, note="jax.jit on the flat state leaves"),
+            Variant("fastcall.jit", variant(fastcall.jit)),
+            Variant("nnx.jit", variant(nnx.jit)),
+            Variant("jax.jit(static_argnums=0)", variant(lambda s: jax.jit(s, static_argnums=0))),
+        ],
+        _compare,
+    )
+
+
 def build(quick: bool) -> dict[str, Callable[[], Workload]]:
     x32 = jnp.ones((1, 32))
     out = {
@@ -382,6 +422,9 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
         ),
         "nnx_variable_arg": lambda: variable_arg(
             "nnx_variable_arg", "an nnx.Variable (a Linear's 32x32 kernel) passed on its own: x @ v[...]", 32
+        ),
+        "nnx_functional": lambda: functional(
+            "nnx_functional", "functional API: f(graphdef, state, x) merges inside jit, NNX MLP w32 d3", 32, 3
         ),
     }
     if not quick:  # compute-bound sizes: what share of a step the overhead is
