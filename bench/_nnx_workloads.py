@@ -388,6 +388,78 @@ def functional(name: str, description: str, width: int, depth: int) -> Workload:
     )
 
 
+def _write_back_floor(objects: Any, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    """The floor for a step that writes NNX state back: jax.jit on the flat state leaves of
+    `objects` (split together, so shared Variables stay shared), only the changed leaves
+    returned and rebound by hand, as `optimizer_step`'s floor does. `fn(objects, *args)`."""
+    graphdef, state = nnx.split(objects)
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    n = len(leaves)
+    changed: list[int] = []  # state leaves the step replaces (found at trace time)
+
+    def flat(*a):
+        objs = nnx.merge(graphdef, treedef.unflatten(a[:n]))
+        out = fn(objs, *a[n:])
+        new = jax.tree_util.tree_leaves(nnx.state(objs))
+        changed[:] = [i for i in range(n) if new[i] is not a[i]]
+        return (out, *[new[i] for i in changed])
+
+    f = jax.jit(flat)
+    current = list(leaves)
+
+    def run():
+        out = f(*current, *args)
+        for i, v in zip(changed, out[1:]):
+            current[i] = v
+        return out[0], lambda: list(current)
+
+    return run
+
+
+def optimizer_tuple_step(name: str, description: str, width: int, depth: int, batch: int) -> Workload:
+    """`optimizer_step` with `(model, optimizer)` passed as one tuple argument."""
+    x = jnp.ones((batch, width))
+    y = jnp.zeros((batch, width))
+
+    def build():
+        model = MLP(width, depth, nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+    def loss_fn(model, x, y):
+        return jnp.mean((model(x) - y) ** 2)
+
+    def step(mo, x, y):
+        model, optimizer = mo
+        loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+        optimizer.update(model, grads)
+        return loss
+
+    def variant(wrap: Callable[[Any], Any]):
+        def make():
+            model, opt = build()
+            f = wrap(step)
+            getter = lambda: _state_leaves(model) + _state_leaves(opt)  # noqa: E731
+            return lambda: (f((model, opt), x, y), getter)
+
+        return make
+
+    return Workload(
+        name,
+        description,
+        [
+            Variant("eager", variant(lambda s: s), timed=False),
+            Variant(
+                "floor",
+                lambda: _write_back_floor(build(), step, x, y),
+                note="jax.jit on flat state leaves, changed state returned and rebound",
+            ),
+            Variant("fastcall.jit", variant(fastcall.jit)),
+            Variant("nnx.jit", variant(nnx.jit)),
+        ],
+        _compare,
+    )
+
+
 def build(quick: bool) -> dict[str, Callable[[], Workload]]:
     x32 = jnp.ones((1, 32))
     out = {
@@ -412,6 +484,9 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
             True,
         ),
         "nnx_train": lambda: optimizer_step("nnx_train", "NNX MLP w32 d3 + nnx.Optimizer(adam) step", 32, 3, 8),
+        "nnx_train_tuple": lambda: optimizer_tuple_step(
+            "nnx_train_tuple", "nnx_train with (model, optimizer) passed as one tuple argument", 32, 3, 8
+        ),
         "cnn": lambda: forward(
             "cnn",
             "small CNN (2 conv 3x3, 16 channels) on one 16x16 image: NNX vs Linen, same weights",
