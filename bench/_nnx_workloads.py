@@ -69,6 +69,51 @@ class TinyDecoder(nnx.Module):
         return jnp.argmax(self.out(ctx + h)).astype(jnp.int32)
 
 
+class LayerCache(nnx.Module):
+    """One layer's KV cache, held outside the model (as bonsai publishes `list[LayerCache]`)."""
+
+    def __init__(self, max_len: int, dim: int):
+        self.k = nnx.Cache(jnp.zeros((max_len, dim)))
+        self.v = nnx.Cache(jnp.zeros((max_len, dim)))
+        self.index = nnx.Cache(jnp.zeros((), jnp.int32))
+        self.max_len = max_len
+
+    def write(self, k, v):
+        """Store one token's k, v at the counter, advance it; return the slot written."""
+        i = self.index[...] % self.max_len  # wraps around: timing runs many steps
+        self.k[...] = jax.lax.dynamic_update_slice(self.k[...], k[None], (i, 0))
+        self.v[...] = jax.lax.dynamic_update_slice(self.v[...], v[None], (i, 0))
+        self.index[...] = self.index[...] + 1
+        return i
+
+
+class CachedAttention(nnx.Module):
+    def __init__(self, dim: int, rngs: nnx.Rngs):
+        self.q = nnx.Linear(dim, dim, rngs=rngs)
+        self.k = nnx.Linear(dim, dim, rngs=rngs)
+        self.v = nnx.Linear(dim, dim, rngs=rngs)
+
+    def __call__(self, h, cache: LayerCache):
+        i = cache.write(self.k(h), self.v(h))
+        scores = jnp.where(jnp.arange(cache.max_len) <= i, cache.k[...] @ self.q(h), -jnp.inf)
+        return jax.nn.softmax(scores) @ cache.v[...]
+
+
+class ListCacheDecoder(nnx.Module):
+    """A decoder of `layers` attention layers whose caches are passed in, one per layer."""
+
+    def __init__(self, vocab: int, dim: int, layers: int, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(vocab, dim, rngs=rngs)
+        self.layers = nnx.List([CachedAttention(dim, rngs) for _ in range(layers)])
+        self.out = nnx.Linear(dim, vocab, rngs=rngs)
+
+    def __call__(self, token, caches: list[LayerCache]):
+        h = self.embed(token)
+        for layer, cache in zip(self.layers, caches):
+            h = h + layer(h, cache)
+        return jnp.argmax(self.out(h)).astype(jnp.int32)
+
+
 def _state_leaves(model: Any) -> list[Any]:
     return jax.tree_util.tree_leaves(nnx.state(model))
 
@@ -460,6 +505,45 @@ def optimizer_tuple_step(name: str, description: str, width: int, depth: int, ba
     )
 
 
+def kv_list_step(name: str, description: str, vocab: int, dim: int, layers: int, max_len: int) -> Workload:
+    """A decode step `step(model, caches, token)` with `caches` a plain list of LayerCache
+    modules, each written back every call."""
+    token = jnp.asarray(3, jnp.int32)
+
+    def build():
+        model = ListCacheDecoder(vocab, dim, layers, nnx.Rngs(0))
+        return model, [LayerCache(max_len, dim) for _ in range(layers)]
+
+    def step(model, caches, token):
+        return model(token, caches)
+
+    def variant(wrap: Callable[[Any], Any]):
+        def make():
+            model, caches = build()
+            f = wrap(step)
+            getter = lambda: _state_leaves(model) + _state_leaves(caches)  # noqa: E731
+            return lambda: (f(model, caches, token), getter)
+
+        return make
+
+    return Workload(
+        name,
+        description,
+        [
+            Variant("eager", variant(lambda s: s), timed=False),
+            Variant(
+                "floor",
+                lambda: _write_back_floor(build(), lambda mc, t: step(*mc, t), token),
+                note="jax.jit on the flat state leaves, changed cache arrays returned and rebound",
+            ),
+            Variant("fastcall.jit", variant(fastcall.jit)),
+            Variant("nnx.jit", variant(nnx.jit)),
+        ],
+        _compare,
+        check_steps=5,  # the cache fills a slot per step: compare it after several
+    )
+
+
 def build(quick: bool) -> dict[str, Callable[[], Workload]]:
     x32 = jnp.ones((1, 32))
     out = {
@@ -482,6 +566,14 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
             lambda: TinyDecoder(64, 32, 64, nnx.Rngs(0)),
             jnp.asarray(3, jnp.int32),
             True,
+        ),
+        "nnx_kv_list": lambda: kv_list_step(
+            "nnx_kv_list",
+            "decode step over a plain list of 4 per-layer KV-cache modules (us/token; caches written back)",
+            64,
+            32,
+            4,
+            64,
         ),
         "nnx_train": lambda: optimizer_step("nnx_train", "NNX MLP w32 d3 + nnx.Optimizer(adam) step", 32, 3, 8),
         "nnx_train_tuple": lambda: optimizer_tuple_step(

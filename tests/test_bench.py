@@ -77,7 +77,7 @@ def test_cross_framework_workloads_are_proven_equal():
 # Workloads whose fastcall.jit variant passes NNX objects inside a container: until
 # fastcall supports that, it refuses them with a FastcallError (the bench reports the
 # variant as FAILED, never timed); once it does, it must verify like every other variant.
-CONTAINER_WORKLOADS = ("nnx_functional", "nnx_train_tuple")
+CONTAINER_WORKLOADS = ("nnx_functional", "nnx_train_tuple", "nnx_kv_list")
 
 
 @pytest.mark.parametrize("name", ["nnx_variable_arg", *CONTAINER_WORKLOADS])
