@@ -73,7 +73,6 @@ def test_cross_framework_workloads_are_proven_equal():
         assert all(e is None for e in errors.values()), errors
 
 
-
 # Workloads whose fastcall.jit variant passes NNX objects inside a container: until
 # fastcall supports that, it refuses them with a FastcallError (the bench reports the
 # variant as FAILED, never timed); once it does, it must verify like every other variant.
@@ -92,6 +91,7 @@ def test_nnx_argument_shape_workloads_are_proven_equal(name):
         assert subject.startswith("FastcallError") and "inside a container" in subject, subject
     else:
         assert subject is None, subject
+
 
 def test_a_wrong_layout_conversion_is_caught():
     """Using the Equinox kernel without transposing it to Flax's layout must fail the check."""
