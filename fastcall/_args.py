@@ -110,13 +110,8 @@ def resolve(
     spec, dynamic = _flatten.flatten_generic(value, arg_name, trace_scalars)
     if contains_tracer(dynamic):
         raise StepAside
-    if spec.has_nnx:
-        raise FastcallError(
-            f"fastcall.jit: {describe_arg(arg_name)} holds NNX objects inside a container "
-            f"({type(value).__name__}). fastcall tracks NNX state (values read, changes "
-            "written back) only for NNX objects passed directly as arguments: pass each "
-            "module, Optimizer or Rngs as its own argument."
-        )
+    if spec.has_nnx:  # NNX objects inside a container: each read as if passed on its own
+        return _nnx_gate.adapter().read_container(value, leaves, arg_name, nnx_args, joint, trace_scalars)
     leaves.extend(dynamic)
     if not spec.rule_free:
         return spec.id  # (caches are shared by functions of either scalar rule)

@@ -86,26 +86,34 @@ def build(state: Any, key: tuple[Any, ...], fun: Any, varies: bool = False) -> E
     # their input sharding (as nnx.jit).
     in_shardings = state.options.in_shardings
     slot_shardings = None if in_shardings is UNSPECIFIED else _leaf_shardings(in_shardings, all_specs)
-    nnx_slots = [slot for slot, sp in enumerate(all_specs) if sp.kind == "nnx"]
-    nnx_shardings = [slot_shardings[slot] if slot_shardings is not None else None for slot in nnx_slots]
-    # Per NNX argument: is every Variable returned and written back? For a donated one,
-    # so that the caller's Variables stay usable; for one with in_shardings, so that each
-    # Variable ends up with its sharding, unchanged ones included (as nnx.jit does).
-    nnx_everything = [
-        slot in donated or (per_leaf is not None and any(sh is not None for sh in per_leaf))
-        for slot, per_leaf in zip(nnx_slots, nnx_shardings)
-    ]
+    # Per NNX object of the call (arguments, and objects inside container arguments, in
+    # order): its leaves' in_shardings, and whether every Variable is returned and written
+    # back: for a donated one, so that the caller's Variables stay usable; for one with
+    # in_shardings, so that each Variable ends up with its sharding (as nnx.jit does).
+    has_nnx = any(sp.kind in ("nnx", "nnx-tree") for sp in all_specs)
+    nnx_shardings: list[Any] = []
+    nnx_everything: list[bool] = []
+    for slot, sp in enumerate(all_specs):
+        per_leaf = slot_shardings[slot] if slot_shardings is not None else None
+        for start, node in sp.nnx_objects() if sp.kind in ("nnx", "nnx-tree") else ():
+            node_leaves = per_leaf[start : start + node.n_dyn] if per_leaf is not None else None
+            nnx_shardings.append(node_leaves)
+            nnx_everything.append(
+                slot in donated or (node_leaves is not None and any(sh is not None for sh in node_leaves))
+            )
     # Weakly: jax may keep the traced function alive longer than the wrapped function.
     state_ref = weakref.ref(state)
 
     def flat_fn(*dyn: Any) -> Any:
         values = []
-        nnx_inputs = _nnx_gate.adapter().TracedInputs() if nnx_slots else None
+        nnx_inputs = _nnx_gate.adapter().TracedInputs() if has_nnx else None
         start = 0
         for spec, n, arg_name in zip(all_specs, counts, ["fun"] + arg_names):
             segment = dyn[start : start + n]
             if nnx_inputs is not None and spec.kind == "nnx":
                 values.append(nnx_inputs.rebuild(spec, segment, arg_name))
+            elif nnx_inputs is not None and spec.kind == "nnx-tree":
+                values.append(nnx_inputs.rebuild_tree(spec, segment, arg_name))
             else:
                 values.append(spec.rebuild(segment))
             start += n
@@ -172,7 +180,7 @@ def _leaf_shardings(shardings: Any, all_specs: list[Any]) -> list[list[Any]]:
             entry = shardings[slot - 1] if 0 < slot <= len(shardings) else None
         if entry is None or isinstance(entry, jax.sharding.Sharding):
             per_slot.append([entry] * spec.n_dyn)
-        elif spec.kind == "nnx":
+        elif spec.kind in ("nnx", "nnx-tree"):
             per_slot.append(_nnx_gate.adapter().leaf_shardings(spec, entry))
         elif spec.kind == "tree":  # a pytree prefix of the argument
             full = spec.treedef.unflatten([object()] * len(spec.mask))

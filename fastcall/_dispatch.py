@@ -83,7 +83,9 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
             return  # every other argument must be a plain array
     first = args[0]
     if resolved.nnx_args:
-        (nnx_arg,) = resolved.nnx_args
+        if len(resolved.nnx_args) != 1:
+            return  # (NNX objects in the other, plain-array arguments? none can be)
+        nnx_arg = resolved.nnx_args[0]
         node = nnx_arg.entry
         if nnx_arg.obj is not first or node is None or not node.direct or state in node.fast:
             return

@@ -43,8 +43,12 @@ from flax.nnx.variablelib import Variable
 
 from . import _fast, _nnx_hooks
 from ._errors import FastcallError, describe_arg
+from ._flatten import ARRAY_TYPES as _ARRAY_TYPES
+from ._flatten import PY_SCALARS as _PY_SCALARS
 from ._flatten import ArrayImpl, intern
-from ._trace import StepAside, contains_tracer
+from ._flatten import leaf_key as _leaf_key
+from ._flatten import spec_by_id as _spec_by_id
+from ._trace import StepAside, Tracer, contains_tracer
 
 # --------------------------------------------------------------------------
 # Watching for structure changes
@@ -274,11 +278,13 @@ _GRAPH_CONTEXT: Any = graphlib.GRAPH_CONTEXT  # (thread-local)
 
 
 class NnxArg(NamedTuple):
-    """An NNX argument of one call, for writing state back after it."""
+    """An NNX object of one call (an argument, or an object inside a container
+    argument), for writing state back after it."""
 
     obj: Any  # the caller's object
     variables: list[Any]  # its Variables (and raw leaves) in flatten order
     entry: NodeEntry | None  # its cache entry (None: flattened afresh for this call)
+    ids: frozenset[int] = frozenset()  # (flattened afresh) ids of its nodes and Variables
 
 
 def read_argument(obj: Any, leaves: list[Any], arg_name: str, nnx_args: list[NnxArg], joint: Any) -> int:
@@ -289,13 +295,15 @@ def read_argument(obj: Any, leaves: list[Any], arg_name: str, nnx_args: list[Nnx
     if joint is not None or not type(obj).__weakrefoffset__:
         # Flattened afresh: jointly with the call's other NNX arguments, or an object the
         # cache cannot hold (a Variable passed on its own cannot be weakly referenced).
-        graphdef, flat = _flatten_node(obj, arg_name, ref_index=joint if joint is not None else graphlib.RefMap())
+        refmap = joint if joint is not None else graphlib.RefMap()
+        graphdef, flat = _flatten_node(obj, arg_name, ref_index=refmap)
         items = list(flat.leaves)
         values = [raw_value(x) if isinstance(x, Variable) else x for x in items]
         if contains_tracer(values):
             raise StepAside
         leaves += values
-        nnx_args.append(NnxArg(obj, items, None))
+        ids = frozenset() if joint is not None else frozenset(map(id, refmap))
+        nnx_args.append(NnxArg(obj, items, None, ids))
         return _intern_graphdef(graphdef, len(items), arg_name, joint=joint is not None).id
     entry = lookup(obj, arg_name)
     if _GRAPH_CONTEXT.tmp_static_cache is not None:
@@ -318,15 +326,93 @@ def read_argument(obj: Any, leaves: list[Any], arg_name: str, nnx_args: list[Nnx
     return entry.spec_id
 
 
+_STATIC, _DYNAMIC = "static", "dynamic"  # TreeSpec.layout codes of a leaf that is not an NNX object
+
+
+class TreeSpec:
+    """Spec of an argument holding NNX objects inside a pytree (a tuple, list, dict,
+    dataclass or nnx.State of modules or Variables): its structure with each NNX object
+    as one leaf (what nnx.jit's `to_tree` splits on), and per leaf either an NNX object's
+    NodeSpec or how a plain leaf is passed (`_DYNAMIC`: traced, `_STATIC`: part of the key)."""
+
+    __slots__ = ("id", "kind", "treedef", "layout", "statics", "n_dyn", "cacheable", "templated", "mask",
+                 "__weakref__")
+
+    def __init__(self, treedef: Any, layout: tuple[Any, ...], statics: tuple[Any, ...]) -> None:
+        self.id = -1
+        self.kind = "nnx-tree"
+        self.treedef = treedef
+        self.layout = layout
+        self.statics = statics
+        self.n_dyn = sum(c.n_dyn if isinstance(c, NodeSpec) else c == _DYNAMIC for c in layout)
+        self.mask = (True,) * self.n_dyn
+        self.cacheable = False
+        self.templated = True
+
+    def nnx_objects(self) -> list[tuple[int, NodeSpec]]:
+        """(offset of its first leaf, NodeSpec) per NNX object in the argument."""
+        out, start = [], 0
+        for code in self.layout:
+            if isinstance(code, NodeSpec):
+                out.append((start, code))
+                start += code.n_dyn
+            else:
+                start += code == _DYNAMIC
+        return out
+
+
+def _is_dynamic(x: Any, trace_scalars: bool) -> bool:
+    return isinstance(x, _ARRAY_TYPES) or (trace_scalars and type(x) in _PY_SCALARS)
+
+
+def read_container(
+    value: Any, leaves: list[Any], arg_name: str, nnx_args: list[NnxArg], joint: Any, trace_scalars: bool
+) -> int:
+    """`read_argument` for an argument holding NNX objects inside a pytree: each NNX
+    object is read as if it were an argument of its own (in leaf order, so its ordinal
+    among the call's NNX objects is the same at trace time); other leaves follow the
+    call's rule (arrays, and with `trace_scalars` Python scalars, are traced)."""
+    items, treedef = jax.tree_util.tree_flatten(value, is_leaf=_is_node)
+    layout: list[Any] = []
+    statics: list[Any] = []
+    for x in items:
+        if _is_node(x):
+            spec_id = read_argument(x, leaves, arg_name, nnx_args, joint)
+            layout.append(_spec_by_id(spec_id))
+        elif _is_dynamic(x, trace_scalars):
+            if isinstance(x, Tracer):
+                raise StepAside
+            leaves.append(x)
+            layout.append(_DYNAMIC)
+        else:
+            statics.append(x)
+            layout.append(_STATIC)
+    codes = tuple(c.id if isinstance(c, NodeSpec) else c for c in layout)
+    try:
+        key = ("nnx-tree", treedef, codes, tuple(_leaf_key(s) for s in statics))
+        return intern(TreeSpec(treedef, tuple(layout), tuple(statics)), key).id
+    except Exception as err:
+        raise FastcallError(
+            f"fastcall.jit: {describe_arg(arg_name)} holds a static (non-array) value that "
+            f"cannot be hashed or compared ({type(err).__name__}: {err}). Static values are "
+            "part of the compile key: make them hashable, or wrap them in a JAX array."
+        ) from None
+
+
 def overlapping(nnx_args: list[NnxArg]) -> bool:
-    """Whether any two of these NNX arguments share a node or Variable (cached per pair)."""
-    entries = [a.entry for a in nnx_args]
-    for i, a in enumerate(entries):
-        if a is None:
-            return True  # (not cached: flatten jointly, as nnx.jit, to keep sharing)
-        for b in entries[i + 1 :]:
-            if b is None:
+    """Whether any two of these NNX objects share a node or Variable (cached per pair
+    of cache entries)."""
+    entries = [arg.entry for arg in nnx_args if arg.entry is not None]
+    if len(entries) < len(nnx_args):  # some read afresh (Variables): compare sets of ids
+        seen: set[int] = set()
+        for arg in nnx_args:
+            ids = arg.ids if arg.entry is None else arg.entry.node_ids
+            if not seen.isdisjoint(ids):
                 return True
+            seen.update(ids)
+        return False
+    for i, a in enumerate(entries):
+        for b in entries[i + 1 :]:
             known = a.disjoint.get(id(b))
             if known is None or known[0]() is not b:
                 known = (weakref.ref(b), a.node_ids.isdisjoint(b.node_ids))
@@ -368,6 +454,9 @@ class NodeSpec:
         self.mask = (True,) * n
         self.cacheable = False
         self.templated = True
+
+    def nnx_objects(self) -> list[tuple[int, NodeSpec]]:
+        return [(0, self)]
 
 
 _ARG_STRIDE = 1 << 32  # outer indices of NNX argument k are k * _ARG_STRIDE + index
@@ -427,6 +516,22 @@ class TracedInputs:
         self.args.append(t)
         return t.node
 
+    def rebuild_tree(self, spec: TreeSpec, segment: Any, name: str) -> Any:
+        """The container argument of `spec`, each NNX object in it rebuilt (in leaf order)."""
+        items: list[Any] = []
+        statics = iter(spec.statics)
+        pos = 0
+        for code in spec.layout:
+            if code == _STATIC:
+                items.append(next(statics))
+            elif code == _DYNAMIC:
+                items.append(segment[pos])
+                pos += 1
+            else:
+                items.append(self.rebuild(code, segment[pos : pos + code.n_dyn], name))
+                pos += code.n_dyn
+        return spec.treedef.unflatten(items)
+
     def _flatten_all(self) -> list[tuple[Any, Any]]:
         """(graphdef, flat state) per argument, joint ones sharing one RefMap (as given)."""
         shared = graphlib.RefMap()
@@ -459,11 +564,9 @@ class TracedInputs:
                 or len(after) != len(t.inner)
                 or any(a is not b for a, b in zip(after, t.inner))
             )
-            if changed:
+            if changed and graph_updates:  # (without graph updates, as nnx.jit: values only)
                 if t.spec.joint:
                     raise _joint_structure_error(t.name)
-                if not graph_updates:
-                    raise _structure_error(t.name)
                 if refmap is None:
                     refmap = self._outer_index_map()
                 new_graphdef, new_flat = graphlib.flatten(t.node, with_paths=True, ref_outer_index=refmap)
@@ -541,15 +644,6 @@ def _joint_structure_error(arg_name: str) -> FastcallError:
         "shares objects with another NNX argument. fastcall propagates structural changes only "
         "for NNX arguments that share nothing: make the change outside the compiled function, "
         "or pass only the object that holds the others (e.g. the optimizer that holds the model)."
-    )
-
-
-def _structure_error(arg_name: str) -> FastcallError:
-    return FastcallError(
-        f"fastcall.jit: the function changed the structure of {describe_arg(arg_name)} (added, "
-        "removed or replaced a submodule or Variable, or changed a static attribute) while "
-        "traced, and graph_updates=False. Pass graph_updates=True (the default) to propagate "
-        "such changes, or make them outside the compiled function."
     )
 
 
@@ -675,7 +769,28 @@ def _structured_prefix(prefix: Any) -> dict[tuple[Any, ...], Any] | None:
     return None
 
 
-def leaf_shardings(spec: NodeSpec, prefix: Any) -> list[Any]:
+def leaf_shardings(spec: NodeSpec | TreeSpec, prefix: Any) -> list[Any]:
+    """One sharding per leaf of an NNX argument, or of a container holding NNX objects
+    (`prefix` a pytree prefix of it; at each NNX object, any of the forms below)."""
+    if isinstance(spec, NodeSpec):
+        return _node_leaf_shardings(spec, prefix)
+    from ._build import broadcast_prefix
+
+    placeholder = spec.treedef.unflatten([object()] * len(spec.layout))
+    per_item = broadcast_prefix(prefix, placeholder)
+    out: list[Any] = []
+    for code, sharding in zip(spec.layout, per_item):
+        if isinstance(code, NodeSpec):
+            if sharding is None or isinstance(sharding, jax.sharding.Sharding):
+                out += [sharding] * code.n_dyn
+            else:
+                out += _node_leaf_shardings(code, sharding)
+        elif code == _DYNAMIC:
+            out.append(sharding)
+    return out
+
+
+def _node_leaf_shardings(spec: NodeSpec, prefix: Any) -> list[Any]:
     """One sharding per leaf of an NNX argument, from an `nnx.StateSharding` (checked
     against each Variable's path and type, as nnx.jit does), from an `nnx.prefix` result
     (matched by Variable path), or from a flat list (one entry per leaf, in flatten order)."""

@@ -552,28 +552,39 @@ def test_structure_change_inside_is_propagated_like_nnx_jit():
     assert_trees_equal(ours(jnp.ones(4)), theirs(jnp.ones(4)))
 
 
-def test_structure_change_inside_with_graph_updates_false_is_a_clear_error():
-    with pytest.raises(fastcall.FastcallError, match="structure"):
-        fastcall.jit(grow, graph_updates=False)(MLP(nnx.Rngs(0)), jnp.ones(4))
+def test_structure_change_inside_with_graph_updates_false_changes_values_only_like_nnx_jit():
+    def grow_and_count(m, x):
+        m.layers[1].kernel[...] = m.layers[1].kernel[...] + 1.0  # a value: written back
+        return grow(m, x)  # structure: not propagated
+
+    ours, theirs = MLP(nnx.Rngs(0)), MLP(nnx.Rngs(0))
+    kernel = ours.layers[0].kernel
+    out = fastcall.jit(grow_and_count, graph_updates=False)(ours, jnp.ones(4))
+    assert_trees_equal(out, nnx.jit(grow_and_count, graph_updates=False)(theirs, jnp.ones(4)))
+    assert_same_state(ours, theirs)
+    assert not hasattr(ours, "extra") and ours.layers[0].kernel is kernel
 
 
-def test_nnx_objects_nested_in_containers_are_a_clear_error():
+def test_nnx_objects_nested_in_containers_are_read_and_written_back():
     def bump(pair, x):
         c, _ = pair
         c.count[...] = c.count[...] + 1.0
-        return x
+        return x * c.count[...]
 
-    with pytest.raises(fastcall.FastcallError, match="argument 'pair' holds NNX objects inside a container"):
-        fastcall.jit(bump)((VarCounter(), 0), jnp.ones(1))
+    ours, theirs = VarCounter(), VarCounter()
+    f, g = fastcall.jit(bump), nnx.jit(bump)
+    for _ in range(3):
+        assert_trees_equal(f((ours, 0), jnp.ones(1)), g((theirs, 0), jnp.ones(1)))
+        assert_same_state(ours, theirs)
+    assert f.stats().compiles == 1
 
 
-def test_non_pytree_nnx_object_nested_in_a_container_is_an_error():
+def test_non_pytree_nnx_object_nested_in_a_container():
     class O(nnx.Object):
         def __init__(self):
-            self.w = nnx.Variable(jnp.array(1.0))
+            self.w = nnx.Variable(jnp.array(2.0))
 
-    with pytest.raises(fastcall.FastcallError, match="NNX objects inside a container"):
-        fastcall.jit(lambda c, x: c[0].w[...] * x)([O()], jnp.ones(1))
+    assert_trees_equal(fastcall.jit(lambda c, x: c[0].w[...] * x)([O()], jnp.ones(1)), 2.0 * jnp.ones(1))
 
 
 class Built(nnx.Module):
