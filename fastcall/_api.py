@@ -120,9 +120,11 @@ def jit(
       output) is applied as a sharding constraint on the outputs.
     - `graph`, `graph_updates`: as in `nnx.jit`. fastcall always keeps NNX
       sharing (what graph mode gives) at tree-mode cost, so `graph` changes
-      nothing; structural changes made inside the function are propagated to
-      the caller's objects unless `graph_updates=False`, which makes them a
-      `FastcallError`.
+      nothing (except that, as in `nnx.jit`, `graph=False` refuses
+      `nnx.StateSharding` prefixes); structural changes made inside the function
+      are propagated to the caller's objects unless `graph_updates=False`, which
+      (as in `nnx.jit`) propagates changed Variable values only. `None` means the
+      current `nnx.set_graph_mode` / `nnx.set_graph_updates` setting.
 
     **Returns:** a function with `fun`'s name, docstring and signature, plus
     `.lower(*args, **kwargs)`, `.stats()` and `.clear_cache()`.
@@ -148,6 +150,8 @@ def jit(
         forward(model, x)  # ~1 us of Python on top of jax.jit's own dispatch
         ```
     """
+    if _nnx_gate.flax_imported():  # NNX's settings and its checks of prefixes, as nnx.jit
+        graph_updates = _nnx_gate.adapter().resolve_options(graph, graph_updates, in_shardings, out_shardings)
     options = make_options(
         donate=donate,
         static_argnums=static_argnums,

@@ -99,6 +99,9 @@ def resolve(
             if spec.cacheable:
                 remember(value, found, spec)
             return spec.id
+    adapter = _nnx_gate.loaded()
+    if adapter is not None and adapter.holds_nodes(value):
+        return adapter.read_container(value, leaves, arg_name, nnx_args, joint, trace_scalars)
     if isinstance(value, ARRAY_TYPES) or (trace_scalars and type(value) in PY_SCALARS):
         if isinstance(value, Tracer):
             raise StepAside

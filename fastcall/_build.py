@@ -85,7 +85,9 @@ def build(state: Any, key: tuple[Any, ...], fun: Any, varies: bool = False) -> E
     # in_shardings, one per leaf, computed once; with them, written-back Variables keep
     # their input sharding (as nnx.jit).
     in_shardings = state.options.in_shardings
-    slot_shardings = None if in_shardings is UNSPECIFIED else _leaf_shardings(in_shardings, all_specs)
+    slot_shardings = (
+        None if in_shardings is UNSPECIFIED else _leaf_shardings(in_shardings, all_specs, ["fun"] + arg_names)
+    )
     # Per NNX object of the call (arguments, and objects inside container arguments, in
     # order): its leaves' in_shardings, and whether every Variable is returned and written
     # back: for a donated one, so that the caller's Variables stay usable; for one with
@@ -168,20 +170,23 @@ def _jit_kwargs(options: Any, counts: list[int], donated_slots: set[int], slot_s
     return kw
 
 
-def _leaf_shardings(shardings: Any, all_specs: list[Any]) -> list[list[Any]]:
+def _leaf_shardings(shardings: Any, all_specs: list[Any], arg_names: list[str]) -> list[list[Any]]:
     """jax.jit-style in_shardings (one for all, or one entry per positional argument, each
     a Sharding or a pytree prefix; for NNX arguments also an nnx.StateSharding or an
     nnx.prefix result) as one sharding per dynamic leaf, per slot (0: the function)."""
     per_slot: list[list[Any]] = []
+    nnx_shardings = None
     for slot, spec in enumerate(all_specs):
         if not isinstance(shardings, (tuple, list)):
             entry = shardings
         else:
             entry = shardings[slot - 1] if 0 < slot <= len(shardings) else None
-        if entry is None or isinstance(entry, jax.sharding.Sharding):
+        if spec.kind in ("nnx", "nnx-tree") and entry is not None:
+            if nnx_shardings is None:
+                nnx_shardings = _nnx_gate.adapter().ShardingContext()
+            per_slot.append(nnx_shardings.leaf_shardings(spec, entry, arg_names[slot]))
+        elif entry is None or isinstance(entry, (jax.sharding.Sharding, jax.sharding.PartitionSpec)):
             per_slot.append([entry] * spec.n_dyn)
-        elif spec.kind in ("nnx", "nnx-tree"):
-            per_slot.append(_nnx_gate.adapter().leaf_shardings(spec, entry))
         elif spec.kind == "tree":  # a pytree prefix of the argument
             full = spec.treedef.unflatten([object()] * len(spec.mask))
             per_leaf = broadcast_prefix(entry, full)

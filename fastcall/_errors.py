@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 
-class FastcallError(TypeError):
+class FastcallError(TypeError, ValueError):
     """Bad input to a fastcall-wrapped function.
 
     Raised before anything is traced or run. The message names the argument and
     the leaf path at fault and says what to do. It subclasses `TypeError`
-    because every such case is a value of the wrong kind (unhashable static
-    data, an array where a static value is required, ...).
+    because most such cases are a value of the wrong kind (unhashable static
+    data, an array where a static value is required, ...), and `ValueError`
+    because that is what the peers raise for the rest (`nnx.jit`'s prefix and
+    aliasing errors), so code written against them catches it too.
     """
 
 

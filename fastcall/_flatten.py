@@ -184,6 +184,11 @@ def spec_by_id(spec_id: int) -> Any:
     return _spec_by_id[spec_id]
 
 
+def interned(key: Any) -> Any:
+    """The canonical Spec for `key`, or None if there is none yet."""
+    return _spec_ids.get(key)
+
+
 def intern(spec: Any, key: Any) -> Any:
     """Return the canonical Spec equal to `spec` (by `key`), giving it an id."""
     found = _spec_ids.get(key)

@@ -41,11 +41,12 @@ from flax import nnx
 from flax.nnx import graphlib
 from flax.nnx.variablelib import Variable
 
-from . import _fast, _nnx_hooks
+from . import _fast, _nnx_gate, _nnx_hooks
 from ._errors import FastcallError, describe_arg
 from ._flatten import ARRAY_TYPES as _ARRAY_TYPES
 from ._flatten import PY_SCALARS as _PY_SCALARS
 from ._flatten import ArrayImpl, intern
+from ._flatten import interned as _interned
 from ._flatten import leaf_key as _leaf_key
 from ._flatten import spec_by_id as _spec_by_id
 from ._trace import StepAside, Tracer, contains_tracer
@@ -94,6 +95,9 @@ def is_node_type(t: type) -> bool:
 
 def _is_node(x: Any) -> bool:
     return isinstance(x, Variable) or graphlib.is_graph_node(x)
+
+
+_is_node_fast: Any = _nnx_gate.is_node  # the same answer, cached per type (the hot paths)
 
 
 # --------------------------------------------------------------------------
@@ -269,6 +273,7 @@ def clear() -> None:
         _unwatch(entry)
         _fast.withdraw(entry.ref)
     by_id.clear()
+    _variable_specs.clear()
 
 
 # --------------------------------------------------------------------------
@@ -292,6 +297,10 @@ def read_argument(obj: Any, leaves: list[Any], arg_name: str, nnx_args: list[Nnx
     return its spec id. With `joint` (a RefMap shared by the call's NNX arguments),
     objects already seen in an earlier argument become references, so each shared
     Variable is passed once (as nnx.jit does). Raises StepAside for tracer values."""
+    if joint is None and isinstance(obj, Variable):
+        spec_id = _read_variable(obj, leaves, arg_name, nnx_args)
+        if spec_id is not None:
+            return spec_id
     if joint is not None or not type(obj).__weakrefoffset__:
         # Flattened afresh: jointly with the call's other NNX arguments, or an object the
         # cache cannot hold (a Variable passed on its own cannot be weakly referenced).
@@ -324,6 +333,37 @@ def read_argument(obj: Any, leaves: list[Any], arg_name: str, nnx_args: list[Nnx
     leaves += values
     nnx_args.append(NnxArg(obj, entry.items, entry))
     return entry.spec_id
+
+
+# A lone Variable's graphdef depends only on its type and metadata (given an array
+# value: not a mutable array reference, not a hijax Variable): (type, metadata) -> spec.
+_variable_specs: dict[Any, NodeSpec] = {}
+
+
+def _read_variable(v: Any, leaves: list[Any], arg_name: str, nnx_args: list[NnxArg]) -> int | None:
+    """`read_argument` for a Variable on its own, without a graph walk (Variables cannot
+    be weakly referenced, so they are not cached by identity): None if it takes one."""
+    value = raw_value(v)
+    if type(value) is not ArrayImpl:
+        return None  # (a tracer, a NumPy array, a mutable array reference, ...)
+    try:
+        key = (type(v), tuple(v.get_metadata().items()))
+        spec = _variable_specs.get(key)
+    except Exception:
+        return None  # (unhashable metadata: the graph walk names it)
+    if spec is None:
+        if v.get_metadata().get("hijax"):
+            return None
+        graphdef, flat = _flatten_node(v, arg_name, ref_index=graphlib.RefMap())
+        if len(flat.leaves) != 1 or flat.leaves[0] is not v:
+            return None
+        spec = _intern_graphdef(graphdef, 1, arg_name)
+        if len(_variable_specs) > 4096:
+            _variable_specs.clear()
+        _variable_specs[key] = spec
+    leaves.append(value)
+    nnx_args.append(NnxArg(v, [v], None, frozenset((id(v),))))
+    return spec.id
 
 
 _STATIC, _DYNAMIC = "static", "dynamic"  # TreeSpec.layout codes of a leaf that is not an NNX object
@@ -361,8 +401,20 @@ class TreeSpec:
         return out
 
 
+def holds_nodes(value: Any) -> bool:
+    """Whether `value` is an nnx.State, or a tuple, list or dict with an NNX object among
+    its items (a cheap check that sends the common containers of NNX objects straight to
+    `read_container`; deeper ones are found by the generic flatten)."""
+    t = type(value)
+    if t is tuple or t is list:
+        return any(map(_is_node_fast, value))
+    if t is dict:
+        return any(map(_is_node_fast, value.values()))
+    return t is nnx.State
+
+
 def _is_dynamic(x: Any, trace_scalars: bool) -> bool:
-    return isinstance(x, _ARRAY_TYPES) or (trace_scalars and type(x) in _PY_SCALARS)
+    return type(x) is ArrayImpl or isinstance(x, _ARRAY_TYPES) or (trace_scalars and type(x) in _PY_SCALARS)
 
 
 def read_container(
@@ -372,11 +424,11 @@ def read_container(
     object is read as if it were an argument of its own (in leaf order, so its ordinal
     among the call's NNX objects is the same at trace time); other leaves follow the
     call's rule (arrays, and with `trace_scalars` Python scalars, are traced)."""
-    items, treedef = jax.tree_util.tree_flatten(value, is_leaf=_is_node)
+    items, treedef = jax.tree_util.tree_flatten(value, is_leaf=_is_node_fast)
     layout: list[Any] = []
     statics: list[Any] = []
     for x in items:
-        if _is_node(x):
+        if _is_node_fast(x):
             spec_id = read_argument(x, leaves, arg_name, nnx_args, joint)
             layout.append(_spec_by_id(spec_id))
         elif _is_dynamic(x, trace_scalars):
@@ -390,6 +442,9 @@ def read_container(
     codes = tuple(c.id if isinstance(c, NodeSpec) else c for c in layout)
     try:
         key = ("nnx-tree", treedef, codes, tuple(_leaf_key(s) for s in statics))
+        known = _interned(key)
+        if known is not None:
+            return known.id
         return intern(TreeSpec(treedef, tuple(layout), tuple(statics)), key).id
     except Exception as err:
         raise FastcallError(
@@ -750,6 +805,42 @@ def _object_at(root: Any, index: int) -> Any:
 
 
 # --------------------------------------------------------------------------
+# Options
+
+
+def resolve_options(graph: bool | None, graph_updates: bool | None, in_shardings: Any, out_shardings: Any) -> bool:
+    """At decoration, as nnx.jit: `graph_updates=None` (and `graph=None`) mean the current
+    `nnx.set_graph_updates` (`nnx.set_graph_mode`) setting; shardings given as prefixes
+    are checked as nnx.jit checks them. Returns whether graph updates are propagated."""
+    if graph is None:
+        graph = graphlib.set_graph_mode.current_value()
+    if graph_updates is None:
+        graph_updates = graphlib.set_graph_updates.current_value()
+    for name, prefix in (("in_shardings", in_shardings), ("out_shardings", out_shardings)):
+        for leaf in jax.tree_util.tree_leaves(prefix, is_leaf=lambda x: _is_node(x) or hasattr(x, "map_prefix")):
+            kind = type(leaf).__name__
+            if isinstance(leaf, Variable):
+                raise FastcallError(
+                    f"fastcall.jit: {name} holds a Variable ({kind}). Variables prefixes are not "
+                    "supported (as in nnx.jit): give one sharding for the whole Variable."
+                )
+            if _is_node(leaf) and graph:
+                raise FastcallError(
+                    f"fastcall.jit: {name} holds an NNX object ({kind}). Graph nodes are not allowed "
+                    "as prefixes when graph=True (as in nnx.jit): pass shardings (a jax Sharding, an "
+                    "nnx.StateSharding, nnx.prefix(..., graph=True)), or pass graph=False for "
+                    "nnx.prefix(..., graph=False)'s result."
+                )
+            if hasattr(leaf, "map_prefix") and not (graph and graph_updates):
+                raise FastcallError(
+                    f"fastcall.jit: {name} cannot contain `{kind}` objects when graph=False or "
+                    "graph_updates=False (as in nnx.jit): use nnx.prefix(...), or graph=True and "
+                    "graph_updates=True."
+                )
+    return bool(graph_updates)
+
+
+# --------------------------------------------------------------------------
 # Shardings
 
 
@@ -769,47 +860,78 @@ def _structured_prefix(prefix: Any) -> dict[tuple[Any, ...], Any] | None:
     return None
 
 
-def leaf_shardings(spec: NodeSpec | TreeSpec, prefix: Any) -> list[Any]:
-    """One sharding per leaf of an NNX argument, or of a container holding NNX objects
-    (`prefix` a pytree prefix of it; at each NNX object, any of the forms below)."""
-    if isinstance(spec, NodeSpec):
-        return _node_leaf_shardings(spec, prefix)
-    from ._build import broadcast_prefix
-
-    placeholder = spec.treedef.unflatten([object()] * len(spec.layout))
-    per_item = broadcast_prefix(prefix, placeholder)
-    out: list[Any] = []
-    for code, sharding in zip(spec.layout, per_item):
-        if isinstance(code, NodeSpec):
-            if sharding is None or isinstance(sharding, jax.sharding.Sharding):
-                out += [sharding] * code.n_dyn
-            else:
-                out += _node_leaf_shardings(code, sharding)
-        elif code == _DYNAMIC:
-            out.append(sharding)
-    return out
+def _is_sharding(x: Any) -> bool:
+    return x is None or isinstance(x, (jax.sharding.Sharding, jax.sharding.PartitionSpec))
 
 
-def _node_leaf_shardings(spec: NodeSpec, prefix: Any) -> list[Any]:
-    """One sharding per leaf of an NNX argument, from an `nnx.StateSharding` (checked
-    against each Variable's path and type, as nnx.jit does), from an `nnx.prefix` result
-    (matched by Variable path), or from a flat list (one entry per leaf, in flatten order)."""
-    n = spec.n_dyn
-    placeholder = graphlib.unflatten(spec.graphdef, [None] * n)
-    flat = graphlib.flatten(placeholder, with_paths=True)[1]
-    if hasattr(prefix, "map_prefix") and hasattr(prefix, "filters"):
-        return [prefix.map_prefix(path, leaf) for path, leaf in zip(flat.paths, flat.leaves)]
-    by_path = _structured_prefix(prefix)
-    if by_path is not None:
-        return [by_path.get(tuple(path)) for path in flat.paths]
-    leaves = jax.tree_util.tree_leaves(prefix, is_leaf=lambda x: x is None)
-    if len(leaves) != n:
-        raise FastcallError(
-            f"fastcall.jit: in_shardings for an NNX argument has {len(leaves)} entries but the "
-            f"object has {n} leaves. Pass one jax Sharding, an nnx.StateSharding, or "
-            "nnx.prefix(obj, ...) computed for this very object."
-        )
-    return leaves
+class ShardingContext:
+    """The in_shardings of one compiled entry's NNX arguments, read in argument order.
+    Arguments flattened jointly are rebuilt as placeholders into one shared index (their
+    graphdefs refer to objects of earlier arguments), and a Variable shared between
+    arguments must get the same sharding from each (else nnx.jit's "Inconsistent aliasing")."""
+
+    def __init__(self) -> None:
+        self.joint_index = graphlib.IndexMap()
+        self.assigned: dict[int, tuple[Any, Any, str]] = {}  # id(Variable) -> (it, sharding, arg)
+
+    def leaf_shardings(self, spec: NodeSpec | TreeSpec, prefix: Any, arg_name: str) -> list[Any]:
+        """One sharding per leaf of an NNX argument, or of a container holding NNX objects
+        (`prefix` a pytree prefix of it; at each NNX object, any of the forms below)."""
+        if isinstance(spec, NodeSpec):
+            return self._node(spec, prefix, arg_name)
+        from ._build import broadcast_prefix
+
+        placeholder = spec.treedef.unflatten([object()] * len(spec.layout))
+        per_item = broadcast_prefix(prefix, placeholder)
+        out: list[Any] = []
+        for code, sharding in zip(spec.layout, per_item):
+            if isinstance(code, NodeSpec):
+                out += self._node(code, sharding, arg_name)
+            elif code == _DYNAMIC:
+                out.append(sharding)
+        return out
+
+    def _node(self, spec: NodeSpec, prefix: Any, arg_name: str) -> list[Any]:
+        """One sharding per leaf of an NNX object: from one jax Sharding (or PartitionSpec)
+        for all, an `nnx.StateSharding` (checked against each Variable's path and type, as
+        nnx.jit does), an `nnx.prefix` result (matched by Variable path), or a flat list
+        (one entry per leaf, in flatten order)."""
+        n = spec.n_dyn
+        index = self.joint_index if spec.joint else graphlib.IndexMap()
+        known = {id(obj) for obj in index.values()}  # (objects of earlier arguments)
+        placeholder = graphlib.unflatten(spec.graphdef, [None] * n, index_ref=index)
+        flat = graphlib.flatten(placeholder, with_paths=True)[1]  # (every Variable, shared too)
+        if _is_sharding(prefix):
+            every = [prefix] * len(flat.leaves)
+        elif hasattr(prefix, "map_prefix") and hasattr(prefix, "filters"):
+            every = [prefix.map_prefix(path, leaf) for path, leaf in zip(flat.paths, flat.leaves)]
+        else:
+            by_path = _structured_prefix(prefix)
+            if by_path is None:
+                leaves = jax.tree_util.tree_leaves(prefix, is_leaf=lambda x: x is None)
+                if len(leaves) != n or spec.joint:
+                    raise FastcallError(
+                        f"fastcall.jit: in_shardings for {describe_arg(arg_name)} has {len(leaves)} "
+                        f"entries but the object has {n} leaves of its own. Pass one jax Sharding, "
+                        "an nnx.StateSharding, or nnx.prefix(obj, ...) computed for this very object."
+                    )
+                return leaves
+            every = [by_path.get(tuple(path)) for path in flat.paths]
+        own = []
+        for path, leaf, sharding in zip(flat.paths, flat.leaves, every):
+            if id(leaf) not in known:
+                own.append(sharding)
+            if sharding is None or not isinstance(leaf, Variable):
+                continue
+            earlier = self.assigned.setdefault(id(leaf), (leaf, sharding, arg_name))
+            if earlier[1] != sharding:
+                where = "." + ".".join(map(str, path)) if path else ""
+                raise FastcallError(
+                    f"fastcall.jit: Inconsistent aliasing: the Variable {describe_arg(arg_name, where)} "
+                    f"is also in {describe_arg(earlier[2])}, and in_shardings gives it {earlier[1]} "
+                    f"there but {sharding} here. A shared Variable has one sharding: give both the same."
+                )
+        return own
 
 
 def constrain(node: Any, sharding: Any) -> None:

@@ -34,6 +34,11 @@ def loaded() -> ModuleType | None:
     return _adapter
 
 
+def flax_imported() -> bool:
+    """Whether anyone has imported flax.nnx (no NNX object can exist before)."""
+    return "flax.nnx" in sys.modules
+
+
 def is_node_type(t: type) -> bool:
     """Whether instances of `t` are NNX graph nodes or Variables (cached per type)."""
     known = _node_types.get(t)

@@ -150,7 +150,7 @@ def nnx_prefix_checks():
 
         for graph in (False, True):
             prefix = nnx.prefix(dummy, by_path, graph=graph)
-            made = fastcall.jit(create, out_shardings=prefix)()
+            made = fastcall.jit(create, out_shardings=prefix, graph=graph, graph_updates=False)()
             ref = nnx.jit(create, out_shardings=prefix, graph=graph, graph_updates=False)()
             assert made.kernel.get_raw_value().sharding.is_equivalent_to(kernel_sh, 2), (graph, made.kernel)
             assert made.bias.get_raw_value().sharding.is_equivalent_to(bias_sh, 1), (graph, made.bias)
