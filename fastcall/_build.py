@@ -108,7 +108,9 @@ def build(state: Any, key: tuple[Any, ...], fun: Any, varies: bool = False) -> E
 
     def flat_fn(*dyn: Any) -> Any:
         values = []
-        nnx_inputs = _nnx_gate.adapter().TracedInputs() if has_nnx else None
+        # (With flax imported, NNX objects the function creates and returns are marked too,
+        # so that one returned twice, or shared, comes back as one object.)
+        nnx_inputs = _nnx_gate.adapter().TracedInputs() if has_nnx or _nnx_gate.flax_imported() else None
         start = 0
         for spec, n, arg_name in zip(all_specs, counts, ["fun"] + arg_names):
             segment = dyn[start : start + n]

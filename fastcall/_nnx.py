@@ -664,6 +664,10 @@ class TracedInputs:
             for index, obj in t.index_ref.items():
                 inner.setdefault(id(obj), (k, index))
 
+        # New objects are flattened together (and rebuilt outside in the same order into
+        # one index), so that objects returned twice, or shared, stay one object.
+        new_refs = graphlib.RefMap()
+
         def mark(x: Any) -> Any:
             if not _is_node(x):
                 return x
@@ -674,7 +678,7 @@ class TracedInputs:
             if id(x) in inner:
                 sub_objects.append(inner[id(x)])
                 return _InputNode(*inner[id(x)])
-            graphdef, values = graphlib.flatten(x, with_paths=False)
+            graphdef, values = graphlib.flatten(x, with_paths=False, ref_index=new_refs)
             return _NewNode(graphdef, list(values))
 
         marked = jax.tree_util.tree_map(mark, out, is_leaf=_is_node)
@@ -766,6 +770,7 @@ def write_back(nnx_out: NnxOutputs, written: Any, nnx_args: list[NnxArg]) -> Any
 
 def unmark_nodes(result: Any, nnx_args: list[NnxArg], resolved: Any = None) -> Any:
     """Turn output markers back into objects: the caller's own, or new ones."""
+    new_index = graphlib.IndexMap()  # (markers come in the order `_mark_nodes` made them)
 
     def unmark(x: Any) -> Any:
         if type(x) is _InputNode:
@@ -775,7 +780,7 @@ def unmark_nodes(result: Any, nnx_args: list[NnxArg], resolved: Any = None) -> A
                 return resolved[(x.k, x.index)]
             return _object_at(nnx_args[x.k].obj, x.index)
         if type(x) is _NewNode:
-            return graphlib.unflatten(x.graphdef, list(x.values))
+            return graphlib.unflatten(x.graphdef, list(x.values), index_ref=new_index)
         return x
 
     return jax.tree_util.tree_map(unmark, result, is_leaf=lambda x: type(x) in (_InputNode, _NewNode))
