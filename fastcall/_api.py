@@ -151,7 +151,7 @@ def jit(
         ```
     """
     if _nnx_gate.flax_imported():  # NNX's settings and its checks of prefixes, as nnx.jit
-        graph_updates = _nnx_gate.adapter().resolve_options(graph, graph_updates, in_shardings, out_shardings)
+        graph, graph_updates = _nnx_gate.adapter().resolve_options(graph, graph_updates, in_shardings, out_shardings)
     options = make_options(
         donate=donate,
         static_argnums=static_argnums,
@@ -166,6 +166,7 @@ def jit(
         inline=inline,
         compiler_options=compiler_options,
         graph_updates=graph_updates,
+        graph=graph,
         trace_scalars=True,
     )
     if fun is None:
@@ -210,6 +211,7 @@ def filter_jit(fun: Callable | None = None, *, donate: Donate = "none") -> Any:
         inline=False,
         compiler_options=None,
         graph_updates=None,
+        graph=None,
         trace_scalars=False,
     )
     if fun is None:

@@ -638,7 +638,7 @@ class TracedInputs:
                     value = jax.lax.with_sharding_constraint(value, per_leaf[index])
                 writes.append((ordinal, index))
                 written.append(value)
-        out, has_nodes, inner_nodes = self._mark_nodes(out)
+        out, has_nodes, inner_nodes = self._mark_nodes(out, refuse_inputs=not graph_updates)
         extra = restructured + written
         if not (writes or restructure or has_nodes):
             return out, None, []
@@ -652,9 +652,10 @@ class TracedInputs:
                 refmap[obj] = ordinal * _ARG_STRIDE + index
         return refmap
 
-    def _mark_nodes(self, out: Any) -> tuple[Any, bool, tuple[tuple[int, int], ...]]:
+    def _mark_nodes(self, out: Any, refuse_inputs: bool) -> tuple[Any, bool, tuple[tuple[int, int], ...]]:
         """Replace NNX objects in the output by markers; also returns whether there were
-        any, and the (ordinal, index) of each sub-object of an argument returned."""
+        any, and the (ordinal, index) of each sub-object of an argument returned.
+        `refuse_inputs`: an input returned is an error (nnx.jit without graph updates)."""
         found = [False]
         sub_objects: list[tuple[int, int]] = []
         inner: dict[int, tuple[int, int]] = {}  # id(object rebuilt in the trace) -> (k, index)
@@ -672,6 +673,8 @@ class TracedInputs:
             if not _is_node(x):
                 return x
             found[0] = True
+            if refuse_inputs and (id(x) in inner or any(x is t.node for t in self.args)):
+                raise aliasing_error("an input returned as an output, with graph_updates=False")
             for k, t in enumerate(self.args):
                 if x is t.node:
                     return _InputNode(k)
@@ -683,6 +686,15 @@ class TracedInputs:
 
         marked = jax.tree_util.tree_map(mark, out, is_leaf=_is_node)
         return marked, found[0], tuple(sub_objects)
+
+
+def aliasing_error(what: str) -> FastcallError:
+    return FastcallError(
+        f"fastcall.jit: an NNX Variable is {what}. As nnx.jit, with graph=False or "
+        "graph_updates=False fastcall does not support Variable aliasing (duplicate inputs, "
+        "or input Variables returned as outputs): remove the duplicates, use nnx.clone(), or "
+        "pass graph=True and graph_updates=True."
+    )
 
 
 def _constrained(leaf: Any, sharding: Any) -> Any:
@@ -813,10 +825,12 @@ def _object_at(root: Any, index: int) -> Any:
 # Options
 
 
-def resolve_options(graph: bool | None, graph_updates: bool | None, in_shardings: Any, out_shardings: Any) -> bool:
+def resolve_options(
+    graph: bool | None, graph_updates: bool | None, in_shardings: Any, out_shardings: Any
+) -> tuple[bool, bool]:
     """At decoration, as nnx.jit: `graph_updates=None` (and `graph=None`) mean the current
     `nnx.set_graph_updates` (`nnx.set_graph_mode`) setting; shardings given as prefixes
-    are checked as nnx.jit checks them. Returns whether graph updates are propagated."""
+    are checked as nnx.jit checks them. Returns (graph, graph_updates), resolved."""
     if graph is None:
         graph = graphlib.set_graph_mode.current_value()
     if graph_updates is None:
@@ -842,7 +856,7 @@ def resolve_options(graph: bool | None, graph_updates: bool | None, in_shardings
                     "graph_updates=False (as in nnx.jit): use nnx.prefix(...), or graph=True and "
                     "graph_updates=True."
                 )
-    return bool(graph_updates)
+    return bool(graph), bool(graph_updates)
 
 
 # --------------------------------------------------------------------------

@@ -35,6 +35,7 @@ class JitOptions(NamedTuple):
     inline: bool
     compiler_options: Any
     graph_updates: bool | None  # NNX: propagate structural changes made inside (None: yes)
+    graph: bool | None  # NNX: False is nnx.jit's tree mode (no Variable shared between arguments)
     # Python scalars outside Equinox modules traced (fastcall.jit, as jax.jit/nnx.jit) or
     # static (fastcall.filter_jit, as eqx.filter_jit).
     trace_scalars: bool
