@@ -1,0 +1,756 @@
+"""NNX objects anywhere inside argument pytrees, against nnx.jit (the oracle) and eager code.
+
+Modules, Variables, nnx.Optimizer and nnx.Rngs inside tuples, lists, dicts, nnx.State,
+registered dataclasses, nested, positional or keyword: one shared reference index across
+all arguments (an object at two positions is one object inside), values read at call
+time, changed Variables written back to the caller's objects, graph updates applied to the
+caller's objects wherever they sit, NNX objects returned as the caller's own objects, and
+no more traces than nnx.jit.
+
+Each check runs the same function under fastcall.jit, nnx.jit and (where meaningful)
+eagerly, on twin argument structures built identically, and compares after every call:
+the outputs (an NNX object in an output is named by where it sits among the caller's
+objects, so `out is model` under nnx.jit must hold under fastcall too), the structure
+of all the caller's objects (nnx.graphdef: types, static attributes, sharing) and their
+state (every Variable value).
+
+Property tests use the profiles of test_properties.py (FASTCALL_HYPOTHESIS=ci, the
+default, or thorough).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fastcall
+
+from .conftest import assert_trees_equal, state_of
+from .models import TinyDecoder
+
+settings.register_profile(
+    "ci", max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("thorough", max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+settings.load_profile(os.environ.get("FASTCALL_HYPOTHESIS", "ci"))
+
+pytestmark = pytest.mark.usefixtures("hot_path")
+
+NODES = (nnx.Pytree, nnx.Variable)  # Modules, Optimizer, Rngs, ...; Variables
+
+
+# ---- comparison machinery ----
+
+
+@dataclasses.dataclass
+class World:
+    """One twin: the arguments of a call and any more of the caller's objects to compare
+    (e.g. the model behind an nnx.split state)."""
+
+    args: tuple
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    keep: tuple = ()
+
+    def roots(self) -> Any:
+        return (self.args, self.kwargs, self.keep)
+
+
+def canon(out: Any, world: World) -> Any:
+    """`out` with each NNX object replaced by where it sits among the caller's objects
+    (its path in nnx.iter_graph over the world), or, for an object created inside, by
+    its type and state."""
+    where = {id(node): path for path, node in nnx.iter_graph(world.roots()) if isinstance(node, NODES)}
+
+    def name(x: Any) -> Any:
+        if not isinstance(x, NODES):
+            return x
+        if id(x) in where:
+            return ("caller's", where[id(x)])
+        if isinstance(x, nnx.Variable):
+            return ("new", type(x).__name__, x.get_raw_value())
+        return ("new", type(x).__name__, state_of(x))
+
+    return jax.tree_util.tree_map(name, out, is_leaf=lambda x: isinstance(x, NODES))
+
+
+def assert_close(a: Any, b: Any, tol: float = 1e-5) -> None:
+    """Like assert_trees_equal, with a tolerance for eager against compiled code."""
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    assert ta == tb, f"structure differs:\n{ta}\n{tb}"
+    for x, y in zip(la, lb):
+        if isinstance(x, (jax.Array, np.ndarray)) or isinstance(y, (jax.Array, np.ndarray)):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+        else:
+            assert type(x) is type(y) and x == y, (x, y)
+
+
+def assert_same_world(a: World, b: World, *, tol: float | None = None) -> None:
+    """Same structure (types, static attributes, which objects are shared) and state."""
+    assert nnx.graphdef(a.roots()) == nnx.graphdef(b.roots()), "the caller's objects differ in structure"
+    if tol is None:
+        assert_trees_equal(state_of(a.roots()), state_of(b.roots()))
+    else:
+        assert_close(state_of(a.roots()), state_of(b.roots()), tol)
+
+
+def compare(
+    fn: Callable,
+    make: Callable[[], World],
+    data: list[tuple],
+    *,
+    eager: bool = True,
+    mutate: Callable[[World, int], None] | None = None,
+    check: Callable[[dict[str, World], int], None] | None = None,
+    **jit_kwargs: Any,
+) -> tuple[dict[str, World], dict[str, int]]:
+    """Call fn(*world.args, *data[i], **world.kwargs) for each i under fastcall.jit and
+    nnx.jit (and eagerly), each on its own twin world from make(); mutate(world, i) runs on
+    every twin before call i, check(worlds, i) after it. Returns the worlds and the number
+    of traces of each compiled runner; fastcall may not trace more often than nnx.jit."""
+    traces = {"fastcall": 0, "nnx.jit": 0}
+
+    def counted(who: str) -> Callable:
+        def traced(*args, **kwargs):
+            traces[who] += 1
+            return fn(*args, **kwargs)
+
+        return traced
+
+    runners = {
+        "fastcall": fastcall.jit(counted("fastcall"), **jit_kwargs),
+        "nnx.jit": nnx.jit(counted("nnx.jit"), **jit_kwargs),
+    }
+    if eager:
+        runners["eager"] = fn
+    worlds = {who: make() for who in runners}
+    for i, extra in enumerate(data):
+        outs = {}
+        for who, run in runners.items():
+            w = worlds[who]
+            if mutate is not None:
+                mutate(w, i)
+            outs[who] = canon(run(*w.args, *extra, **w.kwargs), w)
+        assert_trees_equal(outs["fastcall"], outs["nnx.jit"])
+        assert_same_world(worlds["fastcall"], worlds["nnx.jit"])
+        if eager:
+            assert_close(outs["eager"], outs["nnx.jit"])
+            assert_same_world(worlds["eager"], worlds["nnx.jit"], tol=1e-5)
+        if check is not None:
+            check(worlds, i)
+    assert traces["fastcall"] <= traces["nnx.jit"], traces
+    return worlds, traces
+
+
+# ---- models ----
+
+
+class Counted(nnx.Module):
+    """A Linear that counts its calls (BatchStat) and accumulates its outputs (Cache)."""
+
+    def __init__(self, din: int, dout: int, seed: int):
+        self.linear = nnx.Linear(din, dout, rngs=nnx.Rngs(seed))
+        self.count = nnx.BatchStat(jnp.zeros((), jnp.int32))
+        self.cache = nnx.Cache(jnp.zeros(dout))
+
+    def __call__(self, x):
+        self.count[...] += 1
+        y = self.linear(x) + 0.1 * self.count[...]
+        self.cache[...] = self.cache[...] + jnp.sum(y, axis=0)
+        return y
+
+
+class Norm(nnx.Module):
+    """Linear, BatchNorm, Dropout: statistics and an RNG count written back; eval()/train()."""
+
+    def __init__(self, din: int, dout: int, seed: int):
+        rngs = nnx.Rngs(seed)
+        self.linear = nnx.Linear(din, dout, rngs=rngs)
+        self.bn = nnx.BatchNorm(dout, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(self.bn(self.linear(x)))
+
+
+X = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+XS = [(X,), (X * 2.0,), (X - 0.5,)]
+
+
+def encode_decode(pair, x):
+    encoder, decoder = pair
+    return decoder(encoder(x))
+
+
+# ---- regression tests: one container shape each ----
+
+
+def test_tuple_of_modules():
+    worlds, _ = compare(encode_decode, lambda: World(((Counted(4, 3, 0), Counted(3, 4, 1)),)), XS)
+    encoder, decoder = worlds["fastcall"].args[0]
+    assert int(encoder.count[...]) == int(decoder.count[...]) == 3
+
+
+def test_tuple_of_modules_with_values_changed_outside_between_calls():
+    def mutate(w: World, i: int) -> None:
+        encoder, decoder = w.args[0]
+        encoder.linear.bias[...] = jnp.full(3, 0.5 * i)  # read at call time
+        decoder.bn.mean[...] += 1.0
+
+    compare(encode_decode, lambda: World(((Counted(4, 3, 0), Norm(3, 4, 1)),)), XS, mutate=mutate)
+
+
+def test_same_module_twice_in_a_list_is_one_module_inside():
+    seen = []
+
+    def fn(ms, x):
+        seen.append(ms[0] is ms[1])
+        ms[0].count[...] += 10  # applies once, seen through ms[1]
+        return ms[0](x) + ms[1](x), ms[1].count[...]
+
+    def check(worlds: dict[str, World], i: int) -> None:
+        (ms,) = worlds["fastcall"].args
+        assert ms[0] is ms[1]
+        assert int(ms[0].count[...]) == 12 * (i + 1)
+
+    def make() -> World:
+        m = Counted(4, 4, 0)
+        return World(([m, m],))
+
+    compare(fn, make, XS, check=check)
+    assert seen and all(seen)
+
+
+def test_dict_of_modules():
+    def fn(d, x):
+        return d["dec"](d["enc"](x))
+
+    def mutate(w: World, i: int) -> None:
+        if i == 1:  # replace a submodule outside: a new object of the same structure
+            w.args[0]["enc"].linear = nnx.Linear(4, 3, rngs=nnx.Rngs(9))
+
+    compare(fn, lambda: World(({"enc": Counted(4, 3, 0), "dec": Norm(3, 4, 1)},)), XS, mutate=mutate)
+
+
+def test_modules_shared_between_arguments():
+    seen = []
+
+    def fn(pair, more, x):
+        a, b = pair
+        seen.append((more["again"] is a, more["again"] is not b))
+        more["again"].count[...] += 5
+        return b(a(x)) + more["again"](x)
+
+    def make() -> World:
+        a, b = Counted(4, 4, 0), Counted(4, 4, 1)
+        return World(((a, b), {"again": a}))
+
+    worlds, _ = compare(fn, make, XS)
+    (a, _), more = worlds["fastcall"].args
+    assert more["again"] is a and int(a.count[...]) == 3 * 7
+    assert seen and all(all(s) for s in seen)
+
+
+def test_train_step_on_model_and_optimizer_in_a_tuple():
+    tx = optax.adam(1e-3)  # one for all twins: a static attribute of the optimizer, compared as such
+
+    def make() -> World:
+        model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(8, 2, rngs=nnx.Rngs(1)))
+        return World(((model, nnx.Optimizer(model, tx, wrt=nnx.Param)),))
+
+    def step(state, x, y):
+        model, optimizer = state
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    y = jnp.ones((2, 2))
+    worlds, traces = compare(step, make, [(X, y)] * 5)
+    model, optimizer = worlds["fastcall"].args[0]
+    assert int(optimizer.step[...]) == 5
+    assert traces == {"fastcall": 1, "nnx.jit": 1}
+    first = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(8, 2, rngs=nnx.Rngs(1)))
+    with pytest.raises(AssertionError):  # the steps did move the parameters
+        assert_trees_equal(state_of(model), state_of(first))
+
+
+def test_functional_api_split_then_merge():
+    def fn(graphdef, state, x):
+        model = nnx.merge(graphdef, state)
+        return model(x)
+
+    def make() -> World:
+        model = Counted(4, 3, 0)
+        graphdef, state = nnx.split(model)
+        return World((graphdef, state), keep=(model,))
+
+    worlds, _ = compare(fn, make, XS)
+    (model,) = worlds["fastcall"].keep
+    _, state = worlds["fastcall"].args
+    assert int(model.count[...]) == 3  # written back through the state's Variables
+    assert state["count"] is model.count  # nnx.split's state holds the model's own Variables
+
+
+@pytest.mark.parametrize("returns", ["split", "state"])
+def test_functional_api_state_updated_and_returned(returns):
+    """graphdef, state = nnx.split(model); then a loop of graphdef, state = f(graphdef, state, x)."""
+
+    traces = {"fastcall": 0, "nnx.jit": 0, "eager": 0}
+
+    def step(who: str) -> Callable:
+        def fn(graphdef, state, x):
+            traces[who] += 1
+            model = nnx.merge(graphdef, state)
+            y = model(x)
+            model.linear.bias[...] += 1.0
+            return (nnx.split(model) if returns == "split" else nnx.state(model)), y
+
+        return fn
+
+    runners = {"fastcall": fastcall.jit(step("fastcall")), "nnx.jit": nnx.jit(step("nnx.jit")), "eager": step("eager")}
+    models = {who: Counted(4, 3, 0) for who in runners}
+    carry = {who: nnx.split(m) for who, m in models.items()}
+    for x in [X, X * 2.0, X - 0.5]:
+        outs = {}
+        for who, run in runners.items():
+            graphdef, state = carry[who]
+            world = World((graphdef, state), keep=(models[who],))
+            out = run(graphdef, state, x)
+            outs[who] = canon(out, world)
+            new, _ = out
+            carry[who] = new if returns == "split" else (graphdef, new)
+        assert_trees_equal(outs["fastcall"], outs["nnx.jit"])
+        assert_close(outs["eager"], outs["nnx.jit"])
+        worlds = {who: World(carry[who], keep=(models[who],)) for who in runners}
+        assert_same_world(worlds["fastcall"], worlds["nnx.jit"])
+        assert_same_world(worlds["eager"], worlds["nnx.jit"], tol=1e-5)
+    model = models["fastcall"]
+    _, state = carry["fastcall"]
+    assert int(model.count[...]) == 3 and float(model.linear.bias[...][0]) == 3.0
+    assert state["count"] is model.count and state["linear"]["bias"] is model.linear.bias
+    assert traces["nnx.jit"] == 1 and traces["fastcall"] <= 1, traces
+
+
+def test_list_of_variables_shared():
+    """flax's test_jit_pytree_of_variables: [v1, v1, v2]."""
+    seen = []
+
+    def fn(vs):
+        seen.append((vs[0] is vs[1], vs[0] is not vs[2]))
+        vs[0][...] += 10
+        return vs[2]
+
+    def make() -> World:
+        v1, v2 = nnx.Param(jnp.array(1)), nnx.Param(jnp.array(2))
+        return World(([v1, v1, v2],))
+
+    def check(worlds: dict[str, World], i: int) -> None:
+        (vs,) = worlds["fastcall"].args
+        assert vs[0] is vs[1] and vs[0] is not vs[2]
+        assert int(vs[0][...]) == 1 + 10 * (i + 1) and int(vs[2][...]) == 2
+
+    worlds, _ = compare(fn, make, [()] * 2, check=check)
+    assert seen and all(all(s) for s in seen)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Params:
+    w: nnx.Param
+    b: nnx.Param
+    step: nnx.Variable
+
+
+def affine(p, x):
+    p.step[...] += 1
+    p.b[...] = p.b[...] + 0.5
+    return x @ p.w[...] + p.b[...], p.w
+
+
+def test_registered_dataclass_holding_variables():
+    def make() -> World:
+        return World((Params(nnx.Param(jnp.eye(4) * 2.0), nnx.Param(jnp.zeros(4)), nnx.Variable(jnp.array(0))),))
+
+    def check(worlds: dict[str, World], i: int) -> None:
+        (p,) = worlds["fastcall"].args
+        assert int(p.step[...]) == i + 1 and float(p.b[...][0]) == 0.5 * (i + 1)
+
+    compare(affine, make, XS, check=check)
+
+
+def test_nnx_state_holding_variables():
+    def fn(s, x):
+        s["step"][...] += 1
+        s["b"][...] = s["b"][...] + 0.5
+        return x @ s["w"][...] + s["b"][...], s["w"]
+
+    def make() -> World:
+        return World((nnx.State({"w": nnx.Param(jnp.eye(4) * 2.0), "b": nnx.Param(jnp.zeros(4)),
+                                 "step": nnx.Variable(jnp.array(0))}),))
+
+    def check(worlds: dict[str, World], i: int) -> None:
+        (s,) = worlds["fastcall"].args
+        assert int(s["step"][...]) == i + 1
+
+    compare(fn, make, XS, check=check)
+
+
+def test_plain_list_of_kv_cache_decoders():
+    def fn(decoders, tokens):
+        return jnp.stack([d(tokens[i]) for i, d in enumerate(decoders)])
+
+    def make() -> World:
+        return World(([TinyDecoder(11, 8, 16, nnx.Rngs(s)) for s in (3, 4)],))
+
+    tokens = [(jnp.asarray([t % 11, (3 * t) % 11], jnp.int32),) for t in range(6)]
+    worlds, traces = compare(fn, make, tokens, eager=False)  # (eagerly: slow, and nnx.jit is the oracle)
+    assert [int(d.index[...]) for d in worlds["fastcall"].args[0]] == [6, 6]
+    assert traces == {"fastcall": 1, "nnx.jit": 1}
+
+
+class Foo(nnx.Module):
+    def __init__(self, seed: int):
+        self.a = nnx.Linear(2, 2, rngs=nnx.Rngs(seed))
+        self.b = nnx.Linear(2, 2, rngs=nnx.Rngs(seed + 1))
+
+
+@pytest.mark.parametrize("graph_updates", [True, False])
+def test_graph_updates_on_a_module_in_a_container(graph_updates):
+    """flax's test_objects_in_pytree: a swap inside, on tree[0]['foo']. With graph_updates
+    it is applied to the caller's module (and undone by the second call); without, nnx.jit
+    leaves the caller's module as it was, and does not raise; fastcall must do the same
+    here. (For a module passed directly, fastcall.jit(graph_updates=False) makes such a
+    change a FastcallError instead: tests/test_nnx.py.)"""
+
+    def swap(tree):
+        m = tree[0]["foo"]
+        m.a, m.b = m.b, m.a
+
+    def make() -> World:
+        m = Foo(0)
+        return World((({"foo": m},),), keep=(m.a, m.b))
+
+    def check(worlds: dict[str, World], i: int) -> None:
+        for who in ("fastcall", "nnx.jit"):
+            w = worlds[who]
+            m = w.args[0][0]["foo"]
+            a, b = w.keep
+            swapped = graph_updates and i % 2 == 0
+            assert m.a is (b if swapped else a) and m.b is (a if swapped else b), (who, i)
+
+    if graph_updates:
+        jit_kwargs = {}  # (the default; older flax has no graph_updates argument)
+    elif "graph_updates" in inspect.signature(nnx.jit).parameters:
+        jit_kwargs = {"graph_updates": False}
+    else:
+        pytest.skip("this flax's nnx.jit has no graph_updates argument")
+    _, traces = compare(swap, make, [()] * 3, eager=graph_updates, check=check, **jit_kwargs)
+    assert traces == {"fastcall": 1, "nnx.jit": 1}
+
+
+def test_graph_update_adding_a_variable_to_a_module_in_a_container():
+    def grow(tree, x):
+        m = tree["deep"][1]
+        if not hasattr(m, "extra"):
+            m.extra = nnx.Param(jnp.full(4, 3.0))
+        return m(x) + m.extra[...]
+
+    def check(worlds: dict[str, World], i: int) -> None:
+        m = worlds["fastcall"].args[0]["deep"][1]
+        assert isinstance(m.extra, nnx.Param) and float(m.extra[...][0]) == 3.0
+
+    compare(grow, lambda: World(({"deep": [jnp.ones(4), Counted(4, 4, 0)]},)), XS, check=check)
+
+
+def test_nnx_objects_in_keyword_arguments():
+    def fn(x, *, models):
+        m = models["m"]
+        y = m(x) + models["more"][0](x)
+        return y, m
+
+    def make() -> World:
+        m = Counted(4, 4, 0)
+        return World((), kwargs={"models": {"m": m, "more": [m, Counted(4, 4, 1)]}})
+
+    def fn_positional_too(pair, x, *, again):
+        again[0].count[...] += 100
+        return pair[0](x), pair[0]
+
+    worlds, _ = compare(fn, make, XS)
+    models = worlds["fastcall"].kwargs["models"]
+    assert models["more"][0] is models["m"] and int(models["m"].count[...]) == 6
+
+    def make_mixed() -> World:
+        m = Counted(4, 4, 0)
+        return World(((m, Norm(4, 4, 1)),), kwargs={"again": [m]})
+
+    worlds, _ = compare(fn_positional_too, make_mixed, XS)
+    (pair,), again = worlds["fastcall"].args, worlds["fastcall"].kwargs["again"]
+    assert again[0] is pair[0] and int(pair[0].count[...]) == 303
+
+
+def test_returned_objects_from_a_container_are_the_callers_own():
+    def fn(tree, x):
+        y = tree[0](x)
+        return tree[0], tree, tree[1]["opt"], tree[0].linear.kernel, y
+
+    tx = optax.sgd(0.1)
+
+    def make() -> World:
+        model = Counted(4, 4, 0)
+        return World(([model, {"opt": nnx.Optimizer(model, tx, wrt=nnx.Param)}],))
+
+    worlds, _ = compare(fn, make, XS)
+    w = worlds["fastcall"]
+    (tree,) = w.args
+    out = fastcall.jit(fn)(tree, X)
+    assert out[0] is tree[0]
+    assert out[1][0] is tree[0] and out[1][1]["opt"] is tree[1]["opt"]
+    assert out[2] is tree[1]["opt"]
+    assert out[3] is tree[0].linear.kernel
+
+
+def test_rngs_in_a_dict():
+    def fn(d, x):
+        return d["m"](x) + jax.random.normal(d["rngs"].noise(), x.shape)
+
+    def make() -> World:
+        return World(({"rngs": nnx.Rngs(0, noise=1), "m": Norm(4, 4, 2)},))
+
+    def check(worlds: dict[str, World], i: int) -> None:
+        assert int(worlds["fastcall"].args[0]["rngs"].noise.count[...]) == i + 1
+
+    compare(fn, make, XS, check=check)
+
+
+def test_traces_no_more_often_than_nnx_jit():
+    """The same objects again, values changed in place, a list element replaced by a module
+    of the same structure: no new trace under nnx.jit. A module appended: one."""
+
+    def fn(ms, x):
+        total = x
+        for m in ms:
+            total = m(total)
+        return total
+
+    def mutate(w: World, i: int) -> None:
+        (ms,) = w.args
+        if i == 2:
+            ms[0].linear.kernel[...] = ms[0].linear.kernel[...] * 2.0
+            ms[1].count[...] += 3
+        elif i == 3:
+            ms[1] = Counted(4, 4, 7)
+        elif i == 5:
+            ms.append(Counted(4, 4, 8))
+
+    make = lambda: World(([Counted(4, 4, 0), Counted(4, 4, 1)],))  # noqa: E731
+    _, traces = compare(fn, make, [(X,)] * 7, mutate=mutate)
+    assert traces["nnx.jit"] == 2 and traces["fastcall"] >= 1
+
+
+# ---- properties: random nested containers, random mutations between calls ----
+
+
+class Acc(nnx.Module):
+    """The property tests' small module: Linear with a call counter and an accumulator."""
+
+    def __init__(self, seed: int):
+        self.linear = nnx.Linear(3, 3, rngs=nnx.Rngs(seed))
+        self.count = nnx.BatchStat(jnp.zeros((), jnp.int32))
+        self.cache = nnx.Cache(jnp.zeros(3))
+
+    def __call__(self, x):
+        self.count[...] += 1
+        y = self.linear(x) + 0.1 * self.count[...]
+        self.cache[...] = self.cache[...] + jnp.sum(y, axis=0)
+        return y
+
+
+class Drop(nnx.Module):
+    """Linear, BatchNorm, Dropout: for eval()/train()."""
+
+    def __init__(self, seed: int):
+        rngs = nnx.Rngs(seed)
+        self.linear = nnx.Linear(3, 3, rngs=rngs)
+        self.bn = nnx.BatchNorm(3, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(self.bn(self.linear(x)))
+
+
+def new_module(key: int) -> nnx.Module:
+    return Drop(key) if key % 4 == 3 else Acc(key)
+
+
+# A spec says how to build a twin: ("module", key) (one object per key: a key at two
+# positions is a shared module), ("array", v), ("int", v), ("float", v), ("tuple" | "list",
+# (spec, ...)), ("dict", ((name, spec), ...)).
+LEAF = st.one_of(
+    st.tuples(st.just("module"), st.integers(0, 3)),
+    st.tuples(st.just("array"), st.integers(-2, 2)),
+    st.tuples(st.just("int"), st.integers(-2, 2)),
+    st.tuples(st.just("float"), st.sampled_from([0.5, -1.5])),
+)
+
+
+def container(depth: int) -> st.SearchStrategy:
+    sub = LEAF if depth <= 1 else st.one_of(LEAF, container(depth - 1))
+    return st.one_of(
+        st.tuples(st.just("tuple"), st.lists(sub, min_size=1, max_size=3).map(tuple)),
+        st.tuples(st.just("list"), st.lists(sub, min_size=1, max_size=3).map(tuple)),
+        st.tuples(st.just("dict"), st.dictionaries(st.sampled_from("abc"), sub, min_size=1, max_size=3)
+                  .map(lambda d: tuple(sorted(d.items())))),
+    )
+
+
+def has_module(spec: tuple) -> bool:
+    kind, v = spec
+    if kind == "module":
+        return True
+    if kind in ("tuple", "list"):
+        return any(has_module(s) for s in v)
+    if kind == "dict":
+        return any(has_module(s) for _, s in v)
+    return False
+
+
+def build(spec: tuple, pool: dict[int, nnx.Module]) -> Any:
+    kind, v = spec
+    if kind == "module":
+        if v not in pool:
+            pool[v] = new_module(v)
+        return pool[v]
+    if kind == "array":
+        return jnp.full(3, float(v))
+    if kind in ("int", "float"):
+        return v
+    if kind == "tuple":
+        return tuple(build(s, pool) for s in v)
+    if kind == "list":
+        return [build(s, pool) for s in v]
+    return {k: build(s, pool) for k, s in v}
+
+
+def walk(tree: Any):
+    """Leaves and lists of a nested container, in a fixed order."""
+    if isinstance(tree, (tuple, list)):
+        if isinstance(tree, list):
+            yield ("list", tree)
+        for item in tree:
+            yield from walk(item)
+    elif isinstance(tree, dict):
+        for k in sorted(tree):
+            yield from walk(tree[k])
+    else:
+        yield ("leaf", tree)
+
+
+def modules_in(tree: Any) -> list[nnx.Module]:
+    return [leaf for kind, leaf in walk(tree) if kind == "leaf" and isinstance(leaf, nnx.Module)]
+
+
+def lists_in(tree: Any) -> list[list]:
+    return [lst for kind, lst in walk(tree) if kind == "list"]
+
+
+def apply_all(tree, x):
+    """Calls every module (a shared one once per position) and adds every array and scalar;
+    returns the first module too."""
+    total = jnp.zeros((2, 3))
+    for kind, leaf in walk(tree):
+        if kind == "leaf":
+            total = total + (leaf(x) if isinstance(leaf, nnx.Module) else leaf)
+    found = modules_in(tree)
+    return total, (found[0] if found else None)
+
+
+def _pick(items: list, k: int) -> Any:
+    return items[k % len(items)] if items else None
+
+
+def _mutate(tree: Any, pool: dict[int, nnx.Module], op: str, k: int, i: int) -> None:
+    """One mutation outside the compiled function, the same on each twin."""
+    m = _pick(modules_in(tree), k)
+    lst = _pick(lists_in(tree), k)
+    if op == "value" and m is not None:
+        m.linear.bias[...] = jnp.full(3, 0.1 * (k % 7))
+    elif op == "bump" and m is not None:
+        if isinstance(m, Acc):
+            m.count[...] += 1
+        else:
+            m.bn.mean[...] += 1.0
+    elif op == "replace_submodule" and m is not None:
+        m.linear = nnx.Linear(3, 3, rngs=nnx.Rngs(100 + i))
+    elif op == "eval" and m is not None:
+        m.eval()
+    elif op == "train" and m is not None:
+        m.train()
+    elif op in ("replace_element", "append") and lst is not None:
+        if k % 3 == 0:  # a new module
+            key = 1000 + 4 * i + k % 4
+            pool[key] = new = new_module(key)
+        elif k % 3 == 1:  # a module already there: now shared
+            new = _pick(list(pool.values()), k)
+        else:
+            new = jnp.full(3, float(k % 5))
+        if op == "append" or not lst:
+            lst.append(new)
+        else:
+            lst[k % len(lst)] = new
+
+
+OPS = ["call", "call", "value", "bump", "replace_submodule", "eval", "train", "replace_element", "append"]
+
+
+# Half the profile's examples: the test runs once per hot path (c, python).
+@settings(
+    max_examples=max(1, settings.default.max_examples // 2),
+    suppress_health_check=[*settings.default.suppress_health_check, HealthCheck.function_scoped_fixture],
+)
+@given(
+    container(3).filter(has_module),
+    st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 100)), min_size=1, max_size=6),
+    st.booleans(),
+)
+def test_nnx_in_random_containers_never_stale(spec, ops, by_keyword):
+    fastcall.clear_caches()
+    traces = {"fastcall": 0, "nnx.jit": 0}
+
+    def counted(who: str) -> Callable:
+        def traced(tree, x):
+            traces[who] += 1
+            return apply_all(tree, x)
+
+        return traced
+
+    runners = {"fastcall": fastcall.jit(counted("fastcall")), "nnx.jit": nnx.jit(counted("nnx.jit"))}
+    pools: dict[str, dict[int, nnx.Module]] = {who: {} for who in runners}
+    trees = {who: build(spec, pools[who]) for who in runners}
+    x = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
+    for i, (op, k) in enumerate(ops):
+        outs = {}
+        for who, run in runners.items():
+            tree = trees[who]
+            if op != "call":
+                _mutate(tree, pools[who], op, k, i)
+            before = [leaf for kind, leaf in walk(tree) if kind == "leaf"]
+            out = run(tree=tree, x=x) if by_keyword else run(tree, x)
+            after = [leaf for kind, leaf in walk(tree) if kind == "leaf"]
+            assert len(before) == len(after) and all(a is b for a, b in zip(before, after))
+            outs[who] = canon(out, World((tree,)))
+        np.testing.assert_allclose(outs["fastcall"][0], outs["nnx.jit"][0], rtol=1e-5, atol=1e-6)
+        assert_trees_equal(outs["fastcall"][1], outs["nnx.jit"][1])  # the caller's own first module
+        assert_same_world(World((trees["fastcall"],)), World((trees["nnx.jit"],)))
+    assert traces["fastcall"] <= traces["nnx.jit"], traces
