@@ -43,7 +43,7 @@ def resolve_call(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...],
     resolved = _resolve_all(state, fun_leaves, args, kwargs, None)
     if len(resolved.nnx_args) > 1 and _nnx_gate.adapter().overlapping(resolved.nnx_args):
         if state.options.graph is False:  # (nnx.jit's tree mode refuses shared Variables)
-            raise _nnx_gate.adapter().aliasing_error("shared between arguments")
+            raise _nnx_gate.adapter().aliasing_error("two arguments")
         resolved = _resolve_all(state, fun_leaves, args, kwargs, _nnx_gate.adapter().joint_index())
     return resolved
 

@@ -81,6 +81,8 @@ def build(state: Any, key: tuple[Any, ...], fun: Any, varies: bool = False) -> E
     arg_names = [state.arg_name(i) for i in range(len(pos_specs))] + list(layout.keyword_names)
     counts = [s.n_dyn for s in all_specs]
     graph_updates = state.options.graph_updates is not False
+    # nnx.jit's tree mode, or graph mode without graph updates: no Variable aliasing
+    refuse_aliasing = state.options.graph is False or not graph_updates
     donated = set(state.donated_slots(len(all_specs), len(pos_specs), layout.keyword_names))
     # in_shardings, one per leaf, computed once; with them, written-back Variables keep
     # their input sharding (as nnx.jit).
@@ -132,7 +134,9 @@ def build(state: Any, key: tuple[Any, ...], fun: Any, varies: bool = False) -> E
         if nnx_inputs is not None:
             # Which Variables changed (decided here, once per compile), and whether the
             # graph itself changed (then the new structure is propagated back).
-            out, nnx_out, nnx_extra = nnx_inputs.outputs(out, graph_updates, nnx_everything, nnx_shardings)
+            out, nnx_out, nnx_extra = nnx_inputs.outputs(
+                out, graph_updates, refuse_aliasing, nnx_everything, nnx_shardings
+            )
         info = OutInfo(out, current_trace_has_callback(), nnx_out)
         flat = info.flat_outputs(out, nnx_extra)
         if varies:

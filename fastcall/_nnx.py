@@ -601,7 +601,7 @@ class TracedInputs:
             t.inner, t.paths = list(flat.leaves), list(flat.paths)
 
     def outputs(
-        self, out: Any, graph_updates: bool, everything: list[bool], shardings: list[Any]
+        self, out: Any, graph_updates: bool, refuse_aliasing: bool, everything: list[bool], shardings: list[Any]
     ) -> tuple[Any, NnxOutputs | None, list[Any]]:
         """After the function returned `out`: (out with NNX objects replaced by markers,
         what to do after each call or None, the extra leaves to return). Per argument:
@@ -638,7 +638,7 @@ class TracedInputs:
                     value = jax.lax.with_sharding_constraint(value, per_leaf[index])
                 writes.append((ordinal, index))
                 written.append(value)
-        out, has_nodes, inner_nodes = self._mark_nodes(out, refuse_inputs=not graph_updates)
+        out, has_nodes, inner_nodes = self._mark_nodes(out, refuse_inputs=refuse_aliasing)
         extra = restructured + written
         if not (writes or restructure or has_nodes):
             return out, None, []
@@ -674,7 +674,7 @@ class TracedInputs:
                 return x
             found[0] = True
             if refuse_inputs and (id(x) in inner or any(x is t.node for t in self.args)):
-                raise aliasing_error("an input returned as an output, with graph_updates=False")
+                raise aliasing_error("both an input and an output")
             for k, t in enumerate(self.args):
                 if x is t.node:
                     return _InputNode(k)
@@ -688,12 +688,13 @@ class TracedInputs:
         return marked, found[0], tuple(sub_objects)
 
 
-def aliasing_error(what: str) -> FastcallError:
+def aliasing_error(where: str) -> FastcallError:
     return FastcallError(
-        f"fastcall.jit: an NNX Variable is {what}. As nnx.jit, with graph=False or "
-        "graph_updates=False fastcall does not support Variable aliasing (duplicate inputs, "
-        "or input Variables returned as outputs): remove the duplicates, use nnx.clone(), or "
-        "pass graph=True and graph_updates=True."
+        f"fastcall.jit: duplicate NNX Variable found at paths in {where}. As nnx.jit, fastcall "
+        "refuses Variable aliasing in tree mode (graph=False: a Variable in two arguments, or an "
+        "input Variable returned) and without graph updates (graph_updates=False: an input "
+        "Variable returned): remove the duplicate, use nnx.clone(), or pass graph=True and "
+        "graph_updates=True."
     )
 
 
