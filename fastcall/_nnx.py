@@ -481,6 +481,11 @@ def joint_index() -> Any:
     return graphlib.RefMap()
 
 
+def describe_structure(obj: Any) -> str:
+    """An NNX object's graphdef, as text (what a recompile explanation compares)."""
+    return str(graphlib.flatten(obj, with_paths=False)[0])
+
+
 def named_leaves(obj: Any) -> list[tuple[str, Any]]:
     """(path, value) for every leaf of an NNX object (to name a deleted array)."""
     flat = graphlib.flatten(obj, with_paths=True)[1]
@@ -759,7 +764,7 @@ def write_back(nnx_out: NnxOutputs, written: Any, nnx_args: list[NnxArg]) -> Any
     """Apply structural changes and write changed Variables back to the caller's objects.
     Returns the caller's sub-objects that the output refers to, resolved before the
     graph changed (the markers' indices refer to the graph the function was given)."""
-    if isinstance(written[0], jax.core.Tracer):  # all outputs are tracers, or none
+    if written and isinstance(written[0], jax.core.Tracer):  # all outputs are tracers, or none
         raise FastcallError(
             "fastcall.jit: the function changes NNX state (Variables), but it was "
             "called inside an outer JAX transformation with the NNX objects closed "

@@ -102,9 +102,9 @@ class OutInfo:
         resolved = None
         if self.nnx is not None:
             k = self.nnx.n_written
-            if k:
-                resolved = self.adapter.write_back(self.nnx, dyn[-k:], nnx_args)
-                dyn = dyn[:-k]
+            if k or self.nnx.restructure:  # (a new structure may have no leaves at all)
+                resolved = self.adapter.write_back(self.nnx, dyn[len(dyn) - k :], nnx_args)
+                dyn = dyn[: len(dyn) - k]
         if self.block:
             marker = dyn.pop()
             if type(marker) is ArrayImpl:

@@ -9,6 +9,8 @@ from typing import Any, Iterable
 import jax
 from jax.tree_util import keystr, tree_flatten_with_path
 
+from . import _nnx_gate
+
 _repr = reprlib.Repr()
 _repr.maxstring = 60
 _repr.maxother = 60
@@ -80,10 +82,16 @@ def describe(named_values: Iterable[tuple[str, Any]]) -> Signature:
     """What a trace saw, leaf by leaf: {(argument, path): description}. Trace time only."""
     sig: Signature = {}
     for name, value in named_values:
-        leaves_with_paths, treedef = tree_flatten_with_path(value)
+        # (NNX objects through NNX's own graph walk: their graphs may share or cycle)
+        leaves_with_paths, treedef = tree_flatten_with_path(value, is_leaf=_nnx_gate.is_node)
         sig[(name, "(structure)")] = str(treedef)
         for path, leaf in leaves_with_paths:
-            sig[(name, keystr(path))] = _describe_leaf(leaf)
+            if _nnx_gate.is_node(leaf):
+                sig[(name, (keystr(path) + " (structure)").strip())] = _nnx_gate.adapter().describe_structure(leaf)
+                for sub, value_leaf in _nnx_gate.adapter().named_leaves(leaf):
+                    sig[(name, keystr(path) + sub)] = _describe_leaf(value_leaf)
+            else:
+                sig[(name, keystr(path))] = _describe_leaf(leaf)
     return sig
 
 
@@ -92,7 +100,7 @@ def diff(old: Signature, new: Signature) -> tuple[Change, ...]:
     for k in list(old) + [k for k in new if k not in old]:
         a, b = old.get(k, "absent"), new.get(k, "absent")
         if a != b:
-            if k[1] == "(structure)":
+            if k[1].endswith("(structure)"):
                 a, b = _around_first_difference(a, b)
             changes.append(Change(k[0], k[1], a, b))
     return tuple(changes)
@@ -127,7 +135,7 @@ def storm(traces: int, recompiles: list[Recompile]) -> str | None:
         # A storm is a value or shape that keeps changing (a float, a sequence length). A
         # function called with many structures (equinox's own filter_jvp tests do it) is
         # ordinary use, and warning there would fail suites run with filterwarnings=error.
-        for c in {(c.argument, c.path) for c in r.changes if c.path != "(structure)"}:
+        for c in {(c.argument, c.path) for c in r.changes if not c.path.endswith("(structure)")}:
             counts[c] = counts.get(c, 0) + 1
     culprits = [k for k, n in counts.items() if n == STORM_WINDOW]
     if not culprits:
