@@ -5,8 +5,9 @@ argument, cheapest first: a plain array is one leaf; an object in the
 identity cache gives its cached leaves; an NNX object is read through the
 adapter (values fresh, structure cached); a new object of a known structure
 goes through its generated extractor; anything else is flattened once (and
-cached by identity if immutable). Raises `StepAside` when an argument holds a
-tracer (the call comes from inside an outer transformation).
+cached by identity if immutable). Tracers of an outer transformation are leaves
+like arrays (jax.jit nests), unless the call has NNX objects too (inside
+nnx.grad/vmap/scan): then `StepAside` is raised and the function runs inline.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, NamedTuple
 from . import _codegen, _flatten, _nnx_gate
 from ._errors import FastcallError, describe_arg
 from ._flatten import ARRAY_TYPES, PY_SCALARS, ArrayImpl, Spec, remember
-from ._trace import StepAside, Tracer, contains_tracer
+from ._trace import StepAside, contains_tracer
 
 
 class Resolved(NamedTuple):
@@ -41,6 +42,10 @@ def resolve_call(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...],
             return None
         args, kwargs = bound.args, bound.kwargs
     resolved = _resolve_all(state, fun_leaves, args, kwargs, None)
+    if resolved.nnx_args and contains_tracer(resolved.leaves):
+        # Tracers of an outer transformation next to NNX objects (nnx.grad's argument,
+        # say): NNX state changed inside must stay in that trace, so run inline.
+        raise StepAside
     if len(resolved.nnx_args) > 1 and _nnx_gate.adapter().overlapping(resolved.nnx_args):
         if state.options.graph is False:  # (nnx.jit's tree mode refuses shared Variables)
             raise _nnx_gate.adapter().aliasing_error("two arguments")
@@ -105,21 +110,18 @@ def resolve(
     if adapter is not None and adapter.holds_nodes(value):
         return adapter.read_container(value, leaves, arg_name, nnx_args, joint, trace_scalars)
     if isinstance(value, ARRAY_TYPES) or (trace_scalars and type(value) in PY_SCALARS):
-        if isinstance(value, Tracer):
-            raise StepAside
-        leaves.append(value)  # (jax.jit traces a Python scalar weakly typed)
-        return 0
+        leaves.append(value)  # (jax.jit traces a Python scalar weakly typed; a tracer of an
+        return 0  # outer transformation goes to jax.jit as such: a nested jit, as eqx.filter_jit)
     scalar = _scalar_spec(value)
     if scalar is not None:
         return scalar
     spec, dynamic = _flatten.flatten_generic(value, arg_name, trace_scalars)
-    if contains_tracer(dynamic):
-        raise StepAside
     if spec.has_nnx:  # NNX objects inside a container: each read as if passed on its own
         return _nnx_gate.adapter().read_container(value, leaves, arg_name, nnx_args, joint, trace_scalars)
     leaves.extend(dynamic)
-    if not spec.rule_free:
-        return spec.id  # (caches are shared by functions of either scalar rule)
+    if not spec.rule_free or contains_tracer(dynamic):
+        # (caches are shared by functions of either scalar rule; tracers are never cached)
+        return spec.id
     if spec.cacheable:
         remember(value, tuple(dynamic), spec)
     if not spec.templated:

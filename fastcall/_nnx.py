@@ -696,7 +696,7 @@ class TracedInputs:
 def aliasing_error(where: str) -> FastcallError:
     return FastcallError(
         f"fastcall.jit: duplicate NNX Variable found at paths in {where}. As nnx.jit, fastcall "
-        "refuses Variable aliasing in tree mode (graph=False: a Variable in two arguments, or an "
+        "does not support Variable aliasing in tree mode (graph=False: a Variable in two arguments, or an "
         "input Variable returned) and without graph updates (graph_updates=False: an input "
         "Variable returned): remove the duplicate, use nnx.clone(), or pass graph=True and "
         "graph_updates=True."
