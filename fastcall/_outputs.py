@@ -14,6 +14,7 @@ named by argument and leaf path).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any, Sequence
 
@@ -192,15 +193,36 @@ def _wait_and_translate(marker: Any) -> None:
         _translate(err)
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_BOUNDARY = os.path.join(_PACKAGE_DIR, "_dispatch.py")  # a frame that calls a compiled function
+
+
 def _translate(err: BaseException) -> None:
     """Re-raise an `eqx.error_if` failure as `eqx.EquinoxRuntimeError` with its message
     (as eqx.filter_jit does); re-raise anything else unchanged."""
     if "_EquinoxRuntimeError" in str(err):
-        from equinox import _jit as eqx_jit  # where eqx.error_if leaves its message
+        from equinox import _jit as eqx_jit  # where eqx.error_if leaves its message and stack
 
         info = getattr(eqx_jit, "last_error_info", None)
-        msg = info[0] if info else str(err)
-        raise eqx.EquinoxRuntimeError(msg) from None
+        template = getattr(eqx_jit, "_on_error_msg", None)
+        if not info:
+            raise eqx.EquinoxRuntimeError(str(err)) from None
+        msg, stack = info
+        if template is None:
+            raise eqx.EquinoxRuntimeError(msg) from None
+        # Equinox's own message: the stack inside the compiled function (the user's frames
+        # recorded by eqx.error_if, innermost first, up to the call of the compiled
+        # function that raised) and how to debug.
+        pieces = []
+        for piece in stack:
+            if type(piece) is not str:
+                continue  # (Equinox's markers of its own jit frames)
+            if _PACKAGE_DIR in piece:
+                if _BOUNDARY in piece:
+                    break
+                continue
+            pieces.append(piece)
+        raise eqx.EquinoxRuntimeError(template.format(msg=msg, stack="".join(reversed(pieces)))) from None
     raise err
 
 
