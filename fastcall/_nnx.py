@@ -30,6 +30,8 @@ in the output come back as the caller's own objects or as new ones.
 from __future__ import annotations
 
 import collections.abc
+import copy
+import dataclasses
 import inspect
 import operator
 import threading
@@ -220,15 +222,80 @@ def _flatten_node(obj: Any, arg_name: str, **kwargs: Any) -> tuple[Any, Any]:
 
 
 def _intern_graphdef(graphdef: Any, n: int, arg_name: str, joint: bool = False) -> NodeSpec:
+    tag = "nnx-joint" if joint else "nnx"
     try:
-        return intern(NodeSpec(graphdef, n, joint), ("nnx-joint" if joint else "nnx", graphdef))
+        return intern(NodeSpec(graphdef, n, joint), (tag, graphdef))
+    except TypeError:
+        pass  # a mutable static attribute (a list, a dict, a dataclass holding one)
     except Exception as err:
-        raise FastcallError(
-            f"fastcall.jit: {describe_arg(arg_name)} has a static attribute that cannot be "
-            f"hashed or compared ({type(err).__name__}: {err}). NNX static attributes "
-            "become part of the compile key: make them hashable, or store them in a "
-            "Variable."
-        ) from None
+        raise _static_error(arg_name, err) from None
+    # Keyed by value: a frozen copy of the graphdef is the key, and the spec keeps a deep
+    # copy (the caller's list may change in place later; the compiled program must not).
+    try:
+        key = (tag, "by value", _freeze(graphdef))
+        found = _interned(key)
+        if found is not None:
+            return found
+        spec = NodeSpec(_copy_unhashable(graphdef), n, joint)
+        spec.mutable_statics = True
+        return intern(spec, key)
+    except Exception as err:
+        raise _static_error(arg_name, err) from None
+
+
+def _static_error(arg_name: str, err: Exception) -> FastcallError:
+    return FastcallError(
+        f"fastcall.jit: {describe_arg(arg_name)} has a static attribute that cannot be "
+        f"compared or copied ({type(err).__name__}: {err}). NNX static attributes are part "
+        "of the compile key: use values that compare by value (numbers, strings, tuples, "
+        "lists, dicts, dataclasses of these), or store them in a Variable."
+    )
+
+
+def _copy_unhashable(x: Any) -> Any:
+    """A copy of `x` in which every part that cannot be hashed (and so may change in place)
+    is copied, recursively; hashable parts (types, functions, numbers) are kept as they are."""
+    try:
+        hash(x)
+        return x
+    except TypeError:
+        pass
+    if type(x) is list:
+        return [_copy_unhashable(i) for i in x]
+    if type(x) is tuple:
+        return tuple(_copy_unhashable(i) for i in x)
+    if type(x) is dict:
+        return {k: _copy_unhashable(v) for k, v in x.items()}
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        try:
+            return dataclasses.replace(
+                x, **{f.name: _copy_unhashable(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}
+            )
+        except Exception:
+            pass
+    return copy.deepcopy(x)
+
+
+def _freeze(x: Any) -> Any:
+    """A hashable value equal for equal `x` (compared as `==` compares them, but with each
+    scalar's type: 1, 1.0 and True differ): lists, dicts, sets and dataclasses are
+    frozen recursively. Raises TypeError for anything else that cannot be hashed."""
+    try:
+        hash(x)
+    except TypeError:
+        pass
+    else:
+        return _leaf_key(x)
+    t = type(x)
+    if isinstance(x, (list, tuple)):
+        return (t, tuple(map(_freeze, x)))
+    if isinstance(x, collections.abc.Mapping):
+        return (t, frozenset((_freeze(k), _freeze(v)) for k, v in x.items()))
+    if isinstance(x, (set, frozenset)):
+        return (t, frozenset(map(_freeze, x)))
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return (t, tuple((f.name, _freeze(getattr(x, f.name))) for f in dataclasses.fields(x)))
+    raise TypeError(f"unhashable type: {t.__name__!r}")
 
 
 def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
@@ -254,7 +321,7 @@ def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
         raise
     entry.spec, entry.spec_id, entry.items = spec, spec.id, list(flat.leaves)
     only_variables = all(isinstance(x, Variable) for x in entry.items)
-    entry.volatile = volatile or not only_variables or not TRUSTED
+    entry.volatile = volatile or not only_variables or not TRUSTED or spec.mutable_statics
     entry.direct = only_variables and not entry.volatile
     if {id(n) for n in _graph_nodes(obj)[0]} != set(entry.watched):
         entry.stale = True  # the graph changed while we were building: rebuild next call
@@ -503,10 +570,16 @@ class NodeSpec:
     """Spec of an NNX argument (duck-types `_flatten.Spec` for the parts the compiled
     function uses): its graphdef; its leaves are all dynamic."""
 
-    __slots__ = ("id", "kind", "graphdef", "n_dyn", "cacheable", "templated", "mask", "joint", "__weakref__")
+    __slots__ = (
+        "id", "kind", "graphdef", "n_dyn", "cacheable", "templated", "mask", "joint", "mutable_statics",
+        "__weakref__",
+    )
 
     def __init__(self, graphdef: Any, n: int, joint: bool = False) -> None:
         self.id = -1
+        # Static attributes that can change in place (a list, a dict): the object's graph
+        # is walked and compared by value on every call.
+        self.mutable_statics = False
         self.joint = joint  # flattened together with the call's earlier NNX arguments
         self.kind = "nnx"
         self.graphdef = graphdef

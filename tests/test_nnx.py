@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import equinox as eqx
@@ -823,3 +824,63 @@ def test_new_nnx_objects_returned_are_real_objects():
                 assert_same_state(a, b)
             else:
                 assert_trees_equal(a, b)
+
+
+# ---- Mutable static attributes (issue 11, item 11): keyed by value, never stale ----
+# nnx.jit, nnx.jit(graph=False) and jax.jit all keep computing with the old value after an
+# in-place change, so the oracle here is eager execution.
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenConfig:
+    layer_types: list
+
+
+class Configured(nnx.Module):
+    def __init__(self):
+        self.features = [2, 3]
+        self.config = {"scale": 2.0, "nested": [1, [2]]}
+        self.frozen = FrozenConfig(["a", "b"])
+        self.w = nnx.Param(jnp.arange(3.0))
+
+    def __call__(self, x):
+        scale = len(self.features) * self.config["scale"] * len(self.frozen.layer_types)
+        return x * scale + self.w[...] * len(self.config["nested"][1])
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda m: m.features.append(4),
+        lambda m: m.features.__delitem__(0),
+        lambda m: m.features.__setitem__(0, 7),
+        lambda m: m.config.__setitem__("scale", 3.0),
+        lambda m: m.config["nested"][1].append(5),
+        lambda m: m.frozen.layer_types.append("c"),
+    ],
+    ids=["append", "del", "setitem", "dict-key", "nested-list", "frozen-dataclass-list"],
+)
+def test_mutable_static_attributes_are_keyed_by_value_and_never_stale(mutate):
+    m = Configured()
+    f = fastcall.jit(lambda m, x: m(x))
+    x = jnp.ones(3)
+    assert_trees_equal(f(m, x), m(x))
+    mutate(m)
+    assert_trees_equal(f(m, x), m(x))  # the peers return the old result here
+    assert f.stats().compiles == 2
+    # inside a container too, and the first value again reuses its program
+    g = fastcall.jit(lambda ms, x: ms[0](x))
+    assert_trees_equal(g([m], x), m(x))
+
+
+def test_mutable_static_attribute_restored_reuses_the_first_program():
+    m = Configured()
+    f = fastcall.jit(lambda m, x: m(x))
+    x = jnp.ones(3)
+    first = f(m, x)
+    m.features.append(4)
+    f(m, x)
+    m.features.pop()
+    assert_trees_equal(f(m, x), first)
+    assert f.stats().compiles == 2
+    assert m.features == [2, 3]  # the caller's list is untouched
