@@ -6,8 +6,8 @@ identity cache gives its cached leaves; an NNX object is read through the
 adapter (values fresh, structure cached); a new object of a known structure
 goes through its generated extractor; anything else is flattened once (and
 cached by identity if immutable). Tracers of an outer transformation are leaves
-like arrays (jax.jit nests), unless the call has NNX objects too (inside
-nnx.grad/vmap/scan): then `StepAside` is raised and the function runs inline.
+like arrays (jax.jit nests); a call with NNX objects under an outer trace
+(inside nnx.grad/vmap/scan/checkify) raises `StepAside`: the function runs inline.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 from . import _codegen, _flatten, _nnx_gate
 from ._errors import FastcallError, describe_arg
 from ._flatten import ARRAY_TYPES, PY_SCALARS, ArrayImpl, Spec, remember
-from ._trace import StepAside, contains_tracer
+from ._trace import StepAside, contains_tracer, currently_jitting
 
 
 class Resolved(NamedTuple):
@@ -42,9 +42,10 @@ def resolve_call(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...],
             return None
         args, kwargs = bound.args, bound.kwargs
     resolved = _resolve_all(state, fun_leaves, args, kwargs, None)
-    if resolved.nnx_args and contains_tracer(resolved.leaves):
-        # Tracers of an outer transformation next to NNX objects (nnx.grad's argument,
-        # say): NNX state changed inside must stay in that trace, so run inline.
+    if resolved.nnx_args and currently_jitting():
+        # NNX objects inside an outer transformation (nnx.grad, nnx.checkify, jax.jit, ...):
+        # NNX state changed inside must stay in that trace, so run inline, as nnx.jit
+        # effectively does (NNX itself then refuses to mutate objects from outside it).
         raise StepAside
     if len(resolved.nnx_args) > 1 and _nnx_gate.adapter().overlapping(resolved.nnx_args):
         if state.options.graph is False:  # (nnx.jit's tree mode refuses shared Variables)
