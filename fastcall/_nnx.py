@@ -913,7 +913,8 @@ def resolve_options(
     if graph is None:
         graph = graphlib.set_graph_mode.current_value()
     if graph_updates is None:
-        graph_updates = graphlib.set_graph_updates.current_value()
+        setting = getattr(graphlib, "set_graph_updates", None)  # (flax >= 0.12.6)
+        graph_updates = True if setting is None else setting.current_value()
     for name, prefix in (("in_shardings", in_shardings), ("out_shardings", out_shardings)):
         for leaf in jax.tree_util.tree_leaves(prefix, is_leaf=lambda x: _is_node(x) or hasattr(x, "map_prefix")):
             kind = type(leaf).__name__
