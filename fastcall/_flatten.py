@@ -247,10 +247,12 @@ def flatten_generic(value: Any, arg_name: str, trace_scalars: bool = False) -> t
             mask = traced
     dynamic = [x for x, m in zip(leaves, mask) if m]
     statics = tuple(x for x, m in zip(leaves, mask) if not m)
-    spec = Spec("tree", treedef, mask, statics, rule_free)
     try:
         key = ("tree", treedef, mask, tuple(leaf_key(s) for s in statics))
-        return intern(spec, key), dynamic
+        found = _spec_ids.get(key)  # (a structure seen before: no new Spec to build)
+        if found is not None:
+            return found, dynamic
+        return intern(Spec("tree", treedef, mask, statics, rule_free), key), dynamic
     except Exception as err:
         raise _unhashable_error(arg_name, value, err) from None
 

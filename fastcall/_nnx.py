@@ -50,7 +50,6 @@ from ._flatten import PY_SCALARS as _PY_SCALARS
 from ._flatten import ArrayImpl, intern
 from ._flatten import interned as _interned
 from ._flatten import leaf_key as _leaf_key
-from ._flatten import spec_by_id as _spec_by_id
 from ._trace import StepAside, Tracer, contains_tracer
 
 # --------------------------------------------------------------------------
@@ -99,7 +98,13 @@ def _is_node(x: Any) -> bool:
     return isinstance(x, Variable) or graphlib.is_graph_node(x)
 
 
-_is_node_fast: Any = _nnx_gate.is_node  # the same answer, cached per type (the hot paths)
+_node_types = _nnx_gate.node_types
+
+
+def _is_node_fast(x: Any) -> bool:
+    """`_is_node`, cached per type (the hot paths)."""
+    known = _node_types.get(type(x))
+    return _nnx_gate.is_node_type(type(x)) if known is None else known
 
 
 # --------------------------------------------------------------------------
@@ -364,10 +369,27 @@ def read_argument(obj: Any, leaves: list[Any], arg_name: str, nnx_args: list[Nnx
     return its spec id. With `joint` (a RefMap shared by the call's NNX arguments),
     objects already seen in an earlier argument become references, so each shared
     Variable is passed once (as nnx.jit does). Raises StepAside for tracer values."""
-    if joint is None and isinstance(obj, Variable):
-        spec_id = _read_variable(obj, leaves, arg_name, nnx_args)
-        if spec_id is not None:
-            return spec_id
+    return _read_node(obj, leaves, arg_name, nnx_args, joint).id
+
+
+_variable_types: dict[type, bool] = {}
+
+
+def _is_variable(obj: Any) -> bool:
+    """isinstance(obj, Variable), cached per type (Variable's metaclass check is Python)."""
+    t = type(obj)
+    known = _variable_types.get(t)
+    if known is None:
+        known = _variable_types[t] = isinstance(obj, Variable)
+    return known
+
+
+def _read_node(obj: Any, leaves: list[Any], arg_name: str, nnx_args: list[NnxArg], joint: Any) -> Any:
+    """`read_argument`, returning the spec itself."""
+    if joint is None and _is_variable(obj):
+        spec = _read_variable(obj, leaves, arg_name, nnx_args)
+        if spec is not None:
+            return spec
     if joint is not None or not type(obj).__weakrefoffset__:
         # Flattened afresh: jointly with the call's other NNX arguments, or an object the
         # cache cannot hold (a Variable passed on its own cannot be weakly referenced).
@@ -380,7 +402,7 @@ def read_argument(obj: Any, leaves: list[Any], arg_name: str, nnx_args: list[Nnx
         leaves += values
         ids = frozenset() if joint is not None else frozenset(map(id, refmap))
         nnx_args.append(NnxArg(obj, items, None, ids))
-        return _intern_graphdef(graphdef, len(items), arg_name, joint=joint is not None).id
+        return _intern_graphdef(graphdef, len(items), arg_name, joint=joint is not None)
     entry = lookup(obj, arg_name)
     if _GRAPH_CONTEXT.tmp_static_cache is not None:
         # Called by nnx.cached_partial, which hands its static cache to the next NNX
@@ -399,7 +421,7 @@ def read_argument(obj: Any, leaves: list[Any], arg_name: str, nnx_args: list[Nnx
             raise StepAside
     leaves += values
     nnx_args.append(NnxArg(obj, entry.items, entry))
-    return entry.spec_id
+    return entry.spec
 
 
 # A lone Variable's graphdef depends only on its type and metadata (given an array
@@ -407,7 +429,7 @@ def read_argument(obj: Any, leaves: list[Any], arg_name: str, nnx_args: list[Nnx
 _variable_specs: dict[Any, NodeSpec] = {}
 
 
-def _read_variable(v: Any, leaves: list[Any], arg_name: str, nnx_args: list[NnxArg]) -> int | None:
+def _read_variable(v: Any, leaves: list[Any], arg_name: str, nnx_args: list[NnxArg]) -> NodeSpec | None:
     """`read_argument` for a Variable on its own, without a graph walk (Variables cannot
     be weakly referenced, so they are not cached by identity): None if it takes one."""
     value = raw_value(v)
@@ -430,7 +452,7 @@ def _read_variable(v: Any, leaves: list[Any], arg_name: str, nnx_args: list[NnxA
         _variable_specs[key] = spec
     leaves.append(value)
     nnx_args.append(NnxArg(v, [v], None, frozenset((id(v),))))
-    return spec.id
+    return spec
 
 
 _STATIC, _DYNAMIC = "static", "dynamic"  # TreeSpec.layout codes of a leaf that is not an NNX object
@@ -493,22 +515,25 @@ def read_container(
     call's rule (arrays, and with `trace_scalars` Python scalars, are traced)."""
     items, treedef = jax.tree_util.tree_flatten(value, is_leaf=_is_node_fast)
     layout: list[Any] = []
+    codes: list[Any] = []
     statics: list[Any] = []
     for x in items:
         if _is_node_fast(x):
-            spec_id = read_argument(x, leaves, arg_name, nnx_args, joint)
-            layout.append(_spec_by_id(spec_id))
+            spec = _read_node(x, leaves, arg_name, nnx_args, joint)
+            layout.append(spec)
+            codes.append(spec.id)
         elif _is_dynamic(x, trace_scalars):
             if isinstance(x, Tracer):
                 raise StepAside
             leaves.append(x)
             layout.append(_DYNAMIC)
+            codes.append(_DYNAMIC)
         else:
             statics.append(x)
             layout.append(_STATIC)
-    codes = tuple(c.id if isinstance(c, NodeSpec) else c for c in layout)
+            codes.append(_STATIC)
     try:
-        key = ("nnx-tree", treedef, codes, tuple(_leaf_key(s) for s in statics))
+        key = ("nnx-tree", treedef, tuple(codes), tuple(_leaf_key(s) for s in statics))
         known = _interned(key)
         if known is not None:
             return known.id

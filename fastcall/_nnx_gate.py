@@ -16,7 +16,7 @@ from types import ModuleType
 from typing import Any
 
 _adapter: ModuleType | None = None
-_node_types: dict[type, bool] = {}  # filled only once flax.nnx is loaded
+node_types: dict[type, bool] = {}  # filled only once flax.nnx is loaded
 
 
 def adapter() -> ModuleType:
@@ -41,12 +41,12 @@ def flax_imported() -> bool:
 
 def is_node_type(t: type) -> bool:
     """Whether instances of `t` are NNX graph nodes or Variables (cached per type)."""
-    known = _node_types.get(t)
+    known = node_types.get(t)
     if known is not None:
         return known
     if "flax.nnx" not in sys.modules:
         return False  # no NNX class exists yet; not cached (flax may be imported later)
-    known = _node_types[t] = adapter().is_node_type(t)
+    known = node_types[t] = adapter().is_node_type(t)
     return known
 
 
