@@ -272,12 +272,10 @@ def _copy_unhashable(x: Any) -> Any:
     if type(x) is dict:
         return {k: _copy_unhashable(v) for k, v in x.items()}
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        try:
-            return dataclasses.replace(
-                x, **{f.name: _copy_unhashable(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}
-            )
-        except Exception:
-            pass
+        new = copy.copy(x)  # (every field, init=False ones included; frozen ones set directly)
+        for f in dataclasses.fields(x):
+            object.__setattr__(new, f.name, _copy_unhashable(getattr(x, f.name)))
+        return new
     return copy.deepcopy(x)
 
 
@@ -294,8 +292,10 @@ def _freeze(x: Any) -> Any:
     t = type(x)
     if isinstance(x, (list, tuple)):
         return (t, tuple(map(_freeze, x)))
-    if isinstance(x, collections.abc.Mapping):
+    if t is dict:  # (equal whatever the order of insertion)
         return (t, frozenset((_freeze(k), _freeze(v)) for k, v in x.items()))
+    if isinstance(x, collections.abc.Mapping):  # (an OrderedDict's order counts)
+        return (t, tuple((_freeze(k), _freeze(v)) for k, v in x.items()))
     if isinstance(x, (set, frozenset)):
         return (t, frozenset(map(_freeze, x)))
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
@@ -631,7 +631,10 @@ class _Traced:
         self.given = list(given)
         # graphdef index -> object rebuilt here
         self.index_ref = shared_index if node_spec.joint else graphlib.IndexMap()
-        self.node = graphlib.unflatten(node_spec.graphdef, list(given), index_ref=self.index_ref)
+        graphdef = node_spec.graphdef
+        if node_spec.mutable_statics:  # (the function may change them in place: not the spec's)
+            graphdef = _copy_unhashable(graphdef)
+        self.node = graphlib.unflatten(graphdef, list(given), index_ref=self.index_ref)
         self.inner: list[Any] = []  # the leaves (Variables, raw values) before the call
         self.paths: list[Any] = []  # and their paths
 
@@ -771,12 +774,14 @@ class TracedInputs:
         # New objects are flattened together (and rebuilt outside in the same order into
         # one index), so that objects returned twice, or shared, stay one object.
         new_refs = graphlib.RefMap()
+        # Every object of every input, for nnx.jit's refusal of inputs returned (aliasing).
+        input_ids = {id(obj) for t in self.args for obj in t.index_ref.values()} if refuse_inputs else set()
 
         def mark(x: Any) -> Any:
             if not _is_node(x):
                 return x
             found[0] = True
-            if refuse_inputs and (id(x) in inner or any(x is t.node for t in self.args)):
+            if refuse_inputs and id(x) in input_ids:
                 raise aliasing_error("both an input and an output")
             for k, t in enumerate(self.args):
                 if x is t.node:
@@ -785,6 +790,8 @@ class TracedInputs:
                 sub_objects.append(inner[id(x)])
                 return _InputNode(*inner[id(x)])
             graphdef, values = graphlib.flatten(x, with_paths=False, ref_index=new_refs)
+            if refuse_inputs and any(id(obj) in input_ids for obj in new_refs):
+                raise aliasing_error("both an input and an output (inside a new object)")
             return _NewNode(graphdef, list(values))
 
         marked = jax.tree_util.tree_map(mark, out, is_leaf=_is_node)
@@ -940,6 +947,7 @@ def resolve_options(
     if graph_updates is None:
         setting = getattr(graphlib, "set_graph_updates", None)  # (flax >= 0.12.6)
         graph_updates = True if setting is None else setting.current_value()
+    graph_updates = graph_updates and graph  # (tree mode has no graph updates, as in nnx.jit)
     for name, prefix in (("in_shardings", in_shardings), ("out_shardings", out_shardings)):
         for leaf in jax.tree_util.tree_leaves(prefix, is_leaf=lambda x: _is_node(x) or hasattr(x, "map_prefix")):
             kind = type(leaf).__name__

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Callable
 
 import equinox as eqx
@@ -20,6 +21,12 @@ from .conftest import assert_trees_equal, run_threads, state_of
 from .models import TinyDecoder  # a copy of the decoder the benchmark times
 
 pytestmark = pytest.mark.usefixtures("hot_path")
+
+# nnx.jit's graph_updates= (and tree mode's semantics with it) exist from flax 0.12.6 on.
+needs_graph_updates = pytest.mark.skipif(
+    "graph_updates" not in inspect.signature(nnx.jit).parameters,
+    reason="this flax's nnx.jit has no graph_updates argument (flax < 0.12.6)",
+)
 
 
 def assert_same_state(a: Any, b: Any) -> None:
@@ -557,6 +564,7 @@ def test_structure_change_inside_is_propagated_like_nnx_jit():
     assert_trees_equal(ours(jnp.ones(4)), theirs(jnp.ones(4)))
 
 
+@needs_graph_updates
 def test_structure_change_inside_with_graph_updates_false_changes_values_only_like_nnx_jit():
     def grow_and_count(m, x):
         m.layers[1].kernel[...] = m.layers[1].kernel[...] + 1.0  # a value: written back
@@ -888,3 +896,65 @@ def test_mutable_static_attribute_restored_reuses_the_first_program():
     assert_trees_equal(f(m, x), first)
     assert f.stats().compiles == 2
     assert m.features == [2, 3]  # the caller's list is untouched
+
+
+def test_mutable_static_changed_inside_the_function_never_leaks_into_other_calls():
+    class M(nnx.Module):
+        def __init__(self):
+            self.cfg = [1]
+            self.w = nnx.Param(jnp.array(1.0))
+
+    def grow(m, x):
+        m.cfg.append(7)  # (a trace-time side effect; eager appends on every call)
+        return m.w[...] * len(m.cfg) + x
+
+    m = M()
+    fastcall.jit(grow)(m, 0.0)
+    assert m.cfg == [1, 7]  # the change inside is the caller's, as under nnx.jit
+    # An unrelated function on a fresh module sees the module as built, not the change.
+    assert float(fastcall.jit(lambda m: m.w[...] * len(m.cfg))(M())) == 1.0
+
+
+def test_dataclass_static_with_init_false_field_is_compared_whole():
+    @dataclasses.dataclass
+    class Cfg:
+        n: int
+        sizes: list = dataclasses.field(init=False, default_factory=list)
+
+    class M(nnx.Module):
+        def __init__(self):
+            self.cfg = Cfg(2)
+            self.cfg.sizes.append(5)
+            self.w = nnx.Param(jnp.ones(3))
+
+    m = M()
+    f = fastcall.jit(lambda m: m.w[...] * len(m.cfg.sizes) + m.cfg.n)
+    assert_trees_equal(f(m), 3.0 * jnp.ones(3))
+    m.cfg.sizes.append(6)
+    assert_trees_equal(f(m), 4.0 * jnp.ones(3))
+
+
+@needs_graph_updates
+@pytest.mark.parametrize("graph_updates", [True, False])
+def test_tree_mode_propagates_no_structural_change_like_nnx_jit(graph_updates):
+    def add(m):
+        m.extra = nnx.Param(jnp.ones(1))
+        m.layers[0].kernel[...] = m.layers[0].kernel[...] + 1.0
+
+    ours, theirs = MLP(nnx.Rngs(0)), MLP(nnx.Rngs(0))
+    fastcall.jit(add, graph=False, graph_updates=graph_updates)(ours)
+    nnx.jit(add, graph=False, graph_updates=graph_updates)(theirs)
+    assert not hasattr(ours, "extra") and not hasattr(theirs, "extra")
+    assert_same_state(ours, theirs)
+
+
+@needs_graph_updates
+def test_new_object_holding_an_input_is_aliasing_without_graph_updates_like_nnx_jit():
+    def wrap(m):
+        return nnx.Dict(a=m.layers[0].kernel)
+
+    for kwargs in ({"graph_updates": False}, {"graph": False}):
+        with pytest.raises(ValueError):
+            nnx.jit(wrap, **kwargs)(MLP(nnx.Rngs(0)))
+        with pytest.raises(fastcall.FastcallError, match="Variable aliasing"):
+            fastcall.jit(wrap, **kwargs)(MLP(nnx.Rngs(0)))
