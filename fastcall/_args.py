@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 from . import _codegen, _flatten, _nnx_gate
 from ._errors import FastcallError, describe_arg
-from ._flatten import ARRAY_TYPES, PY_SCALARS, ArrayImpl, Spec, remember
+from ._flatten import ArrayImpl, Spec, remember
 from ._trace import StepAside, contains_tracer, currently_jitting
 
 
@@ -110,7 +110,7 @@ def resolve(
     adapter = _nnx_gate.loaded()
     if adapter is not None and adapter.holds_nodes(value):
         return adapter.read_container(value, leaves, arg_name, nnx_args, joint, trace_scalars)
-    if isinstance(value, ARRAY_TYPES) or (trace_scalars and type(value) in PY_SCALARS):
+    if _flatten.is_traced_leaf(value, trace_scalars):
         leaves.append(value)  # (jax.jit traces a Python scalar weakly typed; a tracer of an
         return 0  # outer transformation goes to jax.jit as such: a nested jit, as eqx.filter_jit)
     scalar = _scalar_spec(value)

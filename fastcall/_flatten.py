@@ -51,6 +51,12 @@ def is_array(x: Any) -> bool:
 PY_SCALARS = (bool, int, float, complex)
 
 
+def is_traced_leaf(x: Any, trace_scalars: bool) -> bool:
+    """Whether a leaf outside any Equinox module is traced: an array, and under
+    `fastcall.jit`'s rule (`trace_scalars`) a Python scalar."""
+    return type(x) is ArrayImpl or isinstance(x, ARRAY_TYPES) or (trace_scalars and type(x) in PY_SCALARS)
+
+
 def _traced_mask(value: Any, leaves: list[Any]) -> tuple[bool, ...]:
     """`fastcall.jit`'s rule, leaf by leaf (in `tree_flatten` order): arrays, and Python
     scalars that are not inside an Equinox module."""

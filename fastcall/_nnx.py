@@ -45,12 +45,11 @@ from flax.nnx.variablelib import Variable
 
 from . import _fast, _nnx_gate, _nnx_hooks
 from ._errors import FastcallError, describe_arg
-from ._flatten import ARRAY_TYPES as _ARRAY_TYPES
-from ._flatten import PY_SCALARS as _PY_SCALARS
 from ._flatten import ArrayImpl, intern
 from ._flatten import interned as _interned
+from ._flatten import is_traced_leaf
 from ._flatten import leaf_key as _leaf_key
-from ._trace import StepAside, Tracer, contains_tracer
+from ._trace import StepAside, contains_tracer
 
 # --------------------------------------------------------------------------
 # Watching for structure changes
@@ -502,10 +501,6 @@ def holds_nodes(value: Any) -> bool:
     return t is nnx.State
 
 
-def _is_dynamic(x: Any, trace_scalars: bool) -> bool:
-    return type(x) is ArrayImpl or isinstance(x, _ARRAY_TYPES) or (trace_scalars and type(x) in _PY_SCALARS)
-
-
 def read_container(
     value: Any, leaves: list[Any], arg_name: str, nnx_args: list[NnxArg], joint: Any, trace_scalars: bool
 ) -> int:
@@ -522,9 +517,7 @@ def read_container(
             spec = _read_node(x, leaves, arg_name, nnx_args, joint)
             layout.append(spec)
             codes.append(spec.id)
-        elif _is_dynamic(x, trace_scalars):
-            if isinstance(x, Tracer):
-                raise StepAside
+        elif is_traced_leaf(x, trace_scalars):  # (a tracer too: the caller then steps aside)
             leaves.append(x)
             layout.append(_DYNAMIC)
             codes.append(_DYNAMIC)
