@@ -18,10 +18,12 @@ the cost of a graph walk per call), never a stale result.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import warnings
 from typing import Any, Callable, NamedTuple
 
+import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import graphlib
 from flax.nnx.variablelib import Variable
@@ -33,22 +35,69 @@ from ._errors import UnverifiedFlaxWarning
 VERIFIED_FLAX = ((0, 12, 5), (0, 12, 12))
 
 Pytree: Any = getattr(nnx, "Pytree", None) or nnx.Module
+_ARRAY = type(jnp.zeros(()))
+
+
+_MISSING = object()
+_SCALARS = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _attribute(obj: Any, name: Any, *_: Any) -> tuple[Any, Any]:
+    """What an attribute assignment may change: the value, and whether NNX holds it as data."""
+    return obj.__dict__.get(name, _MISSING), obj._pytree__nodes.get(name, _MISSING)
+
+
+def _same_attribute(before: tuple[Any, Any], after: tuple[Any, Any]) -> bool:
+    """Whether an assignment left the graph's structure as it was: the very same value;
+    a data array replaced by an array (its value is read at call time); or a static
+    scalar replaced by an equal one of the same type (`model.eval()` on a model already
+    in eval mode). Anything else counts as a change."""
+    (old, old_data), (new, new_data) = before, after
+    if old is _MISSING or old_data is not new_data:
+        return False
+    if old is new:
+        return True
+    t = type(old)
+    if t is not type(new):
+        return False
+    if t is _ARRAY:
+        return old_data is True
+    if t in _SCALARS:
+        return old == new and (t is not float or old.hex() == new.hex())
+    return False
+
+
+def _metadata_object(variable: Any, *_: Any) -> Any:
+    return variable._var_metadata
+
+
+def _same_object(before: Any, after: Any) -> bool:
+    return before is after
 
 
 class HookTarget(NamedTuple):
     owner: type
     name: str
     why: str  # which structural change goes through it
+    # (optional) read before and after the call; `unchanged(before, after)` true means the
+    # call changed no structure, and nothing is marked stale
+    read: Callable[..., Any] | None = None
+    unchanged: Callable[[Any, Any], bool] | None = None
 
 
 HOOK_TARGETS: tuple[HookTarget, ...] = (
-    HookTarget(Pytree, "__setattr__", "attribute assignment, nnx.List/nnx.Dict items"),
+    HookTarget(
+        Pytree, "__setattr__", "attribute assignment, nnx.List/nnx.Dict items", _attribute, _same_attribute
+    ),
     HookTarget(Pytree, "__delattr__", "attribute deletion"),
     HookTarget(Pytree, "_graph_node_clear", "NNX's in-place graph rebuilds (nnx.jit graph updates, nnx.update)"),
     HookTarget(Pytree, "_graph_node_init", "NNX's in-place graph rebuilds"),
     HookTarget(Variable, "set_metadata", "Variable metadata changes"),
     HookTarget(Variable, "del_metadata", "Variable metadata deletion"),
-    HookTarget(Variable, "update_from_state", "Variables updated from a State"),
+    # (nnx.update and nnx.jit's write-back: metadata is replaced only when it differs)
+    HookTarget(
+        Variable, "update_from_state", "Variables updated from a State", _metadata_object, _same_object
+    ),
     HookTarget(Variable, "copy_from", "Variables copied into"),
 )
 
@@ -77,14 +126,44 @@ def problems(flax_version: str, targets: tuple[HookTarget, ...] = HOOK_TARGETS) 
         found.append("flax.nnx.graphlib.GRAPH_REGISTRY is missing")
     if type(Variable.__dict__.get("_raw_value")).__name__ != "member_descriptor":
         found.append("Variable._raw_value is not a slot")
+    if not isinstance(getattr(nnx.Dropout(0.5), "_pytree__nodes", None), collections.abc.Mapping):
+        found.append("Pytree._pytree__nodes (which attributes are data) is missing")
+    if "_var_metadata" not in dir(Variable):
+        found.append("Variable._var_metadata is missing")
     return found
 
 
-def _notifying(method: Callable[..., Any], notify: Callable[[Any], None]) -> Callable[..., Any]:
-    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = method(self, *args, **kwargs)
-        notify(self)
-        return result
+def _notifying(
+    method: Callable[..., Any],
+    notify: Callable[[Any], None],
+    read: Callable[..., Any] | None = None,
+    unchanged: Callable[[Any, Any], bool] | None = None,
+) -> Callable[..., Any]:
+    if read is None or unchanged is None:
+
+        def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = method(self, *args, **kwargs)
+            notify(self)
+            return result
+
+    else:
+
+        def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                before = read(self, *args)
+            except Exception:  # (an object these hooks do not know: always a change)
+                before = _MISSING
+            result = method(self, *args, **kwargs)
+            if before is _MISSING:
+                notify(self)
+                return result
+            try:
+                same = unchanged(before, read(self, *args))
+            except Exception:
+                same = False
+            if not same:
+                notify(self)
+            return result
 
     wrapped.__name__ = getattr(method, "__name__", "hook")
     wrapped.__doc__ = method.__doc__
@@ -106,7 +185,7 @@ def install(notify: Callable[[Any], None]) -> list[str]:
     for t in HOOK_TARGETS:
         original = getattr(t.owner, t.name, None)
         if callable(original):
-            setattr(t.owner, t.name, _notifying(original, notify))
+            setattr(t.owner, t.name, _notifying(original, notify, t.read, t.unchanged))
     # NNX registers each graph node class's clear/init functions when the class is
     # created; classes created before this (every built-in layer) keep references to
     # the originals in the registry, so wrap those too. Classes created later are

@@ -1,0 +1,130 @@
+"""The checks that let a cached object keep its fast path (README "Guarantees and limits").
+
+Each test changes a model between calls in one of the ways users do (a write that
+changes nothing, a real structure change, a list or dict changed in place, a raw
+array attribute rebound) and checks two things: the result equals the eager call's
+(never stale), and the route that served the call is the one the check promises
+(a no-op keeps the fast path; a real change is seen)."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import fastcall
+from .conftest import assert_trees_equal, served, state_of
+
+
+class Net(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.linear = nnx.Linear(4, 4, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.bn = nnx.BatchNorm(4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.bn(self.drop(self.linear(x)))
+
+
+def _call(m, x):
+    return m(x)
+
+
+X4 = jnp.arange(8.0).reshape(2, 4)
+
+
+# --------------------------------------------------------------------------
+# NNX: writes that change nothing keep the fast path; real changes are seen
+
+
+def test_noop_eval_keeps_the_fast_path(hot_path):
+    m = Net(nnx.Rngs(0))
+    m.eval()
+    f = fastcall.jit(_call)
+    f(m, X4), f(m, X4)
+    m.eval()  # already in eval mode: sets deterministic/use_running_average to what they are
+    y, route = served(f, m, X4)
+    assert route != "general"
+    assert_trees_equal(y, m(X4))
+
+
+def test_real_mode_change_is_seen_after_a_noop(hot_path):
+    m = Net(nnx.Rngs(0))
+    m.eval()
+    ref = Net(nnx.Rngs(0))
+    f = fastcall.jit(_call)
+    f(m, X4), f(m, X4)
+    m.eval()
+    f(m, X4)
+    m.train()  # a real change: another compiled program, state written back as nnx.jit does
+    ref.train()
+    y, route = served(f, m, X4)
+    assert route == "general"
+    want = nnx.jit(_call)(ref, X4)
+    assert_trees_equal(y, want)
+    assert_trees_equal(state_of(m), state_of(ref))
+
+
+@pytest.mark.parametrize(
+    "new_value",
+    [1, 1.0, False],  # True == 1 == 1.0, but a static of another type is another compile key
+)
+def test_a_static_replaced_by_an_equal_value_of_another_type_is_a_change(new_value):
+    m = Net(nnx.Rngs(0))
+    m.eval()
+    f = fastcall.jit(_call)
+    f(m, X4), f(m, X4)
+    m.drop.deterministic = new_value
+    _, route = served(f, m, X4)
+    assert route == "general"
+
+
+def test_same_variable_reassigned_is_not_a_change(hot_path):
+    m = Net(nnx.Rngs(0))
+    f = fastcall.jit(_call)
+    m.eval()
+    f(m, X4), f(m, X4)
+    m.linear.kernel = m.linear.kernel
+    _, route = served(f, m, X4)
+    assert route != "general"
+
+
+def test_variable_replaced_is_a_change():
+    m = Net(nnx.Rngs(0))
+    m.eval()
+    f = fastcall.jit(_call)
+    f(m, X4), f(m, X4)
+    m.linear.kernel = nnx.Param(jnp.ones((4, 4)))
+    y, route = served(f, m, X4)
+    assert route == "general"
+    assert_trees_equal(y, m(X4))
+
+
+def test_nnx_update_of_values_keeps_the_fast_path(hot_path):
+    m = Net(nnx.Rngs(0))
+    m.eval()
+    f = fastcall.jit(_call)
+    f(m, X4), f(m, X4)
+    state = jax.tree_util.tree_map(lambda v: v + 1, nnx.state(m, nnx.Param))
+    nnx.update(m, state)  # values only (update_from_state with equal metadata)
+    y, route = served(f, m, X4)
+    assert route != "general"
+    assert_trees_equal(y, m(X4))
+
+
+def test_nnx_jit_writes_on_a_shared_model_are_seen(hot_path):
+    # (nnx.jit rebuilds each node in place through NNX's clear/init: seen as a change,
+    # and re-read; README "Guarantees and limits")
+    m = Net(nnx.Rngs(0))  # train mode: BatchNorm statistics and Dropout's RNG count change
+    f = fastcall.jit(_call)
+    peer = nnx.jit(_call)
+    f(m, X4), f(m, X4)
+    peer(m, X4)  # nnx.jit writes the changed state back into the same objects
+    ref = Net(nnx.Rngs(0))
+    for _ in range(3):
+        _call(ref, X4)
+    y = f(m, X4)
+    assert_trees_equal(y, _call(ref, X4))
+    assert_trees_equal(state_of(m), state_of(ref))
