@@ -8,7 +8,8 @@
  *   every other argument is exactly a jax ArrayImpl.
  *
  * Then: for an NNX record (variables is not None), the Variables' current
- * values are read through the _raw_value slot and passed first (if the first
+ * values are read through the _raw_value slot (a RawLeaf's through getattr)
+ * and passed first (if the first
  * value is not an ArrayImpl, e.g. a tracer inside an nnx transform, the call
  * goes to the fallback); `call` runs; `post(out, first, variables)` is applied
  * when present. Every other case goes to `fallback`, the Python wrapper, which
@@ -183,7 +184,10 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
         descrgetfunc get = Py_TYPE(descr)->tp_descr_get;
         for (; filled < nvars; filled++) {
             PyObject *var = PyList_GET_ITEM(variables, filled);
-            PyObject *value = get(descr, var, (PyObject *)Py_TYPE(var));
+            /* a RawLeaf(owner, name) (a tuple; Variables never are): getattr(owner, name) */
+            PyObject *value = PyTuple_Check(var) && PyTuple_GET_SIZE(var) == 2
+                                  ? PyObject_GetAttr(PyTuple_GET_ITEM(var, 0), PyTuple_GET_ITEM(var, 1))
+                                  : get(descr, var, (PyObject *)Py_TYPE(var));
             if (value == NULL) {
                 goto done;
             }

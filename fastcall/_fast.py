@@ -26,7 +26,7 @@ class FastRecord(NamedTuple):
 
     arity: int  # the number of positional arguments the call must have
     call: Callable[..., Any]  # the compiled function (first's leaves already bound, for pytrees)
-    variables: Sequence[Any] | None  # NNX: Variables whose current values are passed first
+    variables: Sequence[Any] | None  # NNX: Variables and RawLeafs whose current values are passed first
     post: Callable[[Any, Any, Any], Any] | None  # post(out, first, variables); None: out is the result
 
 
@@ -37,12 +37,29 @@ class FastSlot(NamedTuple):
 
 INDEX: dict[int, FastSlot] = {}
 
-# NNX records pass their Variables' current values, read through the Variable's
-# `_raw_value` slot. The slot descriptor is put in this one-element cell by the NNX
-# adapter when it loads (C wrappers built before that read it from here); NNX records
-# exist only after it loaded and verified the slot.
+class RawLeaf(NamedTuple):
+    """A leaf of an NNX graph held directly as an attribute of a graph node (a raw array
+    attribute, `self.pos = nnx.data(jnp.arange(n))`; an item of an nnx.List), read at
+    call time as `getattr(owner, name)`. Rebinding it goes through the node's hooked
+    `__setattr__`, so the cached structure stays trustworthy."""
+
+    owner: Any
+    name: str
+
+
+# NNX records pass their leaves' current values: each Variable's read through its
+# `_raw_value` slot, each RawLeaf's through getattr. The slot descriptor is put in this
+# one-element cell by the NNX adapter when it loads (C wrappers built before that read
+# it from here); NNX records exist only after it loaded and verified the slot.
 VALUE_SLOT: list[Any] = [None]
-read_value = operator.attrgetter("_raw_value")
+_raw_value = operator.attrgetter("_raw_value")
+
+
+def read_value(item: Any) -> Any:
+    """The current value of one leaf of an NNX record (a Variable or a RawLeaf)."""
+    if type(item) is RawLeaf:
+        return getattr(item.owner, item.name)
+    return _raw_value(item)
 
 
 def publish(ref: Any, records: dict[Any, FastRecord]) -> None:

@@ -107,6 +107,94 @@ def _is_node_fast(x: Any) -> bool:
 
 
 # --------------------------------------------------------------------------
+# Leaves: Variables, and handles of raw leaves
+
+RawLeaf = _fast.RawLeaf
+
+
+class RawItem:
+    """A raw leaf held in a plain list or dict of the graph (`nnx.data([...])`), read at
+    call time as `container[key]`. (Such graphs are re-read on every call: nothing hooks
+    a plain container.)"""
+
+    __slots__ = ("container", "key")
+
+    def __init__(self, container: Any, key: Any) -> None:
+        self.container, self.key = container, key
+
+
+def read_leaf(item: Any) -> Any:
+    """The current value of one leaf of a cached graph."""
+    t = type(item)
+    if t is RawLeaf:
+        return getattr(item.owner, item.name)
+    if t is RawItem:
+        return item.container[item.key]
+    if t is _Unreadable:
+        return item.value
+    return raw_value(item)
+
+
+def write_leaf(item: Any, value: Any) -> None:
+    """Write one leaf of the caller's graph back (the function changed it)."""
+    t = type(item)
+    if t is RawLeaf:
+        setattr(item.owner, item.name, value)  # (array for array: the hooks see no change)
+    elif t is RawItem:
+        item.container[item.key] = value
+    elif t is _Unreadable:
+        raise FastcallError(
+            "fastcall.jit: the function rebinds a raw (non-Variable) leaf of an NNX graph "
+            "node of a custom type whose attributes fastcall cannot address. Hold the "
+            "value in a Variable (nnx.Variable / nnx.BatchStat) instead."
+        )
+    else:
+        _set_raw(item, value)
+
+
+class _Unreadable:
+    """A raw leaf whose owner could not be found from its path (a custom graph node type):
+    its value as flattened; the graph holding it is re-read on every call."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _leaf_items(root: Any, flat: Any) -> tuple[list[Any], bool]:
+    """The leaves of a flattened graph as items to read at call time: each Variable
+    itself, each raw leaf as a handle on its owner. Also returns whether every raw leaf
+    could be given a handle that reads back the very value flattened."""
+    items: list[Any] = []
+    readable = True
+    for path, leaf in zip(flat.paths, flat.leaves):
+        if _is_variable(leaf):
+            items.append(leaf)
+            continue
+        try:
+            owner = root
+            for key in path[:-1]:
+                owner = _child(owner, key)
+            key = path[-1]
+            item: Any = RawLeaf(owner, str(key)) if isinstance(owner, _nnx_hooks.Pytree) else RawItem(owner, key)
+            if read_leaf(item) is not leaf:
+                raise LookupError(key)
+        except Exception:
+            item, readable = _Unreadable(leaf), False
+        items.append(item)
+    return items, readable
+
+
+def _child(node: Any, key: Any) -> Any:
+    if isinstance(node, _nnx_hooks.Pytree):
+        return getattr(node, str(key))
+    if isinstance(node, (list, dict, collections.abc.Mapping)):
+        return node[key]
+    raise LookupError(key)
+
+
+# --------------------------------------------------------------------------
 # Per-object cache
 
 
@@ -127,9 +215,9 @@ class NodeEntry:
         self.stale = False  # a hook saw a structure change: re-read on next use
         self.spec: Any = None
         self.spec_id = -1
-        self.items: list[Any] = []  # Variables, or raw values (array attributes, list items)
+        self.items: list[Any] = []  # the leaves: Variables and handles of raw leaves (see `_leaf_items`)
         self.volatile = False  # re-read on every call (see _build)
-        self.direct = False  # eligible for the fast path: only Variables, not volatile
+        self.direct = False  # eligible for the fast path: not volatile
         self.fresh = True  # values not yet checked for tracers
         self.fast: dict[Any, _fast.FastRecord] = {}  # published in the fast index while direct
         self.watched: list[int] = []  # ids of every node and Variable of the graph
@@ -137,10 +225,8 @@ class NodeEntry:
         self.disjoint: dict[int, Any] = {}  # id(other entry) -> (weakref, shares nothing?)
 
     def values(self) -> list[Any]:
-        """Current values of the leaves, read through the `_raw_value` slot."""
-        if self.direct:
-            return list(map(raw_value, self.items))
-        return [raw_value(x) if isinstance(x, Variable) else x for x in self.items]
+        """Current values of the leaves (see `read_leaf`)."""
+        return list(map(read_leaf, self.items))
 
 
 by_id: dict[int, NodeEntry] = {}
@@ -210,7 +296,7 @@ def lookup(obj: Any, arg_name: str) -> NodeEntry:
         # reuse the entry if its structure is unchanged.
         graphdef, flat = _flatten_node(obj, arg_name)
         if graphdef == entry.spec.graphdef:
-            entry.items = list(flat.leaves)
+            entry.items = _leaf_items(obj, flat)[0]
             return entry
     return _build(obj, arg_name, entry)
 
@@ -323,10 +409,12 @@ def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
     except BaseException:
         _unwatch(entry)
         raise
-    entry.spec, entry.spec_id, entry.items = spec, spec.id, list(flat.leaves)
-    only_variables = all(isinstance(x, Variable) for x in entry.items)
-    entry.volatile = volatile or not only_variables or not TRUSTED or spec.mutable_statics
-    entry.direct = only_variables and not entry.volatile
+    entry.items, readable = _leaf_items(obj, flat)
+    entry.spec, entry.spec_id = spec, spec.id
+    # (raw leaves held by graph nodes are rebound through the hooked __setattr__: they
+    # need no re-read, only a fresh read of their value, as Variables)
+    entry.volatile = volatile or not readable or not TRUSTED or spec.mutable_statics
+    entry.direct = not entry.volatile
     if {id(n) for n in _graph_nodes(obj)[0]} != set(entry.watched):
         entry.stale = True  # the graph changed while we were building: rebuild next call
     previous = by_id.get(ref.oid)
@@ -358,7 +446,7 @@ class NnxArg(NamedTuple):
     argument), for writing state back after it."""
 
     obj: Any  # the caller's object
-    variables: list[Any]  # its Variables (and raw leaves) in flatten order
+    variables: list[Any]  # its leaves in flatten order: Variables and raw-leaf handles
     entry: NodeEntry | None  # its cache entry (None: flattened afresh for this call)
     ids: frozenset[int] = frozenset()  # (flattened afresh) ids of its nodes and Variables
 
@@ -394,8 +482,8 @@ def _read_node(obj: Any, leaves: list[Any], arg_name: str, nnx_args: list[NnxArg
         # cache cannot hold (a Variable passed on its own cannot be weakly referenced).
         refmap = joint if joint is not None else graphlib.RefMap()
         graphdef, flat = _flatten_node(obj, arg_name, ref_index=refmap)
-        items = list(flat.leaves)
-        values = [raw_value(x) if isinstance(x, Variable) else x for x in items]
+        items = _leaf_items(obj, flat)[0]
+        values = list(map(read_leaf, items))
         if contains_tracer(values):
             raise StepAside
         leaves += values
@@ -631,17 +719,20 @@ class _Traced:
         self.inner: list[Any] = []  # the leaves (Variables, raw values) before the call
         self.paths: list[Any] = []  # and their paths
 
-    def writes(self, everything: bool) -> list[tuple[int, Any]]:
-        """(leaf index, new value) for every Variable the function changed (or, with
-        `everything`, every Variable)."""
+    def writes(self, after: list[Any], everything: bool) -> list[tuple[int, Any]]:
+        """(leaf index, new value) for every leaf the function changed (or, with
+        `everything`, every leaf), given the leaves `after` the call (the same structure:
+        the same Variables, raw leaves at the same places)."""
         out = []
-        for i, (v, given) in enumerate(zip(self.inner, self.given)):
+        for i, (v, given, now) in enumerate(zip(self.inner, self.given, after)):
             if isinstance(v, Variable):
                 new = v.get_raw_value()
                 # A non-array value (a dict of arrays, ...) may have changed in place:
                 # always written back.
                 if everything or new is not given or not isinstance(new, jax.Array):
                     out.append((i, new))
+            elif everything or now is not v:  # a raw leaf rebound (`self.count += 1`)
+                out.append((i, now))
         return out
 
 
@@ -713,10 +804,13 @@ class TracedInputs:
         refmap = None
         for ordinal, (t, (graphdef, flat)) in enumerate(zip(self.args, self._flatten_all())):
             after = list(flat.leaves)
+            # A structural change: another graphdef, or a Variable replaced. (A raw leaf
+            # rebound to another array keeps the graphdef: a value written back.)
             changed = (
                 graphdef != t.spec.graphdef
                 or len(after) != len(t.inner)
-                or any(a is not b for a, b in zip(after, t.inner))
+                or any(a is not b for a, b in zip(after, t.inner) if isinstance(b, Variable))
+                or any(not isinstance(a, jax.Array) for a, b in zip(after, t.inner) if a is not b)
             )
             if changed and graph_updates:  # (without graph updates, as nnx.jit: values only)
                 if t.spec.joint:
@@ -732,7 +826,7 @@ class TracedInputs:
                 restructured += leaves
                 continue
             per_leaf = shardings[ordinal]
-            for index, value in t.writes(everything=everything[ordinal]):
+            for index, value in t.writes(after, everything=everything[ordinal]):
                 if per_leaf is not None and per_leaf[index] is not None:
                     value = jax.lax.with_sharding_constraint(value, per_leaf[index])
                 writes.append((ordinal, index))
@@ -880,7 +974,7 @@ def write_back(nnx_out: NnxOutputs, written: Any, nnx_args: list[NnxArg]) -> Any
             pos += n
         written = written[pos:]
     for (ordinal, index), value in zip(nnx_out.writes, written):
-        _set_raw(nnx_args[ordinal].variables[index], value)
+        write_leaf(nnx_args[ordinal].variables[index], value)
     return resolved
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -128,3 +129,67 @@ def test_nnx_jit_writes_on_a_shared_model_are_seen(hot_path):
     y = f(m, X4)
     assert_trees_equal(y, _call(ref, X4))
     assert_trees_equal(state_of(m), state_of(ref))
+
+
+# --------------------------------------------------------------------------
+# NNX raw array attributes: leaves read at call time, like Variables
+
+
+class WithRaw(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.linear = nnx.Linear(4, 4, rngs=rngs)
+        self.pos = nnx.data(jnp.arange(4.0))  # a raw array attribute (bonsai Gemma3's position ids)
+        self.items = nnx.List([jnp.ones(4), nnx.Param(jnp.full(4, 2.0))])
+        self.count = jnp.array(0)  # a raw counter, incremented inside (flax toy example 07)
+
+    def __call__(self, x):
+        self.count = self.count + 1
+        return self.linear(x) + self.pos * self.items[0] + self.items[1][...]
+
+
+def test_raw_array_attributes_take_the_fast_path_and_write_back(hot_path):
+    m, ref = WithRaw(nnx.Rngs(0)), WithRaw(nnx.Rngs(0))
+    f, peer = fastcall.jit(_call), nnx.jit(_call)
+    routes = []
+    for _ in range(4):
+        y, route = served(f, m, X4)
+        routes.append(route)
+        assert_trees_equal(y, peer(ref, X4))
+        assert int(m.count) == int(ref.count)
+    assert routes[-1] != "general" and routes.count("general") == 1
+
+
+@pytest.mark.parametrize(
+    "rebind",
+    [
+        lambda m: setattr(m, "pos", m.pos * 3),  # another array, same shape
+        lambda m: setattr(m, "pos", jnp.arange(1.0)),  # another shape (broadcasts)
+        lambda m: m.items.__setitem__(0, jnp.full(4, 5.0)),  # an nnx.List item
+        lambda m: setattr(m, "pos", np.arange(4.0)),  # a NumPy array: another kind of leaf
+        lambda m: setattr(m, "pos", nnx.Param(jnp.arange(4.0))),  # now a Variable
+    ],
+)
+def test_raw_array_rebound_outside_is_seen(rebind, hot_path):
+    m, ref = WithRaw(nnx.Rngs(0)), WithRaw(nnx.Rngs(0))
+    f = fastcall.jit(_call)
+    f(m, X4), f(m, X4)
+    _call(ref, X4), _call(ref, X4)
+    rebind(m)
+    rebind(ref)
+    for _ in range(2):
+        assert_trees_equal(f(m, X4), _call(ref, X4))
+    assert int(m.count) == int(ref.count)
+
+
+def test_raw_leaf_written_back_through_a_joint_read():
+    # the same module twice in one argument: read afresh, jointly, each call
+    m, ref = WithRaw(nnx.Rngs(0)), WithRaw(nnx.Rngs(0))
+
+    def both(pair, x):
+        a, b = pair
+        return a(x) + b(x)
+
+    f, peer = fastcall.jit(both), nnx.jit(both)
+    for _ in range(3):
+        assert_trees_equal(f([m, m], X4), peer([ref, ref], X4))
+        assert int(m.count) == int(ref.count) == int(ref.count)

@@ -143,7 +143,7 @@ def test_change_made_while_the_cache_entry_is_built_is_not_lost(monkeypatch):
         m.flag = 1
         return original(node)
 
-    m.flag = 0  # marks the entry stale: the next call rebuilds it
+    m.flag = 2  # marks the entry stale: the next call rebuilds it
     monkeypatch.setattr(_nnx, "_graph_nodes", interleaved)  # (returns nodes, volatile)
     f(m)
     assert float(f(m)) == 1.0
