@@ -4,8 +4,8 @@
  * serves, from the same records (`fastcall/_fast.py`):
  *
  *   f(first, *arrays)  where  INDEX[id(first)] is a FastSlot whose ref() is
- *   first, slot.records[state] is a FastRecord with arity == len(args), and
- *   every other argument is exactly a jax ArrayImpl.
+ *   first and whose guard (if any) holds, slot.records[state] is a FastRecord
+ *   with arity == len(args), and every other argument is exactly a jax ArrayImpl.
  *
  * Then: for an NNX record (variables is not None), the Variables' current
  * values are read through the _raw_value slot (a RawLeaf's through getattr)
@@ -24,10 +24,11 @@
 #include <Python.h>
 #include <structmember.h>
 
-/* FastSlot(ref, records) */
+/* FastSlot(ref, records, guard) */
 #define SLOT_REF 0
 #define SLOT_RECORDS 1
-static const char *SLOT_FIELDS[] = {"ref", "records", NULL};
+#define SLOT_GUARD 2
+static const char *SLOT_FIELDS[] = {"ref", "records", "guard", NULL};
 /* FastRecord(arity, call, variables, post) */
 #define REC_ARITY 0
 #define REC_CALL 1
@@ -54,6 +55,62 @@ static PyObject *
 fw_fallback(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+}
+
+/* Whether every container of a guard (fastcall/_guard.py) still holds exactly the
+ * objects it held when the guard was made: a tuple of (container, expected) pairs,
+ * `expected` a tuple of a list's items, or of a dict's keys and values interleaved in
+ * iteration order. Compared by identity only (never by ==). 1 holds, 0 not. */
+static int
+guard_holds(PyObject *guard)
+{
+    if (!PyTuple_CheckExact(guard)) {
+        return 0;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(guard);
+    for (Py_ssize_t g = 0; g < n; g++) {
+        PyObject *pair = PyTuple_GET_ITEM(guard, g);
+        if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            return 0;
+        }
+        PyObject *c = PyTuple_GET_ITEM(pair, 0);
+        PyObject *expected = PyTuple_GET_ITEM(pair, 1);
+        if (!PyTuple_CheckExact(expected)) {
+            return 0;
+        }
+        Py_ssize_t m = PyTuple_GET_SIZE(expected);
+        if (PyList_CheckExact(c)) {
+            if (PyList_GET_SIZE(c) != m) {
+                return 0;
+            }
+            for (Py_ssize_t i = 0; i < m; i++) {
+                if (PyList_GET_ITEM(c, i) != PyTuple_GET_ITEM(expected, i)) {
+                    return 0;
+                }
+            }
+        } else if (PyDict_Check(c)) {
+            if (2 * PyDict_GET_SIZE(c) != m) {
+                return 0;
+            }
+            Py_ssize_t pos = 0, i = 0;
+            PyObject *k, *v;
+            while (PyDict_Next(c, &pos, &k, &v)) {
+                if (i + 1 >= m || k != PyTuple_GET_ITEM(expected, i) || v != PyTuple_GET_ITEM(expected, i + 1)) {
+                    return 0;
+                }
+                i += 2;
+            }
+        } else {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+static PyObject *
+py_guard_holds(PyObject *module, PyObject *guard)
+{
+    return PyBool_FromLong(guard_holds(guard));
 }
 
 /* Whether the weak reference `ref` refers to `obj` (1), not (0), or error (-1). */
@@ -136,12 +193,16 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
     if (slot == NULL) {
         return PyErr_Occurred() ? NULL : fw_fallback(self, args, nargsf, kwnames);
     }
-    if (!PyTuple_Check(slot) || PyTuple_GET_SIZE(slot) != 2) {
+    if (!PyTuple_Check(slot) || PyTuple_GET_SIZE(slot) != 3) {
         return fw_fallback(self, args, nargsf, kwnames);
     }
     int same = ref_is(PyTuple_GET_ITEM(slot, SLOT_REF), first);
     if (same <= 0) {
         return same < 0 ? NULL : fw_fallback(self, args, nargsf, kwnames);
+    }
+    PyObject *guard = PyTuple_GET_ITEM(slot, SLOT_GUARD);
+    if (guard != Py_None && !guard_holds(guard)) {
+        return fw_fallback(self, args, nargsf, kwnames); /* a list or dict changed in place */
     }
     PyObject *records = PyTuple_GET_ITEM(slot, SLOT_RECORDS);
     if (!PyDict_CheckExact(records)) {
@@ -377,11 +438,17 @@ static PyTypeObject FastWrapperType = {
     .tp_getset = fw_getset,
 };
 
+static PyMethodDef accel_methods[] = {
+    {"guard_holds", py_guard_holds, METH_O, "Whether a guard's containers are unchanged (see _guard.py)."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef accel_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "fastcall._accel",
     .m_doc = "Optional C fast path for fastcall.jit.",
     .m_size = -1,
+    .m_methods = accel_methods,
 };
 
 PyMODINIT_FUNC

@@ -62,8 +62,7 @@ def _resolve_all(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...],
     trace_scalars = state.options.trace_scalars
     first_known = False
     if args:
-        hit = _flatten.by_id.get(id(args[0]))
-        first_known = hit is not None and hit.ref() is args[0]
+        first_known = _flatten.lookup(args[0]) is not None
     for i, a in enumerate(args):
         if i in static_argnums:
             key.append(static_spec(a, state.arg_name(i)).id)
@@ -93,8 +92,8 @@ def resolve(
     Python scalars outside Equinox modules are traced (`fastcall.jit`, as jax.jit and
     nnx.jit do) rather than static (`fastcall.filter_jit`, as eqx.filter_jit does).
     """
-    hit = _flatten.by_id.get(id(value))
-    if hit is not None and hit.ref() is value:  # seen before, same object
+    hit = _flatten.lookup(value)
+    if hit is not None:  # seen before, same object (and every list or dict in it unchanged)
         leaves += hit.leaves
         return hit.spec_id
     if _nnx_gate.is_node(value):
@@ -106,6 +105,8 @@ def resolve(
             spec = template.spec
             if spec.cacheable:
                 remember(value, found, spec)
+            elif spec.guardable:
+                _flatten.remember_guarded(value, found, spec)
             return spec.id
     adapter = _nnx_gate.loaded()
     if adapter is not None and adapter.holds_nodes(value):
@@ -125,6 +126,8 @@ def resolve(
         return spec.id
     if spec.cacheable:
         remember(value, tuple(dynamic), spec)
+    elif spec.guardable:
+        _flatten.remember_guarded(value, tuple(dynamic), spec)
     if not spec.templated:
         spec.templated = True
         _codegen.learn(value, spec, dynamic)

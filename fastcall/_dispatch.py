@@ -30,7 +30,7 @@ import os
 import weakref
 from typing import Any
 
-from . import _args, _fast, _flatten, _nnx_gate
+from . import _args, _fast, _flatten, _guard, _nnx_gate
 from ._build import Entry, StructureVaries
 from ._fast import FastRecord, FastSlot
 from ._flatten import ArrayImpl
@@ -93,16 +93,16 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
         return
     if not resolved.first_known:
         return  # seen for the first time: a record waits for its second use (most die first)
-    hit = _flatten.by_id.get(id(first))
+    hit = _flatten.lookup(first)
     if hit is None:
         return
     ref: Any = hit.ref
-    if ref() is not first or not isinstance(ref, weakref.ref):
+    if not isinstance(ref, weakref.ref):
         return  # not cached by weakref (a strongly held tuple is not served fast)
     slot = _fast.INDEX.get(id(first))
-    if slot is None or slot.ref() is not first:
-        slot = FastSlot(ref, {})
-        _fast.publish(ref, slot.records)
+    if slot is None or slot.ref is not ref:
+        slot = FastSlot(ref, {}, hit.guard)
+        _fast.publish(ref, slot.records, hit.guard)
     if state not in slot.records:
         call = functools.partial(entry.fn, *hit.leaves)
         slot.records[state] = FastRecord(len(args), call, None, _fast_post(entry))
@@ -127,6 +127,7 @@ def _fast_post(entry: Entry) -> Any:
 def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: Any) -> Any:
     index_get = _fast.INDEX.get
     read_value = _fast.read_value
+    guard_holds = _guard.holds
     counts = state.counts
     resolve_call = _args.resolve_call
     fast_ok = not (state.static_argnums or state.static_argnames)
@@ -136,7 +137,7 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
         if args and fast_ok and not kwargs:
             first = args[0]
             slot = index_get(id(first))
-            if slot is not None and slot.ref() is first:
+            if slot is not None and slot.ref() is first and (slot.guard is None or guard_holds(slot.guard)):
                 record = slot.records.get(state)
                 if record is not None and record.arity == len(args):
                     arity, call, variables, post = record

@@ -8,9 +8,10 @@ through named index constants, checked against these field names when a C
 wrapper is built.
 
 `INDEX[id(obj)]` is a `FastSlot` for objects whose cached leaves or Variable
-list are known to be current: Equinox modules and other immutable pytrees in
-the identity cache (`_flatten`), and NNX objects whose structure has not
-changed since it was read (`_nnx`). Each slot maps a wrapped function's state
+list are known to be current: Equinox modules and other pytrees in the
+identity cache (`_flatten`), and NNX objects whose structure has not changed
+since it was read (`_nnx`); for those holding lists or dicts, as long as the
+slot's guard holds (`_guard`). Each slot maps a wrapped function's state
 to the `FastRecord` that serves calls of that function with this object first.
 A slot is withdrawn the moment its object dies or (NNX) its structure changes.
 """
@@ -33,6 +34,7 @@ class FastRecord(NamedTuple):
 class FastSlot(NamedTuple):
     ref: Any  # a weakref with the object's id as `.oid`: `ref() is first` validates the slot
     records: dict[Any, FastRecord]  # wrapped function's state -> record
+    guard: Any = None  # (objects holding lists or dicts) `_guard.holds(guard)` validates it too
 
 
 INDEX: dict[int, FastSlot] = {}
@@ -62,9 +64,10 @@ def read_value(item: Any) -> Any:
     return _raw_value(item)
 
 
-def publish(ref: Any, records: dict[Any, FastRecord]) -> None:
-    """Make `records` servable for the object `ref` refers to (`ref.oid` is its id)."""
-    INDEX[ref.oid] = FastSlot(ref, records)
+def publish(ref: Any, records: dict[Any, FastRecord], guard: Any = None) -> None:
+    """Make `records` servable for the object `ref` refers to (`ref.oid` is its id), while
+    `guard` (if any) holds."""
+    INDEX[ref.oid] = FastSlot(ref, records, guard)
 
 
 def withdraw(ref: Any, _index: dict[int, FastSlot] = INDEX) -> None:

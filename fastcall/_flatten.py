@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path
 
-from . import _fast, _nnx_gate
+from . import _fast, _guard, _nnx_gate
 from ._errors import FastcallError, describe_arg
 
 ArrayImpl = type(jnp.zeros(()))
@@ -124,6 +124,16 @@ def _treedef_is_immutable(treedef: Any) -> bool:
     return all(_treedef_is_immutable(c) for c in treedef.children())
 
 
+def _treedef_is_guardable(treedef: Any) -> bool:
+    """Immutable but for lists and dicts, which a guard (`_guard`) can watch."""
+    node_data = treedef.node_data()
+    if node_data is not None and not (
+        _node_is_immutable(node_data[0]) or node_data[0] is list or issubclass(node_data[0], dict)
+    ):
+        return False
+    return all(_treedef_is_guardable(c) for c in treedef.children())
+
+
 class Spec:
     """The static part of one argument: everything but its dynamic leaves.
 
@@ -133,8 +143,8 @@ class Spec:
     """
 
     __slots__ = (
-        "id", "kind", "treedef", "mask", "statics", "n_dyn", "cacheable", "templated", "has_nnx", "rule_free",
-        "__weakref__",
+        "id", "kind", "treedef", "mask", "statics", "n_dyn", "cacheable", "guardable", "templated", "has_nnx",
+        "rule_free", "__weakref__",
     )
 
     treedef: Any
@@ -152,7 +162,11 @@ class Spec:
         self.mask = mask
         self.statics = statics
         self.n_dyn = sum(mask)
+        # Objects of this structure may be cached by identity (`cacheable`: nothing in
+        # them can change in place), or by identity under a guard (`guardable`: lists or
+        # dicts inside, checked item by item on every use; see `remember_guarded`).
         self.cacheable = kind == "tree" and _treedef_is_immutable(treedef)
+        self.guardable = kind == "tree" and not self.cacheable and _treedef_is_guardable(treedef)
         self.templated = False  # whether learn() has been tried for this structure
         # NNX objects nested inside (pytree ones as nodes, `nnx.Object`s as static leaves)
         self.has_nnx = kind == "tree" and (
@@ -274,6 +288,17 @@ class CacheEntry(NamedTuple):
     leaves: Sequence[Any]  # the object's dynamic leaves
     spec_id: int
     spec: Any  # held: keeps the interned Spec (and so its id) alive while cached
+    guard: Any = None  # (lists or dicts inside) valid only while `_guard.holds(guard)`
+
+
+def lookup(obj: Any) -> CacheEntry | None:
+    """The identity cache's entry for `obj` if it is current (the one place that decides)."""
+    hit = by_id.get(id(obj))
+    if hit is None or hit.ref() is not obj:
+        return None
+    if hit.guard is not None and not _guard.holds(hit.guard):
+        return None  # a list or dict inside changed in place: read afresh
+    return hit
 
 
 class _Ref(weakref.ref):
@@ -300,14 +325,39 @@ def _evict(ref: _Ref, _by_id: dict = by_id, _withdraw: Callable = _fast.withdraw
     _withdraw(ref)
 
 
-def remember(obj: Any, leaves: Sequence[Any], spec: Any) -> None:
+def remember(obj: Any, leaves: Sequence[Any], spec: Any, guard: Any = None) -> None:
     """Cache `obj`'s dynamic leaves by identity (no-op for non-weakrefable objects)."""
     try:
         ref = _Ref(obj, _evict)
     except TypeError:
         return
     ref.oid = id(obj)
-    by_id[ref.oid] = CacheEntry(ref, leaves, spec.id, spec)
+    old = by_id.get(ref.oid)
+    by_id[ref.oid] = CacheEntry(ref, leaves, spec.id, spec, guard)
+    if old is not None:  # (its fast records bind the old leaves)
+        _fast.withdraw(old.ref)
+
+
+def remember_guarded(obj: Any, leaves: Sequence[Any], spec: Any) -> None:
+    """`remember` an object of a guardable spec (lists or dicts inside), with a guard over
+    every list and dict in it. The guard is taken in a second flatten, and the object is
+    cached only if that flatten saw the very leaves `leaves` came from (no change between)."""
+    if not type(obj).__weakrefoffset__:
+        return  # (a top-level list or dict: not weakly referenceable, not cached)
+    containers: list[Any] = []
+
+    def collect(x: Any) -> bool:
+        if type(x) is list or isinstance(x, dict):
+            containers.append(x)
+        return False
+
+    again, treedef = tree_flatten(obj, is_leaf=collect)
+    if treedef != spec.treedef:
+        return
+    dyn = [x for x, m in zip(again, spec.mask) if m]
+    if len(dyn) != len(leaves) or any(a is not b for a, b in zip(dyn, leaves)):
+        return
+    remember(obj, leaves, spec, _guard.make(containers))
 
 
 def remember_strongly(obj: Any, leaves: Sequence[Any], spec: Any) -> _Strong:

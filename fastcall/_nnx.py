@@ -43,7 +43,7 @@ from flax import nnx
 from flax.nnx import graphlib
 from flax.nnx.variablelib import Variable
 
-from . import _fast, _nnx_gate, _nnx_hooks
+from . import _fast, _guard, _nnx_gate, _nnx_hooks
 from ._errors import FastcallError, describe_arg
 from ._flatten import ArrayImpl, intern
 from ._flatten import interned as _interned
@@ -207,8 +207,8 @@ class NodeEntry:
     """What fastcall knows about one NNX object: its spec, its Variables, and whether
     that knowledge is current."""
 
-    __slots__ = ("ref", "spec_id", "spec", "items", "volatile", "direct", "stale", "fresh", "fast", "node_ids",
-                 "disjoint", "watched", "__weakref__")
+    __slots__ = ("ref", "spec_id", "spec", "items", "volatile", "guard", "direct", "stale", "fresh", "fast",
+                 "node_ids", "disjoint", "watched", "__weakref__")
 
     def __init__(self, ref: _Ref) -> None:
         self.ref = ref
@@ -217,6 +217,7 @@ class NodeEntry:
         self.spec_id = -1
         self.items: list[Any] = []  # the leaves: Variables and handles of raw leaves (see `_leaf_items`)
         self.volatile = False  # re-read on every call (see _build)
+        self.guard: Any = None  # plain lists and dicts in the graph, checked on every use
         self.direct = False  # eligible for the fast path: not volatile
         self.fresh = True  # values not yet checked for tracers
         self.fast: dict[Any, _fast.FastRecord] = {}  # published in the fast index while direct
@@ -260,29 +261,24 @@ def _is_container(x: Any) -> bool:
     return isinstance(x, (list, dict, collections.abc.MutableMapping)) and not _is_node(x)
 
 
-def _graph_nodes(node: Any) -> tuple[list[Any], bool]:
-    """Every graph node and Variable reachable from `node` (each once), and whether the
-    graph is volatile: a plain list or dict (`nnx.data([...])`) holding arrays, values or
-    modules directly, which can change in place without any hook. Containers that hold
-    only Variables (an nnx.Optimizer's optax state) are not volatile: their Variables'
-    values are read every call."""
+def _graph_nodes(node: Any) -> tuple[list[Any], list[Any] | None]:
+    """Every graph node and Variable reachable from `node` (each once), and every plain
+    list or dict in the graph (`nnx.data([...])`, an optax state's containers), which can
+    change in place without any hook: the entry's guard watches them (`_guard`). None
+    instead of that list if one cannot be guarded (another kind of mutable mapping):
+    the graph is then re-read on every call."""
     seen: dict[int, Any] = {}
-    by_path: dict[tuple[Any, ...], Any] = {}
-    for path, sub in graphlib.iter_graph(node):
-        by_path[tuple(path)] = sub
+    containers: list[Any] = []
+    guardable = True
+    for _, sub in graphlib.iter_graph(node):
         if _is_node(sub):
             seen[id(sub)] = sub
-    volatile = False
-    parents = set()
-    for path, sub in by_path.items():
-        if path and _is_container(by_path.get(path[:-1])):
-            parents.add(path[:-1])
-            if not (isinstance(sub, Variable) or _is_container(sub)):
-                volatile = True  # arrays, None (a cache slot to fill), modules, values
-                break
-    if not volatile:  # an empty list or dict is waiting to be filled in place
-        volatile = any(_is_container(sub) and path not in parents for path, sub in by_path.items())
-    return list(seen.values()), volatile
+        elif type(sub) is nnx.State:  # (an optimizer's state: its attributes and its dict)
+            containers += [vars(sub), sub.raw_mapping]
+        elif _is_container(sub):
+            containers.append(sub)
+            guardable = guardable and _guard.is_guardable(sub)
+    return list(seen.values()), containers if guardable else None
 
 
 def lookup(obj: Any, arg_name: str) -> NodeEntry:
@@ -291,7 +287,9 @@ def lookup(obj: Any, arg_name: str) -> NodeEntry:
     entry = by_id.get(id(obj))
     if entry is not None and entry.ref() is obj and not entry.stale:
         if not entry.volatile:
-            return entry
+            if entry.guard is None or _guard.holds(entry.guard):
+                return entry
+            return _build(obj, arg_name, entry)  # a list or dict in the graph changed in place
         # Mutable containers in the graph (or unverified hooks): re-read the graph;
         # reuse the entry if its structure is unchanged.
         graphdef, flat = _flatten_node(obj, arg_name)
@@ -397,7 +395,8 @@ def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
     ref = _Ref(obj, _evict)
     ref.oid = id(obj)
     entry = NodeEntry(ref)
-    watched_nodes, volatile = _graph_nodes(obj)
+    watched_nodes, containers = _graph_nodes(obj)
+    guard = _guard.make(containers) if containers else None  # (taken before the flatten, as the watch)
     entry.watched = [id(n) for n in watched_nodes]
     entry.node_ids = frozenset(entry.watched)
     with _watch_lock:
@@ -412,10 +411,15 @@ def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
     entry.items, readable = _leaf_items(obj, flat)
     entry.spec, entry.spec_id = spec, spec.id
     # (raw leaves held by graph nodes are rebound through the hooked __setattr__: they
-    # need no re-read, only a fresh read of their value, as Variables)
-    entry.volatile = volatile or not readable or not TRUSTED or spec.mutable_statics
-    entry.direct = not entry.volatile
-    if {id(n) for n in _graph_nodes(obj)[0]} != set(entry.watched):
+    # need no re-read, only a fresh read of their value, as Variables; plain lists and
+    # dicts are watched by the guard)
+    entry.volatile = containers is None or not readable or not TRUSTED or spec.mutable_statics
+    entry.guard = None if entry.volatile else guard
+    # (the fast path reads Variables and RawLeafs; a raw item of a plain list is read here)
+    entry.direct = not entry.volatile and not any(type(x) is RawItem for x in entry.items)
+    if {id(n) for n in _graph_nodes(obj)[0]} != set(entry.watched) or (
+        entry.guard is not None and not _guard.holds(entry.guard)
+    ):
         entry.stale = True  # the graph changed while we were building: rebuild next call
     previous = by_id.get(ref.oid)
     if previous is not None and previous is not old and previous is not entry:
@@ -423,7 +427,7 @@ def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
         _unwatch(previous)
     by_id[ref.oid] = entry
     if entry.direct and not entry.stale:
-        _fast.publish(ref, entry.fast)
+        _fast.publish(ref, entry.fast, entry.guard)
     return entry
 
 

@@ -193,3 +193,120 @@ def test_raw_leaf_written_back_through_a_joint_read():
     for _ in range(3):
         assert_trees_equal(f([m, m], X4), peer([ref, ref], X4))
         assert int(m.count) == int(ref.count) == int(ref.count)
+
+
+# --------------------------------------------------------------------------
+# Lists and dicts inside cached objects: a guard checks them item by item
+
+
+class EqxNet(eqx.Module):
+    layers: list
+    extra: dict
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.layers = [eqx.nn.Linear(4, 4, key=k1), [eqx.nn.Linear(4, 4, key=k2)]]
+        self.extra = {"scale": jnp.ones(4), "bias": jnp.zeros(4)}
+
+    def __call__(self, x):
+        first, (second, *more) = self.layers[0], self.layers[1]
+        x = second(first(x))
+        for layer in more:
+            x = layer(x)
+        return x * self.extra["scale"] + self.extra.get("bias", 0.0) + sum(self.layers[2:], 0.0)
+
+
+def _new_linear(seed):
+    return eqx.nn.Linear(4, 4, key=jax.random.PRNGKey(seed))
+
+
+EQX_CHANGES = {
+    "item replaced": lambda m: m.layers.__setitem__(0, _new_linear(7)),
+    "append to a nested list": lambda m: m.layers[1].append(_new_linear(8)),
+    "append an array": lambda m: m.layers.append(jnp.full(4, 3.0)),
+    "del from a nested list": lambda m: (m.layers[1].append(_new_linear(8)), m.layers[1].__delitem__(0)),
+    "dict value replaced": lambda m: m.extra.__setitem__("scale", jnp.full(4, 2.0)),
+    "dict key deleted": lambda m: m.extra.__delitem__("bias"),
+    "dict key replaced": lambda m: (m.extra.pop("bias"), m.extra.__setitem__("bias", jnp.ones(4))),
+}
+
+
+@pytest.mark.parametrize("change", list(EQX_CHANGES))
+@pytest.mark.parametrize("jit", [fastcall.jit, fastcall.filter_jit])
+def test_equinox_lists_and_dicts_changed_in_place_are_seen(change, jit, hot_path):
+    m = EqxNet(jax.random.PRNGKey(0))
+    x = jnp.arange(4.0)
+    f, peer = jit(_call), eqx.filter_jit(_call)
+    f(m, x), f(m, x)
+    y, route = served(f, m, x)
+    assert route != "general"  # unchanged: the fast path, the guard holding
+    assert_trees_equal(y, m(x))
+    EQX_CHANGES[change](m)
+    y, route = served(f, m, x)
+    assert route == "general"
+    assert_trees_equal(y, m(x))
+    assert_trees_equal(y, peer(m, x))
+    f(m, x)
+    y, route = served(f, m, x)  # the changed object is cached again
+    assert route != "general"
+    assert_trees_equal(y, m(x))
+
+
+class NnxWithLists(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.vs = nnx.data([nnx.Param(jnp.ones(4)), nnx.Param(jnp.full(4, 2.0))])  # Variables only
+        self.blocks = nnx.data([nnx.Linear(4, 4, rngs=rngs)])
+        self.table = nnx.data({"a": nnx.Param(jnp.zeros(4))})
+
+    def __call__(self, x):
+        y = x * sum(v[...] for v in self.vs) + sum(v[...] for v in self.table.values())
+        for b in self.blocks:
+            y = b(y)
+        return y
+
+
+NNX_CHANGES = {
+    "a Variable in a list replaced": lambda m: m.vs.__setitem__(0, nnx.Param(jnp.full(4, 10.0))),
+    "a module appended": lambda m: m.blocks.append(nnx.Linear(4, 4, rngs=nnx.Rngs(3))),
+    "a Variable list emptied": lambda m: m.vs.clear(),
+    "a dict entry added": lambda m: m.table.__setitem__("b", nnx.Param(jnp.ones(4))),
+    "a dict entry replaced": lambda m: m.table.__setitem__("a", nnx.Param(jnp.full(4, 5.0))),
+}
+
+
+@pytest.mark.parametrize("change", list(NNX_CHANGES))
+def test_nnx_plain_lists_and_dicts_changed_in_place_are_seen(change, hot_path):
+    m, ref = NnxWithLists(nnx.Rngs(0)), NnxWithLists(nnx.Rngs(0))
+    f, peer = fastcall.jit(_call), nnx.jit(_call)
+    f(m, X4), f(m, X4)
+    y, route = served(f, m, X4)
+    assert route != "general"
+    assert_trees_equal(y, peer(ref, X4))
+    NNX_CHANGES[change](m)
+    NNX_CHANGES[change](ref)
+    y, route = served(f, m, X4)
+    assert route == "general"
+    assert_trees_equal(y, _call(ref, X4))
+    y, route = served(f, m, X4)
+    assert route != "general"
+    assert_trees_equal(y, _call(ref, X4))
+
+
+def test_optimizer_state_replaced_in_place_is_seen():
+    import optax
+
+    model, ref_model = nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    ref = nnx.Optimizer(ref_model, optax.adam(1e-2), wrt=nnx.Param)
+
+    def step(m, o, x):
+        o.update(m, nnx.grad(lambda m: jnp.sum(m(x) ** 2))(m))
+        return jnp.sum(o.opt_state[0].mu["kernel"][...])
+
+    f, peer = fastcall.jit(step), nnx.jit(step)
+    for _ in range(2):
+        assert_trees_equal(f(model, opt, X4), peer(ref_model, ref, X4))
+    for o in (opt, ref):  # a new moment Variable put into the optax state in place
+        o.opt_state[0].mu["kernel"] = nnx.OptState(jnp.full((4, 4), 3.0))
+    assert_trees_equal(f(model, opt, X4), peer(ref_model, ref, X4))
+    assert_trees_equal(state_of(model), state_of(ref_model))

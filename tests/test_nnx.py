@@ -428,7 +428,8 @@ def test_variable_metadata_removal_and_copy_are_seen():
 
 
 def test_optimizer_state_is_read_through_its_variables_not_rewalked():
-    """Containers holding only Variables (optax state) are not re-walked every call."""
+    """Plain containers in the graph (optax state, nnx.data lists) are not re-walked every
+    call: a guard checks them item by item (tests/test_change_checks.py changes them)."""
     import optax
 
     model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
@@ -438,10 +439,12 @@ def test_optimizer_state_is_read_through_its_variables_not_rewalked():
         o.update(m, nnx.grad(lambda m: jnp.sum(m(x) ** 2))(m))
 
     fastcall.jit(step)(model, opt, jnp.ones(2))
-    assert not _nnx.by_id[id(opt)].volatile
+    entry = _nnx.by_id[id(opt)]
+    assert not entry.volatile and entry.guard is not None and entry.direct
     with_data = WithData()
     fastcall.jit(lambda m, x: m(x))(with_data, jnp.ones(1))
-    assert _nnx.by_id[id(with_data)].volatile  # arrays and modules held directly in lists
+    entry = _nnx.by_id[id(with_data)]
+    assert not entry.volatile and entry.guard is not None  # arrays and modules held in lists
 
 
 # ---- methods, mixed arguments, composition ----

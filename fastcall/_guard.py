@@ -1,0 +1,64 @@
+"""Guards: the cheap check that a cached object holding lists or dicts is unchanged.
+
+An Equinox module, a tuple or an NNX graph is cached by identity (`_flatten`,
+`_nnx`): the same object means the same structure and leaves, because nothing
+in it can change without a new object (Equinox) or a hooked write (NNX). A
+plain `list` or `dict` inside breaks that: `layers[0] = new`, `append`, `del`,
+`d[k] = v` change it in place and nothing is told. So an object holding any is
+cached with a guard: every list and dict reachable in it, each with the exact
+objects it held when the object was read. The guard holds while every one of
+them still holds exactly those objects, compared by identity (`is`, never
+`==`): the same length, the same item at each place, for dicts the same keys
+and values in the same order. Anything else, and the object is read afresh.
+
+Why identity of items is enough: every other part of the object is immutable
+or itself guarded (a nested list is in the guard too), so an unchanged set of
+items in every container means an unchanged object. What it costs: one pointer
+comparison per item of every container, in C when the extension is built.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+Guard = tuple[tuple[Any, tuple[Any, ...]], ...]
+
+
+def is_guardable(container: Any) -> bool:
+    """Whether a guard can watch this container (a plain list, or a dict of any kind
+    whose order is its iteration order)."""
+    return type(container) is list or isinstance(container, dict)
+
+
+def make(containers: list[Any]) -> Guard | None:
+    """A guard over these containers (each once), or None if there are none."""
+    pairs = []
+    seen: set[int] = set()
+    for c in containers:
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        if type(c) is list:
+            pairs.append((c, tuple(c)))
+        else:
+            pairs.append((c, tuple(x for kv in c.items() for x in kv)))
+    return tuple(pairs) or None
+
+
+def _holds(guard: Guard) -> bool:
+    for c, expected in guard:
+        if type(c) is list:
+            if len(c) != len(expected) or any(a is not b for a, b in zip(c, expected)):
+                return False
+        elif 2 * len(c) != len(expected) or any(
+            a is not b for a, b in zip((x for kv in c.items() for x in kv), expected)
+        ):
+            return False
+    return True
+
+
+try:  # the same check in C (fastcall/_accel.c), which the C fast path calls directly
+    holds: Any = importlib.import_module("fastcall._accel").guard_holds
+except (ImportError, AttributeError):  # pragma: no cover - not built
+    holds = _holds
