@@ -127,8 +127,15 @@ def _compare(ref: list[Any], outs: list[Any]) -> None:
 
 
 def _forward_variants(
-    build: Callable[[], Any], x: Any, writes_state: bool, linen: Callable[[Any], Any] | None = None
+    build: Callable[[], Any],
+    x: Any,
+    writes_state: bool,
+    linen: Callable[[Any], Any] | None = None,
+    before: Callable[[Any], None] | None = None,
 ) -> list[Variant]:
+    """`before(model)`, when given, runs before every call in every variant (the floor's
+    included, on its own model object), e.g. `model.eval()`: the same Python work in each."""
+
     def call(m, x):
         return m(x)
 
@@ -137,12 +144,20 @@ def _forward_variants(
             model = build()
             f = make_f(model)
             getter = lambda: _state_leaves(model)  # noqa: E731 - only called when verifying
-            return lambda: (f(), getter)
+            if before is None:
+                return lambda: (f(), getter)
+
+            def run():
+                before(model)
+                return f(), getter
+
+            return run
 
         return make
 
     def make_floor():
-        graphdef, state = nnx.split(build())
+        model = build()
+        graphdef, state = nnx.split(model)
         leaves, treedef = jax.tree_util.tree_flatten(state)
         n = len(leaves)
 
@@ -162,6 +177,8 @@ def _forward_variants(
         getter = lambda: list(current[0])  # noqa: E731
 
         def run():
+            if before is not None:
+                before(model)  # the same Python work as the other variants; its result is in graphdef
             out = f(*current[0], x)
             if writes_state:
                 for i, v in zip(changed, out[1:]):  # rebind the updated state by hand
@@ -182,6 +199,8 @@ def _forward_variants(
         current = [state]
 
         def run():
+            if before is not None:
+                before(model)
             y, current[0] = f(current[0], x)
             return y
 
@@ -210,6 +229,10 @@ def _forward_variants(
         ),
         Variant("split/merge + jax.jit", make_split_merge, note="state threaded by hand"),
     ]
+    if not writes_state:  # NNX modules are pytrees (flax 0.12): plain jax.jit takes one, but writes nothing back
+        variants.append(
+            Variant("jax.jit", with_model(lambda m: (lambda f=jax.jit(call): f(m, x))), note="the module as a pytree")
+        )
     if linen is not None:
 
         def make_linen():
@@ -223,6 +246,20 @@ def _forward_variants(
     return variants
 
 
+def _forward_peers(variants: list[Variant]) -> dict[str, tuple[str, ...]]:
+    """fastcall.jit replaces nnx.jit (either mode) and, where it is used, plain jax.jit on
+    the module or a Linen twin's jax.jit(apply) (the same network without NNX);
+    fastcall.partial replaces the NNX binding APIs. Not peers: the floor and the
+    hand-written split/merge + jax.jit."""
+    names = {v.name for v in variants}
+    jit_peers = ("nnx.jit", "nnx.jit(graph=False)", "jax.jit", "linen jax.jit(apply)")
+    partial_peers = ("nnx.cached_partial", "nnx.jit_partial(graph=False)")
+    return {
+        "fastcall.jit": tuple(p for p in jit_peers if p in names),
+        "fastcall.partial": tuple(p for p in partial_peers if p in names),
+    }
+
+
 def forward(
     name: str,
     description: str,
@@ -230,8 +267,15 @@ def forward(
     x: Any,
     writes_state: bool,
     linen: Callable[[Any], Any] | None = None,
+    before: Callable[[Any], None] | None = None,
+    skip: tuple[str, ...] = (),
 ) -> Workload:
-    return Workload(name, description, _forward_variants(build, x, writes_state, linen), _compare)
+    """`skip`: variants that cannot run this model (say why where it is used)."""
+    variants = _forward_variants(build, x, writes_state, linen, before)
+    unknown = set(skip) - {v.name for v in variants}
+    assert not unknown, f"{name}: skip names no variant: {unknown}"
+    variants = [v for v in variants if v.name not in skip]
+    return Workload(name, description, variants, _compare, peers=_forward_peers(variants))
 
 
 # ---- Linen twins (same weights, converted to Linen's parameter tree) ----
@@ -351,6 +395,7 @@ def optimizer_step(name: str, description: str, width: int, depth: int, batch: i
             Variant("nnx.jit(graph=False)", variant(lambda s: nnx.jit(s, graph=False))),
         ],
         _compare,
+        peers={"fastcall.jit": ("nnx.jit", "nnx.jit(graph=False)")},
     )
 
 
@@ -390,6 +435,7 @@ def variable_arg(name: str, description: str, width: int) -> Workload:
             Variant("nnx.jit", variant(nnx.jit)),
         ],
         _compare,
+        peers={"fastcall.jit": ("nnx.jit",)},
     )
 
 
@@ -430,7 +476,26 @@ def functional(name: str, description: str, width: int, depth: int) -> Workload:
             Variant("jax.jit(static_argnums=0)", variant(lambda s: jax.jit(s, static_argnums=0))),
         ],
         _compare,
+        peers={"fastcall.jit": ("nnx.jit", "jax.jit(static_argnums=0)")},
     )
+
+
+def _write_back_jit(graphdef: Any, treedef: Any, fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[int]]:
+    """jax.jit of `fn(objects, *args)` taking the flat state leaves of `objects` (merged
+    from `graphdef` inside) and returning `(out, *changed leaves)`; `changed` (filled at
+    trace time) lists the indices of the leaves the step replaced."""
+    n = treedef.num_leaves
+    changed: list[int] = []
+
+    def flat(*a):
+        objs = nnx.merge(graphdef, treedef.unflatten(a[:n]))
+        out = fn(objs, *a[n:])
+        new = jax.tree_util.tree_leaves(nnx.state(objs))
+        assert len(new) == n, "the step changed the state's structure: the floor cannot rebind it"
+        changed[:] = [i for i in range(n) if new[i] is not a[i]]
+        return (out, *[new[i] for i in changed])
+
+    return jax.jit(flat), changed
 
 
 def _write_back_floor(objects: Any, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
@@ -439,17 +504,7 @@ def _write_back_floor(objects: Any, fn: Callable[..., Any], *args: Any) -> Calla
     returned and rebound by hand, as `optimizer_step`'s floor does. `fn(objects, *args)`."""
     graphdef, state = nnx.split(objects)
     leaves, treedef = jax.tree_util.tree_flatten(state)
-    n = len(leaves)
-    changed: list[int] = []  # state leaves the step replaces (found at trace time)
-
-    def flat(*a):
-        objs = nnx.merge(graphdef, treedef.unflatten(a[:n]))
-        out = fn(objs, *a[n:])
-        new = jax.tree_util.tree_leaves(nnx.state(objs))
-        changed[:] = [i for i in range(n) if new[i] is not a[i]]
-        return (out, *[new[i] for i in changed])
-
-    f = jax.jit(flat)
+    f, changed = _write_back_jit(graphdef, treedef, fn)
     current = list(leaves)
 
     def run():
@@ -502,6 +557,7 @@ def optimizer_tuple_step(name: str, description: str, width: int, depth: int, ba
             Variant("nnx.jit", variant(nnx.jit)),
         ],
         _compare,
+        peers={"fastcall.jit": ("nnx.jit",)},
     )
 
 
@@ -540,6 +596,7 @@ def kv_list_step(name: str, description: str, vocab: int, dim: int, layers: int,
             Variant("nnx.jit", variant(nnx.jit)),
         ],
         _compare,
+        peers={"fastcall.jit": ("nnx.jit",)},
         check_steps=5,  # the cache fills a slot per step: compare it after several
     )
 

@@ -228,3 +228,18 @@ def test_peers_must_name_real_variants_and_never_the_floor():
         _harness.Workload("w", "", variants, lambda r, o: None, peers={"fastcall.jit": ("nnx.jti",)})
     with pytest.raises(AssertionError, match="floor"):
         _harness.Workload("w", "", variants, lambda r, o: None, peers={"fastcall.jit": ("floor",)})
+
+
+def test_every_workload_names_the_peers_of_its_fastcall_variants():
+    """Each timed fastcall variant of every workload (quick, full and sweep) has peers,
+    and no hand-written floor is among them."""
+    from bench import _registry
+
+    builders = {**_registry.workloads(quick=False, sweep=True)}
+    for name, build in builders.items():
+        w = build()
+        names = {v.name for v in w.variants}
+        subjects = {n for n in names if n.startswith("fastcall")}
+        assert subjects == set(w.peers), (name, subjects, w.peers)
+        for peers in w.peers.values():
+            assert peers and not any(p.startswith(("floor", "eager", "split/merge", "fastcall")) for p in peers), name
