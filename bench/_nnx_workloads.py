@@ -601,6 +601,259 @@ def kv_list_step(name: str, description: str, vocab: int, dim: int, layers: int,
     )
 
 
+# ---- Patterns from published programs (flax toy examples, bonsai) ----
+
+
+class RawArrayMLP(nnx.Module):
+    """An MLP that also holds a raw array attribute used in the forward, as bonsai Gemma3's
+    vision embeddings hold their position ids (`self.position_ids = nnx.data(...)`)."""
+
+    def __init__(self, width: int, depth: int, positions: int, rngs: nnx.Rngs):
+        self.position_ids = nnx.data(jnp.arange(positions))
+        self.position_embedding = nnx.Embed(positions, width, rngs=rngs)
+        self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(depth)])
+
+    def __call__(self, x):
+        x = x + self.position_embedding(self.position_ids)
+        for layer in self.layers[:-1]:
+            x = nnx.relu(layer(x))
+        return self.layers[-1](x)
+
+
+class DropoutMLP(nnx.Module):
+    """An MLP with a Dropout before its last layer: `model.eval()` / `model.train()` change
+    the compiled program, and in train mode every call consumes (writes back) its RNG."""
+
+    def __init__(self, width: int, depth: int, rngs: nnx.Rngs):
+        self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(depth)])
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = nnx.relu(layer(x))
+        return self.layers[-1](self.drop(x))
+
+
+def _eval_mode(width: int, depth: int) -> DropoutMLP:
+    model = DropoutMLP(width, depth, nnx.Rngs(0))
+    model.eval()
+    return model
+
+
+def train_eval(name: str, description: str, width: int, depth: int, batch: int) -> Workload:
+    """Each step: `model.train()`, a train-mode call (a loss; Dropout active, its RNG count
+    written back), then `model.eval()` and an eval-mode call: the structure changes
+    between every two calls, back and forth."""
+    x = jnp.ones((batch, width))
+    y = jnp.zeros((batch, width))
+
+    def train_fn(m, x, y):
+        return jnp.mean((m(x) - y) ** 2)
+
+    def eval_fn(m, x):
+        return m(x)
+
+    def variant(wrap: Callable[[Any], Any]):
+        def make():
+            model = DropoutMLP(width, depth, nnx.Rngs(0))
+            train, evaluate = wrap(train_fn), wrap(eval_fn)
+            getter = lambda: _state_leaves(model)  # noqa: E731 - only called when verifying
+
+            def run():
+                model.train()
+                loss = train(model, x, y)
+                model.eval()
+                return (loss, evaluate(model, x)), getter
+
+            return run
+
+        return make
+
+    def make_floor():
+        model = DropoutMLP(width, depth, nnx.Rngs(0))
+        model.train()
+        graphdef_train, state = nnx.split(model)
+        model.eval()
+        graphdef_eval, state_eval = nnx.split(model)
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        assert jax.tree_util.tree_structure(state_eval) == treedef  # the modes differ in the graphdef only
+        train, changed = _write_back_jit(graphdef_train, treedef, lambda m, x, y: train_fn(m, x, y))
+        evaluate, _ = _write_back_jit(graphdef_eval, treedef, lambda m, x: eval_fn(m, x))
+        current = list(leaves)
+
+        def run():
+            model.train()  # the same Python work as the other variants; its result is in the graphdefs
+            out = train(*current, x, y)
+            for i, v in zip(changed, out[1:]):  # the dropout RNG count, rebound by hand
+                current[i] = v
+            model.eval()
+            return (out[0], evaluate(*current, x)[0]), lambda: list(current)
+
+        return run
+
+    return Workload(
+        name,
+        description,
+        [
+            Variant("eager", variant(lambda f: f), timed=False),
+            Variant("floor", make_floor, note="two jax.jit programs (train, eval graphdefs) on the flat state leaves"),
+            Variant("fastcall.jit", variant(fastcall.jit)),
+            Variant("nnx.jit", variant(nnx.jit)),
+            Variant("nnx.jit(graph=False)", variant(lambda f: nnx.jit(f, graph=False))),
+        ],
+        _compare,
+        peers={"fastcall.jit": ("nnx.jit", "nnx.jit(graph=False)")},
+    )
+
+
+class Loss(nnx.Variable):
+    pass
+
+
+class VAEEncoder(nnx.Module):
+    """flax's toy example 05: the forward stores its KL loss in a new Variable every call."""
+
+    def __init__(self, din: int, dmid: int, dout: int, rngs: nnx.Rngs):
+        self.linear1 = nnx.Linear(din, dmid, rngs=rngs)
+        self.linear_mean = nnx.Linear(dmid, dout, rngs=rngs)
+        self.linear_std = nnx.Linear(dmid, dout, rngs=rngs)
+        self.rngs = rngs
+
+    def __call__(self, x):
+        x = jax.nn.relu(self.linear1(x))
+        mean = self.linear_mean(x)
+        std = jnp.exp(self.linear_std(x))
+        kl = 0.5 * jnp.mean(-jnp.log(std**2) - 1.0 + std**2 + mean**2, axis=-1)
+        self.kl_loss = Loss(jnp.mean(kl))  # a new Variable object on every call
+        return mean + std * jax.random.normal(self.rngs.noise(), mean.shape)
+
+
+class VAE(nnx.Module):
+    def __init__(self, din: int, hidden: int, latent: int, rngs: nnx.Rngs):
+        self.encoder = VAEEncoder(din, hidden, latent, rngs)
+        self.decoder1 = nnx.Linear(latent, hidden, rngs=rngs)
+        self.decoder2 = nnx.Linear(hidden, din, rngs=rngs)
+
+    def __call__(self, x):
+        return self.decoder2(jax.nn.relu(self.decoder1(self.encoder(x))))
+
+
+def new_variable(name: str, description: str, din: int, hidden: int, latent: int, batch: int) -> Workload:
+    """`forward(model, x)` on toy example 05's VAE: every call assigns a new `Loss`
+    Variable to `model.encoder.kl_loss` (created by the first call) and draws noise
+    (the RNG count written back)."""
+    x = jax.random.uniform(jax.random.PRNGKey(1), (batch, din))
+
+    def build():
+        return VAE(din, hidden, latent, nnx.Rngs(0, noise=1))
+
+    def fwd(model, x):
+        return jax.nn.sigmoid(model(x))
+
+    def variant(wrap: Callable[[Any], Any]):
+        def make():
+            model = build()
+            f = wrap(fwd)
+            getter = lambda: _state_leaves(model)  # noqa: E731 - only called when verifying
+            return lambda: (f(model, x), getter)
+
+        return make
+
+    def make_floor():
+        model = build()
+        # the attribute exists before the split (a placeholder the first call replaces), so
+        # that the floor's state has a fixed structure; outputs do not depend on it
+        model.encoder.kl_loss = Loss(jnp.zeros((), jnp.float32))
+        return _write_back_floor(model, fwd, x)
+
+    return Workload(
+        name,
+        description,
+        [
+            Variant("eager", variant(lambda f: f), timed=False),
+            Variant("floor", make_floor, note="jax.jit on the flat state leaves, kl_loss and RNG count rebound"),
+            Variant("fastcall.jit", variant(fastcall.jit)),
+            Variant("nnx.jit", variant(nnx.jit)),
+        ],
+        _compare,
+        # nnx.jit(graph=False) is no peer: tree mode propagates no new attribute (kl_loss)
+        peers={"fastcall.jit": ("nnx.jit",)},
+    )
+
+
+class RawLinear(nnx.Module):
+    """flax's toy example 07: parameters as plain jax arrays on the module."""
+
+    def __init__(self, din: int, dout: int, rngs: nnx.Rngs):
+        self.w = jax.random.normal(rngs.params(), (din, dout))
+        self.b = jnp.zeros((dout,))
+
+    def __call__(self, x):
+        return x @ self.w + self.b
+
+
+class RawCounterMLP(nnx.Module):
+    def __init__(self, din: int, dhidden: int, dout: int, rngs: nnx.Rngs):
+        self.count = jnp.array(0)  # a raw array, incremented by every call
+        self.linear1 = RawLinear(din, dhidden, rngs)
+        self.linear2 = RawLinear(dhidden, dout, rngs)
+
+    def __call__(self, x):
+        self.count += 1
+        return self.linear2(nnx.relu(self.linear1(x)))
+
+
+def _is_raw_param(path: tuple, value: Any) -> bool:
+    return path[-1] in ("w", "b")
+
+
+def raw_counter_step(name: str, description: str, hidden: int, batch: int) -> Workload:
+    """toy example 07's `train_step(model, optimizer, x, y)`: raw-array parameters updated
+    by `nnx.Optimizer(..., wrt=<path filter>)` (sgd), the raw `count` incremented."""
+    x = jnp.linspace(0.0, 1.0, batch)[:, None]
+    y = 0.8 * x**2 + 0.1
+
+    def build():
+        model = RawCounterMLP(1, hidden, 1, nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.sgd(1e-3), wrt=_is_raw_param)
+
+    def step(model, optimizer, x, y):
+        def loss_fn(m):
+            return jnp.mean((y - m(x)) ** 2)
+
+        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, _is_raw_param))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    def variant(wrap: Callable[[Any], Any]):
+        def make():
+            model, opt = build()
+            f = wrap(step)
+            getter = lambda: _state_leaves(model) + _state_leaves(opt)  # noqa: E731
+            return lambda: (f(model, opt, x, y), getter)
+
+        return make
+
+    return Workload(
+        name,
+        description,
+        [
+            Variant("eager", variant(lambda f: f), timed=False),
+            Variant(
+                "floor",
+                lambda: _write_back_floor(build(), lambda mo, x, y: step(*mo, x, y), x, y),
+                note="jax.jit on flat state leaves, changed leaves (raw arrays included) returned and rebound",
+            ),
+            Variant("fastcall.jit", variant(fastcall.jit)),
+            Variant("nnx.jit", variant(nnx.jit)),
+        ],
+        _compare,
+        # nnx.jit(graph=False) is no peer: tree mode writes back Variables only, so the
+        # rebound raw arrays (parameters, count) keep their old values
+        peers={"fastcall.jit": ("nnx.jit",)},
+    )
+
+
 def build(quick: bool) -> dict[str, Callable[[], Workload]]:
     x32 = jnp.ones((1, 32))
     out = {
@@ -649,6 +902,45 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
         ),
         "nnx_functional": lambda: functional(
             "nnx_functional", "functional API: f(graphdef, state, x) merges inside jit, NNX MLP w32 d3", 32, 3
+        ),
+        "nnx_raw_array": lambda: forward(
+            "nnx_raw_array",
+            "NNX MLP w16 d24 holding a raw array (position_ids = nnx.data(arange(8))) used in the forward",
+            lambda: RawArrayMLP(16, 24, 8, nnx.Rngs(0)),
+            jnp.ones((8, 16)),
+            False,
+            # flax 0.12.8's cached_partial fails on any raw array attribute: AttributeError:
+            # 'ArrayImpl' object has no attribute 'get_raw_value' (graphlib.flatten)
+            skip=("nnx.cached_partial",),
+        ),
+        "nnx_eval_noop": lambda: forward(
+            "nnx_eval_noop",
+            "NNX MLP w16 d24 + Dropout already in eval mode; every step calls model.eval() then the call",
+            lambda: _eval_mode(16, 24),
+            jnp.ones((4, 16)),
+            False,
+            before=lambda m: m.eval(),
+        ),
+        "nnx_train_eval": lambda: train_eval(
+            "nnx_train_eval",
+            "us per step of model.train() + train-mode loss, model.eval() + eval call (NNX MLP w16 d24 + Dropout)",
+            16,
+            24,
+            4,
+        ),
+        "nnx_new_variable": lambda: new_variable(
+            "nnx_new_variable",
+            "toy 05 VAE forward: a new Variable (self.kl_loss = Loss(...)) assigned every call, noise drawn",
+            16,
+            32,
+            4,
+            4,
+        ),
+        "nnx_raw_counter": lambda: raw_counter_step(
+            "nnx_raw_counter",
+            "toy 07 train step: raw-array params (sgd via nnx.Optimizer, path filter), self.count += 1",
+            32,
+            32,
         ),
     }
     if not quick:  # compute-bound sizes: what share of a step the overhead is

@@ -255,6 +255,11 @@ ISSUE12_WORKLOADS = (
     "eqx_stateful",
     "eqx_stateful_partial",
     "eqx_step_noopt",
+    "nnx_raw_array",
+    "nnx_eval_noop",
+    "nnx_train_eval",
+    "nnx_new_variable",
+    "nnx_raw_counter",
 )
 
 
