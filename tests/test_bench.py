@@ -34,7 +34,8 @@ def test_bench_runs_and_reports(tmp_path, capsys):
 
 
 def test_bench_markdown(capsys):
-    assert bench_main.main(["--only", "identity", "--rounds", "1", "--round-ms", "0.2", "--markdown", *NO_SPEED_GATE]) == 0
+    code = bench_main.main(["--only", "identity", "--rounds", "1", "--round-ms", "0.2", "--markdown", *NO_SPEED_GATE])
+    assert code == 0
     assert "| workload | variant |" in capsys.readouterr().out
 
 
@@ -172,7 +173,10 @@ def _run_with(monkeypatch, workloads: dict, argv: list[str]) -> int:
 
 def test_fastcall_slower_than_a_peer_exits_2(monkeypatch, tmp_path, capsys):
     out = tmp_path / "r.json"
-    slow = {"slow_one": lambda: _timed_workload("slow_one", 0.002, 0), "fine": lambda: _timed_workload("fine", 0, 0.002)}
+    slow = {
+        "slow_one": lambda: _timed_workload("slow_one", 0.002, 0),
+        "fine": lambda: _timed_workload("fine", 0, 0.002),
+    }
     code = _run_with(monkeypatch, slow, ["--json", str(out)])
     err = capsys.readouterr().err
     assert code == 2
