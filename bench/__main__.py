@@ -1,4 +1,11 @@
-"""`python -m bench`: what fastcall saves against every peer, on this machine."""
+"""`python -m bench`: what fastcall saves against every peer, on this machine.
+
+Exit status: 0 when every variant verified and no fastcall variant was slower than
+a peer it replaces (each workload's `peers`) by more than --tolerance; 1 when a
+variant FAILED its correctness check; 2 when only the speed check failed (each
+case named on stderr and listed under "slower_than_peer" in --json). The serving
+run is reported, not checked: its latencies are dominated by HTTP and threads.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +22,9 @@ SERVING = "serving"
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--full", action="store_true", help="more rounds, compute-bound sizes too")
     p.add_argument("--only", action="append", metavar="WORKLOAD", help="run only these workloads")
     p.add_argument("--variants", nargs="+", metavar="NAME", help="time only these variants (plus floor)")
@@ -31,6 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="list workloads and exit")
     p.add_argument("--requests", type=int, help="serving: requests per call path per round (default 300)")
     p.add_argument("--concurrency", type=int, default=8, help="serving: client threads (default 8)")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.05,
+        help="exit 2 when a fastcall variant's median exceeds a peer's (the call path it replaces) "
+        "by more than this fraction (default 0.05: ratios within one process still carry a few %% of noise)",
+    )
     args = p.parse_args(argv)
 
     quick = not args.full
@@ -51,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     info = _report.machine()
     print(_report.machine_line(info), file=sys.stderr)
     rows: list[_harness.Row] = []
+    gaps: list[_harness.PeerGap] = []
     t0 = time.time()
     for i, (name, build) in enumerate(builders.items()):
         workload = build()
@@ -66,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(line, file=sys.stderr, flush=True)
 
         progress(f"{name}: verifying")
-        rows += _harness.measure(workload, rounds, round_s, progress)
+        measured = _harness.measure(workload, rounds, round_s, progress)
+        gaps += _harness.slower_than_peers(workload, measured, args.tolerance)
+        rows += measured
     served: list[_serving.LoadResult] = []
     if serving:
         print(f"[serving] {args.concurrency} client threads on 127.0.0.1 ({time.time() - t0:.0f}s)", file=sys.stderr)
@@ -87,20 +106,34 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(_serving.table(served, markdown=args.markdown))
     if args.json:
-        extra = {"rounds": rounds, "serving": [dataclasses.asdict(r) for r in served]}
+        extra = {
+            "rounds": rounds,
+            "tolerance": args.tolerance,
+            "slower_than_peer": [{**dataclasses.asdict(g), "message": g.message()} for g in gaps],
+            "serving": [dataclasses.asdict(r) for r in served],
+        }
         _report.write_json(args.json, rows, info, extra)
     if args.plot:
         if _sweep.plot(rows, args.plot, _report.machine_line(info)):
             print(f"\nleaf-scaling plot written to {args.plot}", file=sys.stderr)
         else:
             print("\nno leaf-scaling rows to plot (use --only leaves_N or no --only)", file=sys.stderr)
+    if gaps:
+        print(
+            f"\n{len(gaps)} (fastcall variant, peer it replaces) pair(s) where fastcall was slower by "
+            f"more than {args.tolerance:.0%} (--tolerance {args.tolerance:g}), in "
+            f"{', '.join(dict.fromkeys(g.workload for g in gaps))}:",
+            file=sys.stderr,
+        )
+        for g in gaps:
+            print(f"  {g.message()}", file=sys.stderr)
     failed = [r for r in rows if r.error]
     if failed:
         print(f"\n{len(failed)} variant(s) FAILED their correctness check:", file=sys.stderr)
         for r in failed:
             print(f"  {r.workload} / {r.variant}: {r.error}", file=sys.stderr)
-        return 1
-    return 0
+        return 1  # a wrong result outranks a slow one
+    return 2 if gaps else 0
 
 
 if __name__ == "__main__":

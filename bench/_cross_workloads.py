@@ -94,6 +94,7 @@ def conv_transpose_3d(name: str, description: str, channels: int, size: int) -> 
             Variant("linen jax.jit(apply)", make_linen, note="Linen, same weights"),
         ],
         _compare,
+        peers={"fastcall.jit": ("eqx.filter_jit",), "fastcall.jit (nnx)": ("nnx.jit", "linen jax.jit(apply)")},
     )
 
 

@@ -28,6 +28,12 @@ def _arrays(tree: Any) -> list[Any]:
     return [x for x in jax.tree_util.tree_leaves(tree) if eqx.is_array(x)]
 
 
+# What each fastcall entry point replaces for an Equinox model or a plain pytree:
+# fastcall.jit a user's eqx.filter_jit or plain jax.jit (on the eqx.partition'ed
+# pytree, the same structure); fastcall.filter_jit, eqx.filter_jit.
+EQX_PEERS = {"fastcall.jit": ("eqx.filter_jit", "jax.jit(partitioned)"), "fastcall.filter_jit": ("eqx.filter_jit",)}
+
+
 def _flat_floor(model: Any, call: Callable[[Any, Any], Any]):
     """jax.jit over the pre-flattened array leaves of `model` plus the input."""
     dynamic, static = eqx.partition(model, eqx.is_array)
@@ -46,13 +52,20 @@ def forward(name: str, description: str, model: Any, x: Any) -> Workload:
     def call(m, x):
         return m(x)
 
+    # The jax.jit-wrapped programs are built once, here, so that verification and timing
+    # share each compiled program (a 1000-leaf one takes ~1 s to compile); the peers'
+    # and fastcall's wrappers, built per make(), cache their programs by function.
+    floor, floor_leaves = _flat_floor(model, call)
+    closure = eqx.filter_jit(lambda x: model(x))
+    dynamic, static = eqx.partition(model, eqx.is_array)
+    partitioned = jax.jit(lambda d, x: call(eqx.combine(d, static), x))
+
     def make_eager():
         return lambda: call(model, x)
 
     def make_floor():
-        f, leaves = _flat_floor(model, call)
-        args = (*leaves, x)
-        return lambda: f(*args)
+        args = (*floor_leaves, x)
+        return lambda: floor(*args)
 
     def make_fastcall():
         f = fastcall.jit(call)
@@ -66,14 +79,15 @@ def forward(name: str, description: str, model: Any, x: Any) -> Workload:
         f = eqx.filter_jit(call)
         return lambda: f(model, x)
 
+    def make_fastcall_filter_jit():
+        f = fastcall.filter_jit(call)
+        return lambda: f(model, x)
+
     def make_filter_jit_closure():
-        f = eqx.filter_jit(lambda x: model(x))
-        return lambda: f(x)
+        return lambda: closure(x)
 
     def make_partitioned():
-        dynamic, static = eqx.partition(model, eqx.is_array)
-        f = jax.jit(lambda d, x: call(eqx.combine(d, static), x))
-        return lambda: f(dynamic, x)
+        return lambda: partitioned(dynamic, x)
 
     return Workload(
         name,
@@ -83,11 +97,16 @@ def forward(name: str, description: str, model: Any, x: Any) -> Workload:
             Variant("floor", make_floor, note="jax.jit on the pre-flattened leaf list"),
             Variant("fastcall.jit", make_fastcall),
             Variant("fastcall.partial", make_partial, note="model bound once"),
+            Variant("fastcall.filter_jit", make_fastcall_filter_jit, note="model as argument"),
             Variant("eqx.filter_jit", make_filter_jit, note="model as argument"),
             Variant("eqx.filter_jit (closure)", make_filter_jit_closure, note="model closed over"),
             Variant("jax.jit(partitioned)", make_partitioned, note="eqx.partition'ed pytree as argument"),
         ],
         _compare,
+        # fastcall.partial binds the model and still passes its leaves as arguments, as
+        # every peer here but the closure, whose weights are compile-time constants (a
+        # different measurement, reported but not a peer)
+        peers=EQX_PEERS | {"fastcall.partial": ("eqx.filter_jit", "jax.jit(partitioned)")},
     )
 
 
@@ -128,6 +147,10 @@ def new_model(name: str, description: str, model: Any, x: Any) -> Workload:
         f = eqx.filter_jit(call)
         return lambda m: f(m, x)
 
+    def ffj():
+        f = fastcall.filter_jit(call)
+        return lambda m: f(m, x)
+
     _, static = eqx.partition(model, eqx.is_array)
 
     def part():
@@ -146,12 +169,15 @@ def new_model(name: str, description: str, model: Any, x: Any) -> Workload:
     variants.append(Variant("floor", make_floor, note="jax.jit on pre-flattened leaves (same object)"))
     for vname, mk, build, note in [
         ("fastcall.jit", fc, fresh, "new object each call"),
+        ("fastcall.filter_jit", ffj, fresh, "new object each call"),
         ("eqx.filter_jit", fj, fresh, "new object each call"),
         ("jax.jit(partitioned)", part, fresh_partitioned, "new partitioned pytree each call (partition untimed)"),
     ]:
         make, prepare = pooled(mk, build)
         variants.append(Variant(vname, make, prepare, note=note))
-    return Workload(name, description, variants, _compare)
+    # jax.jit(partitioned) is a peer although its partition is untimed: a loop written with
+    # plain jax.jit carries the partitioned pytree, which the previous step returned new
+    return Workload(name, description, variants, _compare, peers=EQX_PEERS)
 
 
 def train_step(name: str, description: str, model: Any, x: Any, y: Any) -> Workload:
@@ -231,11 +257,297 @@ def train_step(name: str, description: str, model: Any, x: Any, y: Any) -> Workl
             Variant("eager", stateful(step), timed=False),
             Variant("floor", make_floor, note="flat leaves in and out, rebound by hand"),
             Variant("fastcall.jit", stateful(fastcall.jit(step))),
+            Variant("fastcall.filter_jit", stateful(fastcall.filter_jit(step))),
             Variant("eqx.filter_jit", stateful(eqx.filter_jit(step))),
             Variant("jax.jit(partitioned)", make_partitioned),
         ],
         _compare,
+        peers=EQX_PEERS,
     )
+
+
+def params_forward(name: str, description: str, params: Any, apply: Callable[[Any, Any], Any], x: Any) -> Workload:
+    """A plain params pytree (nested dicts of arrays) and `apply(params, x)`: no Equinox
+    module anywhere, so plain `jax.jit` on the dict is what most users write."""
+
+    floor, floor_leaves = _flat_floor(params, apply)  # built once: see `forward`
+
+    def make_eager():
+        return lambda: apply(params, x)
+
+    def make_floor():
+        args = (*floor_leaves, x)
+        return lambda: floor(*args)
+
+    def wrapped(wrap: Callable[[Any], Any]):
+        def make():
+            f = wrap(apply)
+            return lambda: f(params, x)
+
+        return make
+
+    return Workload(
+        name,
+        description,
+        [
+            Variant("eager", make_eager, timed=False),
+            Variant("floor", make_floor, note="jax.jit on the pre-flattened leaf list"),
+            Variant("fastcall.jit", wrapped(fastcall.jit)),
+            Variant("fastcall.filter_jit", wrapped(fastcall.filter_jit)),
+            Variant("jax.jit", wrapped(jax.jit), note="the params dict as argument"),
+            Variant("eqx.filter_jit", wrapped(eqx.filter_jit)),
+        ],
+        _compare,
+        peers={"fastcall.jit": ("jax.jit", "eqx.filter_jit"), "fastcall.filter_jit": ("eqx.filter_jit",)},
+    )
+
+
+def stateful_step(name: str, description: str, model: Any, state: Any, x: Any) -> Workload:
+    """Equinox's stateful pattern: `y, state = f(model, state, x)` with `state` an
+    `eqx.nn.State` (from `eqx.nn.make_with_state`) rebound after every call; the model
+    object is the same every call. `model(x, state)` returns `(y, new_state)`."""
+
+    def call(m, s, x):
+        return m(x, s)
+
+    def stateful(wrap: Callable[[Any], Any]):
+        def make():
+            f = wrap(call)
+            current = [state]
+
+            def run():
+                y, current[0] = f(model, current[0], x)
+                return y, current[0]
+
+            return run
+
+        return make
+
+    def make_floor():
+        dynamic, static = eqx.partition(model, eqx.is_array)
+        m_leaves, m_def = jax.tree_util.tree_flatten(dynamic)
+        s_leaves, s_def = jax.tree_util.tree_flatten(state)
+        n_m, n_s = len(m_leaves), len(s_leaves)
+        changed: list[int] = []  # state leaves the call replaces (found at trace time)
+
+        def flat(*a):
+            m = eqx.combine(m_def.unflatten(a[:n_m]), static)
+            s_in = a[n_m : n_m + n_s]
+            y, s2 = call(m, s_def.unflatten(s_in), a[-1])
+            new = s_def.flatten_up_to(s2)
+            changed[:] = [i for i in range(n_s) if new[i] is not s_in[i]]
+            return (y, *[new[i] for i in changed])  # only what changed
+
+        f = jax.jit(flat)
+        current = list(s_leaves)
+
+        def run():
+            out = f(*m_leaves, *current, x)
+            for i, v in zip(changed, out[1:]):  # rebind the updated state by hand
+                current[i] = v
+            return out[0], s_def.unflatten(current)
+
+        return run
+
+    def make_partitioned():
+        dynamic, static = eqx.partition(model, eqx.is_array)
+        f = jax.jit(lambda d, s, x: call(eqx.combine(d, static), s, x))
+        current = [state]
+
+        def run():
+            y, current[0] = f(dynamic, current[0], x)
+            return y, current[0]
+
+        return run
+
+    return Workload(
+        name,
+        description,
+        [
+            Variant("eager", stateful(lambda f: f), timed=False),
+            Variant("floor", make_floor, note="flat leaves in, changed state leaves out and rebound"),
+            Variant("fastcall.jit", stateful(fastcall.jit)),
+            Variant("fastcall.filter_jit", stateful(fastcall.filter_jit)),
+            Variant("eqx.filter_jit", stateful(eqx.filter_jit)),
+            Variant("jax.jit(partitioned)", make_partitioned, note="eqx.partition'ed model, state as argument"),
+        ],
+        _compare,
+        peers=EQX_PEERS,
+    )
+
+
+def sgd_step(name: str, description: str, model: Any, x: Any, y: Any, lr: float = 0.01) -> Workload:
+    """`model = step(model, x, y)`: a bare gradient-descent update, no optimizer, a new
+    model returned (and passed back in) every step, as in Equinox's getting-started
+    example. `model` must hold arrays only (the update maps over every leaf)."""
+
+    def loss_fn(m, x, y):
+        return jnp.mean((jax.vmap(m)(x) - y) ** 2)
+
+    def step(m, x, y):
+        grads = eqx.filter_grad(loss_fn)(m, x, y)
+        return jax.tree.map(lambda p, g: p - lr * g, m, grads)
+
+    def stateful(f):
+        def make():
+            current = [model]
+
+            def run():
+                current[0] = f(current[0], x, y)
+                return current[0]
+
+            return run
+
+        return make
+
+    def make_floor():
+        dynamic, static = eqx.partition(model, eqx.is_array)
+        leaves, treedef = jax.tree_util.tree_flatten(dynamic)
+        n = len(leaves)
+
+        def flat(*a):
+            m2 = step(eqx.combine(treedef.unflatten(a[:n]), static), a[n], a[n + 1])
+            return tuple(jax.tree_util.tree_leaves(eqx.filter(m2, eqx.is_array)))
+
+        f = jax.jit(flat)
+        current = [tuple(leaves)]
+
+        def run():
+            current[0] = f(*current[0], x, y)  # every leaf changes: all rebound
+            return current[0]
+
+        return run
+
+    def make_partitioned():
+        dynamic, static = eqx.partition(model, eqx.is_array)
+
+        @jax.jit
+        def pstep(d, x, y):
+            return eqx.filter(step(eqx.combine(d, static), x, y), eqx.is_array)
+
+        current = [dynamic]
+
+        def run():
+            current[0] = pstep(current[0], x, y)
+            return current[0]
+
+        return run
+
+    return Workload(
+        name,
+        description,
+        [
+            Variant("eager", stateful(step), timed=False),
+            Variant("floor", make_floor, note="flat leaves in and out, rebound by hand"),
+            Variant("fastcall.jit", stateful(fastcall.jit(step))),
+            Variant("fastcall.filter_jit", stateful(fastcall.filter_jit(step))),
+            Variant("eqx.filter_jit", stateful(eqx.filter_jit(step))),
+            Variant("jax.jit(partitioned)", make_partitioned),
+        ],
+        _compare,
+        peers=EQX_PEERS,
+    )
+
+
+class ListMLP(eqx.Module):
+    """Equinox's getting-started network: its layers in a plain Python list, plus a
+    trainable bias of its own; every leaf is an array."""
+
+    layers: list
+    extra_bias: jax.Array
+
+    def __init__(self, width: int, depth: int, key: jax.Array):
+        keys = jax.random.split(key, depth)
+        self.layers = [eqx.nn.Linear(width, width, key=k) for k in keys]
+        self.extra_bias = jnp.ones(width)
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = jax.nn.relu(layer(x))
+        return self.layers[-1](x) + self.extra_bias
+
+
+class Affine(eqx.Module):
+    """A small submodule of two leaves: x * w + b."""
+
+    w: jax.Array
+    b: jax.Array
+
+    def __call__(self, x):
+        return x * self.w + self.b
+
+
+class ListOfBlocks(eqx.Module):
+    """Many small submodules in a list, each applied to the input, the results summed
+    (elementwise ops and one concatenate: a chain of 500 matmuls, or a sum or stack of
+    500 results, takes 2-5 s per variant to compile here)."""
+
+    blocks: list
+
+    def __init__(self, n: int, width: int, key: jax.Array):
+        keys = jax.random.split(key, n)
+        self.blocks = [Affine(jax.random.normal(k, (width,)), jnp.full((width,), 0.01)) for k in keys]
+
+    def __call__(self, x):
+        width = x.shape[-1]
+        return jnp.concatenate([block(x) for block in self.blocks]).reshape(-1, width).sum(0)
+
+
+class StatefulNet(eqx.Module):
+    """Linear -> BatchNorm -> relu -> Linear, as Equinox's stateful example: BatchNorm's
+    running statistics live in an `eqx.nn.State`, updated on every call in training
+    mode. Called on a batch through `jax.vmap(..., axis_name="batch")`."""
+
+    linear1: eqx.nn.Linear
+    norm: eqx.nn.BatchNorm
+    linear2: eqx.nn.Linear
+
+    def __init__(self, width: int, key: jax.Array):
+        k1, k2 = jax.random.split(key)
+        self.linear1 = eqx.nn.Linear(width, width, key=k1)
+        self.norm = eqx.nn.BatchNorm(width, axis_name="batch", mode="batch")
+        self.linear2 = eqx.nn.Linear(width, width, key=k2)
+
+    def single(self, x, state):
+        x, state = self.norm(self.linear1(x), state)
+        return self.linear2(jax.nn.relu(x)), state
+
+    def __call__(self, xs, state):
+        return jax.vmap(self.single, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(xs, state)
+
+
+def params_dict(layers: int, width: int, key: jax.Array) -> dict[str, dict[str, jax.Array]]:
+    """`{"layer_0": {"w": ..., "b": ...}, ...}`, the layout of a hand-written JAX MLP."""
+    keys = jax.random.split(key, layers)
+    return {
+        f"layer_{i}": {"w": jax.random.normal(k, (width, width)) / jnp.sqrt(width), "b": jnp.full((width,), 0.01)}
+        for i, k in enumerate(keys)
+    }
+
+
+def mlp_apply(params: dict[str, dict[str, jax.Array]], x: jax.Array) -> jax.Array:
+    n = len(params)
+    for i in range(n):
+        layer = params[f"layer_{i}"]
+        x = x @ layer["w"] + layer["b"]
+        if i < n - 1:
+            x = jax.nn.relu(x)
+    return x
+
+
+def mlp_apply_scan(params: dict[str, dict[str, jax.Array]], x: jax.Array) -> jax.Array:
+    """`mlp_apply` for hundreds of layers: the layers stacked and run by `lax.scan` (an
+    unrolled chain of 500 matmuls takes 3-5 s per variant to compile here)."""
+    layers = [params[f"layer_{i}"] for i in range(len(params))]
+    n, (d_in, d_out) = len(layers), layers[0]["w"].shape
+    # concatenate, not stack: a stack of 500 operands compiles 30% slower here
+    ws = jnp.concatenate([layer["w"].reshape(-1) for layer in layers]).reshape(n, d_in, d_out)
+    bs = jnp.concatenate([layer["b"] for layer in layers]).reshape(n, d_out)
+
+    def body(h, wb):
+        return jnp.tanh(h @ wb[0] + wb[1]), None
+
+    return jax.lax.scan(body, x, (ws, bs))[0]
 
 
 class Identity(eqx.Module):
@@ -251,6 +563,9 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
     """Workload constructors (built lazily so --only skips the others)."""
     key = jax.random.PRNGKey(0)
     x32 = jnp.ones(32)
+    # BatchNorm needs a batch whose rows differ: identical rows have zero variance,
+    # and normalising by sqrt(eps) turns eager-vs-compiled rounding into 1e-5 errors
+    xb8 = jax.random.normal(jax.random.PRNGKey(1), (8, 32))
 
     def mlp(depth, width=32):
         return eqx.nn.MLP(width, width, width, depth, key=key)
@@ -266,6 +581,51 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
             "eqx_train",
             "eqx MLP w32 d3 + optax adam, model = step(model, ...)",
             mlp(3),
+            jnp.ones((8, 32)),
+            jnp.zeros((8, 32)),
+        ),
+        "eqx_list_mlp": lambda: forward(
+            "eqx_list_mlp",
+            "Equinox getting-started network (3 Linear in a Python list + a bias), width 32, same object",
+            ListMLP(32, 3, key),
+            x32,
+        ),
+        "eqx_list_500": lambda: forward(
+            "eqx_list_500",
+            "500 small submodules (x * w + b, width 4) in a Python list, 1000 leaves, same object",
+            ListOfBlocks(500, 4, key),
+            jnp.ones(4),
+        ),
+        "params_dict": lambda: params_forward(
+            "params_dict",
+            "plain params dict {layer_i: {w, b}}, 4 layers width 32, f(params, x)",
+            params_dict(4, 32, key),
+            mlp_apply,
+            jnp.ones((1, 32)),
+        ),
+        "params_dict_1000": lambda: params_forward(
+            "params_dict_1000",
+            "plain params dict of 500 layers width 4 (1000 leaves), f(params, x) scans the layers",
+            params_dict(500, 4, key),
+            mlp_apply_scan,
+            jnp.ones((1, 4)),
+        ),
+        "eqx_stateful": lambda: stateful_step(
+            "eqx_stateful",
+            "y, state = f(model, state, x): Linear+BatchNorm+Linear w32, eqx.nn.State rebound, batch 8",
+            *eqx.nn.make_with_state(StatefulNet)(32, key),
+            xb8,
+        ),
+        "eqx_stateful_partial": lambda: forward(
+            "eqx_stateful_partial",
+            "inference through eqx.Partial(inference-mode model, state=state), batch 8, same object",
+            _inference_partial(*eqx.nn.make_with_state(StatefulNet)(32, key)),
+            xb8,
+        ),
+        "eqx_step_noopt": lambda: sgd_step(
+            "eqx_step_noopt",
+            "model = step(model, x, y): bare SGD on the getting-started network w32, no optimizer",
+            ListMLP(32, 3, key),
             jnp.ones((8, 32)),
             jnp.zeros((8, 32)),
         ),
@@ -294,6 +654,12 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
             ),
         }
     return out
+
+
+def _inference_partial(model: StatefulNet, state: eqx.nn.State) -> eqx.Partial:
+    """Equinox's stateful example's evaluation: BatchNorm in inference mode, the state
+    bound with `eqx.Partial` so that the result is called as `model(xs)`."""
+    return eqx.Partial(eqx.nn.inference_mode(model), state=state)
 
 
 class _Batched(eqx.Module):

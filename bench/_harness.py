@@ -50,6 +50,19 @@ class Workload:
     floor: str = "floor"
     subject: str = "fastcall.jit"
     unit: str = "us/call"
+    # The peers each fastcall variant replaces: {fastcall variant: (peer variant, ...)}.
+    # Only call paths a user would otherwise write go here (eqx.filter_jit, nnx.jit,
+    # plain jax.jit on the same structure, ...): never the floor, the eager reference or
+    # a hand-written split/merge floor. `python -m bench` fails (exit 2) when a fastcall
+    # variant's median exceeds one of its peers' by more than its tolerance.
+    peers: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        names = {v.name for v in self.variants}
+        unknown = [n for variant, peers in self.peers.items() for n in (variant, *peers) if n not in names]
+        assert not unknown, f"{self.name}: peers name no variant: {unknown}"
+        bad = [n for peers in self.peers.values() for n in peers if n == self.floor or n in self.peers]
+        assert not bad, f"{self.name}: the floor or a fastcall variant listed as a peer: {bad}"
 
 
 @dataclasses.dataclass
@@ -65,6 +78,43 @@ class Row:
     x_subject: float | None = None  # this variant's time / fastcall's time
     error: str | None = None
     note: str = ""
+
+
+@dataclasses.dataclass
+class PeerGap:
+    """A fastcall variant slower than a peer it replaces."""
+
+    workload: str
+    variant: str
+    peer: str
+    median_us: float
+    peer_median_us: float
+    ratio: float  # variant median / peer median
+
+    def message(self) -> str:
+        return (
+            f"fastcall slower than its peer: {self.workload}: {self.variant} {self.median_us:.1f} us "
+            f"vs {self.peer} {self.peer_median_us:.1f} us ({self.ratio:.2f}x)"
+        )
+
+
+def slower_than_peers(workload: Workload, rows: list[Row], tolerance: float) -> list[PeerGap]:
+    """Each (fastcall variant, peer) pair of `workload.peers` where the fastcall variant's
+    median exceeds the peer's by more than `tolerance` (0.05: more than 5% slower).
+
+    Pairs where either row is missing (filtered out with --variants) or FAILED are
+    skipped: a failed correctness check is reported (and fails the run) on its own."""
+    medians = {r.variant: r.median_us for r in rows if r.workload == workload.name and r.median_us}
+    gaps = []
+    for variant, peers in workload.peers.items():
+        mine = medians.get(variant)
+        if mine is None:
+            continue
+        for peer in peers:
+            theirs = medians.get(peer)
+            if theirs is not None and mine > theirs * (1 + tolerance):
+                gaps.append(PeerGap(workload.name, variant, peer, mine, theirs, mine / theirs))
+    return gaps
 
 
 def allclose_tree(a: Any, b: Any, rtol: float = 1e-5, atol: float = 1e-5) -> None:

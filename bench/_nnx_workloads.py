@@ -127,8 +127,15 @@ def _compare(ref: list[Any], outs: list[Any]) -> None:
 
 
 def _forward_variants(
-    build: Callable[[], Any], x: Any, writes_state: bool, linen: Callable[[Any], Any] | None = None
+    build: Callable[[], Any],
+    x: Any,
+    writes_state: bool,
+    linen: Callable[[Any], Any] | None = None,
+    before: Callable[[Any], None] | None = None,
 ) -> list[Variant]:
+    """`before(model)`, when given, runs before every call in every variant (the floor's
+    included, on its own model object), e.g. `model.eval()`: the same Python work in each."""
+
     def call(m, x):
         return m(x)
 
@@ -137,12 +144,20 @@ def _forward_variants(
             model = build()
             f = make_f(model)
             getter = lambda: _state_leaves(model)  # noqa: E731 - only called when verifying
-            return lambda: (f(), getter)
+            if before is None:
+                return lambda: (f(), getter)
+
+            def run():
+                before(model)
+                return f(), getter
+
+            return run
 
         return make
 
     def make_floor():
-        graphdef, state = nnx.split(build())
+        model = build()
+        graphdef, state = nnx.split(model)
         leaves, treedef = jax.tree_util.tree_flatten(state)
         n = len(leaves)
 
@@ -162,6 +177,8 @@ def _forward_variants(
         getter = lambda: list(current[0])  # noqa: E731
 
         def run():
+            if before is not None:
+                before(model)  # the same Python work as the other variants; its result is in graphdef
             out = f(*current[0], x)
             if writes_state:
                 for i, v in zip(changed, out[1:]):  # rebind the updated state by hand
@@ -182,6 +199,8 @@ def _forward_variants(
         current = [state]
 
         def run():
+            if before is not None:
+                before(model)
             y, current[0] = f(current[0], x)
             return y
 
@@ -210,6 +229,10 @@ def _forward_variants(
         ),
         Variant("split/merge + jax.jit", make_split_merge, note="state threaded by hand"),
     ]
+    if not writes_state:  # NNX modules are pytrees (flax 0.12): plain jax.jit takes one, but writes nothing back
+        variants.append(
+            Variant("jax.jit", with_model(lambda m: (lambda f=jax.jit(call): f(m, x))), note="the module as a pytree")
+        )
     if linen is not None:
 
         def make_linen():
@@ -223,6 +246,20 @@ def _forward_variants(
     return variants
 
 
+def _forward_peers(variants: list[Variant]) -> dict[str, tuple[str, ...]]:
+    """fastcall.jit replaces nnx.jit (either mode) and, where it is used, plain jax.jit on
+    the module or a Linen twin's jax.jit(apply) (the same network without NNX);
+    fastcall.partial replaces the NNX binding APIs. Not peers: the floor and the
+    hand-written split/merge + jax.jit."""
+    names = {v.name for v in variants}
+    jit_peers = ("nnx.jit", "nnx.jit(graph=False)", "jax.jit", "linen jax.jit(apply)")
+    partial_peers = ("nnx.cached_partial", "nnx.jit_partial(graph=False)")
+    return {
+        "fastcall.jit": tuple(p for p in jit_peers if p in names),
+        "fastcall.partial": tuple(p for p in partial_peers if p in names),
+    }
+
+
 def forward(
     name: str,
     description: str,
@@ -230,8 +267,15 @@ def forward(
     x: Any,
     writes_state: bool,
     linen: Callable[[Any], Any] | None = None,
+    before: Callable[[Any], None] | None = None,
+    skip: tuple[str, ...] = (),
 ) -> Workload:
-    return Workload(name, description, _forward_variants(build, x, writes_state, linen), _compare)
+    """`skip`: variants that cannot run this model (say why where it is used)."""
+    variants = _forward_variants(build, x, writes_state, linen, before)
+    unknown = set(skip) - {v.name for v in variants}
+    assert not unknown, f"{name}: skip names no variant: {unknown}"
+    variants = [v for v in variants if v.name not in skip]
+    return Workload(name, description, variants, _compare, peers=_forward_peers(variants))
 
 
 # ---- Linen twins (same weights, converted to Linen's parameter tree) ----
@@ -351,6 +395,7 @@ def optimizer_step(name: str, description: str, width: int, depth: int, batch: i
             Variant("nnx.jit(graph=False)", variant(lambda s: nnx.jit(s, graph=False))),
         ],
         _compare,
+        peers={"fastcall.jit": ("nnx.jit", "nnx.jit(graph=False)")},
     )
 
 
@@ -390,6 +435,7 @@ def variable_arg(name: str, description: str, width: int) -> Workload:
             Variant("nnx.jit", variant(nnx.jit)),
         ],
         _compare,
+        peers={"fastcall.jit": ("nnx.jit",)},
     )
 
 
@@ -430,7 +476,26 @@ def functional(name: str, description: str, width: int, depth: int) -> Workload:
             Variant("jax.jit(static_argnums=0)", variant(lambda s: jax.jit(s, static_argnums=0))),
         ],
         _compare,
+        peers={"fastcall.jit": ("nnx.jit", "jax.jit(static_argnums=0)")},
     )
+
+
+def _write_back_jit(graphdef: Any, treedef: Any, fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[int]]:
+    """jax.jit of `fn(objects, *args)` taking the flat state leaves of `objects` (merged
+    from `graphdef` inside) and returning `(out, *changed leaves)`; `changed` (filled at
+    trace time) lists the indices of the leaves the step replaced."""
+    n = treedef.num_leaves
+    changed: list[int] = []
+
+    def flat(*a):
+        objs = nnx.merge(graphdef, treedef.unflatten(a[:n]))
+        out = fn(objs, *a[n:])
+        new = jax.tree_util.tree_leaves(nnx.state(objs))
+        assert len(new) == n, "the step changed the state's structure: the floor cannot rebind it"
+        changed[:] = [i for i in range(n) if new[i] is not a[i]]
+        return (out, *[new[i] for i in changed])
+
+    return jax.jit(flat), changed
 
 
 def _write_back_floor(objects: Any, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
@@ -439,17 +504,7 @@ def _write_back_floor(objects: Any, fn: Callable[..., Any], *args: Any) -> Calla
     returned and rebound by hand, as `optimizer_step`'s floor does. `fn(objects, *args)`."""
     graphdef, state = nnx.split(objects)
     leaves, treedef = jax.tree_util.tree_flatten(state)
-    n = len(leaves)
-    changed: list[int] = []  # state leaves the step replaces (found at trace time)
-
-    def flat(*a):
-        objs = nnx.merge(graphdef, treedef.unflatten(a[:n]))
-        out = fn(objs, *a[n:])
-        new = jax.tree_util.tree_leaves(nnx.state(objs))
-        changed[:] = [i for i in range(n) if new[i] is not a[i]]
-        return (out, *[new[i] for i in changed])
-
-    f = jax.jit(flat)
+    f, changed = _write_back_jit(graphdef, treedef, fn)
     current = list(leaves)
 
     def run():
@@ -502,6 +557,7 @@ def optimizer_tuple_step(name: str, description: str, width: int, depth: int, ba
             Variant("nnx.jit", variant(nnx.jit)),
         ],
         _compare,
+        peers={"fastcall.jit": ("nnx.jit",)},
     )
 
 
@@ -540,7 +596,261 @@ def kv_list_step(name: str, description: str, vocab: int, dim: int, layers: int,
             Variant("nnx.jit", variant(nnx.jit)),
         ],
         _compare,
+        peers={"fastcall.jit": ("nnx.jit",)},
         check_steps=5,  # the cache fills a slot per step: compare it after several
+    )
+
+
+# ---- Patterns from published programs (flax toy examples, bonsai) ----
+
+
+class RawArrayMLP(nnx.Module):
+    """An MLP that also holds a raw array attribute used in the forward, as bonsai Gemma3's
+    vision embeddings hold their position ids (`self.position_ids = nnx.data(...)`)."""
+
+    def __init__(self, width: int, depth: int, positions: int, rngs: nnx.Rngs):
+        self.position_ids = nnx.data(jnp.arange(positions))
+        self.position_embedding = nnx.Embed(positions, width, rngs=rngs)
+        self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(depth)])
+
+    def __call__(self, x):
+        x = x + self.position_embedding(self.position_ids)
+        for layer in self.layers[:-1]:
+            x = nnx.relu(layer(x))
+        return self.layers[-1](x)
+
+
+class DropoutMLP(nnx.Module):
+    """An MLP with a Dropout before its last layer: `model.eval()` / `model.train()` change
+    the compiled program, and in train mode every call consumes (writes back) its RNG."""
+
+    def __init__(self, width: int, depth: int, rngs: nnx.Rngs):
+        self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(depth)])
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = nnx.relu(layer(x))
+        return self.layers[-1](self.drop(x))
+
+
+def _eval_mode(width: int, depth: int) -> DropoutMLP:
+    model = DropoutMLP(width, depth, nnx.Rngs(0))
+    model.eval()
+    return model
+
+
+def train_eval(name: str, description: str, width: int, depth: int, batch: int) -> Workload:
+    """Each step: `model.train()`, a train-mode call (a loss; Dropout active, its RNG count
+    written back), then `model.eval()` and an eval-mode call: the structure changes
+    between every two calls, back and forth."""
+    x = jnp.ones((batch, width))
+    y = jnp.zeros((batch, width))
+
+    def train_fn(m, x, y):
+        return jnp.mean((m(x) - y) ** 2)
+
+    def eval_fn(m, x):
+        return m(x)
+
+    def variant(wrap: Callable[[Any], Any]):
+        def make():
+            model = DropoutMLP(width, depth, nnx.Rngs(0))
+            train, evaluate = wrap(train_fn), wrap(eval_fn)
+            getter = lambda: _state_leaves(model)  # noqa: E731 - only called when verifying
+
+            def run():
+                model.train()
+                loss = train(model, x, y)
+                model.eval()
+                return (loss, evaluate(model, x)), getter
+
+            return run
+
+        return make
+
+    def make_floor():
+        model = DropoutMLP(width, depth, nnx.Rngs(0))
+        model.train()
+        graphdef_train, state = nnx.split(model)
+        model.eval()
+        graphdef_eval, state_eval = nnx.split(model)
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        assert jax.tree_util.tree_structure(state_eval) == treedef  # the modes differ in the graphdef only
+        train, changed = _write_back_jit(graphdef_train, treedef, lambda m, x, y: train_fn(m, x, y))
+        evaluate, _ = _write_back_jit(graphdef_eval, treedef, lambda m, x: eval_fn(m, x))
+        current = list(leaves)
+
+        def run():
+            model.train()  # the same Python work as the other variants; its result is in the graphdefs
+            out = train(*current, x, y)
+            for i, v in zip(changed, out[1:]):  # the dropout RNG count, rebound by hand
+                current[i] = v
+            model.eval()
+            return (out[0], evaluate(*current, x)[0]), lambda: list(current)
+
+        return run
+
+    return Workload(
+        name,
+        description,
+        [
+            Variant("eager", variant(lambda f: f), timed=False),
+            Variant("floor", make_floor, note="two jax.jit programs (train, eval graphdefs) on the flat state leaves"),
+            Variant("fastcall.jit", variant(fastcall.jit)),
+            Variant("nnx.jit", variant(nnx.jit)),
+            Variant("nnx.jit(graph=False)", variant(lambda f: nnx.jit(f, graph=False))),
+        ],
+        _compare,
+        peers={"fastcall.jit": ("nnx.jit", "nnx.jit(graph=False)")},
+    )
+
+
+class Loss(nnx.Variable):
+    pass
+
+
+class VAEEncoder(nnx.Module):
+    """flax's toy example 05: the forward stores its KL loss in a new Variable every call."""
+
+    def __init__(self, din: int, dmid: int, dout: int, rngs: nnx.Rngs):
+        self.linear1 = nnx.Linear(din, dmid, rngs=rngs)
+        self.linear_mean = nnx.Linear(dmid, dout, rngs=rngs)
+        self.linear_std = nnx.Linear(dmid, dout, rngs=rngs)
+        self.rngs = rngs
+
+    def __call__(self, x):
+        x = jax.nn.relu(self.linear1(x))
+        mean = self.linear_mean(x)
+        std = jnp.exp(self.linear_std(x))
+        kl = 0.5 * jnp.mean(-jnp.log(std**2) - 1.0 + std**2 + mean**2, axis=-1)
+        self.kl_loss = Loss(jnp.mean(kl))  # a new Variable object on every call
+        return mean + std * jax.random.normal(self.rngs.noise(), mean.shape)
+
+
+class VAE(nnx.Module):
+    def __init__(self, din: int, hidden: int, latent: int, rngs: nnx.Rngs):
+        self.encoder = VAEEncoder(din, hidden, latent, rngs)
+        self.decoder1 = nnx.Linear(latent, hidden, rngs=rngs)
+        self.decoder2 = nnx.Linear(hidden, din, rngs=rngs)
+
+    def __call__(self, x):
+        return self.decoder2(jax.nn.relu(self.decoder1(self.encoder(x))))
+
+
+def new_variable(name: str, description: str, din: int, hidden: int, latent: int, batch: int) -> Workload:
+    """`forward(model, x)` on toy example 05's VAE: every call assigns a new `Loss`
+    Variable to `model.encoder.kl_loss` (created by the first call) and draws noise
+    (the RNG count written back)."""
+    x = jax.random.uniform(jax.random.PRNGKey(1), (batch, din))
+
+    def build():
+        return VAE(din, hidden, latent, nnx.Rngs(0, noise=1))
+
+    def fwd(model, x):
+        return jax.nn.sigmoid(model(x))
+
+    def variant(wrap: Callable[[Any], Any]):
+        def make():
+            model = build()
+            f = wrap(fwd)
+            getter = lambda: _state_leaves(model)  # noqa: E731 - only called when verifying
+            return lambda: (f(model, x), getter)
+
+        return make
+
+    def make_floor():
+        model = build()
+        # the attribute exists before the split (a placeholder the first call replaces), so
+        # that the floor's state has a fixed structure; outputs do not depend on it
+        model.encoder.kl_loss = Loss(jnp.zeros((), jnp.float32))
+        return _write_back_floor(model, fwd, x)
+
+    return Workload(
+        name,
+        description,
+        [
+            Variant("eager", variant(lambda f: f), timed=False),
+            Variant("floor", make_floor, note="jax.jit on the flat state leaves, kl_loss and RNG count rebound"),
+            Variant("fastcall.jit", variant(fastcall.jit)),
+            Variant("nnx.jit", variant(nnx.jit)),
+        ],
+        _compare,
+        # nnx.jit(graph=False) is no peer: tree mode propagates no new attribute (kl_loss)
+        peers={"fastcall.jit": ("nnx.jit",)},
+    )
+
+
+class RawLinear(nnx.Module):
+    """flax's toy example 07: parameters as plain jax arrays on the module."""
+
+    def __init__(self, din: int, dout: int, rngs: nnx.Rngs):
+        self.w = jax.random.normal(rngs.params(), (din, dout))
+        self.b = jnp.zeros((dout,))
+
+    def __call__(self, x):
+        return x @ self.w + self.b
+
+
+class RawCounterMLP(nnx.Module):
+    def __init__(self, din: int, dhidden: int, dout: int, rngs: nnx.Rngs):
+        self.count = jnp.array(0)  # a raw array, incremented by every call
+        self.linear1 = RawLinear(din, dhidden, rngs)
+        self.linear2 = RawLinear(dhidden, dout, rngs)
+
+    def __call__(self, x):
+        self.count += 1
+        return self.linear2(nnx.relu(self.linear1(x)))
+
+
+def _is_raw_param(path: tuple, value: Any) -> bool:
+    return path[-1] in ("w", "b")
+
+
+def raw_counter_step(name: str, description: str, hidden: int, batch: int) -> Workload:
+    """toy example 07's `train_step(model, optimizer, x, y)`: raw-array parameters updated
+    by `nnx.Optimizer(..., wrt=<path filter>)` (sgd), the raw `count` incremented."""
+    x = jnp.linspace(0.0, 1.0, batch)[:, None]
+    y = 0.8 * x**2 + 0.1
+
+    def build():
+        model = RawCounterMLP(1, hidden, 1, nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.sgd(1e-3), wrt=_is_raw_param)
+
+    def step(model, optimizer, x, y):
+        def loss_fn(m):
+            return jnp.mean((y - m(x)) ** 2)
+
+        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, _is_raw_param))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    def variant(wrap: Callable[[Any], Any]):
+        def make():
+            model, opt = build()
+            f = wrap(step)
+            getter = lambda: _state_leaves(model) + _state_leaves(opt)  # noqa: E731
+            return lambda: (f(model, opt, x, y), getter)
+
+        return make
+
+    return Workload(
+        name,
+        description,
+        [
+            Variant("eager", variant(lambda f: f), timed=False),
+            Variant(
+                "floor",
+                lambda: _write_back_floor(build(), lambda mo, x, y: step(*mo, x, y), x, y),
+                note="jax.jit on flat state leaves, changed leaves (raw arrays included) returned and rebound",
+            ),
+            Variant("fastcall.jit", variant(fastcall.jit)),
+            Variant("nnx.jit", variant(nnx.jit)),
+        ],
+        _compare,
+        # nnx.jit(graph=False) is no peer: tree mode writes back Variables only, so the
+        # rebound raw arrays (parameters, count) keep their old values
+        peers={"fastcall.jit": ("nnx.jit",)},
     )
 
 
@@ -592,6 +902,45 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
         ),
         "nnx_functional": lambda: functional(
             "nnx_functional", "functional API: f(graphdef, state, x) merges inside jit, NNX MLP w32 d3", 32, 3
+        ),
+        "nnx_raw_array": lambda: forward(
+            "nnx_raw_array",
+            "NNX MLP w16 d24 holding a raw array (position_ids = nnx.data(arange(8))) used in the forward",
+            lambda: RawArrayMLP(16, 24, 8, nnx.Rngs(0)),
+            jnp.ones((8, 16)),
+            False,
+            # flax 0.12.8's cached_partial fails on any raw array attribute: AttributeError:
+            # 'ArrayImpl' object has no attribute 'get_raw_value' (graphlib.flatten)
+            skip=("nnx.cached_partial",),
+        ),
+        "nnx_eval_noop": lambda: forward(
+            "nnx_eval_noop",
+            "NNX MLP w16 d24 + Dropout already in eval mode; every step calls model.eval() then the call",
+            lambda: _eval_mode(16, 24),
+            jnp.ones((4, 16)),
+            False,
+            before=lambda m: m.eval(),
+        ),
+        "nnx_train_eval": lambda: train_eval(
+            "nnx_train_eval",
+            "us per step of model.train() + train-mode loss, model.eval() + eval call (NNX MLP w16 d24 + Dropout)",
+            16,
+            24,
+            4,
+        ),
+        "nnx_new_variable": lambda: new_variable(
+            "nnx_new_variable",
+            "toy 05 VAE forward: a new Variable (self.kl_loss = Loss(...)) assigned every call, noise drawn",
+            16,
+            32,
+            4,
+            4,
+        ),
+        "nnx_raw_counter": lambda: raw_counter_step(
+            "nnx_raw_counter",
+            "toy 07 train step: raw-array params (sgd via nnx.Optimizer, path filter), self.count += 1",
+            32,
+            32,
         ),
     }
     if not quick:  # compute-bound sizes: what share of a step the overhead is

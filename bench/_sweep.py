@@ -92,6 +92,11 @@ def leaves_workload(n: int) -> Workload:
             Variant("nnx.jit_partial(graph=False)", make_jit_partial),
         ],
         _compare,
+        # nnx.jit_partial binds the model: the peer of fastcall.partial, which the sweep leaves out
+        peers={
+            "fastcall.jit": ("eqx.filter_jit", "jax.jit(partitioned)"),
+            "fastcall.jit (nnx)": ("nnx.jit", "nnx.jit(graph=False)"),
+        },
     )
 
 

@@ -1,4 +1,9 @@
-"""bench/ runs end to end at tiny size, and its correctness checks can fail."""
+"""bench/ runs end to end at tiny size, and its correctness checks can fail.
+
+Runs of real workloads pass `--tolerance` NO_SPEED_GATE: at one round of 0.2 ms their
+timings are noise, and whether fastcall beats its peers is the bench's result, not a
+property of the bench. The speed gate itself is tested on synthetic workloads below.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +15,14 @@ import pytest
 from bench import __main__ as bench_main
 from bench import _harness
 
+NO_SPEED_GATE = ["--tolerance", "1e9"]
+
 
 def test_bench_runs_and_reports(tmp_path, capsys):
     out = tmp_path / "r.json"
     code = bench_main.main(
         ["--only", "identity", "--only", "eqx_mlp3_new", "--rounds", "1", "--round-ms", "0.2", "--json", str(out)]
+        + NO_SPEED_GATE
     )
     assert code == 0
     data = json.loads(out.read_text())
@@ -26,7 +34,8 @@ def test_bench_runs_and_reports(tmp_path, capsys):
 
 
 def test_bench_markdown(capsys):
-    assert bench_main.main(["--only", "identity", "--rounds", "1", "--round-ms", "0.2", "--markdown"]) == 0
+    code = bench_main.main(["--only", "identity", "--rounds", "1", "--round-ms", "0.2", "--markdown", *NO_SPEED_GATE])
+    assert code == 0
     assert "| workload | variant |" in capsys.readouterr().out
 
 
@@ -55,7 +64,9 @@ def test_unknown_workload_is_an_error():
 
 def test_leaf_sweep_plot(tmp_path):
     png = tmp_path / "sweep.png"
-    code = bench_main.main(["--only", "leaves_10", "--rounds", "1", "--round-ms", "0.2", "--plot", str(png)])
+    code = bench_main.main(
+        ["--only", "leaves_10", "--rounds", "1", "--round-ms", "0.2", "--plot", str(png), *NO_SPEED_GATE]
+    )
     assert code == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -120,3 +131,145 @@ def test_serving_workload(capsys):
     assert bench_main.main(["--only", "serving", "--requests", "10", "--concurrency", "2"]) == 0
     out = capsys.readouterr().out
     assert "p99 ms" in out and "fastcall.jit (nnx)" in out and "eqx.filter_jit" in out
+
+
+# ---- fastcall slower than a peer it replaces: exit 2, named on stderr and in the JSON ----
+
+
+def _timed_workload(name: str, subject_s: float, peer_s: float, wrong: bool = False) -> _harness.Workload:
+    """A synthetic workload whose subject and peer take (at least) the given seconds per call."""
+    import time
+
+    x = jnp.ones(3)
+
+    def sleeper(seconds: float, out):
+        def make():
+            def step():
+                if seconds:
+                    time.sleep(seconds)
+                return out
+
+            return step
+
+        return make
+
+    return _harness.Workload(
+        name,
+        "synthetic",
+        [
+            _harness.Variant("floor", sleeper(0, x)),
+            _harness.Variant("fastcall.jit", sleeper(subject_s, x + 1 if wrong else x)),
+            _harness.Variant("the peer", sleeper(peer_s, x)),
+        ],
+        lambda ref, outs: [_harness.allclose_tree(a, b) for a, b in zip(ref, outs)] and None,
+        peers={"fastcall.jit": ("the peer",)},
+    )
+
+
+def _run_with(monkeypatch, workloads: dict, argv: list[str]) -> int:
+    monkeypatch.setattr(bench_main, "workloads", lambda quick, sweep=False: workloads)
+    return bench_main.main([*[a for w in workloads for a in ("--only", w)], "--rounds", "3", "--round-ms", "2", *argv])
+
+
+def test_fastcall_slower_than_a_peer_exits_2(monkeypatch, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    slow = {
+        "slow_one": lambda: _timed_workload("slow_one", 0.002, 0),
+        "fine": lambda: _timed_workload("fine", 0, 0.002),
+    }
+    code = _run_with(monkeypatch, slow, ["--json", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "fastcall slower than its peer: slow_one: fastcall.jit" in err and "vs the peer" in err
+    assert "--tolerance 0.05" in err and "in slow_one:" in err
+    assert "fine" not in err.split("where fastcall was slower")[1]  # the faster workload is not named
+    gaps = json.loads(out.read_text())["slower_than_peer"]
+    assert [(g["workload"], g["variant"], g["peer"]) for g in gaps] == [("slow_one", "fastcall.jit", "the peer")]
+    assert gaps[0]["ratio"] > 10 and json.loads(out.read_text())["tolerance"] == 0.05
+
+
+def test_fastcall_faster_than_its_peers_exits_0(monkeypatch, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert _run_with(monkeypatch, {"fine": lambda: _timed_workload("fine", 0, 0.002)}, ["--json", str(out)]) == 0
+    assert "slower than its peer" not in capsys.readouterr().err
+    assert json.loads(out.read_text())["slower_than_peer"] == []
+
+
+def test_the_tolerance_is_a_flag(monkeypatch, capsys):
+    """1.5x slower: a failure at the default 5%, accepted at --tolerance 1 (100%)."""
+    build = {"w": lambda: _timed_workload("w", 0.003, 0.002)}
+    assert _run_with(monkeypatch, build, []) == 2
+    assert _run_with(monkeypatch, build, ["--tolerance", "1"]) == 0
+
+
+def test_a_failed_check_outranks_a_slow_fastcall(monkeypatch, capsys):
+    build = {"w": lambda: _timed_workload("w", 0.002, 0), "bad": lambda: _timed_workload("bad", 0, 0, wrong=True)}
+    assert _run_with(monkeypatch, build, []) == 1
+    err = capsys.readouterr().err
+    assert "FAILED their correctness check" in err and "slower than its peer: w:" in err
+
+
+def test_slower_than_peers_rule():
+    """Strictly more than the tolerance; rows that are missing or FAILED are skipped."""
+    x = jnp.ones(1)
+    variants = [_harness.Variant(n, lambda: (lambda: x)) for n in ("floor", "fastcall.jit", "a", "b", "c", "d")]
+    w = _harness.Workload("w", "", variants, lambda r, o: None, peers={"fastcall.jit": ("a", "b", "c", "d")})
+
+    def row(variant, median):
+        return _harness.Row("w", variant, median, median, median, 1, 1, error=None if median else "Boom")
+
+    rows = [row("floor", 1.0), row("fastcall.jit", 10.5), row("a", 10.0), row("b", 9.0), row("c", None)]
+    gaps = _harness.slower_than_peers(w, rows, tolerance=0.05)
+    assert [(g.peer, round(g.ratio, 3)) for g in gaps] == [("b", 1.167)]  # 1.05x against "a" is within 5%
+    assert gaps[0].message() == "fastcall slower than its peer: w: fastcall.jit 10.5 us vs b 9.0 us (1.17x)"
+    assert _harness.slower_than_peers(w, [row("fastcall.jit", None), row("b", 1.0)], 0.05) == []
+
+
+def test_peers_must_name_real_variants_and_never_the_floor():
+    x = jnp.ones(1)
+    variants = [_harness.Variant(n, lambda: (lambda: x)) for n in ("floor", "fastcall.jit", "nnx.jit")]
+    with pytest.raises(AssertionError, match="name no variant"):
+        _harness.Workload("w", "", variants, lambda r, o: None, peers={"fastcall.jit": ("nnx.jti",)})
+    with pytest.raises(AssertionError, match="floor"):
+        _harness.Workload("w", "", variants, lambda r, o: None, peers={"fastcall.jit": ("floor",)})
+
+
+def test_every_workload_names_the_peers_of_its_fastcall_variants():
+    """Each timed fastcall variant of every workload (quick, full and sweep) has peers,
+    and no hand-written floor is among them."""
+    from bench import _registry
+
+    builders = {**_registry.workloads(quick=False, sweep=True)}
+    for name, build in builders.items():
+        w = build()
+        names = {v.name for v in w.variants}
+        subjects = {n for n in names if n.startswith("fastcall")}
+        assert subjects == set(w.peers), (name, subjects, w.peers)
+        for peers in w.peers.values():
+            assert peers and not any(p.startswith(("floor", "eager", "split/merge", "fastcall")) for p in peers), name
+
+
+# Workloads from published programs where fastcall left the fast path (or was refused):
+# every variant, fastcall's included, must agree with eager (outputs and written-back state).
+# eqx_list_500 and params_dict_1000 (1000 leaves, ~7 s each to verify here) are left to the
+# bench's own check: their builders are verified here at small size (eqx_list_mlp, params_dict).
+ISSUE12_WORKLOADS = (
+    "eqx_list_mlp",
+    "params_dict",
+    "eqx_stateful",
+    "eqx_stateful_partial",
+    "eqx_step_noopt",
+    "nnx_raw_array",
+    "nnx_eval_noop",
+    "nnx_train_eval",
+    "nnx_new_variable",
+    "nnx_raw_counter",
+)
+
+
+@pytest.mark.parametrize("name", ISSUE12_WORKLOADS)
+def test_published_pattern_workloads_are_proven_equal(name):
+    from bench import _registry
+
+    errors = _harness.verify(_registry.workloads(quick=True)[name]())
+    assert all(e is None for e in errors.values()), {k: v for k, v in errors.items() if v}
