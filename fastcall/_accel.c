@@ -113,12 +113,19 @@ py_guard_holds(PyObject *module, PyObject *guard)
     return PyBool_FromLong(guard_holds(guard));
 }
 
-/* Whether the weak reference `ref` refers to `obj` (1), not (0), or error (-1). */
+/* Whether the weak reference `ref` refers to `obj` (1), not (0), or error (-1).
+ * (A strong token, for a top-level list or dict held by `_flatten.hold`, is called.) */
 static int
 ref_is(PyObject *ref, PyObject *obj)
 {
     if (!PyWeakref_Check(ref)) {
-        return 0;
+        PyObject *target = PyObject_CallNoArgs(ref);
+        if (target == NULL) {
+            return -1;
+        }
+        int same = target == obj;
+        Py_DECREF(target);
+        return same;
     }
 #if PY_VERSION_HEX >= 0x030D0000
     PyObject *target;

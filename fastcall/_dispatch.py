@@ -82,6 +82,12 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
         if k != 0:
             return  # every other argument must be a plain array
     first = args[0]
+    if (type(first) is list or type(first) is dict) and not resolved.nnx_args:  # (see `hold`)
+        spec = _flatten.spec_by_id(resolved.key[0])
+        held = _flatten.hold(state, first, resolved.leaves[: spec.n_dyn], spec)
+        if held is not None:
+            _publish_pytree(state, first, held, entry, len(args))
+        return
     if resolved.nnx_args:
         if len(resolved.nnx_args) != 1:
             return  # (NNX objects in the other, plain-array arguments? none can be)
@@ -96,16 +102,21 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
     hit = _flatten.lookup(first)
     if hit is None:
         return
-    ref: Any = hit.ref
-    if not isinstance(ref, weakref.ref):
+    if not isinstance(hit.ref, weakref.ref):
         return  # not cached by weakref (a strongly held tuple is not served fast)
+    _publish_pytree(state, first, hit, entry, len(args))
+
+
+def _publish_pytree(state: Any, first: Any, hit: Any, entry: Entry, arity: int) -> None:
+    """Serve `f(first, *arrays)` fast from `first`'s identity cache entry `hit`."""
+    ref: Any = hit.ref
     slot = _fast.INDEX.get(id(first))
     if slot is None or slot.ref is not ref:
         slot = FastSlot(ref, {}, hit.guard)
         _fast.publish(ref, slot.records, hit.guard)
     if state not in slot.records:
         call = functools.partial(entry.fn, *hit.leaves)
-        slot.records[state] = FastRecord(len(args), call, None, _fast_post(entry))
+        slot.records[state] = FastRecord(arity, call, None, _fast_post(entry))
 
 
 def _fast_post(entry: Entry) -> Any:

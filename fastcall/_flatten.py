@@ -340,10 +340,17 @@ def remember(obj: Any, leaves: Sequence[Any], spec: Any, guard: Any = None) -> N
 
 def remember_guarded(obj: Any, leaves: Sequence[Any], spec: Any) -> None:
     """`remember` an object of a guardable spec (lists or dicts inside), with a guard over
-    every list and dict in it. The guard is taken in a second flatten, and the object is
-    cached only if that flatten saw the very leaves `leaves` came from (no change between)."""
+    every list and dict in it."""
     if not type(obj).__weakrefoffset__:
-        return  # (a top-level list or dict: not weakly referenceable, not cached)
+        return  # (a top-level list or dict: see `hold`)
+    guard = _guard_of(obj, leaves, spec)
+    if guard is not None:
+        remember(obj, leaves, spec, guard)
+
+
+def _guard_of(obj: Any, leaves: Sequence[Any], spec: Any) -> Any:
+    """A guard over every list and dict in `obj`, taken in a second flatten; None if that
+    flatten did not see the very leaves `leaves` came from (a change in between)."""
     containers: list[Any] = []
 
     def collect(x: Any) -> bool:
@@ -353,11 +360,70 @@ def remember_guarded(obj: Any, leaves: Sequence[Any], spec: Any) -> None:
 
     again, treedef = tree_flatten(obj, is_leaf=collect)
     if treedef != spec.treedef:
-        return
+        return None
     dyn = [x for x, m in zip(again, spec.mask) if m]
     if len(dyn) != len(leaves) or any(a is not b for a, b in zip(dyn, leaves)):
-        return
-    remember(obj, leaves, spec, _guard.make(containers))
+        return None
+    return _guard.make(containers) or ()
+
+
+# Top-level lists and dicts (a params dict, `f(params, x)`) cannot be weakly referenced,
+# so the identity cache can only hold them strongly. It does so for a container passed
+# first in two consecutive calls of one function (an inference loop), and at most one per
+# function: the next container held by that function releases it. A training loop, which
+# passes a new container each call, never has one held (its previous leaves are compared
+# through weak references, which keep nothing alive).
+
+
+class LastFirst(NamedTuple):
+    """The top-level container a function was last called with (not held)."""
+
+    oid: int
+    spec_id: int
+    probes: tuple[Any, ...]  # per leaf: a weakref, or (not weakly referenceable) the leaf itself
+
+
+def _probe(x: Any) -> Any:
+    try:
+        return weakref.ref(x)
+    except TypeError:
+        return _Strong(operator.itemgetter(0), (x,))
+
+
+def hold(state: Any, obj: Any, leaves: Sequence[Any], spec: Any) -> CacheEntry | None:
+    """For a top-level list or dict passed first to the function of `state`: its identity
+    cache entry, held strongly, if it was also passed first in the function's previous call
+    with the very same leaves; else None (and it is noted for the next call)."""
+    if spec.kind != "tree" or not (spec.guardable or spec.cacheable):
+        return None
+    last = state.last_first
+    if last is None or last.oid != id(obj) or last.spec_id != spec.id or len(last.probes) != len(leaves) or any(
+        p() is not x for p, x in zip(last.probes, leaves)
+    ):
+        state.last_first = LastFirst(id(obj), spec.id, tuple(map(_probe, leaves)))
+        return None
+    entry = lookup(obj)
+    if entry is None or not isinstance(entry.ref, _Strong):
+        guard = _guard_of(obj, leaves, spec)
+        if guard is None:
+            return None
+        token = _Strong(operator.itemgetter(0), (obj,))
+        token.oid = id(obj)
+        entry = CacheEntry(token, tuple(leaves), spec.id, spec, guard or None)
+        old = by_id.get(token.oid)
+        by_id[token.oid] = entry
+        if old is not None:
+            _fast.withdraw(old.ref)
+    if state.held is not None and state.held is not entry.ref:
+        release(state.held)
+    state.held = entry.ref
+    return entry
+
+
+def release(token: _Strong) -> None:
+    """Stop holding a container `hold` held (and serving it fast)."""
+    forget_strong(token)
+    _fast.withdraw(token)
 
 
 def remember_strongly(obj: Any, leaves: Sequence[Any], spec: Any) -> _Strong:

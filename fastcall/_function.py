@@ -13,7 +13,7 @@ import warnings
 import weakref
 from typing import Any, Iterator, NamedTuple
 
-from . import _build, _fast, _stats
+from . import _build, _fast, _flatten, _stats
 from ._build import Entry
 from ._flatten import Spec
 from ._options import JitOptions
@@ -71,6 +71,9 @@ class FunctionState:
         self.donate_argnames = frozenset(options.donate_argnames)
         self.c_wrappers: weakref.WeakSet[Any] = weakref.WeakSet()  # (their call counts)
         self.storm_warned = False
+        # (top-level lists and dicts passed first: see `_flatten.hold`)
+        self.last_first: Any = None
+        self.held: Any = None
         self.name = getattr(user_fun, "__qualname__", None) or type(user_fun).__name__
         _all_states.add(self)
 
@@ -153,6 +156,9 @@ class FunctionState:
         with self.lock:
             self.table.clear()
             _fast.forget_function(self)
+            if self.held is not None:
+                _flatten.release(self.held)
+            self.held = self.last_first = None
 
     # ---- stats ----
 

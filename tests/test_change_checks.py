@@ -310,3 +310,75 @@ def test_optimizer_state_replaced_in_place_is_seen():
         o.opt_state[0].mu["kernel"] = nnx.OptState(jnp.full((4, 4), 3.0))
     assert_trees_equal(f(model, opt, X4), peer(ref_model, ref, X4))
     assert_trees_equal(state_of(model), state_of(ref_model))
+
+
+# --------------------------------------------------------------------------
+# Top-level lists and dicts (a params dict): held for the fast path in inference loops only
+
+
+def _apply(params, x):
+    for layer in params["layers"]:
+        x = jnp.tanh(x @ layer["w"] + layer["b"])
+    return x * params["scale"]
+
+
+def _params(seed, n=2):
+    k = jax.random.split(jax.random.PRNGKey(seed), n)
+    return {
+        "layers": [{"w": jax.random.normal(k[i], (4, 4)), "b": jnp.zeros(4)} for i in range(n)],
+        "scale": jnp.float32(2.0),
+    }
+
+
+PARAMS_CHANGES = {
+    "leaf replaced": lambda p: p["layers"][0].__setitem__("w", jnp.eye(4)),
+    "layer appended": lambda p: p["layers"].append({"w": jnp.eye(4), "b": jnp.ones(4)}),
+    "layer deleted": lambda p: p["layers"].__delitem__(0),
+    "top-level key replaced": lambda p: p.__setitem__("scale", jnp.float32(3.0)),
+    "key added": lambda p: p.__setitem__("extra", jnp.ones(4)),
+}
+
+
+@pytest.mark.parametrize("change", list(PARAMS_CHANGES))
+def test_params_dict_takes_the_fast_path_and_changes_are_seen(change, hot_path):
+    params, x = _params(0), jnp.ones((2, 4))
+    f, peer = fastcall.jit(_apply), jax.jit(_apply)
+    f(params, x), f(params, x)
+    y, route = served(f, params, x)
+    assert route != "general"
+    assert_trees_equal(y, peer(params, x))
+    PARAMS_CHANGES[change](params)
+    y, route = served(f, params, x)
+    assert route == "general"
+    assert_trees_equal(y, _apply(params, x))
+    f(params, x)
+    y, route = served(f, params, x)
+    assert route != "general"
+    assert_trees_equal(y, peer(params, x))
+
+
+def test_a_new_params_dict_each_call_is_never_held():
+    from fastcall import _flatten
+
+    f = fastcall.jit(lambda p, x: jax.tree_util.tree_map(lambda a: a - 0.1 * x.sum(), p))
+    params, x = _params(0), jnp.ones(4)
+    seen = []
+    for _ in range(5):
+        seen.append(id(params))
+        params = f(params, x)
+    assert not any(i in _flatten.by_id for i in seen)  # nothing of a training loop is kept alive
+
+
+def test_a_held_params_dict_is_released_for_the_next_one():
+    from fastcall import _flatten
+
+    f = fastcall.jit(_apply)
+    a, b, x = _params(0), _params(1), jnp.ones(4)
+    for _ in range(3):
+        f(a, x)
+    assert id(a) in _flatten.by_id
+    for _ in range(3):
+        assert_trees_equal(f(b, x), _apply(b, x))
+    assert id(a) not in _flatten.by_id and id(b) in _flatten.by_id
+    fastcall.clear_caches()
+    assert id(b) not in _flatten.by_id
