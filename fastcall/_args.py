@@ -105,8 +105,8 @@ def resolve(
             spec = template.spec
             if spec.cacheable:
                 remember(value, found, spec)
-            elif spec.guardable:
-                _flatten.remember_guarded(value, found, spec)
+            elif spec.guardable and _flatten.seen_before(value):
+                _flatten.remember_guarded(value, found, spec)  # (a new object each call is not)
             return spec.id
     adapter = _nnx_gate.loaded()
     if adapter is not None and adapter.holds_nodes(value):
@@ -126,7 +126,7 @@ def resolve(
         return spec.id
     if spec.cacheable:
         remember(value, tuple(dynamic), spec)
-    elif spec.guardable:
+    elif spec.guardable and _flatten.seen_before(value):
         _flatten.remember_guarded(value, tuple(dynamic), spec)
     if not spec.templated:
         spec.templated = True

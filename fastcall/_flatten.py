@@ -124,11 +124,20 @@ def _treedef_is_immutable(treedef: Any) -> bool:
     return all(_treedef_is_immutable(c) for c in treedef.children())
 
 
+# eqx.nn.State is not an Equinox module: its children are the values of its `_state`
+# dict, which `.set` replaces in place (invalidating the old State). A guard watches both
+# its attribute dict and that dict (`_guard_of`).
+_STATE_TYPE = eqx.nn.State
+
+
 def _treedef_is_guardable(treedef: Any) -> bool:
-    """Immutable but for lists and dicts, which a guard (`_guard`) can watch."""
+    """Immutable but for lists, dicts and eqx.nn.State, which a guard (`_guard`) can watch."""
     node_data = treedef.node_data()
     if node_data is not None and not (
-        _node_is_immutable(node_data[0]) or node_data[0] is list or issubclass(node_data[0], dict)
+        _node_is_immutable(node_data[0])
+        or node_data[0] is list
+        or node_data[0] is _STATE_TYPE
+        or issubclass(node_data[0], dict)
     ):
         return False
     return all(_treedef_is_guardable(c) for c in treedef.children())
@@ -348,6 +357,26 @@ def remember_guarded(obj: Any, leaves: Sequence[Any], spec: Any) -> None:
         remember(obj, leaves, spec, guard)
 
 
+# Objects of guardable structures seen once by the generated extractors: guarding one
+# costs a flatten, worth it only for an object that comes back (not for the new model a
+# training step returns each call). id -> weakref; bounded (cleared when full).
+_seen_once: dict[int, Any] = {}
+
+
+def seen_before(obj: Any) -> bool:
+    """Whether `obj` was passed here before (else it is noted, and False)."""
+    ref = _seen_once.get(id(obj))
+    if ref is not None and ref() is obj:
+        return True
+    if len(_seen_once) >= 1024:
+        _seen_once.clear()
+    try:
+        _seen_once[id(obj)] = weakref.ref(obj)
+    except TypeError:
+        pass
+    return False
+
+
 def _guard_of(obj: Any, leaves: Sequence[Any], spec: Any) -> Any:
     """A guard over every list and dict in `obj`, taken in a second flatten; None if that
     flatten did not see the very leaves `leaves` came from (a change in between)."""
@@ -356,9 +385,13 @@ def _guard_of(obj: Any, leaves: Sequence[Any], spec: Any) -> Any:
     def collect(x: Any) -> bool:
         if type(x) is list or isinstance(x, dict):
             containers.append(x)
+        elif type(x) is _STATE_TYPE:
+            containers.extend((vars(x), vars(x).get("_state")))
         return False
 
     again, treedef = tree_flatten(obj, is_leaf=collect)
+    if not all(map(_guard.is_guardable, containers)):
+        return None
     if treedef != spec.treedef:
         return None
     dyn = [x for x, m in zip(again, spec.mask) if m]
@@ -445,5 +478,6 @@ def forget_strong(token: _Strong) -> None:
 
 def clear() -> None:
     by_id.clear()
+    _seen_once.clear()
     with _intern_lock:
         _spec_ids.clear()

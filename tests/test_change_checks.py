@@ -382,3 +382,41 @@ def test_a_held_params_dict_is_released_for_the_next_one():
     assert id(a) not in _flatten.by_id and id(b) in _flatten.by_id
     fastcall.clear_caches()
     assert id(b) not in _flatten.by_id
+
+
+def test_eqx_state_in_a_partial_is_guarded(hot_path):
+    class Net(eqx.Module):
+        linear: eqx.nn.Linear
+        norm: eqx.nn.BatchNorm
+
+        def __init__(self, key):
+            self.linear = eqx.nn.Linear(4, 4, key=key)
+            self.norm = eqx.nn.BatchNorm(4, axis_name="batch", mode="batch")
+
+        def __call__(self, x, state):
+            return self.norm(self.linear(x), state)
+
+    model, state = eqx.nn.make_with_state(Net)(jax.random.PRNGKey(0))
+    model = eqx.nn.inference_mode(model)
+    partial = eqx.Partial(model, state=state)
+    x = jnp.ones(4)
+
+    def call(p, x):
+        return p(x)[0]
+
+    f = fastcall.filter_jit(call)
+    for _ in range(3):  # (noted, then cached, then served fast)
+        f(partial, x)
+    y, route = served(f, partial, x)
+    assert route != "general"
+    assert_trees_equal(y, call(partial, x))
+    # a new value put into the State's dict in place (its index, as State.set would give)
+    index = model.norm.batch_state_index
+    marker = index.marker
+    state._state[marker] = jax.tree_util.tree_map(lambda a: a + 1.0, state._state[marker])
+    y, route = served(f, partial, x)
+    assert route == "general"
+    assert_trees_equal(y, call(partial, x))
+    state.set(index, state.get(index))  # invalidates `state` in place: eqx raises on its use
+    with pytest.raises(ValueError):
+        f(partial, x)
