@@ -97,10 +97,12 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
             return
         node.fast[state] = FastRecord(len(args), entry.fn, node.items, _fast_post(entry))
         return
-    if not resolved.first_known:
-        return  # seen for the first time: a record waits for its second use (most die first)
     hit = _flatten.lookup(first)
     if hit is None:
+        return
+    if not resolved.first_known and hit.guard is None:
+        # Seen for the first time: a record waits for its second use (most die first).
+        # (A guarded entry is made only for an object seen before: `_flatten.seen_before`.)
         return
     if not isinstance(hit.ref, weakref.ref):
         return  # not cached by weakref (a strongly held tuple is not served fast)
