@@ -60,7 +60,13 @@ _watch_lock = threading.Lock()
 _watchers: dict[int, list[NodeEntry]] = {}
 
 
+# Bumped by every hooked change anywhere: a build that saw it change marks its entry
+# stale (a change made while it was reading the graph is not lost).
+_generation = [0]
+
+
 def _notify(obj: Any) -> None:
+    _generation[0] += 1
     if not _watchers:
         return
     entries = _watchers.get(id(obj))
@@ -390,37 +396,43 @@ def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
     if old is not None:
         _fast.withdraw(old.ref)
         _unwatch(old)
-    # Watch first, then flatten: a change made while flattening marks the new entry
-    # stale (re-read next call) instead of being lost.
     ref = _Ref(obj, _evict)
     ref.oid = id(obj)
     entry = NodeEntry(ref)
-    watched_nodes, containers = _graph_nodes(obj)
-    guard = _guard.make(containers) if containers else None  # (taken before the flatten, as the watch)
-    entry.watched = [id(n) for n in watched_nodes]
+    # One graph walk: NNX's flatten, whose reference index holds every node and Variable
+    # (what the hooks watch). Any hooked change made meanwhile (another thread) bumps the
+    # generation: the entry is then marked stale, re-read on its next use.
+    generation = _generation[0]
+    refmap = graphlib.RefMap()
+    graphdef, flat = _flatten_node(obj, arg_name, ref_index=refmap)
+    spec = _intern_graphdef(graphdef, len(flat.leaves), arg_name)
+    guard = None
+    guardable = True
+    if spec.has_containers:  # plain lists or dicts in the graph: walk it for them
+        _, containers = _graph_nodes(obj)
+        guardable = containers is not None
+        guard = _guard.make(containers) if containers else None
+        # (the guard's snapshot must go with the leaves read: read them again after it)
+        refmap = graphlib.RefMap()
+        again, flat = _flatten_node(obj, arg_name, ref_index=refmap)
+        if again != graphdef:
+            entry.stale = True
+    entry.watched = [id(n) for n in refmap.keys()]
     entry.node_ids = frozenset(entry.watched)
     with _watch_lock:
-        for n in watched_nodes:
-            _watchers.setdefault(id(n), []).append(entry)
-    try:
-        graphdef, flat = _flatten_node(obj, arg_name)
-        spec = _intern_graphdef(graphdef, len(flat.leaves), arg_name)
-    except BaseException:
-        _unwatch(entry)
-        raise
+        for oid in entry.watched:
+            _watchers.setdefault(oid, []).append(entry)
     entry.items, readable = _leaf_items(obj, flat)
     entry.spec, entry.spec_id = spec, spec.id
     # (raw leaves held by graph nodes are rebound through the hooked __setattr__: they
     # need no re-read, only a fresh read of their value, as Variables; plain lists and
     # dicts are watched by the guard)
-    entry.volatile = containers is None or not readable or not TRUSTED or spec.mutable_statics
+    entry.volatile = not guardable or not readable or not TRUSTED or spec.mutable_statics
     entry.guard = None if entry.volatile else guard
     # (the fast path reads Variables and RawLeafs; a raw item of a plain list is read here)
     entry.direct = not entry.volatile and not any(type(x) is RawItem for x in entry.items)
-    if {id(n) for n in _graph_nodes(obj)[0]} != set(entry.watched) or (
-        entry.guard is not None and not _guard.holds(entry.guard)
-    ):
-        entry.stale = True  # the graph changed while we were building: rebuild next call
+    if _generation[0] != generation or (entry.guard is not None and not _guard.holds(entry.guard)):
+        entry.stale = True  # the graph may have changed while we were reading it
     previous = by_id.get(ref.oid)
     if previous is not None and previous is not old and previous is not entry:
         _fast.withdraw(previous.ref)  # another thread built one concurrently: keep one only
@@ -676,13 +688,35 @@ def named_leaves(obj: Any) -> list[tuple[str, Any]]:
 # Inside the trace
 
 
+def _may_hold_container(node_def: Any) -> bool:
+    """Whether a node of a graphdef may be a plain list or dict (or another pytree node that
+    can change in place): anything but a graph node, a Variable, and the leafless pytree
+    nodes NNX keeps per object (its `PytreeState`)."""
+    t = getattr(node_def, "type", None)
+    if not isinstance(t, type) or is_node_type(t):
+        return False
+    if t is getattr(graphlib, "GenericPytree", None):
+        try:
+            treedef = node_def.metadata[1]
+            inner = treedef.node_data()
+            return not (
+                treedef.num_leaves == 0
+                and treedef.num_nodes == 1
+                and inner is not None
+                and not issubclass(inner[0], (list, dict, collections.abc.MutableMapping))
+            )
+        except Exception:
+            return True
+    return True
+
+
 class NodeSpec:
     """Spec of an NNX argument (duck-types `_flatten.Spec` for the parts the compiled
     function uses): its graphdef; its leaves are all dynamic."""
 
     __slots__ = (
         "id", "kind", "graphdef", "n_dyn", "cacheable", "templated", "mask", "joint", "mutable_statics",
-        "__weakref__",
+        "has_containers", "__weakref__",
     )
 
     def __init__(self, graphdef: Any, n: int, joint: bool = False) -> None:
@@ -697,6 +731,9 @@ class NodeSpec:
         self.mask = (True,) * n
         self.cacheable = False
         self.templated = True
+        # plain lists, dicts or other pytree nodes inside the graph (`nnx.data([...])`)
+        nodes = getattr(graphdef, "nodes", None)
+        self.has_containers = nodes is None or any(map(_may_hold_container, nodes))
 
     def nnx_objects(self) -> list[tuple[int, NodeSpec]]:
         return [(0, self)]

@@ -136,15 +136,16 @@ def test_change_made_while_the_cache_entry_is_built_is_not_lost(monkeypatch):
     f = fastcall.jit(lambda m: m.p[...] + m.flag)
     m = Model()
     f(m)
-    original = _nnx._graph_nodes
+    original = _nnx._flatten_node
 
-    def interleaved(node):  # another thread's assignment lands mid-build
-        monkeypatch.setattr(_nnx, "_graph_nodes", original)
+    def interleaved(*args, **kwargs):  # another thread's assignment lands mid-build
+        out = original(*args, **kwargs)
+        monkeypatch.setattr(_nnx, "_flatten_node", original)
         m.flag = 1
-        return original(node)
+        return out
 
     m.flag = 2  # marks the entry stale: the next call rebuilds it
-    monkeypatch.setattr(_nnx, "_graph_nodes", interleaved)  # (returns nodes, volatile)
+    monkeypatch.setattr(_nnx, "_flatten_node", interleaved)
     f(m)
     assert float(f(m)) == 1.0
 
