@@ -60,6 +60,8 @@ _watch_lock = threading.Lock()
 _watchers: dict[int, list[NodeEntry]] = {}
 
 
+_local = threading.local()
+
 # Bumped by every hooked change anywhere: a build that saw it change marks its entry
 # stale (a change made while it was reading the graph is not lost).
 _generation = [0]
@@ -71,9 +73,11 @@ def _notify(obj: Any) -> None:
         return
     entries = _watchers.get(id(obj))
     if entries:
+        updating = getattr(_local, "updating", None)  # (the entry fastcall itself is updating)
         for e in list(entries):  # (the list may change under us in another thread)
-            e.stale = True
-            _fast.withdraw(e.ref)
+            if e is not updating:
+                e.stale = True
+                _fast.withdraw(e.ref)
 
 
 # Whether the hooks can be trusted on this flax (see _nnx_hooks): if not, every
@@ -213,8 +217,8 @@ class NodeEntry:
     """What fastcall knows about one NNX object: its spec, its Variables, and whether
     that knowledge is current."""
 
-    __slots__ = ("ref", "spec_id", "spec", "items", "volatile", "guard", "direct", "stale", "fresh", "fast",
-                 "node_ids", "disjoint", "watched", "__weakref__")
+    __slots__ = ("ref", "spec_id", "spec", "items", "paths", "volatile", "guard", "direct", "stale", "fresh",
+                 "fast", "node_ids", "disjoint", "watched", "__weakref__")
 
     def __init__(self, ref: _Ref) -> None:
         self.ref = ref
@@ -222,6 +226,7 @@ class NodeEntry:
         self.spec: Any = None
         self.spec_id = -1
         self.items: list[Any] = []  # the leaves: Variables and handles of raw leaves (see `_leaf_items`)
+        self.paths: list[Any] = []  # and their paths in the graph
         self.volatile = False  # re-read on every call (see _build)
         self.guard: Any = None  # plain lists and dicts in the graph, checked on every use
         self.direct = False  # eligible for the fast path: not volatile
@@ -301,6 +306,7 @@ def lookup(obj: Any, arg_name: str) -> NodeEntry:
         graphdef, flat = _flatten_node(obj, arg_name)
         if graphdef == entry.spec.graphdef:
             entry.items = _leaf_items(obj, flat)[0]
+            entry.paths = list(flat.paths)
             return entry
     return _build(obj, arg_name, entry)
 
@@ -423,6 +429,7 @@ def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
         for oid in entry.watched:
             _watchers.setdefault(oid, []).append(entry)
     entry.items, readable = _leaf_items(obj, flat)
+    entry.paths = list(flat.paths)
     entry.spec, entry.spec_id = spec, spec.id
     # (raw leaves held by graph nodes are rebound through the hooked __setattr__: they
     # need no re-read, only a fresh read of their value, as Variables; plain lists and
@@ -465,6 +472,7 @@ class NnxArg(NamedTuple):
     variables: list[Any]  # its leaves in flatten order: Variables and raw-leaf handles
     entry: NodeEntry | None  # its cache entry (None: flattened afresh for this call)
     ids: frozenset[int] = frozenset()  # (flattened afresh) ids of its nodes and Variables
+    paths: Any = None  # (flattened afresh) the leaves' paths
 
 
 def read_argument(obj: Any, leaves: list[Any], arg_name: str, nnx_args: list[NnxArg], joint: Any) -> int:
@@ -504,7 +512,7 @@ def _read_node(obj: Any, leaves: list[Any], arg_name: str, nnx_args: list[NnxArg
             raise StepAside
         leaves += values
         ids = frozenset() if joint is not None else frozenset(map(id, refmap))
-        nnx_args.append(NnxArg(obj, items, None, ids))
+        nnx_args.append(NnxArg(obj, items, None, ids, list(flat.paths)))
         return _intern_graphdef(graphdef, len(items), arg_name, joint=joint is not None)
     entry = lookup(obj, arg_name)
     if _GRAPH_CONTEXT.tmp_static_cache is not None:
@@ -760,20 +768,27 @@ class _Traced:
         self.inner: list[Any] = []  # the leaves (Variables, raw values) before the call
         self.paths: list[Any] = []  # and their paths
 
-    def writes(self, after: list[Any], everything: bool) -> list[tuple[int, Any]]:
-        """(leaf index, new value) for every leaf the function changed (or, with
-        `everything`, every leaf), given the leaves `after` the call (the same structure:
-        the same Variables, raw leaves at the same places)."""
+    def writes(self, after: list[Any] | None, everything: bool, replace: bool) -> list[tuple[int, Any, bool]]:
+        """(leaf index, new value, whether its Variable was replaced) for every leaf the
+        function changed (or, with `everything`, every leaf), given the leaves `after` the
+        call if the graphdef is the same (raw leaves at the same places, Variables of the
+        same types; None if not: then only the given Variables' values are compared).
+        `replace`: a Variable replaced by a new one is written as such (graph updates)."""
         out = []
-        for i, (v, given, now) in enumerate(zip(self.inner, self.given, after)):
+        for i, (v, given) in enumerate(zip(self.inner, self.given)):
+            now = v if after is None else after[i]
+            if isinstance(v, Variable) and now is not v:
+                if replace:
+                    out.append((i, now.get_raw_value(), True))
+                continue
             if isinstance(v, Variable):
                 new = v.get_raw_value()
                 # A non-array value (a dict of arrays, ...) may have changed in place:
                 # always written back.
                 if everything or new is not given or not isinstance(new, jax.Array):
-                    out.append((i, new))
+                    out.append((i, new, False))
             elif everything or now is not v:  # a raw leaf rebound (`self.count += 1`)
-                out.append((i, now))
+                out.append((i, now, False))
         return out
 
 
@@ -788,6 +803,9 @@ class NnxOutputs(NamedTuple):
     has_nodes: bool  # the output holds NNX object markers to turn back into objects
     inner_nodes: tuple[tuple[int, int], ...]  # (ordinal, graph index) of returned sub-objects
     n_written: int
+    # the writes whose Variable the function replaced by a new one: the caller's object
+    # gets a new Variable (same type and metadata) holding the value
+    replaced: frozenset[tuple[int, int]] = frozenset()
 
 
 class TracedInputs:
@@ -840,18 +858,28 @@ class TracedInputs:
         one sharding per leaf (or None) that written values are constrained to."""
         writes: list[tuple[int, int]] = []
         written: list[Any] = []
+        replaced: list[tuple[int, int]] = []
         restructured: list[Any] = []
         restructure: list[tuple[int, Any, int]] = []
         refmap = None
         for ordinal, (t, (graphdef, flat)) in enumerate(zip(self.args, self._flatten_all())):
             after = list(flat.leaves)
-            # A structural change: another graphdef, or a Variable replaced. (A raw leaf
-            # rebound to another array keeps the graphdef: a value written back.)
+            same_graph = graphdef == t.spec.graphdef and len(after) == len(t.inner)
+            given_ids = {id(v) for v in t.inner}
+            # A structural change: another graphdef, or a raw leaf that is no longer an
+            # array. The same graphdef with a raw leaf rebound to another array is a value
+            # written back; with a Variable replaced by a new one (of the same type and
+            # metadata: the graphdef says so), a Variable replaced in the caller's object
+            # (`self.loss = Loss(...)` on every call), unless the output holds NNX objects.
             changed = (
-                graphdef != t.spec.graphdef
-                or len(after) != len(t.inner)
-                or any(a is not b for a, b in zip(after, t.inner) if isinstance(b, Variable))
-                or any(not isinstance(a, jax.Array) for a, b in zip(after, t.inner) if a is not b)
+                not same_graph
+                or any(not isinstance(a, (jax.Array, Variable)) for a, b in zip(after, t.inner) if a is not b)
+                # (a Variable moved within the graph, e.g. two swapped, keeps its identity)
+                or any(id(a) in given_ids for a, b in zip(after, t.inner) if a is not b)
+                or (
+                    self._returns_nodes(out)
+                    and any(a is not b for a, b in zip(after, t.inner) if isinstance(b, Variable))
+                )
             )
             if changed and graph_updates:  # (without graph updates, as nnx.jit: values only)
                 if t.spec.joint:
@@ -867,16 +895,26 @@ class TracedInputs:
                 restructured += leaves
                 continue
             per_leaf = shardings[ordinal]
-            for index, value in t.writes(after, everything=everything[ordinal]):
+            aligned = after if same_graph else None
+            for index, value, new_variable in t.writes(aligned, everything[ordinal], graph_updates):
                 if per_leaf is not None and per_leaf[index] is not None:
                     value = jax.lax.with_sharding_constraint(value, per_leaf[index])
                 writes.append((ordinal, index))
                 written.append(value)
+                if new_variable:
+                    replaced.append((ordinal, index))
         out, has_nodes, inner_nodes = self._mark_nodes(out, refuse_inputs=refuse_aliasing)
         extra = restructured + written
         if not (writes or restructure or has_nodes):
             return out, None, []
-        return out, NnxOutputs(tuple(writes), tuple(restructure), has_nodes, inner_nodes, len(extra)), extra
+        nnx_out = NnxOutputs(
+            tuple(writes), tuple(restructure), has_nodes, inner_nodes, len(extra), frozenset(replaced)
+        )
+        return out, nnx_out, extra
+
+    @staticmethod
+    def _returns_nodes(out: Any) -> bool:
+        return any(_is_node(x) for x in jax.tree_util.tree_leaves(out, is_leaf=_is_node))
 
     def _outer_index_map(self) -> Any:
         """inner object -> unique outer index, over every NNX argument of the call."""
@@ -1015,8 +1053,45 @@ def write_back(nnx_out: NnxOutputs, written: Any, nnx_args: list[NnxArg]) -> Any
             pos += n
         written = written[pos:]
     for (ordinal, index), value in zip(nnx_out.writes, written):
-        write_leaf(nnx_args[ordinal].variables[index], value)
+        if nnx_out.replaced and (ordinal, index) in nnx_out.replaced:
+            _replace_variable(nnx_args[ordinal], index, value)
+        else:
+            write_leaf(nnx_args[ordinal].variables[index], value)
     return resolved
+
+
+def _replace_variable(arg: NnxArg, index: int, value: Any) -> None:
+    """Put a new Variable (the old one's type and metadata) holding `value` where the
+    caller's object holds its `index`-th leaf, as nnx.jit's graph updates do for a Variable
+    the function replaced; the object's cache entry follows (no re-read)."""
+    old = arg.variables[index]
+    new = old.replace(value)
+    entry = arg.entry if arg.entry is not None else by_id.get(id(arg.obj))
+    if entry is not None and (entry.ref() is not arg.obj or entry.items is not arg.variables):
+        entry = None  # (not the entry this call read: it is left to the hooks)
+    path = (entry.paths if entry is not None else arg.paths)[index]
+    owner = arg.obj
+    for key in path[:-1]:
+        owner = _child(owner, key)
+    _local.updating = entry
+    try:
+        if isinstance(owner, _nnx_hooks.Pytree):
+            setattr(owner, str(path[-1]), new)
+        else:
+            owner[path[-1]] = new
+    finally:
+        _local.updating = None
+    arg.variables[index] = new
+    if entry is not None:
+        with _watch_lock:
+            lst = _watchers.get(id(old))
+            if lst is not None and entry in lst:
+                lst.remove(entry)
+                if not lst:
+                    del _watchers[id(old)]
+            _watchers.setdefault(id(new), []).append(entry)
+            entry.watched = [id(new) if w == id(old) else w for w in entry.watched]
+            entry.node_ids = frozenset(entry.watched)
 
 
 def unmark_nodes(result: Any, nnx_args: list[NnxArg], resolved: Any = None) -> Any:
