@@ -7,6 +7,8 @@ from ._api import filter_jit as filter_jit
 from ._api import jit as jit
 from ._api import partial as partial
 from ._errors import FastcallError as FastcallError
+from ._explain import ArgumentReport as ArgumentReport
+from ._explain import CallReport as CallReport
 from ._errors import UnverifiedFlaxWarning as UnverifiedFlaxWarning
 from ._stats import Change as Change
 from ._stats import JitStats as JitStats

@@ -15,7 +15,7 @@ import equinox as eqx
 import jax
 from jaxtyping import PyTree
 
-from . import _aot, _args, _codegen, _dispatch, _fast, _flatten, _function, _nnx_gate, _stats
+from . import _aot, _args, _codegen, _dispatch, _explain, _fast, _flatten, _function, _nnx_gate, _stats
 from ._build import broadcast_prefix
 from ._options import UNSPECIFIED, Donate, make_options
 from ._trace import StepAside
@@ -34,6 +34,8 @@ class JitWrapped(Protocol[P, R]):
     def lower(self, *args: P.args, **kwargs: P.kwargs) -> _aot.Lowered: ...
 
     def stats(self) -> _stats.JitStats: ...
+
+    def explain(self, *args: P.args, **kwargs: P.kwargs) -> _explain.CallReport: ...
 
     def clear_cache(self) -> None: ...
 
@@ -242,6 +244,8 @@ def _wrap(fun: Any, options: Any) -> Any:
     public.lower = lambda *args, **kwargs: _aot.lower(state, fun_leaves, args, kwargs)
     public.lower.__doc__ = "Trace and lower for these arguments (as `jax.jit(...).lower`)."
     public.stats = state.stats
+    public.explain = lambda *args, **kwargs: _explain.explain(state, args, kwargs)
+    public.explain.__doc__ = "Which route a call with these arguments would take, and why (runs nothing)."
     public.clear_cache = state.clear
     return public
 

@@ -678,6 +678,31 @@ def joint_index() -> Any:
     return graphlib.RefMap()
 
 
+def explain_node(obj: Any) -> tuple[str, str]:
+    """(what an NNX argument is to fastcall, what it costs per call), for `f.explain`."""
+    if _is_variable(obj):
+        return "NNX Variable on its own", "read afresh (type and metadata select the program)"
+    entry = by_id.get(id(obj))
+    if entry is None or entry.ref() is not obj:
+        return "NNX object, not read yet", "read on its first call"
+    if entry.stale:
+        return "NNX object whose structure changed", "re-read on its next call, then cached again"
+    if entry.volatile:
+        if not TRUSTED:
+            why = "the structure hooks are not verified on this flax"
+        elif entry.spec.mutable_statics:
+            why = "a mutable static attribute (a list, dict or set): its graph is walked and compared by value"
+        else:
+            why = "a container in its graph that cannot be guarded, or a raw leaf fastcall cannot address"
+        return f"NNX object re-read on every call ({why})", "a graph walk (nnx.jit's cost)"
+    n = sum(len(expected) for _, expected in entry.guard) if entry.guard else 0
+    checks = f", {n} list/dict item identity checks" if entry.guard else ""
+    kind = "NNX object, structure cached" + (" (guarded lists/dicts)" if entry.guard else "")
+    if not entry.direct:
+        kind += "; raw arrays inside plain lists/dicts keep it on the general path"
+    return kind, f"{len(entry.items)} leaf values read{checks}"
+
+
 def describe_structure(obj: Any) -> str:
     """An NNX object's graphdef, as text (what a recompile explanation compares)."""
     return str(graphlib.flatten(obj, with_paths=False)[0])

@@ -1,0 +1,120 @@
+"""`f.explain(*args, **kwargs)`: which route a call would take, and why, argument by argument.
+
+It answers "why is this call not at the floor?" without running the function:
+the fast path's conditions are checked as the wrapper checks them (`_dispatch`),
+and each argument is described by what the caches know about it (`_flatten`,
+`_nnx`). Explaining reads the arguments as a call would (NNX structures may be
+read and cached), but never traces, compiles or runs anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from . import _fast, _flatten, _guard, _nnx_gate
+from ._flatten import ArrayImpl
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgumentReport:
+    name: str
+    kind: str  # what the argument is, and how fastcall reads it
+    per_call: str  # what it costs on every call (what is checked or re-read)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallReport:
+    """What `f.explain(*args, **kwargs)` returns."""
+
+    route: str  # "fast" (a fast record serves it) or "general"
+    reasons: tuple[str, ...]  # why not the fast path (empty when it is)
+    arguments: tuple[ArgumentReport, ...]
+
+    def __str__(self) -> str:
+        lines = [f"route: {self.route}"]
+        lines += [f"  not fast: {r}" for r in self.reasons]
+        for a in self.arguments:
+            lines.append(f"  {a.name}: {a.kind}; per call: {a.per_call}")
+        return "\n".join(lines)
+
+
+def explain(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallReport:
+    reasons = _why_not_fast(state, args, kwargs)
+    named = [(state.arg_name(i), a) for i, a in enumerate(args)] + sorted(kwargs.items())
+    reports = tuple(_argument(state, name, value, i == 0) for i, (name, value) in enumerate(named))
+    return CallReport("general" if reasons else "fast", tuple(reasons), reports)
+
+
+def _why_not_fast(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+    """The fast path's conditions (`_dispatch.make_wrapper`), each one that fails, in words."""
+    if state.static_argnums or state.static_argnames:
+        return ["the function has static_argnums/static_argnames (the general path binds them)"]
+    reasons = []
+    if kwargs:
+        reasons.append(f"keyword arguments ({', '.join(sorted(kwargs))}): the fast path takes positional ones")
+    if not args:
+        return reasons + ["no positional argument to key the fast path on"]
+    others = [state.arg_name(i) for i, a in enumerate(args[1:], 1) if type(a) is not ArrayImpl]
+    if others:
+        reasons.append(f"{', '.join(others)}: not a plain jax array (the fast path is f(obj, *arrays))")
+    slot = _fast.INDEX.get(id(args[0]))
+    first = state.arg_name(0)
+    if slot is None or slot.ref() is not args[0]:
+        reasons.append(f"{first}: no fast record (see its line below)")
+    elif slot.guard is not None and not _guard.holds(slot.guard):
+        reasons.append(f"{first}: a list or dict in it changed since it was cached (re-read on this call)")
+    else:
+        record = slot.records.get(state)
+        if record is None:
+            reasons.append(f"{first}: cached, but this function has no record for it yet (made after a call)")
+        elif record.arity != len(args):
+            reasons.append(f"{first}: its record is for {record.arity} arguments, this call has {len(args)}")
+    return reasons
+
+
+def _argument(state: Any, name: str, value: Any, first: bool) -> ArgumentReport:
+    if type(value) is ArrayImpl:
+        return ArgumentReport(name, "jax array", "passed as is")
+    if type(value) in _flatten.PY_SCALARS:
+        if state.options.trace_scalars:
+            return ArgumentReport(name, "Python scalar, traced (weakly typed)", "passed as is")
+        return ArgumentReport(name, "Python scalar, static (part of the compile key)", "hashed")
+    if _nnx_gate.is_node(value):
+        return ArgumentReport(name, *_nnx_gate.adapter().explain_node(value))
+    hit = _flatten.lookup(value)
+    if hit is not None:
+        if hit.guard is None:
+            return ArgumentReport(name, "cached by identity (immutable pytree)", "one identity check")
+        n = sum(len(expected) for _, expected in hit.guard)
+        return ArgumentReport(
+            name,
+            f"cached by identity, with a guard over {len(hit.guard)} lists/dicts",
+            f"{n} item identity checks (an in-place change is seen)",
+        )
+    adapter = _nnx_gate.loaded()
+    if adapter is not None and adapter.holds_nodes(value):
+        return ArgumentReport(name, "container holding NNX objects", "the container flattened, each object read")
+    try:
+        spec, _ = _flatten.flatten_generic(value, name, state.options.trace_scalars)
+    except Exception as err:  # (the call itself would raise this, naming the argument)
+        return ArgumentReport(name, f"cannot be read: {err}", "")
+    if spec.kind != "tree":
+        return ArgumentReport(name, spec.kind, "")
+    if not type(value).__weakrefoffset__:
+        if first and (spec.cacheable or spec.guardable) and type(value) in (list, dict):
+            return ArgumentReport(
+                name,
+                f"top-level {type(value).__name__}, not yet held",
+                "held for the fast path once passed first in two consecutive calls",
+            )
+        return ArgumentReport(
+            name, f"{type(value).__name__} (cannot be weakly referenced)", "flattened (generated code) every call"
+        )
+    if spec.cacheable or spec.guardable:
+        return ArgumentReport(name, "not cached yet (seen for the first time)", "cached after its first calls")
+    return ArgumentReport(
+        name,
+        "holds a pytree node that can change in place and cannot be guarded",
+        "flattened (generated code) every call",
+    )

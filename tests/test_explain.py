@@ -1,0 +1,76 @@
+"""`f.explain(*args)`: the route it names is the route the call then takes, and it runs nothing."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import fastcall
+
+from .conftest import served
+
+
+class ListNet(eqx.Module):
+    layers: list
+
+    def __init__(self, key):
+        self.layers = [eqx.nn.Linear(4, 4, key=key)]
+
+    def __call__(self, x):
+        return self.layers[0](x)
+
+
+class WithConfig(nnx.Module):
+    def __init__(self):
+        self.config = {"scale": 2}  # a mutable static attribute: re-read every call
+        self.w = nnx.Param(jnp.ones(4))
+
+    def __call__(self, x):
+        return self.w[...] * x * self.config["scale"]
+
+
+X = jnp.ones(4)
+
+
+def _scenarios():
+    yield "eqx list model", lambda: ListNet(jax.random.PRNGKey(0)), (X,), {}
+    yield "params dict", lambda: {"w": jnp.ones(4)}, (X,), {}
+    yield "nnx module", lambda: nnx.Linear(4, 4, rngs=nnx.Rngs(0)), (X,), {}
+    yield "nnx mutable static", WithConfig, (X,), {}
+    yield "keyword argument", lambda: nnx.Linear(4, 4, rngs=nnx.Rngs(0)), (), {"x": X}
+    yield "scalar second argument", lambda: {"w": jnp.ones(4)}, (2.0,), {}
+
+
+def _call(m, x):
+    return m["w"] * x if isinstance(m, dict) else m(x)
+
+
+@pytest.mark.parametrize("name, make, rest, kwargs", list(_scenarios()), ids=[s[0] for s in _scenarios()])
+def test_explain_names_the_route_the_call_takes(name, make, rest, kwargs, hot_path):
+    obj = make()
+    f = fastcall.jit(_call)
+    for _ in range(4):
+        report = f.explain(obj, *rest, **kwargs)
+        before = f.stats()
+        assert f.stats() == before  # explaining ran nothing
+        _, route = served(f, obj, *rest, **kwargs)
+        assert (route != "general") == (report.route == "fast"), (name, str(report))
+        assert bool(report.reasons) == (report.route == "general")
+        assert [a.name for a in report.arguments] == ["m", *(["x"] if rest else []), *kwargs]
+    if name in ("keyword argument", "scalar second argument", "nnx mutable static"):
+        assert report.route == "general"
+    else:
+        assert report.route == "fast"
+
+
+def test_explain_says_why():
+    f = fastcall.jit(_call)
+    m = WithConfig()
+    f(m, X)
+    text = str(f.explain(m, X))
+    assert "mutable static attribute" in text and "route: general" in text
+    text = str(f.explain(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), x=X))
+    assert "keyword arguments (x)" in text
