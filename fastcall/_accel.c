@@ -88,7 +88,7 @@ guard_holds(PyObject *guard)
                     return 0;
                 }
             }
-        } else if (PyDict_Check(c)) {
+        } else if (PyDict_CheckExact(c)) { /* (not a subclass: an OrderedDict keeps its order apart) */
             if (2 * PyDict_GET_SIZE(c) != m) {
                 return 0;
             }

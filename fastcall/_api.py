@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from typing import Any, Callable, ParamSpec, Protocol, Sequence, TypeVar, overload
 
 import equinox as eqx
@@ -241,6 +242,8 @@ def _wrap(fun: Any, options: Any) -> Any:
     state = _function.state_for(fun, fun_spec, options, user_fun)
     public = _dispatch.make_wrapper(fun, fun_leaves, state, user_fun)
     public._fastcall_state = state
+    # (a top-level list or dict the function holds for the fast path dies with the wrapper)
+    weakref.finalize(public, _flatten.release_held, state.held_box).atexit = False
     public.lower = lambda *args, **kwargs: _aot.lower(state, fun_leaves, args, kwargs)
     public.lower.__doc__ = "Trace and lower for these arguments (as `jax.jit(...).lower`)."
     public.stats = state.stats

@@ -42,8 +42,9 @@ INDEX: dict[int, FastSlot] = {}
 class RawLeaf(NamedTuple):
     """A leaf of an NNX graph held directly as an attribute of a graph node (a raw array
     attribute, `self.pos = nnx.data(jnp.arange(n))`; an item of an nnx.List), read at
-    call time as `getattr(owner, name)`. Rebinding it goes through the node's hooked
-    `__setattr__`, so the cached structure stays trustworthy."""
+    call time as `getattr(owner, name)` (`owner` is a weak proxy: a cache entry holding
+    it keeps nothing alive). Rebinding it goes through the node's hooked `__setattr__`,
+    so the cached structure stays trustworthy."""
 
     owner: Any
     name: str

@@ -131,13 +131,13 @@ _STATE_TYPE = eqx.nn.State
 
 
 def _treedef_is_guardable(treedef: Any) -> bool:
-    """Immutable but for lists, dicts and eqx.nn.State, which a guard (`_guard`) can watch."""
+    """Immutable but for plain lists, dicts and eqx.nn.State, which a guard (`_guard`) can watch."""
     node_data = treedef.node_data()
     if node_data is not None and not (
         _node_is_immutable(node_data[0])
         or node_data[0] is list
+        or node_data[0] is dict
         or node_data[0] is _STATE_TYPE
-        or issubclass(node_data[0], dict)
     ):
         return False
     return all(_treedef_is_guardable(c) for c in treedef.children())
@@ -403,7 +403,8 @@ def _guard_of(obj: Any, leaves: Sequence[Any], spec: Any) -> Any:
 # Top-level lists and dicts (a params dict, `f(params, x)`) cannot be weakly referenced,
 # so the identity cache can only hold them strongly. It does so for a container passed
 # first in two consecutive calls of one function (an inference loop), and at most one per
-# function: the next container held by that function releases it. A training loop, which
+# function: the next container held by that function releases it, and so do its wrapper's
+# death and `clear_caches`. A training loop, which
 # passes a new container each call, never has one held (its previous leaves are compared
 # through weak references, which keep nothing alive).
 
@@ -447,9 +448,10 @@ def hold(state: Any, obj: Any, leaves: Sequence[Any], spec: Any) -> CacheEntry |
         by_id[token.oid] = entry
         if old is not None:
             _fast.withdraw(old.ref)
-    if state.held is not None and state.held is not entry.ref:
-        release(state.held)
-    state.held = entry.ref
+    box = state.held_box
+    if box[0] is not None and box[0] is not entry.ref:
+        release(box[0])
+    box[0] = entry.ref
     return entry
 
 
@@ -457,6 +459,14 @@ def release(token: _Strong) -> None:
     """Stop holding a container `hold` held (and serving it fast)."""
     forget_strong(token)
     _fast.withdraw(token)
+
+
+def release_held(box: list[Any]) -> None:
+    """Release what a function holds (`box` is its `held_box`): when it is cleared, and
+    when its wrapper dies."""
+    token, box[0] = box[0], None
+    if token is not None:
+        release(token)
 
 
 def remember_strongly(obj: Any, leaves: Sequence[Any], spec: Any) -> _Strong:

@@ -73,7 +73,7 @@ class FunctionState:
         self.storm_warned = False
         # (top-level lists and dicts passed first: see `_flatten.hold`)
         self.last_first: Any = None
-        self.held: Any = None
+        self.held_box: list[Any] = [None]  # (released when a wrapper of it dies: _api)
         self.name = getattr(user_fun, "__qualname__", None) or type(user_fun).__name__
         _all_states.add(self)
 
@@ -156,9 +156,8 @@ class FunctionState:
         with self.lock:
             self.table.clear()
             _fast.forget_function(self)
-            if self.held is not None:
-                _flatten.release(self.held)
-            self.held = self.last_first = None
+            _flatten.release_held(self.held_box)
+            self.last_first = None
 
     # ---- stats ----
 

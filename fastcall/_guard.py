@@ -26,9 +26,10 @@ Guard = tuple[tuple[Any, tuple[Any, ...]], ...]
 
 
 def is_guardable(container: Any) -> bool:
-    """Whether a guard can watch this container (a plain list, or a dict of any kind
-    whose order is its iteration order)."""
-    return type(container) is list or isinstance(container, dict)
+    """Whether a guard can watch this container: a plain list or dict. (Not an OrderedDict,
+    whose order, which jax flattens by, is kept apart from its storage: `move_to_end`
+    changes it without changing what the C check walks.)"""
+    return type(container) is list or type(container) is dict
 
 
 def make(containers: list[Any]) -> Guard | None:

@@ -29,6 +29,7 @@ in the output come back as the caller's own objects or as new ones.
 
 from __future__ import annotations
 
+import collections
 import collections.abc
 import copy
 import dataclasses
@@ -187,7 +188,10 @@ def _leaf_items(root: Any, flat: Any) -> tuple[list[Any], bool]:
             for key in path[:-1]:
                 owner = _child(owner, key)
             key = path[-1]
-            item: Any = RawLeaf(owner, str(key)) if isinstance(owner, _nnx_hooks.Pytree) else RawItem(owner, key)
+            # (the owner through a weak proxy: the entry must not keep the object alive)
+            item: Any = (
+                RawLeaf(weakref.proxy(owner), str(key)) if isinstance(owner, _nnx_hooks.Pytree) else RawItem(owner, key)
+            )
             if read_leaf(item) is not leaf:
                 raise LookupError(key)
         except Exception:
@@ -455,6 +459,8 @@ def clear() -> None:
         _unwatch(entry)
         _fast.withdraw(entry.ref)
     by_id.clear()
+    with _watch_lock:
+        _watchers.clear()  # (and any entry another thread replaced while it was being read)
     _variable_specs.clear()
 
 
@@ -531,7 +537,7 @@ def _read_node(obj: Any, leaves: list[Any], arg_name: str, nnx_args: list[NnxArg
         if contains_tracer(values):
             raise StepAside
     leaves += values
-    nnx_args.append(NnxArg(obj, entry.items, entry))
+    nnx_args.append(NnxArg(obj, entry.items, entry, paths=entry.paths))
     return entry.spec
 
 
@@ -749,7 +755,7 @@ class NodeSpec:
 
     __slots__ = (
         "id", "kind", "graphdef", "n_dyn", "cacheable", "templated", "mask", "joint", "mutable_statics",
-        "has_containers", "__weakref__",
+        "has_containers", "has_shared", "__weakref__",
     )
 
     def __init__(self, graphdef: Any, n: int, joint: bool = False) -> None:
@@ -767,6 +773,8 @@ class NodeSpec:
         # plain lists, dicts or other pytree nodes inside the graph (`nnx.data([...])`)
         nodes = getattr(graphdef, "nodes", None)
         self.has_containers = nodes is None or any(map(_may_hold_container, nodes))
+        # an object reached by two paths (a shared Variable or submodule: a NodeRef)
+        self.has_shared = nodes is None or any(type(n) is graphlib.NodeRef for n in nodes)
 
     def nnx_objects(self) -> list[tuple[int, NodeSpec]]:
         return [(0, self)]
@@ -887,10 +895,21 @@ class TracedInputs:
         restructured: list[Any] = []
         restructure: list[tuple[int, Any, int]] = []
         refmap = None
-        for ordinal, (t, (graphdef, flat)) in enumerate(zip(self.args, self._flatten_all())):
+        flattened = self._flatten_all()
+        # A Variable replaced by a new one is written as a new Variable only where that is
+        # all that happened: the new Variable is not one the function was given (by any
+        # argument: a Variable moved keeps its identity), it sits in one place only, and the
+        # graph shares no object (a shared old Variable is reached by other paths too).
+        given_ids = {id(v) for t in self.args for v in t.inner}
+        new_places = collections.Counter(
+            id(a)
+            for t, (_, flat) in zip(self.args, flattened)
+            for a, b in zip(flat.leaves, t.inner)
+            if a is not b and isinstance(a, Variable)
+        )
+        for ordinal, (t, (graphdef, flat)) in enumerate(zip(self.args, flattened)):
             after = list(flat.leaves)
             same_graph = graphdef == t.spec.graphdef and len(after) == len(t.inner)
-            given_ids = {id(v) for v in t.inner}
             # A structural change: another graphdef, or a raw leaf that is no longer an
             # array. The same graphdef with a raw leaf rebound to another array is a value
             # written back; with a Variable replaced by a new one (of the same type and
@@ -899,8 +918,11 @@ class TracedInputs:
             changed = (
                 not same_graph
                 or any(not isinstance(a, (jax.Array, Variable)) for a, b in zip(after, t.inner) if a is not b)
-                # (a Variable moved within the graph, e.g. two swapped, keeps its identity)
-                or any(id(a) in given_ids for a, b in zip(after, t.inner) if a is not b)
+                or any(
+                    id(a) in given_ids or new_places[id(a)] > 1 or t.spec.has_shared
+                    for a, b in zip(after, t.inner)
+                    if a is not b and isinstance(a, Variable)
+                )
                 or (
                     self._returns_nodes(out)
                     and any(a is not b for a, b in zip(after, t.inner) if isinstance(b, Variable))
@@ -1094,7 +1116,12 @@ def _replace_variable(arg: NnxArg, index: int, value: Any) -> None:
     entry = arg.entry if arg.entry is not None else by_id.get(id(arg.obj))
     if entry is not None and (entry.ref() is not arg.obj or entry.items is not arg.variables):
         entry = None  # (not the entry this call read: it is left to the hooks)
-    path = (entry.paths if entry is not None else arg.paths)[index]
+    paths = arg.paths if arg.paths is not None else (entry.paths if entry is not None else None)
+    if paths is not None and len(paths) == len(arg.variables):
+        path = paths[index]
+    else:  # (a fast-path call whose entry another thread replaced meanwhile: search)
+        flat = graphlib.flatten(arg.obj, with_paths=True)[1]
+        path = next(p for p, leaf in zip(flat.paths, flat.leaves) if leaf is old)
     owner = arg.obj
     for key in path[:-1]:
         owner = _child(owner, key)
@@ -1109,6 +1136,8 @@ def _replace_variable(arg: NnxArg, index: int, value: Any) -> None:
     arg.variables[index] = new
     if entry is not None:
         with _watch_lock:
+            if by_id.get(id(arg.obj)) is not entry:
+                return  # (replaced meanwhile by another thread's read: nothing to follow)
             lst = _watchers.get(id(old))
             if lst is not None and entry in lst:
                 lst.remove(entry)

@@ -470,3 +470,121 @@ def test_a_replaced_variable_that_is_also_returned():
         assert type(out) is Loss
         assert_trees_equal(out[...], want[...])
         assert_trees_equal(state_of(m), state_of(ref))
+
+
+# --------------------------------------------------------------------------
+# Review regressions: sharing, memory, ordered dicts, threads
+
+
+class _Holder(nnx.Module):
+    def __init__(self, v) -> None:
+        self.v = v
+
+
+def test_a_shared_variable_replaced_stays_shared_like_nnx_jit():
+    class M(nnx.Module):
+        def __init__(self):
+            v = Loss(jnp.zeros(()))
+            self.a, self.b = _Holder(v), _Holder(v)
+
+        def __call__(self, x):
+            new = Loss(jnp.sum(x))
+            self.a.v = new
+            self.b.v = new
+            return self.b.v[...] * 1.0
+
+    ours, theirs = M(), M()
+    f, peer = fastcall.jit(_call), nnx.jit(_call)
+    for i in range(3):
+        x = jnp.full(3, float(i + 1))
+        assert_trees_equal(f(ours, x), peer(theirs, x))
+    assert ours.a.v is ours.b.v and theirs.a.v is theirs.b.v
+    assert float(fastcall.jit(lambda m: m.b.v[...] + 0.0)(ours)) == float(ours.b.v[...])
+
+
+def test_a_variable_moved_from_another_argument_is_shared_like_nnx_jit():
+    def call(m1, m2, x):
+        m2.v[...] = jnp.sum(x)
+        m1.v = m2.v
+        return x
+
+    for jit in (fastcall.jit, nnx.jit):
+        m1, m2 = _Holder(Loss(jnp.zeros(()))), _Holder(Loss(jnp.zeros(())))
+        f = jit(call)
+        for i in range(3):
+            f(m1, m2, jnp.full(3, float(i + 1)))
+        assert m1.v is m2.v, jit
+
+
+def test_ordered_dict_reordered_in_place_is_seen():
+    import collections
+
+    class M(eqx.Module):
+        d: collections.OrderedDict
+
+    def first(m, x):
+        return next(iter(m.d.values())) * x
+
+    x = jnp.ones(2)
+    m = M(collections.OrderedDict(a=jnp.array(1.0), b=jnp.array(2.0)))
+    d = collections.OrderedDict(a=jnp.array(1.0), b=jnp.array(2.0))
+    f, g = fastcall.filter_jit(first), fastcall.jit(lambda d, x: next(iter(d.values())) * x)
+    for _ in range(3):
+        f(m, x), g(d, x)
+    m.d.move_to_end("a")
+    d.move_to_end("a")
+    assert_trees_equal(f(m, x), first(m, x))
+    assert_trees_equal(g(d, x), d["b"] * x)
+
+
+def test_caches_keep_nothing_alive():
+    import gc
+    import weakref
+
+    # a model with raw array attributes, cached and on the fast path
+    m = WithRaw(nnx.Rngs(0))
+    f = fastcall.jit(_call)
+    for _ in range(3):
+        f(m, X4)
+    dead = weakref.ref(m)
+    del m
+    gc.collect()
+    assert dead() is None
+
+    # a params dict held by a function, after the function is gone
+    def evaluate():
+        params = {"w": jnp.ones(4)}
+        g = fastcall.jit(lambda p, x: p["w"] * x)
+        for _ in range(3):
+            g(params, X4[0])
+        return weakref.ref(params["w"])
+
+    leaf = evaluate()
+    gc.collect()
+    assert leaf() is None
+
+
+def test_threads_replacing_a_variable_on_a_model_re_read_every_call():
+    from .conftest import run_threads
+
+    class M(nnx.Module):
+        def __init__(self):
+            self.linear = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+            self.cfg = nnx.static([1, 2])  # a mutable static: re-read every call
+            self.kl = Loss(jnp.zeros(()))
+
+        def __call__(self, x):
+            y = jnp.tanh(self.linear(x))
+            self.kl = Loss(jnp.mean(y))
+            return y
+
+    m = M()
+    f = fastcall.jit(_call)
+    f(m, X4)
+
+    def work(i):
+        for _ in range(30):
+            f(m, X4)
+
+    assert not run_threads(4, work)
+    assert_trees_equal(m.kl[...], jnp.mean(jnp.tanh(m.linear(X4))))
