@@ -5,8 +5,9 @@ whole route of a call:
 
 1. The fast path. `f(first, *arrays)` where `first` has a `FastRecord` for
    this function in the fast index (`_fast.INDEX`) and every other argument
-   is a plain jax array: one dict lookup, one weakref check, one type check
-   per array, then the jax.jit C++ fast path. Nothing is flattened or keyed.
+   is a plain jax array: one dict lookup, one weakref check (and, for an
+   object holding lists or dicts, its guard: `_guard`), one type check per
+   array, then the jax.jit C++ fast path. Nothing is flattened or keyed.
    The C extension (`_accel.c`) serves exactly this case, reading the same
    records; this Python copy serves it when the C one is not built or is
    disabled (`FASTCALL_DISABLE_ACCEL=1`).
