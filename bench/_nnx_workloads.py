@@ -333,6 +333,27 @@ def linen_cnn(model: CNN) -> tuple[Any, Any]:
     return LinenCNN(model.conv1.out_features), {"params": params}
 
 
+
+def _step_workload(
+    name: str,
+    description: str,
+    variant: Callable[[Any], Any],
+    make_floor: Callable[[], Any],
+    floor_note: str,
+    more_peers: dict[str, Callable[[Any], Any]] | None = None,
+    **options: Any,
+) -> Workload:
+    """A workload of one step function: eager (the reference), the floor, fastcall.jit, and
+    the peers it replaces (nnx.jit and `more_peers`), each made by `variant(wrap)`."""
+    peers = {"nnx.jit": nnx.jit, **(more_peers or {})}
+    variants = [
+        Variant("eager", variant(lambda f: f), timed=False),
+        Variant("floor", make_floor, note=floor_note),
+        Variant("fastcall.jit", variant(fastcall.jit)),
+        *(Variant(peer, variant(wrap)) for peer, wrap in peers.items()),
+    ]
+    return Workload(name, description, variants, _compare, peers={"fastcall.jit": tuple(peers)}, **options)
+
 def optimizer_step(name: str, description: str, width: int, depth: int, batch: int) -> Workload:
     """A train step with nnx.Optimizer: parameters and optimizer state written back."""
     x = jnp.ones((batch, width))
@@ -384,18 +405,13 @@ def optimizer_step(name: str, description: str, width: int, depth: int, batch: i
 
         return run
 
-    return Workload(
+    return _step_workload(
         name,
         description,
-        [
-            Variant("eager", variant(lambda s: s), timed=False),
-            Variant("floor", make_floor, note="jax.jit on flat state leaves, changed state returned and rebound"),
-            Variant("fastcall.jit", variant(fastcall.jit)),
-            Variant("nnx.jit", variant(nnx.jit)),
-            Variant("nnx.jit(graph=False)", variant(lambda s: nnx.jit(s, graph=False))),
-        ],
-        _compare,
-        peers={"fastcall.jit": ("nnx.jit", "nnx.jit(graph=False)")},
+        variant,
+        make_floor,
+        "jax.jit on flat state leaves, changed state returned and rebound",
+        more_peers={"nnx.jit(graph=False)": lambda s: nnx.jit(s, graph=False)},
     )
 
 
@@ -425,17 +441,12 @@ def variable_arg(name: str, description: str, width: int) -> Workload:
         getter = lambda: _state_leaves(model)  # noqa: E731
         return lambda: (g(kernel, x), getter)
 
-    return Workload(
+    return _step_workload(
         name,
         description,
-        [
-            Variant("eager", variant(lambda s: s), timed=False),
-            Variant("floor", make_floor, note="jax.jit on the kernel array"),
-            Variant("fastcall.jit", variant(fastcall.jit)),
-            Variant("nnx.jit", variant(nnx.jit)),
-        ],
-        _compare,
-        peers={"fastcall.jit": ("nnx.jit",)},
+        variant,
+        make_floor,
+        "jax.jit on the kernel array",
     )
 
 
@@ -465,18 +476,13 @@ def functional(name: str, description: str, width: int, depth: int) -> Workload:
         getter = lambda: list(leaves)  # noqa: E731
         return lambda: (g(*leaves, x), getter)
 
-    return Workload(
+    return _step_workload(
         name,
         description,
-        [
-            Variant("eager", variant(lambda s: s), timed=False),
-            Variant("floor", make_floor, note="jax.jit on the flat state leaves"),
-            Variant("fastcall.jit", variant(fastcall.jit)),
-            Variant("nnx.jit", variant(nnx.jit)),
-            Variant("jax.jit(static_argnums=0)", variant(lambda s: jax.jit(s, static_argnums=0))),
-        ],
-        _compare,
-        peers={"fastcall.jit": ("nnx.jit", "jax.jit(static_argnums=0)")},
+        variant,
+        make_floor,
+        "jax.jit on the flat state leaves",
+        more_peers={"jax.jit(static_argnums=0)": lambda s: jax.jit(s, static_argnums=0)},
     )
 
 
@@ -543,21 +549,12 @@ def optimizer_tuple_step(name: str, description: str, width: int, depth: int, ba
 
         return make
 
-    return Workload(
+    return _step_workload(
         name,
         description,
-        [
-            Variant("eager", variant(lambda s: s), timed=False),
-            Variant(
-                "floor",
-                lambda: _write_back_floor(build(), step, x, y),
-                note="jax.jit on flat state leaves, changed state returned and rebound",
-            ),
-            Variant("fastcall.jit", variant(fastcall.jit)),
-            Variant("nnx.jit", variant(nnx.jit)),
-        ],
-        _compare,
-        peers={"fastcall.jit": ("nnx.jit",)},
+        variant,
+        lambda: _write_back_floor(build(), step, x, y),
+        "jax.jit on flat state leaves, changed state returned and rebound",
     )
 
 
@@ -582,21 +579,12 @@ def kv_list_step(name: str, description: str, vocab: int, dim: int, layers: int,
 
         return make
 
-    return Workload(
+    return _step_workload(
         name,
         description,
-        [
-            Variant("eager", variant(lambda s: s), timed=False),
-            Variant(
-                "floor",
-                lambda: _write_back_floor(build(), lambda mc, t: step(*mc, t), token),
-                note="jax.jit on the flat state leaves, changed cache arrays returned and rebound",
-            ),
-            Variant("fastcall.jit", variant(fastcall.jit)),
-            Variant("nnx.jit", variant(nnx.jit)),
-        ],
-        _compare,
-        peers={"fastcall.jit": ("nnx.jit",)},
+        variant,
+        lambda: _write_back_floor(build(), lambda mc, t: step(*mc, t), token),
+        "jax.jit on the flat state leaves, changed cache arrays returned and rebound",
         check_steps=5,  # the cache fills a slot per step: compare it after several
     )
 
@@ -691,18 +679,13 @@ def train_eval(name: str, description: str, width: int, depth: int, batch: int) 
 
         return run
 
-    return Workload(
+    return _step_workload(
         name,
         description,
-        [
-            Variant("eager", variant(lambda f: f), timed=False),
-            Variant("floor", make_floor, note="two jax.jit programs (train, eval graphdefs) on the flat state leaves"),
-            Variant("fastcall.jit", variant(fastcall.jit)),
-            Variant("nnx.jit", variant(nnx.jit)),
-            Variant("nnx.jit(graph=False)", variant(lambda f: nnx.jit(f, graph=False))),
-        ],
-        _compare,
-        peers={"fastcall.jit": ("nnx.jit", "nnx.jit(graph=False)")},
+        variant,
+        make_floor,
+        "two jax.jit programs (train, eval graphdefs) on the flat state leaves",
+        more_peers={"nnx.jit(graph=False)": lambda f: nnx.jit(f, graph=False)},
     )
 
 
@@ -766,18 +749,13 @@ def new_variable(name: str, description: str, din: int, hidden: int, latent: int
         model.encoder.kl_loss = Loss(jnp.zeros((), jnp.float32))
         return _write_back_floor(model, fwd, x)
 
-    return Workload(
+    # nnx.jit(graph=False) is no peer: tree mode propagates no new attribute (kl_loss)
+    return _step_workload(
         name,
         description,
-        [
-            Variant("eager", variant(lambda f: f), timed=False),
-            Variant("floor", make_floor, note="jax.jit on the flat state leaves, kl_loss and RNG count rebound"),
-            Variant("fastcall.jit", variant(fastcall.jit)),
-            Variant("nnx.jit", variant(nnx.jit)),
-        ],
-        _compare,
-        # nnx.jit(graph=False) is no peer: tree mode propagates no new attribute (kl_loss)
-        peers={"fastcall.jit": ("nnx.jit",)},
+        variant,
+        make_floor,
+        "jax.jit on the flat state leaves, kl_loss and RNG count rebound",
     )
 
 
@@ -834,23 +812,14 @@ def raw_counter_step(name: str, description: str, hidden: int, batch: int) -> Wo
 
         return make
 
-    return Workload(
+    # nnx.jit(graph=False) is no peer: tree mode writes back Variables only, so the
+    # rebound raw arrays (parameters, count) keep their old values
+    return _step_workload(
         name,
         description,
-        [
-            Variant("eager", variant(lambda f: f), timed=False),
-            Variant(
-                "floor",
-                lambda: _write_back_floor(build(), lambda mo, x, y: step(*mo, x, y), x, y),
-                note="jax.jit on flat state leaves, changed leaves (raw arrays included) returned and rebound",
-            ),
-            Variant("fastcall.jit", variant(fastcall.jit)),
-            Variant("nnx.jit", variant(nnx.jit)),
-        ],
-        _compare,
-        # nnx.jit(graph=False) is no peer: tree mode writes back Variables only, so the
-        # rebound raw arrays (parameters, count) keep their old values
-        peers={"fastcall.jit": ("nnx.jit",)},
+        variant,
+        lambda: _write_back_floor(build(), lambda mo, x, y: step(*mo, x, y), x, y),
+        "jax.jit on flat state leaves, changed leaves (raw arrays included) returned and rebound",
     )
 
 
