@@ -7,6 +7,11 @@
  *   first and whose guard (if any) holds, slot.records[state] is a FastRecord
  *   with arity == len(args), and every other argument is exactly a jax ArrayImpl.
  *
+ * or, when INDEX has no slot for `first`, the structure path: `structures` (the
+ * function's `state.structures`) has a StructureRecord for type(first) with arity ==
+ * len(args), whose `last` is not id(first), and whose extractor returns first's
+ * leaves (not None); the call then passes those leaves, then the arrays.
+ *
  * Then: for an NNX record (variables is not None), the Variables' current
  * values are read through the _raw_value slot (a RawLeaf's through getattr)
  * and passed first (if the first
@@ -35,18 +40,27 @@ static const char *SLOT_FIELDS[] = {"ref", "records", "guard", NULL};
 #define REC_VARIABLES 2
 #define REC_POST 3
 static const char *RECORD_FIELDS[] = {"arity", "call", "variables", "post", NULL};
+/* StructureRecord(arity, extract, call, post, last) */
+#define STR_ARITY 0
+#define STR_EXTRACT 1
+#define STR_CALL 2
+#define STR_POST 3
+#define STR_LAST 4
+static const char *STRUCTURE_FIELDS[] = {"arity", "extract", "call", "post", "last", NULL};
 
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
     PyObject *fallback;    /* the Python wrapper: handles every other case */
     PyObject *index;       /* dict: id(first) -> FastSlot */
+    PyObject *structures;  /* dict: type(first) -> StructureRecord (this function's) */
     PyObject *state;       /* key of this wrapped function in slot.records */
     PyObject *array_type;  /* jaxlib ArrayImpl */
     PyObject *varies_exc;  /* StructureVaries: retry through the fallback */
     PyObject *on_error;    /* on_error(exception, args): re-raises it, made clearer */
     PyObject *value_slot;  /* one-element list: the Variable._raw_value descriptor, or None */
     Py_ssize_t calls;      /* calls served here (JitStats.paths["c_fast"]) */
+    Py_ssize_t structure_calls; /* calls served by the structure path (paths["c_structure"]) */
     PyObject *dict;
     PyObject *weakreflist;
 } FastWrapper;
@@ -144,11 +158,11 @@ ref_is(PyObject *ref, PyObject *obj)
  * StructureVaries (the call is then counted there, not here); otherwise hand the
  * exception to on_error, which re-raises it (translated where it can). */
 static PyObject *
-fw_failed(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+fw_failed(FastWrapper *self, Py_ssize_t *counter, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     if (PyErr_ExceptionMatches(self->varies_exc)) {
         PyErr_Clear();
-        self->calls--;
+        (*counter)--;
         return fw_fallback(self, args, nargsf, kwnames);
     }
     PyObject *type, *value, *tb;
@@ -182,6 +196,86 @@ fw_failed(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *kwn
 
 #define SMALL_STACK 64
 
+/* The structure path: `first` (not in INDEX; `key` is id(first)) may be a new object of
+ * a structure this function has run. */
+static PyObject *
+fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *kwnames, PyObject *key)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *first = args[0];
+    PyObject *record = PyDict_GetItemWithError(self->structures, (PyObject *)Py_TYPE(first)); /* borrowed */
+    if (record == NULL) {
+        return PyErr_Occurred() ? NULL : fw_fallback(self, args, nargsf, kwnames);
+    }
+    if (!PyTuple_Check(record) || PyTuple_GET_SIZE(record) != 5) {
+        return fw_fallback(self, args, nargsf, kwnames);
+    }
+    Py_ssize_t arity = PyLong_AsSsize_t(PyTuple_GET_ITEM(record, STR_ARITY));
+    if (arity != nargs) {
+        return (arity == -1 && PyErr_Occurred()) ? NULL : fw_fallback(self, args, nargsf, kwnames);
+    }
+    for (Py_ssize_t i = 1; i < nargs; i++) {
+        if ((PyObject *)Py_TYPE(args[i]) != self->array_type) {
+            return fw_fallback(self, args, nargsf, kwnames);
+        }
+    }
+    PyObject *last = PyTuple_GET_ITEM(record, STR_LAST);
+    if (!PyList_CheckExact(last) || PyList_GET_SIZE(last) != 1) {
+        return fw_fallback(self, args, nargsf, kwnames);
+    }
+    int again = PyObject_RichCompareBool(PyList_GET_ITEM(last, 0), key, Py_EQ);
+    if (again != 0) { /* the same object again: the general path caches it by identity */
+        return again < 0 ? NULL : fw_fallback(self, args, nargsf, kwnames);
+    }
+    /* Hold what we use: another thread may replace the record during the call. */
+    Py_INCREF(record);
+    PyObject *out = NULL;
+    PyObject **stack = NULL;
+    PyObject *small[SMALL_STACK];
+    PyObject *leaves = PyObject_CallOneArg(PyTuple_GET_ITEM(record, STR_EXTRACT), first);
+    if (leaves == NULL) {
+        goto done;
+    }
+    if (!PyTuple_CheckExact(leaves)) { /* None: not of this structure */
+        out = fw_fallback(self, args, nargsf, kwnames);
+        goto done;
+    }
+    Py_INCREF(key);
+    if (PyList_SetItem(last, 0, key) < 0) { /* (steals key) */
+        goto done;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(leaves);
+    Py_ssize_t total = n + nargs - 1;
+    stack = total <= SMALL_STACK ? small : PyMem_Malloc(total * sizeof(PyObject *));
+    if (stack == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        stack[i] = PyTuple_GET_ITEM(leaves, i); /* borrowed from `leaves`, held below */
+    }
+    for (Py_ssize_t i = 1; i < nargs; i++) {
+        stack[n + i - 1] = args[i];
+    }
+    self->structure_calls++;
+    out = PyObject_Vectorcall(PyTuple_GET_ITEM(record, STR_CALL), stack, total, NULL);
+    if (out == NULL) {
+        out = fw_failed(self, &self->structure_calls, args, nargsf, kwnames);
+        goto done;
+    }
+    PyObject *post = PyTuple_GET_ITEM(record, STR_POST);
+    if (post != Py_None) {
+        PyObject *result = PyObject_CallFunctionObjArgs(post, out, first, Py_None, NULL);
+        Py_DECREF(out);
+        out = result;
+    }
+done:
+    if (stack != NULL && stack != small) PyMem_Free(stack);
+    Py_XDECREF(leaves);
+    Py_DECREF(record);
+    return out;
+}
+
 static PyObject *
 fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
@@ -196,10 +290,12 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
         return NULL;
     }
     PyObject *slot = PyDict_GetItemWithError(self->index, key); /* borrowed */
-    Py_DECREF(key);
     if (slot == NULL) {
-        return PyErr_Occurred() ? NULL : fw_fallback(self, args, nargsf, kwnames);
+        PyObject *out = PyErr_Occurred() ? NULL : fw_structure(self, args, nargsf, kwnames, key);
+        Py_DECREF(key);
+        return out;
     }
+    Py_DECREF(key);
     if (!PyTuple_Check(slot) || PyTuple_GET_SIZE(slot) != 3) {
         return fw_fallback(self, args, nargsf, kwnames);
     }
@@ -277,7 +373,7 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
     if (out == NULL) {
         for (Py_ssize_t i = 0; i < filled; i++) Py_DECREF(stack[i]);
         filled = 0;
-        out = fw_failed(self, args, nargsf, kwnames);
+        out = fw_failed(self, &self->calls, args, nargsf, kwnames);
         goto done;
     }
     PyObject *post = PyTuple_GET_ITEM(record, REC_POST);
@@ -315,6 +411,7 @@ fw_traverse(PyObject *op, visitproc visit, void *arg)
     FastWrapper *self = (FastWrapper *)op;
     Py_VISIT(self->fallback);
     Py_VISIT(self->index);
+    Py_VISIT(self->structures);
     Py_VISIT(self->state);
     Py_VISIT(self->array_type);
     Py_VISIT(self->varies_exc);
@@ -330,6 +427,7 @@ fw_clear(PyObject *op)
     FastWrapper *self = (FastWrapper *)op;
     Py_CLEAR(self->fallback);
     Py_CLEAR(self->index);
+    Py_CLEAR(self->structures);
     Py_CLEAR(self->state);
     Py_CLEAR(self->array_type);
     Py_CLEAR(self->varies_exc);
@@ -375,18 +473,18 @@ check_fields(PyObject *fields, const char **expected, const char *record)
 static PyObject *
 fw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    PyObject *fallback, *index, *state, *array_type, *varies_exc, *on_error, *value_slot;
-    PyObject *slot_fields, *record_fields;
+    PyObject *fallback, *index, *structures, *state, *array_type, *varies_exc, *on_error, *value_slot;
+    PyObject *slot_fields, *record_fields, *structure_fields;
     if (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) {
         PyErr_SetString(PyExc_TypeError, "FastWrapper takes positional arguments only");
         return NULL;
     }
-    if (!PyArg_UnpackTuple(args, "FastWrapper", 9, 9, &fallback, &index, &state, &array_type, &varies_exc,
-                           &on_error, &value_slot, &slot_fields, &record_fields)) {
+    if (!PyArg_UnpackTuple(args, "FastWrapper", 11, 11, &fallback, &index, &structures, &state, &array_type,
+                           &varies_exc, &on_error, &value_slot, &slot_fields, &record_fields, &structure_fields)) {
         return NULL;
     }
-    if (!PyDict_CheckExact(index)) {
-        PyErr_SetString(PyExc_TypeError, "FastWrapper: index must be a dict");
+    if (!PyDict_CheckExact(index) || !PyDict_CheckExact(structures)) {
+        PyErr_SetString(PyExc_TypeError, "FastWrapper: index and structures must be dicts");
         return NULL;
     }
     if (!PyList_CheckExact(value_slot) || PyList_GET_SIZE(value_slot) != 1) {
@@ -394,7 +492,8 @@ fw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         return NULL;
     }
     if (check_fields(slot_fields, SLOT_FIELDS, "FastSlot") < 0
-        || check_fields(record_fields, RECORD_FIELDS, "FastRecord") < 0) {
+        || check_fields(record_fields, RECORD_FIELDS, "FastRecord") < 0
+        || check_fields(structure_fields, STRUCTURE_FIELDS, "StructureRecord") < 0) {
         return NULL;
     }
     FastWrapper *self = (FastWrapper *)type->tp_alloc(type, 0);
@@ -404,12 +503,14 @@ fw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->vectorcall = fw_vectorcall;
     Py_INCREF(fallback); self->fallback = fallback;
     Py_INCREF(index); self->index = index;
+    Py_INCREF(structures); self->structures = structures;
     Py_INCREF(state); self->state = state;
     Py_INCREF(array_type); self->array_type = array_type;
     Py_INCREF(varies_exc); self->varies_exc = varies_exc;
     Py_INCREF(on_error); self->on_error = on_error;
     Py_INCREF(value_slot); self->value_slot = value_slot;
     self->calls = 0;
+    self->structure_calls = 0;
     self->dict = NULL;
     self->weakreflist = NULL;
     return (PyObject *)self;
@@ -417,6 +518,8 @@ fw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 
 static PyMemberDef fw_members[] = {
     {"_fastcall_c_calls", T_PYSSIZET, offsetof(FastWrapper, calls), READONLY, "calls served in C"},
+    {"_fastcall_c_structure_calls", T_PYSSIZET, offsetof(FastWrapper, structure_calls), READONLY,
+     "calls served by the structure path in C"},
     {NULL},
 };
 

@@ -31,9 +31,9 @@ import os
 import weakref
 from typing import Any
 
-from . import _args, _fast, _flatten, _guard, _nnx_gate
+from . import _args, _codegen, _fast, _flatten, _guard, _nnx_gate
 from ._build import Entry, StructureVaries
-from ._fast import FastRecord, FastSlot
+from ._fast import FastRecord, FastSlot, StructureRecord
 from ._flatten import ArrayImpl
 from ._outputs import on_error
 from ._trace import StepAside
@@ -74,7 +74,8 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
     """After a general call: let later calls of this shape take the fast path, if the
     call was `f(first, *plain arrays)` with `first` a cached Equinox/pytree object or an
     NNX object whose structure is cached, and the compiled entry's outputs are fixed.
-    The one eligibility rule for the fast path (Python and C)."""
+    A new pytree `first` instead gets a structure record: later new objects of its
+    structure take the structure path. The one eligibility rule for both (Python and C)."""
     args = resolved.args
     # Records are per state, which equal functions carrying other arrays share.
     if fun_leaves or resolved.kwargs or not args or entry.varies or entry.out is None:
@@ -83,12 +84,6 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
         if k != 0:
             return  # every other argument must be a plain array
     first = args[0]
-    if (type(first) is list or type(first) is dict) and not resolved.nnx_args:  # (see `hold`)
-        spec = _flatten.spec_by_id(resolved.key[0])
-        held = _flatten.hold(state, first, resolved.leaves[: spec.n_dyn], spec)
-        if held is not None:
-            _publish_pytree(state, first, held, entry, len(args))
-        return
     if resolved.nnx_args:
         if len(resolved.nnx_args) != 1:
             return  # (NNX objects in the other, plain-array arguments? none can be)
@@ -97,6 +92,14 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
         if nnx_arg.obj is not first or node is None or not node.direct or state in node.fast:
             return
         node.fast[state] = FastRecord(len(args), entry.fn, node.items, _fast_post(entry))
+        return
+    if not resolved.first_known:
+        _publish_structure(state, first, resolved.key[0], entry, len(args))
+    if type(first) is list or type(first) is dict:  # (see `hold`)
+        spec = _flatten.spec_by_id(resolved.key[0])
+        held = _flatten.hold(state, first, resolved.leaves[: spec.n_dyn], spec)
+        if held is not None:
+            _publish_pytree(state, first, held, entry, len(args))
         return
     hit = _flatten.lookup(first)
     if hit is None:
@@ -108,6 +111,21 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
     if not isinstance(hit.ref, weakref.ref):
         return  # not cached by weakref (a strongly held tuple is not served fast)
     _publish_pytree(state, first, hit, entry, len(args))
+
+
+def _publish_structure(state: Any, first: Any, spec_id: int, entry: Entry, arity: int) -> None:
+    """Serve `f(new object of first's structure, *arrays)` through the structure's
+    generated extractor (if it has one: `_codegen.templates`)."""
+    for template in _codegen.templates.get(type(first), ()):
+        if template.spec.id == spec_id:
+            known = state.structures.get(type(first))
+            if known is None or known.extract is not template.extract or known.call is not entry.fn or known.arity != arity:
+                known = StructureRecord(arity, template.extract, entry.fn, _fast_post(entry), [0])
+                state.structures[type(first)] = known
+            # `first` itself, passed again, comes back here: then it is cached by identity
+            # (`first_known`) and gets a fast record.
+            known.last[0] = id(first)
+            return
 
 
 def _publish_pytree(state: Any, first: Any, hit: Any, entry: Entry, arity: int) -> None:
@@ -138,8 +156,16 @@ def _fast_post(entry: Entry) -> Any:
     return post
 
 
+def _all_arrays(values: tuple[Any, ...]) -> bool:
+    for v in values:
+        if type(v) is not ArrayImpl:
+            return False
+    return True
+
+
 def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: Any) -> Any:
     index_get = _fast.INDEX.get
+    structures_get = state.structures.get
     read_value = _fast.read_value
     guard_holds = _guard.holds
     counts = state.counts
@@ -147,34 +173,47 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
     fast_ok = not (state.static_argnums or state.static_argnames)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        # ---- 1. the fast path: f(first, *arrays) with a record for `first` ----
+        # ---- 1. the fast path: f(first, *arrays) with a record for `first`, or a new
+        # `first` of a structure this function has run (the structure path) ----
         if args and fast_ok and not kwargs:
             first = args[0]
+            rest = args[1:]
+            call = None
             slot = index_get(id(first))
-            if slot is not None and slot.ref() is first and (slot.guard is None or guard_holds(slot.guard)):
-                record = slot.records.get(state)
-                if record is not None and record.arity == len(args):
-                    arity, call, variables, post = record
-                    rest = args[1:]
-                    for b in rest:
-                        if type(b) is not ArrayImpl:
-                            break
-                    else:
+            if slot is not None:
+                if slot.ref() is first and (slot.guard is None or guard_holds(slot.guard)):
+                    record = slot.records.get(state)
+                    if record is not None and record.arity == len(args) and _all_arrays(rest):
+                        arity, call, variables, post = record
                         if variables is None:
                             values: Any = ()
                         else:  # NNX: the Variables' current values, read through the slot
                             values = list(map(read_value, variables))
                         # (tracers inside an nnx transform: the general path steps aside)
-                        if not values or type(values[0]) is ArrayImpl:
+                        if values and type(values[0]) is not ArrayImpl:
+                            call = None
+                        else:
                             counts.python_fast += 1
-                            try:
-                                out = call(*values, *rest)
-                            except StructureVaries:
-                                counts.python_fast -= 1  # counted once, by the general path
-                            except (RuntimeError, ValueError) as err:
-                                on_error(err, list(state.named_args(args, kwargs)))
-                            else:
-                                return out if post is None else post(out, first, variables)
+            else:
+                known = structures_get(type(first))
+                if known is not None and known.arity == len(args) and known.last[0] != id(first) and _all_arrays(rest):
+                    values = known.extract(first)  # (None: not of this structure)
+                    if values is not None:
+                        known.last[0] = id(first)
+                        call, variables, post = known.call, None, known.post
+                        counts.python_structure += 1
+            if call is not None:
+                try:
+                    out = call(*values, *rest)
+                except StructureVaries:  # counted once, by the general path
+                    if slot is not None:
+                        counts.python_fast -= 1
+                    else:
+                        counts.python_structure -= 1
+                except (RuntimeError, ValueError) as err:
+                    on_error(err, list(state.named_args(args, kwargs)))
+                else:
+                    return out if post is None else post(out, first, variables)
         # ---- 2. the general path: resolve every argument, run the compiled entry ----
         try:
             resolved = resolve_call(state, fun_leaves, args, kwargs)
@@ -196,6 +235,7 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
     public = _accel.FastWrapper(
         wrapper,
         _fast.INDEX,
+        state.structures,
         state,
         ArrayImpl,
         StructureVaries,
@@ -203,6 +243,7 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
         _fast.VALUE_SLOT,
         FastSlot._fields,
         FastRecord._fields,
+        StructureRecord._fields,
     )
     functools.update_wrapper(public, user_fun)
     state.c_wrappers.add(public)

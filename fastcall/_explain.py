@@ -27,8 +27,10 @@ class ArgumentReport:
 class CallReport:
     """What `f.explain(*args, **kwargs)` returns."""
 
-    route: str  # "fast" (a fast record serves it) or "general"
-    reasons: tuple[str, ...]  # why not the fast path (empty when it is)
+    # "fast" (a fast record serves it), "structure" (a new object of a structure this
+    # function has run: its generated extractor reads it) or "general"
+    route: str
+    reasons: tuple[str, ...]  # why not the fast or structure path (empty when it is one)
     arguments: tuple[ArgumentReport, ...]
 
     def __str__(self) -> str:
@@ -41,9 +43,29 @@ class CallReport:
 
 def explain(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallReport:
     reasons = _why_not_fast(state, args, kwargs)
+    route = "general" if reasons else "fast"
+    if reasons == [_NO_RECORD.format(first=state.arg_name(0))] and _structure_serves(state, args):
+        route, reasons = "structure", []
     named = [(state.arg_name(i), a) for i, a in enumerate(args)] + sorted(kwargs.items())
     reports = tuple(_argument(state, name, value, i == 0) for i, (name, value) in enumerate(named))
-    return CallReport("general" if reasons else "fast", tuple(reasons), reports)
+    return CallReport(route, tuple(reasons), reports)
+
+
+_NO_RECORD = "{first}: no fast record, and not a new object of a structure this function has run (see its line below)"
+
+
+def _structure_serves(state: Any, args: tuple[Any, ...]) -> bool:
+    """The structure path's conditions (`_dispatch.make_wrapper`), when the fast path's
+    only failing one is that `args[0]` has no slot."""
+    if id(args[0]) in _fast.INDEX:
+        return False
+    known = state.structures.get(type(args[0]))
+    return (
+        known is not None
+        and known.arity == len(args)
+        and known.last[0] != id(args[0])
+        and known.extract(args[0]) is not None
+    )
 
 
 def _why_not_fast(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
@@ -61,7 +83,7 @@ def _why_not_fast(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     slot = _fast.INDEX.get(id(args[0]))
     first = state.arg_name(0)
     if slot is None or slot.ref() is not args[0]:
-        reasons.append(f"{first}: no fast record (see its line below)")
+        reasons.append(_NO_RECORD.format(first=first))
     elif slot.guard is not None and not _guard.holds(slot.guard):
         reasons.append(f"{first}: a list or dict in it changed since it was cached (re-read on this call)")
     else:
@@ -110,6 +132,13 @@ def _argument(state: Any, name: str, value: Any, first: bool) -> ArgumentReport:
             )
         return ArgumentReport(
             name, f"{type(value).__name__} (cannot be weakly referenced)", "flattened (generated code) every call"
+        )
+    known = state.structures.get(type(value)) if first else None
+    if known is not None and known.extract(value) is not None:
+        return ArgumentReport(
+            name,
+            "a new object of a structure this function has run",
+            "its leaves read by the structure's generated code (cached by identity if passed again)",
         )
     if spec.cacheable or spec.guardable:
         return ArgumentReport(name, "not cached yet (seen for the first time)", "cached after its first calls")

@@ -14,6 +14,13 @@ since it was read (`_nnx`); for those holding lists or dicts, as long as the
 slot's guard holds (`_guard`). Each slot maps a wrapped function's state
 to the `FastRecord` that serves calls of that function with this object first.
 A slot is withdrawn the moment its object dies or (NNX) its structure changes.
+
+A new object has no slot. If it is of a structure this function has already
+run (an Equinox model returned by the previous training step, a new params
+dict each call), the structure path serves it: the function's
+`state.structures[type(first)]` is a `StructureRecord`, whose extractor (the
+structure's generated code, `_codegen.Template`) reads the object's leaves and
+checks everything else about it, or declines.
 """
 
 from __future__ import annotations
@@ -38,6 +45,19 @@ class FastSlot(NamedTuple):
 
 
 INDEX: dict[int, FastSlot] = {}
+
+
+class StructureRecord(NamedTuple):
+    """How to serve `f(first, *arrays)` for a new object `first` of a structure seen before."""
+
+    arity: int  # the number of positional arguments the call must have
+    extract: Callable[[Any], Any]  # first's leaves (a tuple of jax arrays), or None: not this structure
+    call: Callable[..., Any]  # the compiled function
+    post: Callable[[Any, Any, Any], Any] | None  # post(out, first, None); None: out is the result
+    # [id of the object this record served last]. The same object again is left to the
+    # general path, which caches it by identity: from then on the fast path serves it.
+    last: list[int]
+
 
 class RawLeaf(NamedTuple):
     """A leaf of an NNX graph held directly as an attribute of a graph node (a raw array
@@ -82,6 +102,7 @@ def withdraw(ref: Any, _index: dict[int, FastSlot] = INDEX) -> None:
 
 def forget_function(state: Any) -> None:
     """Drop every record of one wrapped function (its compiled entries were replaced)."""
+    state.structures.clear()
     for slot in list(INDEX.values()):
         slot.records.pop(state, None)
 

@@ -36,10 +36,11 @@ class PathCounts:
     """Calls served by each route (see `JitStats.paths`). The C fast path counts its
     own calls on each C wrapper."""
 
-    __slots__ = ("python_fast", "general")
+    __slots__ = ("python_fast", "python_structure", "general")
 
     def __init__(self) -> None:
         self.python_fast = 0
+        self.python_structure = 0
         self.general = 0
 
 
@@ -70,6 +71,8 @@ class FunctionState:
         self.donate_argnums = self._argnums(options.donate_argnums, options.donate_argnames)
         self.donate_argnames = frozenset(options.donate_argnames)
         self.c_wrappers: weakref.WeakSet[Any] = weakref.WeakSet()  # (their call counts)
+        # The structure path (`_fast.StructureRecord`): type of the first argument -> record.
+        self.structures: dict[type, Any] = {}
         self.storm_warned = False
         # (top-level lists and dicts passed first: see `_flatten.hold`)
         self.last_first: Any = None
@@ -178,8 +181,14 @@ class FunctionState:
             warnings.warn(f"fastcall.jit({self.name}): {storm}", _stats.RecompileWarning, stacklevel=2)
 
     def stats(self) -> _stats.JitStats:
-        c_fast = sum(w._fastcall_c_calls for w in list(self.c_wrappers))
-        paths = {"c_fast": c_fast, "python_fast": self.counts.python_fast, "general": self.counts.general}
+        wrappers = list(self.c_wrappers)
+        paths = {
+            "c_fast": sum(w._fastcall_c_calls for w in wrappers),
+            "python_fast": self.counts.python_fast,
+            "c_structure": sum(w._fastcall_c_structure_calls for w in wrappers),
+            "python_structure": self.counts.python_structure,
+            "general": self.counts.general,
+        }
         calls = sum(paths.values())
         return _stats.JitStats(
             calls=calls,

@@ -54,8 +54,11 @@ class JitStats:
       (argument, leaf path, old and new shape/dtype or static value).
     - `paths`: how many calls each route served: `"c_fast"` (the C fast path),
       `"python_fast"` (the same fast path in Python, when the C one is not
-      built or is disabled), `"general"` (everything else: arguments resolved
-      through the identity cache or read afresh). They add up to `calls`.
+      built or is disabled), `"c_structure"` / `"python_structure"` (a new
+      object of a structure this function has run, read by that structure's
+      generated code: the structure path, in C or in Python), `"general"`
+      (everything else: arguments resolved through the identity cache or read
+      afresh). They add up to `calls`.
     """
 
     calls: int

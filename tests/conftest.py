@@ -105,11 +105,13 @@ def hot_path(request, monkeypatch):
 
 
 FAST_PATH = {"c": "c_fast", "python": "python_fast"}  # hot_path fixture value -> stats path
+STRUCTURE_PATH = {"c": "c_structure", "python": "python_structure"}  # (a new object, known structure)
 
 
 def served(f: Any, *args: Any, **kwargs: Any) -> tuple[Any, str]:
     """Call `f` once; return its output and which route served the call ("c_fast",
-    "python_fast" or "general", as counted in `f.stats().paths`)."""
+    "python_fast", "c_structure", "python_structure" or "general", as counted in
+    `f.stats().paths`)."""
     before = f.stats().paths
     out = f(*args, **kwargs)
     after = f.stats().paths

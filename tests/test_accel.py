@@ -24,7 +24,7 @@ def test_c_accelerator_is_built_and_used():
     assert f.stats().calls == 3 and f.stats().hits == 2
     # The first call resolves and caches the model, the second installs its fast record,
     # the third is served in C.
-    assert f.stats().paths == {"c_fast": 1, "python_fast": 0, "general": 2}
+    assert f.stats().paths == {"c_fast": 1, "python_fast": 0, "c_structure": 0, "python_structure": 0, "general": 2}
 
 
 def test_c_wrapper_behaves_like_a_function():

@@ -15,7 +15,7 @@ from flax import nnx
 
 import fastcall
 
-from .conftest import FAST_PATH, assert_trees_equal, served
+from .conftest import FAST_PATH, STRUCTURE_PATH, assert_trees_equal, served
 
 pytestmark = pytest.mark.usefixtures("hot_path")
 
@@ -36,12 +36,16 @@ def test_same_equinox_model_takes_the_fast_path(hot_path):
     assert path2 == FAST_PATH[hot_path]
     assert_trees_equal(out2, m(x))
     assert_trees_equal(out2, eqx.filter_jit(forward)(m, x))
-    # Another model of the same structure is a new object: general path, then fast.
+    # Another model of the same structure is a new object: the structure path serves it;
+    # passed again, it is cached by identity (general), then served fast.
     m2 = eqx.nn.MLP(4, 3, 8, 2, key=jax.random.PRNGKey(1))
-    assert [served(f, m2, x)[1] for _ in range(2)] == ["general", "general"]
     out3, path3 = served(f, m2, x)
-    assert path3 == FAST_PATH[hot_path]
+    assert path3 == STRUCTURE_PATH[hot_path]
     assert_trees_equal(out3, m2(x))
+    assert [served(f, m2, x)[1] for _ in range(2)] == ["general", "general"]
+    out4, path4 = served(f, m2, x)
+    assert path4 == FAST_PATH[hot_path]
+    assert_trees_equal(out4, m2(x))
 
 
 def test_fast_path_needs_plain_array_arguments(hot_path):
@@ -147,9 +151,12 @@ def test_c_wrapper_checks_the_record_layout():
 
     if _dispatch._accel is None:
         pytest.skip("the C accelerator is not built")
-    good = (lambda: None, _fast.INDEX, object(), object, Exception, print, _fast.VALUE_SLOT)
-    _dispatch._accel.FastWrapper(*good, _fast.FastSlot._fields, _fast.FastRecord._fields)
+    good = (lambda: None, _fast.INDEX, {}, object(), object, Exception, print, _fast.VALUE_SLOT)
+    slot, record, structure = _fast.FastSlot._fields, _fast.FastRecord._fields, _fast.StructureRecord._fields
+    _dispatch._accel.FastWrapper(*good, slot, record, structure)
     with pytest.raises(TypeError, match="FastRecord field 2"):
-        _dispatch._accel.FastWrapper(*good, _fast.FastSlot._fields, ("arity", "call", "values", "post"))
+        _dispatch._accel.FastWrapper(*good, slot, ("arity", "call", "values", "post"), structure)
     with pytest.raises(TypeError, match="FastSlot"):
-        _dispatch._accel.FastWrapper(*good, ("ref",), _fast.FastRecord._fields)
+        _dispatch._accel.FastWrapper(*good, ("ref",), record, structure)
+    with pytest.raises(TypeError, match="StructureRecord field 4"):
+        _dispatch._accel.FastWrapper(*good, slot, record, ("arity", "extract", "call", "post", "seen"))

@@ -37,6 +37,7 @@ X = jnp.ones(4)
 
 def _scenarios():
     yield "eqx list model", lambda: ListNet(jax.random.PRNGKey(0)), (X,), {}
+    yield "new eqx model each call", lambda: ListNet(jax.random.PRNGKey(0)), (X,), {"new": True}
     yield "params dict", lambda: {"w": jnp.ones(4)}, (X,), {}
     yield "nnx module", lambda: nnx.Linear(4, 4, rngs=nnx.Rngs(0)), (X,), {}
     yield "nnx mutable static", WithConfig, (X,), {}
@@ -50,20 +51,31 @@ def _call(m, x):
 
 @pytest.mark.parametrize("name, make, rest, kwargs", list(_scenarios()), ids=[s[0] for s in _scenarios()])
 def test_explain_names_the_route_the_call_takes(name, make, rest, kwargs, hot_path):
+    new = kwargs.pop("new", False)
     obj = make()
     f = fastcall.jit(_call)
     for _ in range(4):
+        if new:
+            obj = make()
         report = f.explain(obj, *rest, **kwargs)
         before = f.stats()
         assert f.stats() == before  # explaining ran nothing
         _, route = served(f, obj, *rest, **kwargs)
-        assert (route != "general") == (report.route == "fast"), (name, str(report))
+        assert ROUTE[route] == report.route, (name, str(report))
         assert bool(report.reasons) == (report.route == "general")
         assert [a.name for a in report.arguments] == ["m", *(["x"] if rest else []), *kwargs]
     if name in ("keyword argument", "scalar second argument", "nnx mutable static"):
         assert report.route == "general"
+    elif new:
+        assert report.route == "structure"
     else:
         assert report.route == "fast"
+
+
+ROUTE = {
+    "c_fast": "fast", "python_fast": "fast", "c_structure": "structure", "python_structure": "structure",
+    "general": "general",
+}
 
 
 def test_explain_says_why():

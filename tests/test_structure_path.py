@@ -1,0 +1,200 @@
+"""The structure path: a new object of a structure the function has run (the model a
+training step returned, a new params dict each call) is read by that structure's
+generated code instead of the general path's resolution, in C and in Python.
+
+Each test checks the result against the eager call and the peer, and the route that
+served the call; anything that differs from the structure the record was made for
+(another static value, another list length, a NumPy leaf, a tracer) must decline to
+the general path and still give the right answer."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fastcall
+
+from .conftest import FAST_PATH, STRUCTURE_PATH, assert_trees_equal, served
+
+pytestmark = pytest.mark.usefixtures("hot_path")
+
+X = jnp.arange(4.0)
+
+
+class ListNet(eqx.Module):
+    layers: list
+    scale: float = eqx.field(static=True)
+
+    def __init__(self, key, n=2, scale=1.0):
+        self.layers = [eqx.nn.Linear(4, 4, key=k) for k in jax.random.split(key, n)]
+        self.scale = scale
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jax.nn.relu(layer(x))
+        return x * self.scale
+
+
+def _call(m, x):
+    return m(x)
+
+
+def _models(n, **kw):
+    return [ListNet(jax.random.PRNGKey(i), **kw) for i in range(n)]
+
+
+def test_new_objects_of_a_known_structure_take_the_structure_path(hot_path):
+    f, peer = fastcall.jit(_call), eqx.filter_jit(_call)
+    models = _models(5)
+    routes = []
+    for m in models:
+        y, route = served(f, m, X)
+        routes.append(route)
+        assert_trees_equal(y, m(X))
+        assert_trees_equal(y, peer(m, X))
+    assert routes == ["general"] + [STRUCTURE_PATH[hot_path]] * 4
+    assert f.stats().compiles == 1
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        lambda: ListNet(jax.random.PRNGKey(9), n=3),  # another list length
+        lambda: ListNet(jax.random.PRNGKey(9), scale=2.0),  # another static value
+        lambda: eqx.tree_at(lambda m: m.layers[0].bias, ListNet(jax.random.PRNGKey(9)), np.ones(4, np.float32)),
+    ],
+    ids=["list length", "static value", "numpy leaf"],
+)
+def test_anything_else_declines_to_the_general_path(other, hot_path):
+    f, peer = fastcall.jit(_call), eqx.filter_jit(_call)
+    for m in _models(2):
+        f(m, X)
+    m = other()
+    y, route = served(f, m, X)
+    assert route == "general"
+    assert_trees_equal(y, m(X))
+    assert_trees_equal(y, peer(m, X))
+    # and the record's own structure is served again afterwards
+    f(_models(3)[2], X)
+    y, route = served(f, _models(4)[3], X)
+    assert route == STRUCTURE_PATH[hot_path]
+    assert_trees_equal(y, _models(4)[3](X))
+
+
+def test_another_leaf_shape_compiles_for_it(hot_path):
+    f = fastcall.jit(_call)
+    for m in _models(2):
+        f(m, X)
+    m = eqx.tree_at(lambda m: m.layers[0].bias, _models(3)[2], jnp.ones(1))  # broadcasts
+    y, route = served(f, m, X)
+    assert route == STRUCTURE_PATH[hot_path]  # the same structure: jax.jit keys the shape
+    assert_trees_equal(y, m(X))
+    assert f.stats().compiles == 2
+
+
+def test_a_list_changed_in_place_is_read_afresh(hot_path):
+    f = fastcall.jit(_call)
+    a, b, c = _models(3)
+    f(a, X), f(b, X)
+    c.layers.append(eqx.nn.Linear(4, 4, key=jax.random.PRNGKey(7)))
+    y, route = served(f, c, X)
+    assert route == "general"
+    assert_trees_equal(y, c(X))
+    c.layers.pop()
+    y, route = served(f, c, X)
+    assert_trees_equal(y, c(X))
+
+
+def test_training_loop_returning_new_models(hot_path):
+    """`model = step(model, x)`: each step's model is the previous step's output."""
+
+    def step(m, x):
+        grads = eqx.filter_grad(lambda m, x: jnp.sum(m(x) ** 2))(m, x)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, m, grads)
+
+    f, peer = fastcall.jit(step), eqx.filter_jit(step)
+    m_fc = m_peer = _models(1)[0]
+    routes = []
+    for _ in range(5):
+        before = m_fc
+        m_fc, route = served(f, m_fc, X)
+        routes.append(route)
+        m_peer = peer(m_peer, X)
+        assert_trees_equal(m_fc, m_peer)
+        assert type(m_fc) is ListNet and m_fc is not before
+    assert routes[-3:] == [STRUCTURE_PATH[hot_path]] * 3
+    assert f.stats().compiles == 1
+
+
+def test_new_params_dict_each_call(hot_path):
+    def step(params, x):
+        return {k: v + x for k, v in params.items()}
+
+    f = fastcall.jit(step)
+    params = {"a": jnp.zeros(4), "b": jnp.ones(4)}
+    routes = []
+    for _ in range(4):
+        want = {k: v + X for k, v in params.items()}
+        params, route = served(f, params, X)
+        routes.append(route)
+        assert_trees_equal(params, want)
+    assert routes[-2:] == [STRUCTURE_PATH[hot_path]] * 2
+    # the same dict passed again is held and served fast (`_flatten.hold`)
+    routes = [served(f, params, X)[1] for _ in range(4)]
+    assert routes[-1] == FAST_PATH[hot_path], routes
+
+
+def test_the_same_object_again_goes_on_to_the_fast_path(hot_path):
+    f = fastcall.jit(_call)
+    a, b = _models(2)
+    f(a, X)
+    routes = [served(f, b, X)[1] for _ in range(4)]
+    assert routes == [STRUCTURE_PATH[hot_path], "general", "general", FAST_PATH[hot_path]]
+
+
+def test_errors_and_checks_on_the_structure_path(hot_path):
+    def checked(m, x):
+        y = m(x)
+        return eqx.error_if(y, x[0] > 0, "x[0] must not be positive")
+
+    f = fastcall.jit(checked)
+    for m in _models(2):
+        f(m, -X)
+    m = _models(3)[2]
+    with pytest.raises(eqx.EquinoxRuntimeError, match="must not be positive"):
+        f(m, X + 1)
+    y, route = served(f, _models(4)[3], -X)  # the wrapper keeps working
+    assert route == STRUCTURE_PATH[hot_path]
+    assert_trees_equal(y, _models(4)[3](-X))
+
+
+def test_tracers_decline(hot_path):
+    f = fastcall.jit(_call)
+    for m in _models(2):
+        f(m, X)
+    m = _models(3)[2]
+    y = jax.jit(lambda m, x: f(m, x))(m, X)  # the new object holds tracers inside jax.jit
+    assert_trees_equal(y, m(X))
+    assert jax.grad(lambda m: jnp.sum(f(m, X)))(m) is not None
+
+
+def test_clear_caches_drops_structure_records(hot_path):
+    f = fastcall.jit(_call)
+    for m in _models(2):
+        f(m, X)
+    fastcall.clear_caches()
+    y, route = served(f, _models(3)[2], X)
+    assert route == "general"
+    assert_trees_equal(y, _models(3)[2](X))
+
+
+def test_explain_names_the_structure_path(hot_path):
+    f = fastcall.jit(_call)
+    for m in _models(2):
+        f(m, X)
+    report = f.explain(_models(3)[2], X)
+    assert report.route == "structure" and not report.reasons
+    assert "structure this function has run" in report.arguments[0].kind
