@@ -26,6 +26,9 @@ class _NoTemplate(Exception):
     pass
 
 
+_STATE_TYPE = eqx.nn.State
+
+
 _MAX_TEMPLATE_NODES = 4096
 
 
@@ -111,6 +114,19 @@ class _CodeGen:
                 else:
                     self.walk(f"{v}[{f.name!r}]", d[f.name])
             self.statics(statics)
+            return
+        if t is _STATE_TYPE:  # eqx.nn.State: its children are its `_state` dict's values
+            d = value.__dict__.get("_state")
+            if type(d) is not dict or len(value.__dict__) != 1:
+                raise _NoTemplate  # (an invalidated State holds a sentinel: tree_flatten raises)
+            node = self.bind(expr)
+            v = self.var()
+            self.emit(f"if type({node}) is not {self.const(t)}: return None")
+            self.emit(f"{v} = _getattr({node}, '__dict__')['_state']")
+            # The keys, in order, are the node's auxiliary data (compared as jax compares it).
+            self.emit(f"if type({v}) is not dict or tuple({v}) != {self.const(tuple(d))}: return None")
+            for k, item in d.items():
+                self.walk(f"{v}[{self.const(k)}]", item)
             return
         if issubclass(t, tuple) and hasattr(t, "_fields"):
             v = self.bind(expr)
@@ -222,6 +238,15 @@ class _BuilderGen:
         if issubclass(t, tuple) and hasattr(t, "_fields"):
             items = [self.expr(v) for v in value]
             return f"_tnew({self.const(t)}, (" + "".join(i + ", " for i in items) + "))"
+        if t is _STATE_TYPE:  # (as its tree_unflatten builds it)
+            d = value.__dict__.get("_state")
+            if type(d) is not dict or len(value.__dict__) != 1:
+                raise _NoTemplate
+            entries = ", ".join(f"{self.const(k)}: {self.expr(item)}" for k, item in d.items())
+            v = f"_o{next(self.counter)}"
+            self.stmts.append(f"{v} = _new({self.const(t)})")
+            self.stmts.append(f"_setattr({v}, '__dict__', {{'_state': {{{entries}}}}})")
+            return v
         if isinstance(value, eqx.Module):
             fields = dataclasses.fields(value)
             d = value.__dict__

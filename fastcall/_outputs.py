@@ -59,11 +59,15 @@ class OutInfo:
         self.nnx = nnx
         self.adapter: Any = _nnx_gate.adapter() if nnx is not None else None
         self.regs = tuple(_registrations(out, mask))
-        self.mode = "flat" if (self.statics or self.block or self.regs or nnx is not None) else "pass"
+        needs_flat = bool(self.statics or self.block or self.regs or nnx is not None)
+        # Generated code that rebuilds this output structure (None: use treedef.unflatten).
+        # jax rebuilds an Equinox module or eqx.nn.State by calling its Python unflatten,
+        # once per node; the builder builds the whole output in one call, so an output
+        # holding any is rebuilt by it too.
+        self.build = _codegen.make_builder(out) if needs_flat or _has_python_nodes(treedef) else None
+        self.mode = "flat" if needs_flat or self.build is not None else "pass"
         # Nothing to do after a call: jax's output is the user's output.
         self.passthrough = self.mode == "pass"
-        # Generated code that rebuilds this output structure (None: use treedef.unflatten).
-        self.build = _codegen.make_builder(out) if self.mode == "flat" else None
         self.strong: list[Any] = []  # tuples returned by the latest call, cached by identity
 
     def same_as(self, other: OutInfo) -> bool:
@@ -143,6 +147,17 @@ class OutInfo:
 
 
 _strong_lock = threading.Lock()
+
+
+def _has_python_nodes(treedef: Any) -> bool:
+    """Whether jax rebuilds some node of `treedef` by calling Python (any node type but
+    tuples, lists, dicts, None and namedtuples, which it rebuilds in C++)."""
+    node_data = treedef.node_data()
+    if node_data is not None:
+        t = node_data[0]
+        if not (t in (tuple, list, dict, type(None)) or (issubclass(t, tuple) and hasattr(t, "_fields"))):
+            return True
+    return any(_has_python_nodes(c) for c in treedef.children())
 
 
 def _registrations(out: Any, mask: tuple[bool, ...]):
