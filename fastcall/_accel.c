@@ -7,10 +7,14 @@
  *   first and whose guard (if any) holds, slot.records[state] is a FastRecord
  *   with arity == len(args), and every other argument is exactly a jax ArrayImpl.
  *
- * or, when INDEX has no slot for `first`, the structure path: `structures` (the
- * function's `state.structures`) has a StructureRecord for type(first) with arity ==
- * len(args), whose `last` is not id(first), and whose extractor returns first's
- * leaves (not None); the call then passes those leaves, then the arrays.
+ * Any call that does not meet those conditions tries the structure path
+ * (`StructureRecord`): `structures` (the function's `state.structures`) has a
+ * record for type(first) with arity == len(args), and every argument reads as
+ * the record says (`_dispatch.read_arguments` is the Python copy): a plain array
+ * as is; any other from the identity cache (`by_id`: an entry whose ref() is the
+ * argument, whose guard holds and whose spec id is the expected one) or else
+ * from its structure's extractor (not None), unless it is the object last read
+ * there (`last`). The call then passes those leaves in order.
  *
  * Then: for an NNX record (variables is not None), the Variables' current
  * values are read through the _raw_value slot (a RawLeaf's through getattr)
@@ -40,13 +44,24 @@ static const char *SLOT_FIELDS[] = {"ref", "records", "guard", NULL};
 #define REC_VARIABLES 2
 #define REC_POST 3
 static const char *RECORD_FIELDS[] = {"arity", "call", "variables", "post", NULL};
-/* StructureRecord(arity, extract, call, post, last) */
+/* StructureRecord(arity, reads, call, post, last, fast_shape) */
 #define STR_ARITY 0
-#define STR_EXTRACT 1
+#define STR_READS 1
 #define STR_CALL 2
 #define STR_POST 3
 #define STR_LAST 4
-static const char *STRUCTURE_FIELDS[] = {"arity", "extract", "call", "post", "last", NULL};
+#define STR_FAST_SHAPE 5
+static const char *STRUCTURE_FIELDS[] = {"arity", "reads", "call", "post", "last", "fast_shape", NULL};
+/* ArgRead(spec_id, extract) */
+#define READ_SPEC_ID 0
+#define READ_EXTRACT 1
+static const char *READ_FIELDS[] = {"spec_id", "extract", NULL};
+/* CacheEntry(ref, leaves, spec_id, spec, guard): the identity cache's (fastcall/_flatten.py) */
+#define CACHE_REF 0
+#define CACHE_LEAVES 1
+#define CACHE_SPEC_ID 2
+#define CACHE_GUARD 4
+static const char *CACHE_FIELDS[] = {"ref", "leaves", "spec_id", "spec", "guard", NULL};
 
 typedef struct {
     PyObject_HEAD
@@ -54,6 +69,7 @@ typedef struct {
     PyObject *fallback;    /* the Python wrapper: handles every other case */
     PyObject *index;       /* dict: id(first) -> FastSlot */
     PyObject *structures;  /* dict: type(first) -> StructureRecord (this function's) */
+    PyObject *by_id;       /* dict: id(obj) -> CacheEntry (the identity cache) */
     PyObject *state;       /* key of this wrapped function in slot.records */
     PyObject *array_type;  /* jaxlib ArrayImpl */
     PyObject *varies_exc;  /* StructureVaries: retry through the fallback */
@@ -196,66 +212,157 @@ fw_failed(FastWrapper *self, Py_ssize_t *counter, PyObject *const *args, size_t 
 
 #define SMALL_STACK 64
 
-/* The structure path: `first` (not in INDEX; `key` is id(first)) may be a new object of
- * a structure this function has run. */
+/* The leaves of `a` (a new reference to a tuple or list) if the identity cache holds a
+ * current entry for it (key: id(a)) of spec `spec_id`; NULL without an error if not. */
 static PyObject *
-fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *kwnames, PyObject *key)
+cached_leaves(FastWrapper *self, PyObject *a, PyObject *key, PyObject *spec_id)
+{
+    PyObject *entry = PyDict_GetItemWithError(self->by_id, key); /* borrowed */
+    if (entry == NULL || !PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 5) {
+        return NULL;
+    }
+    Py_INCREF(entry); /* (calling a strong token's ref may run code) */
+    PyObject *leaves = NULL;
+    int same = ref_is(PyTuple_GET_ITEM(entry, CACHE_REF), a);
+    if (same == 1) {
+        PyObject *guard = PyTuple_GET_ITEM(entry, CACHE_GUARD);
+        PyObject *found = PyTuple_GET_ITEM(entry, CACHE_LEAVES);
+        if ((guard == Py_None || guard_holds(guard))
+            && (PyTuple_CheckExact(found) || PyList_CheckExact(found))) {
+            int match = PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, CACHE_SPEC_ID), spec_id, Py_EQ);
+            if (match == 1) {
+                Py_INCREF(found);
+                leaves = found;
+            }
+        }
+    }
+    Py_DECREF(entry);
+    return leaves;
+}
+
+/* Whether `last[i]` is `key` (1), not (0), or error (-1). */
+static int
+was_last(PyObject *last, Py_ssize_t i, PyObject *key)
+{
+    return PyObject_RichCompareBool(PyList_GET_ITEM(last, i), key, Py_EQ);
+}
+
+/* The structure path (see the top of this file): serves the call, or hands it to the
+ * fallback. */
+static PyObject *
+fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    PyObject *first = args[0];
-    PyObject *record = PyDict_GetItemWithError(self->structures, (PyObject *)Py_TYPE(first)); /* borrowed */
+    PyObject *record = PyDict_GetItemWithError(self->structures, (PyObject *)Py_TYPE(args[0])); /* borrowed */
     if (record == NULL) {
         return PyErr_Occurred() ? NULL : fw_fallback(self, args, nargsf, kwnames);
     }
-    if (!PyTuple_Check(record) || PyTuple_GET_SIZE(record) != 5) {
+    if (!PyTuple_Check(record) || PyTuple_GET_SIZE(record) != 6) {
         return fw_fallback(self, args, nargsf, kwnames);
     }
     Py_ssize_t arity = PyLong_AsSsize_t(PyTuple_GET_ITEM(record, STR_ARITY));
     if (arity != nargs) {
         return (arity == -1 && PyErr_Occurred()) ? NULL : fw_fallback(self, args, nargsf, kwnames);
     }
-    for (Py_ssize_t i = 1; i < nargs; i++) {
-        if ((PyObject *)Py_TYPE(args[i]) != self->array_type) {
+    PyObject *reads = PyTuple_GET_ITEM(record, STR_READS);
+    PyObject *last = PyTuple_GET_ITEM(record, STR_LAST);
+    if (!PyTuple_CheckExact(reads) || PyTuple_GET_SIZE(reads) != nargs || !PyList_CheckExact(last)
+        || PyList_GET_SIZE(last) != nargs) {
+        return fw_fallback(self, args, nargsf, kwnames);
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++) { /* (cheap checks first) */
+        PyObject *read = PyTuple_GET_ITEM(reads, i);
+        if (read == Py_None ? (PyObject *)Py_TYPE(args[i]) != self->array_type
+                            : !PyTuple_Check(read) || PyTuple_GET_SIZE(read) != 2) {
             return fw_fallback(self, args, nargsf, kwnames);
         }
     }
-    PyObject *last = PyTuple_GET_ITEM(record, STR_LAST);
-    if (!PyList_CheckExact(last) || PyList_GET_SIZE(last) != 1) {
-        return fw_fallback(self, args, nargsf, kwnames);
-    }
-    int again = PyObject_RichCompareBool(PyList_GET_ITEM(last, 0), key, Py_EQ);
-    if (again != 0) { /* the same object again: the general path caches it by identity */
-        return again < 0 ? NULL : fw_fallback(self, args, nargsf, kwnames);
+    int fast_shape = PyObject_IsTrue(PyTuple_GET_ITEM(record, STR_FAST_SHAPE));
+    if (fast_shape < 0) {
+        return NULL;
     }
     /* Hold what we use: another thread may replace the record during the call. */
     Py_INCREF(record);
     PyObject *out = NULL;
-    PyObject **stack = NULL;
+    int declined = 0;
+    PyObject *small_parts[SMALL_STACK], *small_keys[SMALL_STACK];
+    PyObject **parts = nargs <= SMALL_STACK ? small_parts : PyMem_Calloc(nargs, sizeof(PyObject *));
+    PyObject **keys = nargs <= SMALL_STACK ? small_keys : PyMem_Calloc(nargs, sizeof(PyObject *));
     PyObject *small[SMALL_STACK];
-    PyObject *leaves = PyObject_CallOneArg(PyTuple_GET_ITEM(record, STR_EXTRACT), first);
-    if (leaves == NULL) {
+    PyObject **stack = NULL;
+    if (parts == NULL || keys == NULL) {
+        PyErr_NoMemory();
         goto done;
     }
-    if (!PyTuple_CheckExact(leaves)) { /* None: not of this structure */
-        out = fw_fallback(self, args, nargsf, kwnames);
-        goto done;
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        parts[i] = keys[i] = NULL;
     }
-    Py_INCREF(key);
-    if (PyList_SetItem(last, 0, key) < 0) { /* (steals key) */
-        goto done;
+    /* Each non-array argument's leaves (a tuple or list), as `_dispatch.read_arguments`. */
+    Py_ssize_t total = 0;
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        PyObject *read = PyTuple_GET_ITEM(reads, i);
+        if (read == Py_None) {
+            total++;
+            continue;
+        }
+        PyObject *a = args[i];
+        keys[i] = PyLong_FromVoidPtr(a);
+        if (keys[i] == NULL) {
+            goto done;
+        }
+        int again = 0;
+        if (i == 0 && fast_shape) { /* passed again: the general path gives it a fast record */
+            again = was_last(last, 0, keys[0]);
+            if (again != 0) {
+                declined = again > 0;
+                goto done;
+            }
+        }
+        parts[i] = cached_leaves(self, a, keys[i], PyTuple_GET_ITEM(read, READ_SPEC_ID));
+        if (parts[i] == NULL) {
+            if (PyErr_Occurred()) {
+                goto done;
+            }
+            PyObject *extract = PyTuple_GET_ITEM(read, READ_EXTRACT);
+            if (extract == Py_None || (again = was_last(last, i, keys[i])) != 0) {
+                declined = again >= 0; /* (extracted again: the general path caches it) */
+                goto done;
+            }
+            parts[i] = PyObject_CallOneArg(extract, a);
+            if (parts[i] == NULL) {
+                goto done;
+            }
+            if (!PyTuple_CheckExact(parts[i])) { /* None: not of this structure */
+                declined = 1;
+                goto done;
+            }
+        }
+        total += PySequence_Fast_GET_SIZE(parts[i]);
     }
-    Py_ssize_t n = PyTuple_GET_SIZE(leaves);
-    Py_ssize_t total = n + nargs - 1;
     stack = total <= SMALL_STACK ? small : PyMem_Malloc(total * sizeof(PyObject *));
     if (stack == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        stack[i] = PyTuple_GET_ITEM(leaves, i); /* borrowed from `leaves`, held below */
+    Py_ssize_t pos = 0; /* borrowed: held by `parts` and `args` */
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        if (parts[i] == NULL) {
+            stack[pos++] = args[i];
+            continue;
+        }
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(parts[i]);
+        PyObject **items = PySequence_Fast_ITEMS(parts[i]);
+        for (Py_ssize_t j = 0; j < n; j++) {
+            stack[pos++] = items[j];
+        }
     }
-    for (Py_ssize_t i = 1; i < nargs; i++) {
-        stack[n + i - 1] = args[i];
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        if (keys[i] != NULL) {
+            Py_INCREF(keys[i]);
+            if (PyList_SetItem(last, i, keys[i]) < 0) { /* (steals the new reference) */
+                goto done;
+            }
+        }
     }
     self->structure_calls++;
     out = PyObject_Vectorcall(PyTuple_GET_ITEM(record, STR_CALL), stack, total, NULL);
@@ -265,14 +372,24 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
     }
     PyObject *post = PyTuple_GET_ITEM(record, STR_POST);
     if (post != Py_None) {
-        PyObject *result = PyObject_CallFunctionObjArgs(post, out, first, Py_None, NULL);
+        PyObject *result = PyObject_CallFunctionObjArgs(post, out, args[0], Py_None, NULL);
         Py_DECREF(out);
         out = result;
     }
 done:
+    if (parts != NULL && keys != NULL) {
+        for (Py_ssize_t i = 0; i < nargs; i++) {
+            Py_XDECREF(parts[i]);
+            Py_XDECREF(keys[i]);
+        }
+    }
+    if (parts != NULL && parts != small_parts) PyMem_Free(parts);
+    if (keys != NULL && keys != small_keys) PyMem_Free(keys);
     if (stack != NULL && stack != small) PyMem_Free(stack);
-    Py_XDECREF(leaves);
     Py_DECREF(record);
+    if (declined) {
+        return fw_fallback(self, args, nargsf, kwnames);
+    }
     return out;
 }
 
@@ -290,41 +407,39 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
         return NULL;
     }
     PyObject *slot = PyDict_GetItemWithError(self->index, key); /* borrowed */
-    if (slot == NULL) {
-        PyObject *out = PyErr_Occurred() ? NULL : fw_structure(self, args, nargsf, kwnames, key);
-        Py_DECREF(key);
-        return out;
-    }
     Py_DECREF(key);
+    if (slot == NULL) {
+        return PyErr_Occurred() ? NULL : fw_structure(self, args, nargsf, kwnames);
+    }
     if (!PyTuple_Check(slot) || PyTuple_GET_SIZE(slot) != 3) {
-        return fw_fallback(self, args, nargsf, kwnames);
+        return fw_structure(self, args, nargsf, kwnames);
     }
     int same = ref_is(PyTuple_GET_ITEM(slot, SLOT_REF), first);
     if (same <= 0) {
-        return same < 0 ? NULL : fw_fallback(self, args, nargsf, kwnames);
+        return same < 0 ? NULL : fw_structure(self, args, nargsf, kwnames);
     }
     PyObject *guard = PyTuple_GET_ITEM(slot, SLOT_GUARD);
     if (guard != Py_None && !guard_holds(guard)) {
-        return fw_fallback(self, args, nargsf, kwnames); /* a list or dict changed in place */
+        return fw_structure(self, args, nargsf, kwnames); /* a list or dict changed in place */
     }
     PyObject *records = PyTuple_GET_ITEM(slot, SLOT_RECORDS);
     if (!PyDict_CheckExact(records)) {
-        return fw_fallback(self, args, nargsf, kwnames);
+        return fw_structure(self, args, nargsf, kwnames);
     }
     PyObject *record = PyDict_GetItemWithError(records, self->state); /* borrowed */
     if (record == NULL) {
-        return PyErr_Occurred() ? NULL : fw_fallback(self, args, nargsf, kwnames);
+        return PyErr_Occurred() ? NULL : fw_structure(self, args, nargsf, kwnames);
     }
     if (!PyTuple_Check(record) || PyTuple_GET_SIZE(record) != 4) {
-        return fw_fallback(self, args, nargsf, kwnames);
+        return fw_structure(self, args, nargsf, kwnames);
     }
     Py_ssize_t arity = PyLong_AsSsize_t(PyTuple_GET_ITEM(record, REC_ARITY));
     if (arity != nargs) {
-        return (arity == -1 && PyErr_Occurred()) ? NULL : fw_fallback(self, args, nargsf, kwnames);
+        return (arity == -1 && PyErr_Occurred()) ? NULL : fw_structure(self, args, nargsf, kwnames);
     }
     for (Py_ssize_t i = 1; i < nargs; i++) {
         if ((PyObject *)Py_TYPE(args[i]) != self->array_type) {
-            return fw_fallback(self, args, nargsf, kwnames);
+            return fw_structure(self, args, nargsf, kwnames);
         }
     }
     PyObject *variables = PyTuple_GET_ITEM(record, REC_VARIABLES);
@@ -412,6 +527,7 @@ fw_traverse(PyObject *op, visitproc visit, void *arg)
     Py_VISIT(self->fallback);
     Py_VISIT(self->index);
     Py_VISIT(self->structures);
+    Py_VISIT(self->by_id);
     Py_VISIT(self->state);
     Py_VISIT(self->array_type);
     Py_VISIT(self->varies_exc);
@@ -428,6 +544,7 @@ fw_clear(PyObject *op)
     Py_CLEAR(self->fallback);
     Py_CLEAR(self->index);
     Py_CLEAR(self->structures);
+    Py_CLEAR(self->by_id);
     Py_CLEAR(self->state);
     Py_CLEAR(self->array_type);
     Py_CLEAR(self->varies_exc);
@@ -473,18 +590,19 @@ check_fields(PyObject *fields, const char **expected, const char *record)
 static PyObject *
 fw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    PyObject *fallback, *index, *structures, *state, *array_type, *varies_exc, *on_error, *value_slot;
-    PyObject *slot_fields, *record_fields, *structure_fields;
+    PyObject *fallback, *index, *structures, *by_id, *state, *array_type, *varies_exc, *on_error, *value_slot;
+    PyObject *slot_fields, *record_fields, *structure_fields, *read_fields, *cache_fields;
     if (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) {
         PyErr_SetString(PyExc_TypeError, "FastWrapper takes positional arguments only");
         return NULL;
     }
-    if (!PyArg_UnpackTuple(args, "FastWrapper", 11, 11, &fallback, &index, &structures, &state, &array_type,
-                           &varies_exc, &on_error, &value_slot, &slot_fields, &record_fields, &structure_fields)) {
+    if (!PyArg_UnpackTuple(args, "FastWrapper", 14, 14, &fallback, &index, &structures, &by_id, &state,
+                           &array_type, &varies_exc, &on_error, &value_slot, &slot_fields, &record_fields,
+                           &structure_fields, &read_fields, &cache_fields)) {
         return NULL;
     }
-    if (!PyDict_CheckExact(index) || !PyDict_CheckExact(structures)) {
-        PyErr_SetString(PyExc_TypeError, "FastWrapper: index and structures must be dicts");
+    if (!PyDict_CheckExact(index) || !PyDict_CheckExact(structures) || !PyDict_CheckExact(by_id)) {
+        PyErr_SetString(PyExc_TypeError, "FastWrapper: index, structures and by_id must be dicts");
         return NULL;
     }
     if (!PyList_CheckExact(value_slot) || PyList_GET_SIZE(value_slot) != 1) {
@@ -493,7 +611,9 @@ fw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     }
     if (check_fields(slot_fields, SLOT_FIELDS, "FastSlot") < 0
         || check_fields(record_fields, RECORD_FIELDS, "FastRecord") < 0
-        || check_fields(structure_fields, STRUCTURE_FIELDS, "StructureRecord") < 0) {
+        || check_fields(structure_fields, STRUCTURE_FIELDS, "StructureRecord") < 0
+        || check_fields(read_fields, READ_FIELDS, "ArgRead") < 0
+        || check_fields(cache_fields, CACHE_FIELDS, "CacheEntry") < 0) {
         return NULL;
     }
     FastWrapper *self = (FastWrapper *)type->tp_alloc(type, 0);
@@ -504,6 +624,7 @@ fw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     Py_INCREF(fallback); self->fallback = fallback;
     Py_INCREF(index); self->index = index;
     Py_INCREF(structures); self->structures = structures;
+    Py_INCREF(by_id); self->by_id = by_id;
     Py_INCREF(state); self->state = state;
     Py_INCREF(array_type); self->array_type = array_type;
     Py_INCREF(varies_exc); self->varies_exc = varies_exc;

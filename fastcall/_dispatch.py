@@ -33,7 +33,7 @@ from typing import Any
 
 from . import _args, _codegen, _fast, _flatten, _guard, _nnx_gate
 from ._build import Entry, StructureVaries
-from ._fast import FastRecord, FastSlot, StructureRecord
+from ._fast import ArgRead, FastRecord, FastSlot, StructureRecord
 from ._flatten import ArrayImpl
 from ._outputs import on_error
 from ._trace import StepAside
@@ -73,19 +73,17 @@ def run(state: Any, entry: Entry, resolved: Any, executable: Any = None) -> Any:
 def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry: Entry) -> None:
     """After a general call: let later calls of this shape take the fast path, if the
     call was `f(first, *plain arrays)` with `first` a cached Equinox/pytree object or an
-    NNX object whose structure is cached, and the compiled entry's outputs are fixed.
-    A new pytree `first` instead gets a structure record: later new objects of its
-    structure take the structure path. The one eligibility rule for both (Python and C)."""
+    NNX object whose structure is cached, and the compiled entry's outputs are fixed;
+    and let later calls with arguments of these structures take the structure path.
+    The one eligibility rule for both (Python and C)."""
     args = resolved.args
     # Records are per state, which equal functions carrying other arrays share.
     if fun_leaves or resolved.kwargs or not args or entry.varies or entry.out is None:
         return
-    for k in resolved.key[1:]:
-        if k != 0:
-            return  # every other argument must be a plain array
+    fast_shape = all(k == 0 for k in resolved.key[1:])  # every other argument a plain array
     first = args[0]
     if resolved.nnx_args:
-        if len(resolved.nnx_args) != 1:
+        if len(resolved.nnx_args) != 1 or not fast_shape:
             return  # (NNX objects in the other, plain-array arguments? none can be)
         nnx_arg = resolved.nnx_args[0]
         node = nnx_arg.entry
@@ -93,8 +91,9 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
             return
         node.fast[state] = FastRecord(len(args), entry.fn, node.items, _fast_post(entry))
         return
-    if not resolved.first_known:
-        _publish_structure(state, first, resolved.key[0], entry, len(args))
+    _publish_structure(state, resolved, entry, fast_shape)
+    if not fast_shape:
+        return
     if type(first) is list or type(first) is dict:  # (see `hold`)
         spec = _flatten.spec_by_id(resolved.key[0])
         held = _flatten.hold(state, first, resolved.leaves[: spec.n_dyn], spec)
@@ -113,19 +112,32 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
     _publish_pytree(state, first, hit, entry, len(args))
 
 
-def _publish_structure(state: Any, first: Any, spec_id: int, entry: Entry, arity: int) -> None:
-    """Serve `f(new object of first's structure, *arrays)` through the structure's
-    generated extractor (if it has one: `_codegen.templates`)."""
-    for template in _codegen.templates.get(type(first), ()):
-        if template.spec.id == spec_id:
-            known = state.structures.get(type(first))
-            if known is None or known.extract is not template.extract or known.call is not entry.fn or known.arity != arity:
-                known = StructureRecord(arity, template.extract, entry.fn, _fast_post(entry), [0])
-                state.structures[type(first)] = known
-            # `first` itself, passed again, comes back here: then it is cached by identity
-            # (`first_known`) and gets a fast record.
-            known.last[0] = id(first)
-            return
+def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool) -> None:
+    """Serve later calls whose arguments have this call's structures through the structure
+    path: each non-array argument from the identity cache or its structure's generated
+    extractor (`_codegen.templates`); not if one has neither."""
+    args = resolved.args
+    reads: list[ArgRead | None] = []
+    for a, spec_id in zip(args, resolved.key):
+        if spec_id == 0:
+            if type(a) is not ArrayImpl:
+                return  # (a traced Python scalar)
+            reads.append(None)
+            continue
+        extract = next((t.extract for t in _codegen.templates.get(type(a), ()) if t.spec.id == spec_id), None)
+        if extract is None:
+            hit = _flatten.lookup(a)
+            if hit is None or hit.spec_id != spec_id:
+                return
+        reads.append(ArgRead(spec_id, extract))
+    known = state.structures.get(type(args[0]))
+    if known is None or known.reads != tuple(reads) or known.call is not entry.fn:
+        known = StructureRecord(len(args), tuple(reads), entry.fn, _fast_post(entry), [0] * len(args), fast_shape)
+        state.structures[type(args[0])] = known
+    # The objects of this call, passed again, come back to the general path (see `last`).
+    for i, read in enumerate(reads):
+        if read is not None:
+            known.last[i] = id(args[i])
 
 
 def _publish_pytree(state: Any, first: Any, hit: Any, entry: Entry, arity: int) -> None:
@@ -156,11 +168,40 @@ def _fast_post(entry: Entry) -> Any:
     return post
 
 
-def _all_arrays(values: tuple[Any, ...]) -> bool:
-    for v in values:
-        if type(v) is not ArrayImpl:
+def _all_arrays(values: tuple[Any, ...], start: int) -> bool:
+    for i in range(start, len(values)):
+        if type(values[i]) is not ArrayImpl:
             return False
     return True
+
+
+def read_arguments(known: StructureRecord, args: tuple[Any, ...]) -> list[Any] | None:
+    """The structure path's reading of a call's arguments (`_fast.StructureRecord`): their
+    leaves, in order, or None if the record does not serve this call."""
+    values: list[Any] = []
+    for i, (a, read) in enumerate(zip(args, known.reads)):
+        if read is None:
+            if type(a) is not ArrayImpl:
+                return None
+            values.append(a)
+            continue
+        if i == 0 and known.fast_shape and known.last[0] == id(a):
+            return None  # passed again: the general path gives it a fast record
+        hit = _flatten.lookup(a)
+        if hit is not None and hit.spec_id == read.spec_id:
+            values += hit.leaves
+            continue
+        if read.extract is None or known.last[i] == id(a):
+            return None  # (extracted again: the general path caches it by identity)
+        leaves = read.extract(a)
+        if leaves is None:
+            return None  # not of this structure
+        values += leaves
+    last = known.last
+    for i, read in enumerate(known.reads):
+        if read is not None:
+            last[i] = id(args[i])
+    return values
 
 
 def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: Any) -> Any:
@@ -173,43 +214,42 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
     fast_ok = not (state.static_argnums or state.static_argnames)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        # ---- 1. the fast path: f(first, *arrays) with a record for `first`, or a new
-        # `first` of a structure this function has run (the structure path) ----
+        # ---- 1. the fast path: f(first, *arrays) with a record for `first`; else the
+        # structure path: arguments of structures this function has run ----
         if args and fast_ok and not kwargs:
             first = args[0]
-            rest = args[1:]
             call = None
             slot = index_get(id(first))
-            if slot is not None:
-                if slot.ref() is first and (slot.guard is None or guard_holds(slot.guard)):
-                    record = slot.records.get(state)
-                    if record is not None and record.arity == len(args) and _all_arrays(rest):
-                        arity, call, variables, post = record
-                        if variables is None:
-                            values: Any = ()
-                        else:  # NNX: the Variables' current values, read through the slot
-                            values = list(map(read_value, variables))
-                        # (tracers inside an nnx transform: the general path steps aside)
-                        if values and type(values[0]) is not ArrayImpl:
-                            call = None
-                        else:
-                            counts.python_fast += 1
-            else:
+            if slot is not None and slot.ref() is first and (slot.guard is None or guard_holds(slot.guard)):
+                record = slot.records.get(state)
+                if record is not None and record.arity == len(args) and _all_arrays(args, 1):
+                    arity, call, variables, post = record
+                    if variables is None:
+                        values: Any = [*args[1:]]
+                    else:  # NNX: the Variables' current values, read through the slot
+                        values = [*map(read_value, variables), *args[1:]]
+                    # (tracers inside an nnx transform: the general path steps aside)
+                    if variables and type(values[0]) is not ArrayImpl:
+                        call = None
+            structure = call is None
+            if structure:
                 known = structures_get(type(first))
-                if known is not None and known.arity == len(args) and known.last[0] != id(first) and _all_arrays(rest):
-                    values = known.extract(first)  # (None: not of this structure)
+                if known is not None and known.arity == len(args):
+                    values = read_arguments(known, args)
                     if values is not None:
-                        known.last[0] = id(first)
                         call, variables, post = known.call, None, known.post
-                        counts.python_structure += 1
             if call is not None:
+                if structure:
+                    counts.python_structure += 1
+                else:
+                    counts.python_fast += 1
                 try:
-                    out = call(*values, *rest)
+                    out = call(*values)
                 except StructureVaries:  # counted once, by the general path
-                    if slot is not None:
-                        counts.python_fast -= 1
-                    else:
+                    if structure:
                         counts.python_structure -= 1
+                    else:
+                        counts.python_fast -= 1
                 except (RuntimeError, ValueError) as err:
                     on_error(err, list(state.named_args(args, kwargs)))
                 else:
@@ -236,6 +276,7 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
         wrapper,
         _fast.INDEX,
         state.structures,
+        _flatten.by_id,
         state,
         ArrayImpl,
         StructureVaries,
@@ -244,6 +285,8 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
         FastSlot._fields,
         FastRecord._fields,
         StructureRecord._fields,
+        ArgRead._fields,
+        _flatten.CacheEntry._fields,
     )
     functools.update_wrapper(public, user_fun)
     state.c_wrappers.add(public)

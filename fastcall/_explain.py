@@ -1,7 +1,8 @@
 """`f.explain(*args, **kwargs)`: which route a call would take, and why, argument by argument.
 
 It answers "why is this call not at the floor?" without running the function:
-the fast path's conditions are checked as the wrapper checks them (`_dispatch`),
+the fast path's conditions are checked as the wrapper checks them, and the
+structure path's by its own reading of the arguments (`_dispatch`),
 and each argument is described by what the caches know about it (`_flatten`,
 `_nnx`). Explaining reads the arguments as a call would (NNX structures may be
 read and cached), but never traces, compiles or runs anything.
@@ -13,6 +14,7 @@ import dataclasses
 from typing import Any
 
 from . import _fast, _flatten, _guard, _nnx_gate
+from ._dispatch import read_arguments
 from ._flatten import ArrayImpl
 
 
@@ -44,28 +46,23 @@ class CallReport:
 def explain(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallReport:
     reasons = _why_not_fast(state, args, kwargs)
     route = "general" if reasons else "fast"
-    if reasons == [_NO_RECORD.format(first=state.arg_name(0))] and _structure_serves(state, args):
+    known = state.structures.get(type(args[0])) if args and not kwargs else None
+    if reasons and known is not None and _structure_serves(state, known, args):
         route, reasons = "structure", []
     named = [(state.arg_name(i), a) for i, a in enumerate(args)] + sorted(kwargs.items())
-    reports = tuple(_argument(state, name, value, i == 0) for i, (name, value) in enumerate(named))
+    reads = known.reads if known is not None else ()
+    reports = tuple(
+        _argument(state, name, value, i == 0, reads[i] if i < len(reads) else None)
+        for i, (name, value) in enumerate(named)
+    )
     return CallReport(route, tuple(reasons), reports)
 
 
-_NO_RECORD = "{first}: no fast record, and not a new object of a structure this function has run (see its line below)"
-
-
-def _structure_serves(state: Any, args: tuple[Any, ...]) -> bool:
-    """The structure path's conditions (`_dispatch.make_wrapper`), when the fast path's
-    only failing one is that `args[0]` has no slot."""
-    if id(args[0]) in _fast.INDEX:
+def _structure_serves(state: Any, known: Any, args: tuple[Any, ...]) -> bool:
+    """Whether the structure path would serve the call (read as it reads, changing nothing)."""
+    if state.static_argnums or state.static_argnames or known.arity != len(args):
         return False
-    known = state.structures.get(type(args[0]))
-    return (
-        known is not None
-        and known.arity == len(args)
-        and known.last[0] != id(args[0])
-        and known.extract(args[0]) is not None
-    )
+    return read_arguments(known._replace(last=list(known.last)), args) is not None
 
 
 def _why_not_fast(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
@@ -83,7 +80,7 @@ def _why_not_fast(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     slot = _fast.INDEX.get(id(args[0]))
     first = state.arg_name(0)
     if slot is None or slot.ref() is not args[0]:
-        reasons.append(_NO_RECORD.format(first=first))
+        reasons.append(f"{first}: no fast record (see its line below)")
     elif slot.guard is not None and not _guard.holds(slot.guard):
         reasons.append(f"{first}: a list or dict in it changed since it was cached (re-read on this call)")
     else:
@@ -95,7 +92,7 @@ def _why_not_fast(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     return reasons
 
 
-def _argument(state: Any, name: str, value: Any, first: bool) -> ArgumentReport:
+def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> ArgumentReport:
     if type(value) is ArrayImpl:
         return ArgumentReport(name, "jax array", "passed as is")
     if type(value) in _flatten.PY_SCALARS:
@@ -133,8 +130,7 @@ def _argument(state: Any, name: str, value: Any, first: bool) -> ArgumentReport:
         return ArgumentReport(
             name, f"{type(value).__name__} (cannot be weakly referenced)", "flattened (generated code) every call"
         )
-    known = state.structures.get(type(value)) if first else None
-    if known is not None and known.extract(value) is not None:
+    if read is not None and read.extract is not None and read.extract(value) is not None:
         return ArgumentReport(
             name,
             "a new object of a structure this function has run",

@@ -15,12 +15,15 @@ slot's guard holds (`_guard`). Each slot maps a wrapped function's state
 to the `FastRecord` that serves calls of that function with this object first.
 A slot is withdrawn the moment its object dies or (NNX) its structure changes.
 
-A new object has no slot. If it is of a structure this function has already
-run (an Equinox model returned by the previous training step, a new params
-dict each call), the structure path serves it: the function's
-`state.structures[type(first)]` is a `StructureRecord`, whose extractor (the
-structure's generated code, `_codegen.Template`) reads the object's leaves and
-checks everything else about it, or declines.
+A call the fast index does not serve may still be one the function has run
+with arguments of the same structures: the structure path. The function's
+`state.structures[type(first)]` is a `StructureRecord` saying how to read each
+positional argument: a plain jax array as is; any other argument from the
+identity cache (`_flatten.by_id`, when the cached object is of the expected
+structure), or else by its structure's generated extractor (`_codegen.Template`),
+which reads a new object's leaves and checks everything else about it, or
+declines. This serves the model a training step returned, the `eqx.nn.State`
+a stateful call returned, a new params dict each call.
 """
 
 from __future__ import annotations
@@ -47,16 +50,26 @@ class FastSlot(NamedTuple):
 INDEX: dict[int, FastSlot] = {}
 
 
+class ArgRead(NamedTuple):
+    """How the structure path reads one positional argument that is not a plain array."""
+
+    spec_id: int  # its structure: an identity-cache entry of this spec gives its leaves ...
+    extract: Callable[[Any], Any] | None  # ... or else this: its leaves (a tuple), or None
+
+
 class StructureRecord(NamedTuple):
-    """How to serve `f(first, *arrays)` for a new object `first` of a structure seen before."""
+    """How to serve a call whose arguments have the structures of one the function ran."""
 
     arity: int  # the number of positional arguments the call must have
-    extract: Callable[[Any], Any]  # first's leaves (a tuple of jax arrays), or None: not this structure
+    reads: tuple[ArgRead | None, ...]  # per positional argument; None: a plain jax array
     call: Callable[..., Any]  # the compiled function
     post: Callable[[Any, Any, Any], Any] | None  # post(out, first, None); None: out is the result
-    # [id of the object this record served last]. The same object again is left to the
-    # general path, which caches it by identity: from then on the fast path serves it.
+    # Per positional argument, the id of the object last read there. An object extracted
+    # again is left to the general path, which caches it by identity (then it is read
+    # from the identity cache). With `fast_shape` (every other argument a plain array),
+    # the first argument passed again is too: the general path gives it a fast record.
     last: list[int]
+    fast_shape: bool
 
 
 class RawLeaf(NamedTuple):

@@ -147,16 +147,21 @@ def test_disable_accel_environment_variable():
 
 
 def test_c_wrapper_checks_the_record_layout():
-    from fastcall import _dispatch, _fast
+    from fastcall import _dispatch, _fast, _flatten
 
     if _dispatch._accel is None:
         pytest.skip("the C accelerator is not built")
-    good = (lambda: None, _fast.INDEX, {}, object(), object, Exception, print, _fast.VALUE_SLOT)
-    slot, record, structure = _fast.FastSlot._fields, _fast.FastRecord._fields, _fast.StructureRecord._fields
-    _dispatch._accel.FastWrapper(*good, slot, record, structure)
-    with pytest.raises(TypeError, match="FastRecord field 2"):
-        _dispatch._accel.FastWrapper(*good, slot, ("arity", "call", "values", "post"), structure)
-    with pytest.raises(TypeError, match="FastSlot"):
-        _dispatch._accel.FastWrapper(*good, ("ref",), record, structure)
-    with pytest.raises(TypeError, match="StructureRecord field 4"):
-        _dispatch._accel.FastWrapper(*good, slot, record, ("arity", "extract", "call", "post", "seen"))
+    good = (lambda: None, _fast.INDEX, {}, {}, object(), object, Exception, print, _fast.VALUE_SLOT)
+    fields = [
+        _fast.FastSlot._fields, _fast.FastRecord._fields, _fast.StructureRecord._fields, _fast.ArgRead._fields,
+        _flatten.CacheEntry._fields,
+    ]
+    _dispatch._accel.FastWrapper(*good, *fields)
+    for i, name in enumerate(["FastSlot", "FastRecord", "StructureRecord", "ArgRead", "CacheEntry"]):
+        wrong = list(fields)
+        wrong[i] = (*fields[i][:-1], "other")
+        with pytest.raises(TypeError, match=f"{name} field {len(fields[i]) - 1}"):
+            _dispatch._accel.FastWrapper(*good, *wrong)
+        wrong[i] = fields[i][:1]
+        with pytest.raises(TypeError, match=name):
+            _dispatch._accel.FastWrapper(*good, *wrong)
