@@ -81,9 +81,25 @@ def _notify(obj: Any) -> None:
                 _fast.withdraw(e.ref)
 
 
+def _flipped(obj: Any, name: str, old: Any) -> None:
+    """A static scalar attribute of `obj` was replaced by another (`model.eval()`): the
+    graphs holding it keep their Variables and nodes; only one static value differs.
+    Each entry watching it records the attribute (see `NodeEntry.flips`) and, if its spec
+    was current, keeps it as the variant for the values before this change."""
+    _generation[0] += 1
+    if not _watchers:
+        return
+    entries = _watchers.get(id(obj))
+    if entries:
+        updating = getattr(_local, "updating", None)
+        for e in list(entries):
+            if e is not updating:
+                e.flip(obj, name, old)
+
+
 # Whether the hooks can be trusted on this flax (see _nnx_hooks): if not, every
 # entry is re-read on every call.
-TRUSTED = not _nnx_hooks.install(_notify)
+TRUSTED = not _nnx_hooks.install(_notify, _flipped)
 
 RAW_VALUE_SLOT: Any = inspect.getattr_static(Variable, "_raw_value", None)
 if type(RAW_VALUE_SLOT).__name__ == "member_descriptor":
@@ -222,7 +238,7 @@ class NodeEntry:
     that knowledge is current."""
 
     __slots__ = ("ref", "spec_id", "spec", "items", "paths", "volatile", "guard", "direct", "stale", "fresh",
-                 "fast", "node_ids", "disjoint", "watched", "__weakref__")
+                 "fast", "node_ids", "disjoint", "watched", "flips", "variants", "flipped", "__weakref__")
 
     def __init__(self, ref: _Ref) -> None:
         self.ref = ref
@@ -239,10 +255,46 @@ class NodeEntry:
         self.watched: list[int] = []  # ids of every node and Variable of the graph
         self.node_ids: frozenset[int] = frozenset()
         self.disjoint: dict[int, Any] = {}  # id(other entry) -> (weakref, shares nothing?)
+        # Static scalar attributes replaced since the graph was read (`_flipped`): their
+        # (node, name), in the order first seen. Each structure the graph had as they
+        # changed (same Variables and nodes, other static values) is kept as a variant,
+        # keyed by their values (`flip_key`): `model.train()`/`model.eval()` switch between
+        # variants, no graph walk.
+        self.flips: dict[tuple[int, str], tuple[Any, str]] = {}
+        self.variants: dict[tuple[Any, ...], tuple[Any, dict[Any, _fast.FastRecord]]] = {}
+        self.flipped = False  # a flip since `spec` was current: look up the variant
 
     def values(self) -> list[Any]:
         """Current values of the leaves (see `read_leaf`)."""
         return list(map(read_leaf, self.items))
+
+    def flip_key(self) -> tuple[Any, ...]:
+        """The current values of the flipped attributes (each with its type)."""
+        return tuple(_leaf_key(node.__dict__.get(name)) for node, name in self.flips.values())
+
+    def flip(self, node: Any, name: str, old: Any) -> None:
+        """A static scalar attribute of `node` went from `old` to another value."""
+        if self.volatile or self.stale or len(self.flips) >= _MAX_FLIPS:
+            self.stale = True
+            _fast.withdraw(self.ref)
+            return
+        if (id(node), name) not in self.flips:
+            # Until now it had its old value in every variant kept.
+            self.flips[(id(node), name)] = (node, name)
+            old_key = _leaf_key(old)
+            self.variants = {k + (old_key,): v for k, v in self.variants.items()}
+        if not self.flipped:  # the spec matched the values before this change
+            key = list(self.flip_key())
+            key[list(self.flips).index((id(node), name))] = _leaf_key(old)
+            self.variants[tuple(key)] = (self.spec, self.fast)
+            self.flipped = True
+            _fast.withdraw(self.ref)
+
+
+# A graph flipping more static attributes than this is re-read instead (keys stay short);
+# at most this many variants are kept per graph, the oldest dropped first.
+_MAX_FLIPS = 256
+_MAX_VARIANTS = 16
 
 
 by_id: dict[int, NodeEntry] = {}
@@ -301,6 +353,10 @@ def lookup(obj: Any, arg_name: str) -> NodeEntry:
     unchanged, else re-read. The one place that decides whether an entry is usable."""
     entry = by_id.get(id(obj))
     if entry is not None and entry.ref() is obj and not entry.stale:
+        if entry.flipped:
+            entry = _switch_variant(obj, arg_name, entry)
+            if entry.stale:
+                return _build(obj, arg_name, entry)
         if not entry.volatile:
             if entry.guard is None or _guard.holds(entry.guard):
                 return entry
@@ -313,6 +369,37 @@ def lookup(obj: Any, arg_name: str) -> NodeEntry:
             entry.paths = list(flat.paths)
             return entry
     return _build(obj, arg_name, entry)
+
+
+def _switch_variant(obj: Any, arg_name: str, entry: NodeEntry) -> NodeEntry:
+    """After static attributes flipped: the variant for their current values, or (a
+    configuration not seen yet) the graph read again, keeping the variants seen so far
+    if the Variables and nodes are the very same ones."""
+    key = entry.flip_key()
+    found = entry.variants.get(key)
+    if found is not None:
+        entry.spec, entry.fast = found
+        entry.spec_id = entry.spec.id
+        entry.flipped = False
+        if entry.direct:
+            _fast.publish(entry.ref, entry.fast, entry.guard)
+        return entry
+    new = _build(obj, arg_name, entry)
+    if (
+        not new.stale
+        and not new.volatile
+        and new.watched == entry.watched
+        and len(new.items) == len(entry.items)
+        and all(a is b or (type(a) is RawLeaf and a == b) for a, b in zip(new.items, entry.items))
+    ):
+        new.flips, new.variants = entry.flips, entry.variants
+        new.variants[key] = (new.spec, new.fast)
+        while len(new.variants) > _MAX_VARIANTS:  # (a static changed to ever new values)
+            new.variants.pop(next(iter(new.variants)))
+        # One list of leaves for every variant's fast records: a Variable replaced in
+        # place later (`_replace_variable`) is then replaced for all of them.
+        new.items = entry.items
+    return new
 
 
 def _flatten_node(obj: Any, arg_name: str, **kwargs: Any) -> tuple[Any, Any]:

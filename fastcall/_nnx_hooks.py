@@ -67,6 +67,20 @@ def _same_attribute(before: tuple[Any, Any], after: tuple[Any, Any]) -> bool:
     return False
 
 
+def _static_flip(before: tuple[Any, Any], after: tuple[Any, Any]) -> bool:
+    """Whether an assignment that changed something replaced one static scalar by another
+    (`model.train()` / `model.eval()` flipping `deterministic`): the graph's structure is
+    as it was but for that one static value."""
+    (old, old_data), (new, new_data) = before, after
+    return (
+        old is not _MISSING
+        and old_data is False
+        and new_data is False
+        and type(old) in _SCALARS
+        and type(new) in _SCALARS
+    )
+
+
 def _metadata_object(variable: Any, *_: Any) -> Any:
     return variable._var_metadata
 
@@ -83,11 +97,19 @@ class HookTarget(NamedTuple):
     # call changed no structure, and nothing is marked stale
     read: Callable[..., Any] | None = None
     unchanged: Callable[[Any, Any], bool] | None = None
+    # (optional, with `read`) `flip(before, after)` true means the call only replaced one
+    # static scalar attribute by another: reported as `flipped(obj, name, old value)`
+    flip: Callable[[Any, Any], bool] | None = None
 
 
 HOOK_TARGETS: tuple[HookTarget, ...] = (
     HookTarget(
-        Pytree, "__setattr__", "attribute assignment, nnx.List/nnx.Dict items", _attribute, _same_attribute
+        Pytree,
+        "__setattr__",
+        "attribute assignment, nnx.List/nnx.Dict items",
+        _attribute,
+        _same_attribute,
+        _static_flip,
     ),
     HookTarget(Pytree, "__delattr__", "attribute deletion"),
     HookTarget(Pytree, "_graph_node_clear", "NNX's in-place graph rebuilds (nnx.jit graph updates, nnx.update)"),
@@ -136,9 +158,12 @@ def problems(flax_version: str, targets: tuple[HookTarget, ...] = HOOK_TARGETS) 
 def _notifying(
     method: Callable[..., Any],
     notify: Callable[[Any], None],
-    read: Callable[..., Any] | None = None,
-    unchanged: Callable[[Any, Any], bool] | None = None,
+    target: HookTarget | None = None,
+    flipped: Callable[[Any, Any, Any], None] | None = None,
 ) -> Callable[..., Any]:
+    read = target.read if target is not None else None
+    unchanged = target.unchanged if target is not None else None
+    flip = target.flip if target is not None and flipped is not None else None
     if read is None or unchanged is None:
 
         def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -158,10 +183,14 @@ def _notifying(
                 notify(self)
                 return result
             try:
-                same = unchanged(before, read(self, *args))
+                after = read(self, *args)
+                same = unchanged(before, after)
+                static = not same and flip is not None and flip(before, after)
             except Exception:
-                same = False
-            if not same:
+                same = static = False
+            if static:
+                flipped(self, args[0], before[0])  # type: ignore[misc]
+            elif not same:
                 notify(self)
             return result
 
@@ -171,8 +200,9 @@ def _notifying(
     return wrapped
 
 
-def install(notify: Callable[[Any], None]) -> list[str]:
-    """Wrap every hook target present so that it calls `notify(obj)` after it ran.
+def install(notify: Callable[[Any], None], flipped: Callable[[Any, Any, Any], None]) -> list[str]:
+    """Wrap every hook target present so that it calls `notify(obj)` after it ran (or, for
+    a static scalar attribute replaced by another, `flipped(obj, name, old value)`).
 
     Returns the problems found (see `problems`); any problem means the hooks
     must not be trusted. Idempotent: a second call installs nothing.
@@ -185,7 +215,7 @@ def install(notify: Callable[[Any], None]) -> list[str]:
     for t in HOOK_TARGETS:
         original = getattr(t.owner, t.name, None)
         if callable(original):
-            setattr(t.owner, t.name, _notifying(original, notify, t.read, t.unchanged))
+            setattr(t.owner, t.name, _notifying(original, notify, t, flipped))
     # NNX registers each graph node class's clear/init functions when the class is
     # created; classes created before this (every built-in layer) keep references to
     # the originals in the registry, so wrap those too. Classes created later are

@@ -588,3 +588,128 @@ def test_threads_replacing_a_variable_on_a_model_re_read_every_call():
 
     assert not run_threads(4, work)
     assert_trees_equal(m.kl[...], jnp.mean(jnp.tanh(m.linear(X4))))
+
+
+# --------------------------------------------------------------------------
+# Static attributes flipped between calls (model.train() / model.eval()): each
+# configuration seen is kept as a variant of the cached structure, no graph re-read
+
+
+class DropNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, depth: int = 3) -> None:
+        self.layers = nnx.List([nnx.Linear(4, 4, rngs=rngs) for _ in range(depth)])
+        self.drops = nnx.List([nnx.Dropout(0.5, rngs=rngs) for _ in range(depth)])
+
+    def __call__(self, x):
+        for layer, drop in zip(self.layers, self.drops):
+            x = drop(jax.nn.relu(layer(x)))
+        return x
+
+
+def _train_loss(m, x):
+    return jnp.mean(m(x) ** 2)
+
+
+@pytest.fixture
+def graph_reads(monkeypatch):
+    """Counts full graph reads of NNX objects (fastcall's cache entries being built)."""
+    from fastcall import _nnx
+
+    calls = []
+    original = _nnx._build
+
+    def counting(obj, arg_name, old):
+        calls.append(obj)
+        return original(obj, arg_name, old)
+
+    monkeypatch.setattr(_nnx, "_build", counting)
+    return calls
+
+
+def test_train_eval_alternation_switches_variants_without_re_reading(graph_reads, hot_path):
+    m, ref = DropNet(nnx.Rngs(0)), DropNet(nnx.Rngs(0))
+    train, evaluate = fastcall.jit(_train_loss), fastcall.jit(_call)
+    peer_train, peer_eval = nnx.jit(_train_loss), nnx.jit(_call)
+    for step in range(5):
+        if step == 2:
+            graph_reads.clear()  # both configurations seen: from now on, no graph read
+        m.train(), ref.train()
+        assert_trees_equal(train(m, X4), peer_train(ref, X4))
+        m.eval(), ref.eval()
+        assert_trees_equal(evaluate(m, X4), peer_eval(ref, X4))
+        assert_trees_equal(state_of(m), state_of(ref))
+    assert graph_reads == []
+    assert train.stats().compiles == 1 and evaluate.stats().compiles == 1
+
+
+def test_flipped_and_back_before_a_call(graph_reads):
+    m = DropNet(nnx.Rngs(0))
+    m.eval()
+    f = fastcall.jit(_call)
+    f(m, X4), f(m, X4)
+    graph_reads.clear()
+    m.train()
+    m.eval()  # back to the configuration the entry was read in
+    y, route = served(f, m, X4)
+    assert_trees_equal(y, _call(m, X4))
+    assert graph_reads == []
+    assert served(f, m, X4)[1] != "general"  # and the fast path again
+
+
+def test_a_real_change_after_a_flip_is_seen(graph_reads):
+    m = DropNet(nnx.Rngs(0))
+    f = fastcall.jit(_call)
+    m.eval()
+    f(m, X4)
+    m.train()
+    m.eval()
+    m.layers[0] = nnx.Linear(4, 4, rngs=nnx.Rngs(5))  # a structure change as well
+    y = f(m, X4)
+    assert_trees_equal(y, _call(m, X4))
+    m.drops[1].rate = 0.25  # a static float flipped to a new value: read, and compiled for it
+    m.train()
+    ref = DropNet(nnx.Rngs(0))
+    nnx.update(ref, nnx.state(m))
+    ref.layers[0] = m.layers[0]
+    ref.drops[1].rate = 0.25
+    ref.train()
+    assert_trees_equal(f(m, X4), nnx.jit(_call)(ref, X4))
+
+
+def test_a_flip_to_an_equal_value_of_another_type_is_its_own_configuration():
+    m, ref = DropNet(nnx.Rngs(0)), DropNet(nnx.Rngs(0))
+    f, peer = fastcall.jit(_call), nnx.jit(_call)
+    for value in (True, 1, True, 1.0, False, 0, False):
+        for obj in (m, ref):
+            obj.drops[0].deterministic = value
+        assert_trees_equal(f(m, X4), peer(ref, X4))
+        assert_trees_equal(state_of(m), state_of(ref))
+
+
+class Accumulates(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.linear = nnx.Linear(4, 4, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.total = Loss(jnp.zeros(()))
+
+    def __call__(self, x):
+        y = self.drop(self.linear(x))
+        self.total = Loss(self.total[...] + jnp.mean(y))  # read, then replaced by a new Variable
+        return y + self.total[...]
+
+
+def test_a_variable_replaced_inside_reaches_every_variant(hot_path):
+    # The function reads a Variable and replaces it (written back as a new object); after
+    # a mode switch, the other mode's variant (and its fast record) must read the new one.
+    m, ref = Accumulates(nnx.Rngs(0)), Accumulates(nnx.Rngs(0))
+    f, peer = fastcall.jit(_call), nnx.jit(_call)
+    routes = []
+    for step in range(4):
+        for obj in (m, ref):
+            obj.drop.deterministic = bool(step % 2)
+        for _ in range(3):  # several calls per mode: the fast path serves the later ones
+            y, route = served(f, m, X4)
+            routes.append(route)
+            assert_trees_equal(y, peer(ref, X4))
+            assert_trees_equal(m.total[...], ref.total[...])
+    assert routes[-1] != "general"
