@@ -166,7 +166,14 @@ def write_leaf(item: Any, value: Any) -> None:
     """Write one leaf of the caller's graph back (the function changed it)."""
     t = type(item)
     if t is RawLeaf:
-        setattr(item.owner, item.name, value)  # (array for array: the hooks see no change)
+        owner, name = item.owner, item.name
+        held = owner.__dict__
+        if type(value) is ArrayImpl and type(held.get(name)) is ArrayImpl and owner._pytree__nodes.get(name) is True:
+            # A data array rebound to an array: all NNX's __setattr__ would do (its checks
+            # pass for it, and the hooks see no structure change), done directly.
+            held[name] = value
+        else:
+            setattr(owner, name, value)
     elif t is RawItem:
         item.container[item.key] = value
     elif t is _Unreadable:

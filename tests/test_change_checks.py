@@ -713,3 +713,22 @@ def test_a_variable_replaced_inside_reaches_every_variant(hot_path):
             assert_trees_equal(y, peer(ref, X4))
             assert_trees_equal(m.total[...], ref.total[...])
     assert routes[-1] != "general"
+
+
+def test_raw_arrays_written_back_keep_nnx_bookkeeping(graph_reads, hot_path):
+    # (a data array rebound to an array is written into the owner's __dict__ directly: what
+    # NNX's __setattr__ would do, without its checks; the structure stays cached)
+    m, ref = WithRaw(nnx.Rngs(0)), WithRaw(nnx.Rngs(0))
+    f, peer = fastcall.jit(_call), nnx.jit(_call)
+    f(m, X4), peer(ref, X4)
+    graph_reads.clear()
+    for _ in range(3):
+        assert_trees_equal(f(m, X4), peer(ref, X4))
+    assert graph_reads == []
+    assert type(m.count) is type(ref.count) and int(m.count) == int(ref.count) == 4
+    assert m._pytree__nodes["count"] is True
+    assert_trees_equal(state_of(m), state_of(ref))
+    m.count = jnp.array(10)  # rebound outside: read at the next call
+    ref.count = jnp.array(10)
+    assert_trees_equal(f(m, X4), peer(ref, X4))
+    assert int(m.count) == 11
