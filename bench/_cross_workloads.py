@@ -98,8 +98,90 @@ def conv_transpose_3d(name: str, description: str, channels: int, size: int) -> 
     )
 
 
+def first_call(name: str, description: str, width: int, depth: int) -> Workload:
+    """The first call of a freshly wrapped function: tracing, compiling and running it
+    (what a user waits for at start-up, and after every change of static input). Each
+    timed call wraps a new function object, so no variant finds it compiled; the Equinox
+    and NNX models are built once, from the same weights."""
+    model = eqx.nn.MLP(width, width, width, depth, key=jax.random.PRNGKey(0))
+    x = jnp.ones((width,))
+
+    def build_nnx():
+        m = nnx.Sequential(
+            *[
+                layer
+                for i, lin in enumerate(model.layers)
+                for layer in ([nnx.Linear(width, width, rngs=nnx.Rngs(0))] + ([nnx.relu] if i < depth else []))
+            ]
+        )
+        for lin, eqx_lin in zip([l for l in m.layers if isinstance(l, nnx.Linear)], model.layers):
+            lin.kernel[...] = eqx_lin.weight.T
+            lin.bias[...] = eqx_lin.bias
+        return m
+
+    nnx_model = build_nnx()
+
+    def new_call():
+        def call(m, x):  # a new function object each time: nothing cached under it
+            return m(x)
+
+        return call
+
+    def variant(wrap: Callable[[Any], Any], m: Any):
+        def make():
+            def run():
+                return wrap(new_call())(m, x)
+
+            return run
+
+        return make
+
+    dynamic, static = eqx.partition(model, eqx.is_array)
+    leaves, treedef = jax.tree_util.tree_flatten(dynamic)
+
+    def make_floor():
+        def run():
+            call = new_call()
+            flat = jax.jit(lambda *a: call(eqx.combine(treedef.unflatten(a[:-1]), static), a[-1]))
+            return flat(*leaves, x)
+
+        return run
+
+    def make_partitioned():
+        def run():
+            call = new_call()
+            return jax.jit(lambda d, x: call(eqx.combine(d, static), x))(dynamic, x)
+
+        return run
+
+    return Workload(
+        name,
+        description,
+        [
+            Variant("eager (eqx)", lambda: (lambda: model(x)), timed=False),
+            Variant("floor", make_floor, note="jax.jit on the pre-flattened eqx leaves, first call"),
+            Variant("fastcall.jit", variant(fastcall.jit, model), note="Equinox model"),
+            Variant("fastcall.filter_jit", variant(fastcall.filter_jit, model), note="Equinox model"),
+            Variant("eqx.filter_jit", variant(eqx.filter_jit, model)),
+            Variant("jax.jit(partitioned)", make_partitioned),
+            Variant("fastcall.jit (nnx)", variant(fastcall.jit, nnx_model), note="NNX model, same weights"),
+            Variant("nnx.jit", variant(nnx.jit, nnx_model)),
+        ],
+        lambda ref, outs: [allclose_tree(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(ref, outs)] and None,
+        unit="us/first call",
+        peers={
+            "fastcall.jit": ("eqx.filter_jit", "jax.jit(partitioned)"),
+            "fastcall.filter_jit": ("eqx.filter_jit",),
+            "fastcall.jit (nnx)": ("nnx.jit",),
+        },
+    )
+
+
 def build(quick: bool) -> dict[str, Callable[[], Workload]]:
     out = {
+        "first_call": lambda: first_call(
+            "first_call", "first call of a newly wrapped function (trace + compile + run): MLP w32 d3", 32, 3
+        ),
         "conv3d_transpose": lambda: conv_transpose_3d(
             "conv3d_transpose", "3D transposed conv, 2 channels, 3^3 input, stride 2: eqx vs Flax", 2, 3
         ),

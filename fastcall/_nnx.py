@@ -803,14 +803,19 @@ def explain_node(obj: Any) -> tuple[str, str]:
     return kind, f"{len(entry.items)} leaf values read{checks}"
 
 
-def describe_structure(obj: Any) -> str:
-    """An NNX object's graphdef, as text (what a recompile explanation compares)."""
-    return str(graphlib.flatten(obj, with_paths=False)[0])
+def describe_node(obj: Any) -> tuple[Any, list[tuple[str, Any]]]:
+    """An NNX object's graphdef (what a recompile explanation compares; written out only
+    if it differs) and (path, value) for each of its leaves, from one graph walk."""
+    graphdef, flat = graphlib.flatten(obj, with_paths=True)
+    return graphdef, _named(flat)
 
 
 def named_leaves(obj: Any) -> list[tuple[str, Any]]:
     """(path, value) for every leaf of an NNX object (to name a deleted array)."""
-    flat = graphlib.flatten(obj, with_paths=True)[1]
+    return _named(graphlib.flatten(obj, with_paths=True)[1])
+
+
+def _named(flat: Any) -> list[tuple[str, Any]]:
     return [
         ("." + ".".join(map(str, p)), v.get_raw_value() if isinstance(v, Variable) else v)
         for p, v in zip(flat.paths, flat.leaves)

@@ -78,7 +78,28 @@ def _describe_leaf(leaf: Any) -> str:
     return f"static {type(leaf).__name__} {_repr.repr(leaf)}"
 
 
-Signature = dict[tuple[str, str], str]
+class Shown:
+    """A description compared by value and written out (`str`) only when a recompile
+    explanation shows it: an NNX graphdef's text costs milliseconds on every trace."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        try:
+            return type(other) is Shown and bool(self.value == other.value)
+        except Exception:
+            return False
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+Signature = dict[tuple[str, str], Any]  # (argument, path) -> description (a str, or a Shown)
 
 
 def describe(named_values: Iterable[tuple[str, Any]]) -> Signature:
@@ -90,8 +111,9 @@ def describe(named_values: Iterable[tuple[str, Any]]) -> Signature:
         sig[(name, "(structure)")] = str(treedef)
         for path, leaf in leaves_with_paths:
             if _nnx_gate.is_node(leaf):
-                sig[(name, (keystr(path) + " (structure)").strip())] = _nnx_gate.adapter().describe_structure(leaf)
-                for sub, value_leaf in _nnx_gate.adapter().named_leaves(leaf):
+                graphdef, named = _nnx_gate.adapter().describe_node(leaf)
+                sig[(name, (keystr(path) + " (structure)").strip())] = Shown(graphdef)
+                for sub, value_leaf in named:
                     sig[(name, keystr(path) + sub)] = _describe_leaf(value_leaf)
             else:
                 sig[(name, keystr(path))] = _describe_leaf(leaf)
@@ -103,6 +125,7 @@ def diff(old: Signature, new: Signature) -> tuple[Change, ...]:
     for k in list(old) + [k for k in new if k not in old]:
         a, b = old.get(k, "absent"), new.get(k, "absent")
         if a != b:
+            a, b = str(a), str(b)
             if k[1].endswith("(structure)"):
                 a, b = _around_first_difference(a, b)
             changes.append(Change(k[0], k[1], a, b))

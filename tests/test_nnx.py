@@ -336,6 +336,21 @@ def test_static_attribute_change_recompiles_only_when_needed():
     assert len(traces) == 2
 
 
+def test_recompile_explanation_names_the_changed_static_attribute():
+    m = Switchable(nnx.Rngs(0))
+    f = fastcall.jit(lambda m, x: m(x))
+    x = jnp.ones(4)
+    f(m, x)
+    m.scale = 3.0
+    f(m, x)
+    (change,) = f.stats().recompiles[-1].changes
+    assert change.path == "(structure)"
+    assert "2.0" in change.old and "3.0" in change.new and "2.0" not in change.new
+    m.linear.kernel[...] = jnp.eye(4)  # values only: the same structure, no recompile
+    f(m, x)
+    assert len(f.stats().recompiles) == 1
+
+
 def test_partial_sees_swapped_layer_where_nnx_partials_go_stale():
     m = MLP(nnx.Rngs(0))
     serve = fastcall.partial(forward, m)
