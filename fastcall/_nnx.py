@@ -267,7 +267,7 @@ class NodeEntry:
         # changed (same Variables and nodes, other static values) is kept as a variant,
         # keyed by their values (`flip_key`): `model.train()`/`model.eval()` switch between
         # variants, no graph walk.
-        self.flips: dict[tuple[int, str], tuple[Any, str]] = {}
+        self.flips: dict[tuple[int, str], tuple[Any, str]] = {}  # -> (weakref to node, name)
         self.variants: dict[tuple[Any, ...], tuple[Any, dict[Any, _fast.FastRecord]]] = {}
         self.flipped = False  # a flip since `spec` was current: look up the variant
 
@@ -277,7 +277,11 @@ class NodeEntry:
 
     def flip_key(self) -> tuple[Any, ...]:
         """The current values of the flipped attributes (each with its type)."""
-        return tuple(_leaf_key(node.__dict__.get(name)) for node, name in self.flips.values())
+        key = []
+        for node_ref, name in self.flips.values():
+            node = node_ref()  # (a node that died left the graph: a hooked change, stale)
+            key.append(_leaf_key(node.__dict__.get(name)) if node is not None else _GONE)
+        return tuple(key)
 
     def flip(self, node: Any, name: str, old: Any) -> None:
         """A static scalar attribute of `node` went from `old` to another value."""
@@ -286,8 +290,9 @@ class NodeEntry:
             _fast.withdraw(self.ref)
             return
         if (id(node), name) not in self.flips:
-            # Until now it had its old value in every variant kept.
-            self.flips[(id(node), name)] = (node, name)
+            # Until now it had its old value in every variant kept. (Weakly: the entry must
+            # not keep its own object alive.)
+            self.flips[(id(node), name)] = (weakref.ref(node), name)
             old_key = _leaf_key(old)
             self.variants = {k + (old_key,): v for k, v in self.variants.items()}
         if not self.flipped:  # the spec matched the values before this change
@@ -297,6 +302,8 @@ class NodeEntry:
             self.flipped = True
             _fast.withdraw(self.ref)
 
+
+_GONE = object()  # (in a flip key: the node is gone)
 
 # A graph flipping more static attributes than this is re-read instead (keys stay short);
 # at most this many variants are kept per graph, the oldest dropped first.
@@ -391,10 +398,15 @@ def _switch_variant(obj: Any, arg_name: str, entry: NodeEntry) -> NodeEntry:
         if entry.direct:
             _fast.publish(entry.ref, entry.fast, entry.guard)
         return entry
+    # Kept only if nothing but flips changed since the variants were read: no plain list
+    # or dict in the graph changed in place (the guard holds; such a change has no hook).
+    unchanged = entry.guard is None or _guard.holds(entry.guard)
     new = _build(obj, arg_name, entry)
     if (
-        not new.stale
+        unchanged
+        and not new.stale
         and not new.volatile
+        and new.paths == entry.paths
         and new.watched == entry.watched
         and len(new.items) == len(entry.items)
         and all(a is b or (type(a) is RawLeaf and a == b) for a, b in zip(new.items, entry.items))

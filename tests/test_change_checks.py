@@ -732,3 +732,48 @@ def test_raw_arrays_written_back_keep_nnx_bookkeeping(graph_reads, hot_path):
     ref.count = jnp.array(10)
     assert_trees_equal(f(m, X4), peer(ref, X4))
     assert int(m.count) == 11
+
+
+class FlagAndDict(nnx.Module):
+    def __init__(self) -> None:
+        self.d = nnx.data({"a": nnx.Param(jnp.ones(4)), "b": nnx.Param(2 * jnp.ones(4))})
+        self.flag = False  # a static scalar attribute
+
+    def __call__(self, x):
+        s = sum(v[...] * len(k) for k, v in self.d.items())
+        return s * x * (2.0 if self.flag else 1.0)
+
+
+def test_a_dict_changed_in_place_between_flips_is_seen():
+    # (a plain dict in the graph changes without any hook: the variants read before it
+    # changed must not be kept)
+    m = FlagAndDict()
+    f = fastcall.jit(_call)
+    assert_trees_equal(f(m, X4), _call(m, X4))
+    m.flag = True
+    m.d["aa"] = m.d.pop("a")  # in place: keys now aa, b
+    assert_trees_equal(f(m, X4), _call(m, X4))
+    m.flag = False  # back to the first configuration, but the dict is not as it was
+    assert_trees_equal(f(m, X4), _call(m, X4))
+    m.flag = True
+    assert_trees_equal(f(m, X4), _call(m, X4))
+
+
+def test_flipped_objects_are_not_kept_alive():
+    import gc
+    import weakref
+
+    f = fastcall.jit(_call)
+    refs = []
+    for _ in range(3):
+        m = DropNet(nnx.Rngs(0))
+        m.tag = "a"  # a static attribute of the root object itself
+        m.eval()
+        f(m, X4)
+        m.train()  # flips on every Dropout, and the variants kept
+        m.tag = "b"  # and one on the root: an entry must not hold its own object
+        f(m, X4)
+        refs.append(weakref.ref(m))
+        del m
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
