@@ -89,7 +89,8 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
         node = nnx_arg.entry
         if nnx_arg.obj is not first or node is None or not node.direct or state in node.fast:
             return
-        node.fast[state] = FastRecord(len(args), entry.fn, node.items, _fast_post(entry))
+        record = FastRecord(len(args), entry.fn, node.items, _fast_post(entry))
+        _nnx_gate.adapter().install_record(node, state, resolved.key[0], record)
         return
     _publish_structure(state, resolved, entry, fast_shape)
     if not fast_shape:

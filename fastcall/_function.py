@@ -13,7 +13,7 @@ import warnings
 import weakref
 from typing import Any, Iterator, NamedTuple
 
-from . import _build, _fast, _flatten, _stats
+from . import _build, _fast, _flatten, _nnx_gate, _stats
 from ._build import Entry
 from ._flatten import Spec
 from ._options import JitOptions
@@ -114,7 +114,7 @@ class FunctionState:
             if len(self.table) >= MAX_SIGNATURES:
                 # Drop the oldest static signature (its compiled programs go with it).
                 self.table.pop(next(iter(self.table)))
-                _fast.forget_function(self)
+                self.forget_records()
             self.table[key] = e
             return e
 
@@ -126,7 +126,7 @@ class FunctionState:
                 return current
             e = _build.build(self, key, self.fun, varies=True)
             self.table[key] = e
-            _fast.forget_function(self)
+            self.forget_records()
             return e
 
     def layout(self, key: tuple[Any, ...]) -> KeyLayout:
@@ -155,10 +155,18 @@ class FunctionState:
             if give:
                 yield slot
 
+    def forget_records(self) -> None:
+        """Drop every fast and structure record of this function (its compiled entries
+        were replaced or cleared)."""
+        _fast.forget_function(self)
+        adapter = _nnx_gate.loaded()
+        if adapter is not None:
+            adapter.forget_function(self)
+
     def clear(self) -> None:
         with self.lock:
             self.table.clear()
-            _fast.forget_function(self)
+            self.forget_records()
             _flatten.release_held(self.held_box)
             self.last_first = None
 

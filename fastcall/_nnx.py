@@ -245,7 +245,8 @@ class NodeEntry:
     that knowledge is current."""
 
     __slots__ = ("ref", "spec_id", "spec", "items", "paths", "volatile", "guard", "direct", "stale", "fresh",
-                 "fast", "node_ids", "disjoint", "watched", "flips", "variants", "flipped", "__weakref__")
+                 "fast", "node_ids", "disjoint", "watched", "flips", "variants", "flipped", "spec_key",
+                 "__weakref__")
 
     def __init__(self, ref: _Ref) -> None:
         self.ref = ref
@@ -270,6 +271,7 @@ class NodeEntry:
         self.flips: dict[tuple[int, str], tuple[Any, str]] = {}  # -> (weakref to node, name)
         self.variants: dict[tuple[Any, ...], tuple[Any, dict[Any, _fast.FastRecord]]] = {}
         self.flipped = False  # a flip since `spec` was current: look up the variant
+        self.spec_key: tuple[Any, ...] = ()  # the flipped attributes' values `spec` is for
 
     def values(self) -> list[Any]:
         """Current values of the leaves (see `read_leaf`)."""
@@ -285,25 +287,33 @@ class NodeEntry:
 
     def flip(self, node: Any, name: str, old: Any) -> None:
         """A static scalar attribute of `node` went from `old` to another value."""
-        if self.volatile or self.stale or len(self.flips) >= _MAX_FLIPS:
-            self.stale = True
-            _fast.withdraw(self.ref)
-            return
-        if (id(node), name) not in self.flips:
-            # Until now it had its old value in every variant kept. (Weakly: the entry must
-            # not keep its own object alive.)
-            self.flips[(id(node), name)] = (weakref.ref(node), name)
-            old_key = _leaf_key(old)
-            self.variants = {k + (old_key,): v for k, v in self.variants.items()}
-        if not self.flipped:  # the spec matched the values before this change
-            key = list(self.flip_key())
-            key[list(self.flips).index((id(node), name))] = _leaf_key(old)
-            self.variants[tuple(key)] = (self.spec, self.fast)
-            self.flipped = True
-            _fast.withdraw(self.ref)
+        with _variant_lock:
+            if self.volatile or self.stale or len(self.flips) >= _MAX_FLIPS:
+                self.stale = True
+                _fast.withdraw(self.ref)
+                return
+            if (id(node), name) not in self.flips:
+                # Until now it had its old value in every variant kept, and in the spec.
+                # (Weakly: the entry must not keep its own object alive.)
+                self.flips[(id(node), name)] = (weakref.ref(node), name)
+                old_key = _leaf_key(old)
+                self.variants = {k + (old_key,): v for k, v in self.variants.items()}
+                self.spec_key += (old_key,)
+            if not self.flipped:
+                before = list(self.flip_key())
+                before[list(self.flips).index((id(node), name))] = _leaf_key(old)
+                # Kept as a variant only if the spec is the one for the values before this
+                # change (another thread may have switched to the new values already).
+                if self.spec_key == tuple(before):
+                    self.variants[self.spec_key] = (self.spec, self.fast)
+                self.flipped = True
+                _fast.withdraw(self.ref)
 
 
 _GONE = object()  # (in a flip key: the node is gone)
+# Guards each entry's flips, variants and the switches between them (a flip reported by
+# one thread while another switches variants or files a fast record).
+_variant_lock = threading.RLock()
 
 # A graph flipping more static attributes than this is re-read instead (keys stay short);
 # at most this many variants are kept per graph, the oldest dropped first.
@@ -389,36 +399,60 @@ def _switch_variant(obj: Any, arg_name: str, entry: NodeEntry) -> NodeEntry:
     """After static attributes flipped: the variant for their current values, or (a
     configuration not seen yet) the graph read again, keeping the variants seen so far
     if the Variables and nodes are the very same ones."""
-    key = entry.flip_key()
-    found = entry.variants.get(key)
-    if found is not None:
-        entry.spec, entry.fast = found
-        entry.spec_id = entry.spec.id
-        entry.flipped = False
-        if entry.direct:
-            _fast.publish(entry.ref, entry.fast, entry.guard)
-        return entry
-    # Kept only if nothing but flips changed since the variants were read: no plain list
-    # or dict in the graph changed in place (the guard holds; such a change has no hook).
-    unchanged = entry.guard is None or _guard.holds(entry.guard)
+    with _variant_lock:  # (flips, variants and the switch itself: see `NodeEntry.flip`)
+        key = entry.flip_key()
+        found = entry.variants.get(key)
+        if found is not None:
+            entry.spec, entry.fast = found
+            entry.spec_id = entry.spec.id
+            entry.spec_key = key
+            # (still flipped if a value changed meanwhile; the next use switches again)
+            entry.flipped = entry.flip_key() != key
+            if entry.direct and not entry.flipped:
+                _fast.publish(entry.ref, entry.fast, entry.guard)
+            return entry
+        # Kept only if nothing but flips changed since the variants were read: no plain
+        # list or dict in the graph changed in place (the guard holds; such a change has
+        # no hook).
+        unchanged = entry.guard is None or _guard.holds(entry.guard)
     new = _build(obj, arg_name, entry)
-    if (
-        unchanged
-        and not new.stale
-        and not new.volatile
-        and new.paths == entry.paths
-        and new.watched == entry.watched
-        and len(new.items) == len(entry.items)
-        and all(a is b or (type(a) is RawLeaf and a == b) for a, b in zip(new.items, entry.items))
-    ):
-        new.flips, new.variants = entry.flips, entry.variants
-        new.variants[key] = (new.spec, new.fast)
-        while len(new.variants) > _MAX_VARIANTS:  # (a static changed to ever new values)
-            new.variants.pop(next(iter(new.variants)))
-        # One list of leaves for every variant's fast records: a Variable replaced in
-        # place later (`_replace_variable`) is then replaced for all of them.
-        new.items = entry.items
+    with _variant_lock:
+        if (
+            unchanged
+            and not new.stale
+            and not new.volatile
+            and entry.flip_key() == key  # (no flip since the key was read)
+            and new.paths == entry.paths
+            and new.watched == entry.watched
+            and len(new.items) == len(entry.items)
+            and all(a is b or (type(a) is RawLeaf and a == b) for a, b in zip(new.items, entry.items))
+        ):
+            new.flips, new.variants, new.spec_key = entry.flips, entry.variants, key
+            new.variants[key] = (new.spec, new.fast)
+            while len(new.variants) > _MAX_VARIANTS:  # (a static changed to ever new values)
+                new.variants.pop(next(iter(new.variants)))
+            # One list of leaves for every variant's fast records: a Variable replaced in
+            # place later (`_replace_variable`) is then replaced for all of them.
+            new.items = entry.items
     return new
+
+
+def install_record(entry: NodeEntry, state: Any, spec_id: int, record: _fast.FastRecord) -> None:
+    """File a fast record made by a call that read `entry` with spec `spec_id`, if that is
+    still the entry's current spec (another thread may have switched its variant since)."""
+    with _variant_lock:
+        if entry.spec_id == spec_id and not entry.flipped and not entry.stale and state not in entry.fast:
+            entry.fast[state] = record
+
+
+def forget_function(state: Any) -> None:
+    """Drop a wrapped function's fast records from every entry and variant (its compiled
+    entries were replaced): those not published in the fast index too."""
+    with _variant_lock:
+        for entry in list(by_id.values()):
+            entry.fast.pop(state, None)
+            for _, fast in entry.variants.values():
+                fast.pop(state, None)
 
 
 def _flatten_node(obj: Any, arg_name: str, **kwargs: Any) -> tuple[Any, Any]:

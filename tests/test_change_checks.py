@@ -777,3 +777,90 @@ def test_flipped_objects_are_not_kept_alive():
         del m
     gc.collect()
     assert [r() for r in refs] == [None, None, None]
+
+
+class Flag(nnx.Module):
+    def __init__(self) -> None:
+        self.w = nnx.Param(jnp.ones(4))
+        self.flag = False
+
+    def __call__(self, x):
+        return self.w[...] * x * (2.0 if self.flag else 1.0)
+
+
+def _both_variants(f, m):
+    for flag in (False, True, False):
+        m.flag = flag
+        f(m, X4)
+
+
+def test_a_flip_while_a_variant_is_switched_to_is_not_lost(hot_path):
+    # (the value changes after the switch read the flipped attributes: forced here from
+    # inside the lookup of the variants, where another thread could land)
+    from fastcall import _nnx
+
+    f, m = fastcall.jit(_call), Flag()
+    _both_variants(f, m)
+
+    class Interleave(dict):
+        fired = False
+
+        def get(self, key, default=None):
+            found = dict.get(self, key, default)
+            if not Interleave.fired:
+                Interleave.fired = True
+                m.flag = False  # "another thread", right after the key was read
+            return found
+
+    m.flag = True
+    entry = _nnx.by_id[id(m)]
+    entry.variants = Interleave(entry.variants)
+    f(m, X4)
+    for flag in (False, False, True, True, False, False):
+        m.flag = flag
+        assert_trees_equal(f(m, X4), _call(m, X4))
+
+
+def test_a_fast_record_is_filed_with_the_variant_it_was_compiled_for(hot_path):
+    # (another function switches the shared entry's variant while this call runs)
+    from fastcall import _dispatch
+
+    m = Flag()
+    g, f = fastcall.jit(lambda m, x: m(x)), fastcall.jit(_call)
+    _both_variants(g, m)
+    real_run = _dispatch.run
+    done = []
+
+    def run(state, entry, resolved, executable=None):
+        out = real_run(state, entry, resolved, executable)
+        if not done and state is f._fastcall_state:
+            done.append(1)
+            m.flag = True
+            g(m, X4)
+        return out
+
+    _dispatch.run = run
+    try:
+        f(m, X4)
+    finally:
+        _dispatch.run = real_run
+    for flag in (True, True, True, False, False, True, True):
+        m.flag = flag
+        assert_trees_equal(f(m, X4), _call(m, X4))
+
+
+def test_clear_cache_reaches_every_variant(hot_path):
+    from fastcall import _nnx
+
+    f, m = fastcall.jit(_call), Flag()
+    for flag in (False, False, True, True, False, False):
+        m.flag = flag
+        f(m, X4)
+    f.clear_cache()
+    entry = _nnx.by_id[id(m)]
+    assert all(f._fastcall_state not in fast for _, fast in entry.variants.values())
+    m.flag = True
+    for _ in range(3):
+        assert_trees_equal(f(m, X4), _call(m, X4))
+    current = {e.fn for e in f._fastcall_state.table.values()}
+    assert all(r.call in current for _, fast in entry.variants.values() for r in fast.values())
