@@ -33,10 +33,10 @@ from typing import Any
 
 from . import _args, _codegen, _fast, _flatten, _guard, _nnx_gate
 from ._build import Entry, StructureVaries
-from ._fast import ArgRead, FastRecord, FastSlot, StructureRecord
+from ._fast import ArgRead, FastRecord, FastSlot, NodeRead, StructureRecord
 from ._flatten import ArrayImpl
 from ._outputs import on_error
-from ._trace import StepAside
+from ._trace import StepAside, currently_jitting
 
 _accel: Any
 try:  # the optional C fast path (fastcall/_accel.c)
@@ -82,8 +82,8 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
         return
     fast_shape = all(k == 0 for k in resolved.key[1:])  # every other argument a plain array
     first = args[0]
-    if resolved.nnx_args:
-        if len(resolved.nnx_args) != 1 or not fast_shape:
+    if resolved.nnx_args and fast_shape:
+        if len(resolved.nnx_args) != 1:
             return  # (NNX objects in the other, plain-array arguments? none can be)
         nnx_arg = resolved.nnx_args[0]
         node = nnx_arg.entry
@@ -93,6 +93,8 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
         _nnx_gate.adapter().install_record(node, state, resolved.key[0], record)
         return
     _publish_structure(state, resolved, entry, fast_shape)
+    if resolved.nnx_args:
+        return
     if not fast_shape:
         return
     if type(first) is list or type(first) is dict:  # (see `hold`)
@@ -118,12 +120,21 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
     path: each non-array argument from the identity cache or its structure's generated
     extractor (`_codegen.templates`); not if one has neither."""
     args = resolved.args
-    reads: list[ArgRead | None] = []
+    reads: list[ArgRead | NodeRead | None] = []
+    nnx_args = iter(resolved.nnx_args)
     for a, spec_id in zip(args, resolved.key):
         if spec_id == 0:
             if type(a) is not ArrayImpl:
                 return  # (a traced Python scalar)
             reads.append(None)
+            continue
+        if resolved.nnx_args and _nnx_gate.is_node(a):
+            # Read from its cache entry, on its own (not a Variable read afresh, not
+            # flattened jointly with another argument).
+            nnx_arg = next(nnx_args, None)
+            if nnx_arg is None or nnx_arg.obj is not a or not _nnx_gate.adapter().readable_argument(nnx_arg, spec_id):
+                return
+            reads.append(NodeRead(spec_id))
             continue
         extract = next((t.extract for t in _codegen.templates.get(type(a), ()) if t.spec.id == spec_id), None)
         if extract is None:
@@ -131,13 +142,15 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
             if hit is None or hit.spec_id != spec_id:
                 return
         reads.append(ArgRead(spec_id, extract))
+    if next(nnx_args, None) is not None:
+        return  # (NNX objects inside another argument: read by the general path only)
     known = state.structures.get(type(args[0]))
     if known is None or known.reads != tuple(reads) or known.call is not entry.fn:
-        known = StructureRecord(len(args), tuple(reads), entry.fn, _fast_post(entry), [0] * len(args), fast_shape)
+        known = StructureRecord(len(args), tuple(reads), entry.fn, _structure_post(entry), [0] * len(args), fast_shape)
         state.structures[type(args[0])] = known
     # The objects of this call, passed again, come back to the general path (see `last`).
     for i, read in enumerate(reads):
-        if read is not None:
+        if type(read) is ArgRead:
             known.last[i] = id(args[i])
 
 
@@ -169,6 +182,18 @@ def _fast_post(entry: Entry) -> Any:
     return post
 
 
+def _structure_post(entry: Entry) -> Any:
+    """The post-processing of a structure record: None when jax's output is the result."""
+    if entry.passthrough:
+        return None
+    finish = entry.finish
+
+    def post(out: Any, first: Any, nnx_args: Any) -> Any:
+        return finish(out, nnx_args or ())
+
+    return post
+
+
 def _all_arrays(values: tuple[Any, ...], start: int) -> bool:
     for i in range(start, len(values)):
         if type(values[i]) is not ArrayImpl:
@@ -176,15 +201,21 @@ def _all_arrays(values: tuple[Any, ...], start: int) -> bool:
     return True
 
 
-def read_arguments(known: StructureRecord, args: tuple[Any, ...]) -> list[Any] | None:
+def read_arguments(known: StructureRecord, args: tuple[Any, ...]) -> tuple[list[Any], list[Any]] | None:
     """The structure path's reading of a call's arguments (`_fast.StructureRecord`): their
-    leaves, in order, or None if the record does not serve this call."""
+    leaves, in order, and the NnxArgs of its NNX arguments; None if the record does not
+    serve this call."""
     values: list[Any] = []
+    nnx_args: list[Any] = []
     for i, (a, read) in enumerate(zip(args, known.reads)):
         if read is None:
             if type(a) is not ArrayImpl:
                 return None
             values.append(a)
+            continue
+        if type(read) is NodeRead:
+            if not _nnx_gate.is_node(a) or not _nnx_gate.adapter().read_cached(a, read.spec_id, values, nnx_args):
+                return None
             continue
         if i == 0 and known.fast_shape and known.last[0] == id(a):
             return None  # passed again: the general path gives it a fast record
@@ -198,11 +229,13 @@ def read_arguments(known: StructureRecord, args: tuple[Any, ...]) -> list[Any] |
         if leaves is None:
             return None  # not of this structure
         values += leaves
+    if nnx_args and (currently_jitting() or (len(nnx_args) > 1 and _nnx_gate.adapter().overlapping(nnx_args))):
+        return None  # (inside an outer transformation; NNX arguments sharing Variables)
     last = known.last
     for i, read in enumerate(known.reads):
-        if read is not None:
+        if type(read) is ArgRead:
             last[i] = id(args[i])
-    return values
+    return values, nnx_args
 
 
 def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: Any) -> Any:
@@ -236,9 +269,10 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
             if structure:
                 known = structures_get(type(first))
                 if known is not None and known.arity == len(args):
-                    values = read_arguments(known, args)
-                    if values is not None:
-                        call, variables, post = known.call, None, known.post
+                    read = read_arguments(known, args)
+                    if read is not None:
+                        values, variables = read
+                        call, post = known.call, known.post
             if call is not None:
                 if structure:
                     counts.python_structure += 1

@@ -130,7 +130,7 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
         return ArgumentReport(
             name, f"{type(value).__name__} (cannot be weakly referenced)", "flattened (generated code) every call"
         )
-    if read is not None and read.extract is not None and read.extract(value) is not None:
+    if type(read) is _fast.ArgRead and read.extract is not None and read.extract(value) is not None:
         return ArgumentReport(
             name,
             "a new object of a structure this function has run",

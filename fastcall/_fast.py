@@ -22,8 +22,9 @@ positional argument: a plain jax array as is; any other argument from the
 identity cache (`_flatten.by_id`, when the cached object is of the expected
 structure), or else by its structure's generated extractor (`_codegen.Template`),
 which reads a new object's leaves and checks everything else about it, or
-declines. This serves the model a training step returned, the `eqx.nn.State`
-a stateful call returned, a new params dict each call.
+declines; an NNX argument from its cache entry, when that is usable as it is.
+This serves the model a training step returned, the `eqx.nn.State` a stateful
+call returned, a new params dict each call, `step(model, optimizer, x, y)`.
 """
 
 from __future__ import annotations
@@ -57,13 +58,21 @@ class ArgRead(NamedTuple):
     extract: Callable[[Any], Any] | None  # ... or else this: its leaves (a tuple), or None
 
 
+class NodeRead(NamedTuple):
+    """How the structure path reads an NNX argument: from its cache entry, which must be
+    usable as it is and have this spec. (Python only: the C path hands such calls over.)"""
+
+    spec_id: int
+
+
 class StructureRecord(NamedTuple):
     """How to serve a call whose arguments have the structures of one the function ran."""
 
     arity: int  # the number of positional arguments the call must have
-    reads: tuple[ArgRead | None, ...]  # per positional argument; None: a plain jax array
+    reads: tuple[ArgRead | NodeRead | None, ...]  # per positional argument; None: a plain jax array
     call: Callable[..., Any]  # the compiled function
-    post: Callable[[Any, Any, Any], Any] | None  # post(out, first, None); None: out is the result
+    # post(out, first, the NnxArgs of the call's NNX arguments or None); None: out is the result
+    post: Callable[[Any, Any, Any], Any] | None
     # Per positional argument, the id of the object last read there. An object extracted
     # again is left to the general path, which caches it by identity (then it is read
     # from the identity cache). With `fast_shape` (every other argument a plain array),

@@ -372,9 +372,28 @@ def _graph_nodes(node: Any) -> tuple[list[Any], list[Any] | None]:
     return list(seen.values()), containers if guardable else None
 
 
+def cached(obj: Any) -> NodeEntry | None:
+    """`obj`'s entry if it can be used as it is (nothing to re-read or switch), else None:
+    what `lookup` returns first (the structure path reads NNX arguments through this)."""
+    entry = by_id.get(id(obj))
+    if (
+        entry is not None
+        and entry.ref() is obj
+        and not entry.stale
+        and not entry.flipped
+        and not entry.volatile
+        and (entry.guard is None or _guard.holds(entry.guard))
+    ):
+        return entry
+    return None
+
+
 def lookup(obj: Any, arg_name: str) -> NodeEntry:
     """The current entry for `obj`: the cached one if its structure is known to be
     unchanged, else re-read. The one place that decides whether an entry is usable."""
+    found = cached(obj)
+    if found is not None:
+        return found
     entry = by_id.get(id(obj))
     if entry is not None and entry.ref() is obj and not entry.stale:
         if entry.flipped:
@@ -435,6 +454,29 @@ def _switch_variant(obj: Any, arg_name: str, entry: NodeEntry) -> NodeEntry:
             # place later (`_replace_variable`) is then replaced for all of them.
             new.items = entry.items
     return new
+
+
+def read_cached(obj: Any, spec_id: int, values: list[Any], nnx_args: list[NnxArg]) -> bool:
+    """The structure path's reading of an NNX argument: its current leaf values and NnxArg,
+    as `read_argument` gives them, if its cached entry is usable as it is and has spec
+    `spec_id`; False (nothing appended) otherwise, or where `read_argument` would step
+    aside or consume NNX's cached_partial cache."""
+    entry = cached(obj)
+    if entry is None or entry.spec_id != spec_id or entry.fresh or _GRAPH_CONTEXT.tmp_static_cache is not None:
+        return False
+    current = entry.values()
+    if current and type(current[0]) is not ArrayImpl:
+        return False  # (tracers: inside an NNX transform)
+    values += current
+    nnx_args.append(NnxArg(obj, entry.items, entry, paths=entry.paths))
+    return True
+
+
+def readable_argument(arg: NnxArg, spec_id: int) -> bool:
+    """Whether the structure path may read this call's NNX argument as `read_cached` does:
+    it was read from its cache entry, on its own (not jointly with another argument)."""
+    entry = arg.entry
+    return entry is not None and not entry.volatile and entry.spec_id == spec_id and not entry.spec.joint
 
 
 def install_record(entry: NodeEntry, state: Any, spec_id: int, record: _fast.FastRecord) -> None:

@@ -198,3 +198,109 @@ def test_explain_names_the_structure_path(hot_path):
     report = f.explain(_models(3)[2], X)
     assert report.route == "structure" and not report.reasons
     assert "structure this function has run" in report.arguments[0].kind
+
+
+# --------------------------------------------------------------------------
+# NNX arguments on the structure path: `step(model, optimizer, x, y)`, each NNX argument
+# read from its cache entry (the general path's reading, without resolving the call)
+
+from flax import nnx  # noqa: E402
+import optax  # noqa: E402
+
+from .conftest import state_of  # noqa: E402
+
+
+class Net(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(4, 4, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.l2 = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.drop(jax.nn.relu(self.l1(x))))
+
+
+def _train_step(model, optimizer, x, y):
+    def loss_fn(m):
+        return jnp.mean((m(x) - y) ** 2)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def _pair():
+    model = Net(nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+
+XB, YB = jnp.ones((2, 4)), jnp.zeros((2, 4))
+
+
+def test_nnx_training_step_takes_the_structure_path(hot_path):
+    (m, opt), (ref_m, ref_opt) = _pair(), _pair()
+    f, peer = fastcall.jit(_train_step), nnx.jit(_train_step)
+    routes = []
+    for _ in range(4):
+        loss, route = served(f, m, opt, XB, YB)
+        routes.append(route)
+        assert_trees_equal(loss, peer(ref_m, ref_opt, XB, YB))
+        assert_trees_equal(state_of(m), state_of(ref_m))
+        assert_trees_equal(state_of(opt), state_of(ref_opt))
+    # (the C path hands calls with NNX reads to its Python copy)
+    assert routes == ["general"] + ["python_structure"] * 3
+    assert f.stats().compiles == 1
+
+
+def test_nnx_changes_between_steps_go_to_the_general_path(hot_path):
+    (m, opt), (ref_m, ref_opt) = _pair(), _pair()
+    f, peer = fastcall.jit(_train_step), nnx.jit(_train_step)
+
+    def step():
+        loss, route = served(f, m, opt, XB, YB)
+        assert_trees_equal(loss, peer(ref_m, ref_opt, XB, YB))
+        assert_trees_equal(state_of(m), state_of(ref_m))
+        return route
+
+    step(), step()
+    for obj in (m, ref_m):
+        obj.eval()  # a flip: switched to by the general path
+    assert step() == "general"
+    assert step() == "python_structure"
+    new = nnx.Linear(4, 4, rngs=nnx.Rngs(3))
+    m.l2, ref_m.l2 = new, nnx.clone(new)  # a structure change: re-read by the general path
+    assert step() == "general"
+    assert step() == "python_structure"
+
+
+def test_nnx_arguments_sharing_variables_are_read_jointly(hot_path):
+    def f(a, b, x):
+        a.l1.kernel[...] = a.l1.kernel[...] + 1.0
+        return b(x)
+
+    shared = Net(nnx.Rngs(0))
+    ref = nnx.clone(shared)
+    g, peer = fastcall.jit(f), nnx.jit(f)
+    other, ref_other = Net(nnx.Rngs(1)), Net(nnx.Rngs(1))
+    for _ in range(2):
+        g(other, shared, XB), peer(ref_other, ref, XB)  # disjoint: a structure record
+    for _ in range(2):  # now the same module twice: the general path, jointly, as nnx.jit
+        y, route = served(g, shared, shared, XB)
+        assert route == "general"
+        assert_trees_equal(y, peer(ref, ref, XB))
+        assert_trees_equal(state_of(shared), state_of(ref))
+
+
+def test_nnx_structure_path_inside_an_outer_jit(hot_path):
+    (m, opt), (ref_m, ref_opt) = _pair(), _pair()
+    f = fastcall.jit(_train_step)
+    f(m, opt, XB, YB), f(m, opt, XB, YB)
+    _train_step(ref_m, ref_opt, XB, YB), _train_step(ref_m, ref_opt, XB, YB)
+    # Every argument concrete, but the call inside an outer jax.jit: it runs inline in that
+    # trace, as nnx.jit's would (NNX then refuses to change objects from outside it); no
+    # tracer may be written into the model.
+    with pytest.raises(ValueError, match="different trace level"):  # (NNX's own error)
+        jax.jit(lambda: f(m, opt, XB, YB))()
+    assert all(isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
+               for leaf in jax.tree_util.tree_leaves(nnx.state(m)))
+    assert_trees_equal(f(m, opt, XB, YB), _train_step(ref_m, ref_opt, XB, YB))
