@@ -213,7 +213,7 @@ def read_arguments(known: StructureRecord, args: tuple[Any, ...]) -> tuple[list[
                 return None
             values.append(a)
             continue
-        if type(read) is NodeRead:
+        if isinstance(read, NodeRead):
             if not _nnx_gate.is_node(a) or not _nnx_gate.adapter().read_cached(a, read.spec_id, values, nnx_args):
                 return None
             continue
