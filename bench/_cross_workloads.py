@@ -168,7 +168,8 @@ def first_call(name: str, description: str, width: int, depth: int) -> Workload:
             Variant("nnx.jit", variant(nnx.jit, nnx_model)),
         ],
         lambda ref, outs: [allclose_tree(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(ref, outs)] and None,
-        unit="us/first call",
+        # (each call traces and compiles: medians move by up to ~10% between runs here)
+        min_tolerance=0.10,
         peers={
             "fastcall.jit": ("eqx.filter_jit", "jax.jit(partitioned)"),
             "fastcall.filter_jit": ("eqx.filter_jit",),

@@ -56,6 +56,9 @@ class Workload:
     # a hand-written split/merge floor. `python -m bench` fails (exit 2) when a fastcall
     # variant's median exceeds one of its peers' by more than its tolerance.
     peers: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    # The least tolerance the speed check allows this workload (over --tolerance), for
+    # workloads whose medians vary more between runs (a first call: a compile each time).
+    min_tolerance: float = 0.0
 
     def __post_init__(self) -> None:
         names = {v.name for v in self.variants}
@@ -104,6 +107,7 @@ def slower_than_peers(workload: Workload, rows: list[Row], tolerance: float) -> 
 
     Pairs where either row is missing (filtered out with --variants) or FAILED are
     skipped: a failed correctness check is reported (and fails the run) on its own."""
+    tolerance = max(tolerance, workload.min_tolerance)
     medians = {r.variant: r.median_us for r in rows if r.workload == workload.name and r.median_us}
     gaps = []
     for variant, peers in workload.peers.items():

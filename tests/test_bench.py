@@ -223,6 +223,10 @@ def test_slower_than_peers_rule():
     assert [(g.peer, round(g.ratio, 3)) for g in gaps] == [("b", 1.167)]  # 1.05x against "a" is within 5%
     assert gaps[0].message() == "fastcall slower than its peer: w: fastcall.jit 10.5 us vs b 9.0 us (1.17x)"
     assert _harness.slower_than_peers(w, [row("fastcall.jit", None), row("b", 1.0)], 0.05) == []
+    # A workload's own least tolerance (a first call's compile) wins over a smaller flag.
+    w.min_tolerance = 0.2
+    assert _harness.slower_than_peers(w, rows, tolerance=0.05) == []
+    assert len(_harness.slower_than_peers(w, [row("fastcall.jit", 12.5), row("a", 10.0)], 0.05)) == 1
 
 
 def test_peers_must_name_real_variants_and_never_the_floor():
