@@ -11,16 +11,22 @@ whole route of a call:
    The C extension (`_accel.c`) serves exactly this case, reading the same
    records; this Python copy serves it when the C one is not built or is
    disabled (`FASTCALL_DISABLE_ACCEL=1`).
-2. The general path. Every argument is resolved (`_args.resolve_call`: plain
+2. The structure path. Any other call whose arguments have the structures of
+   a call this function ran (`_fast.StructureRecord`, per type of the first
+   argument): `read_arguments` reads each one as the record says (a plain
+   array; the identity cache or a generated extractor; an NNX object's cache
+   entry) or declines, and the compiled entry runs on those leaves. The C
+   extension serves it too, but for NNX arguments, which it hands over here.
+3. The general path. Every argument is resolved (`_args.resolve_call`: plain
    arrays, identity-cache hits, NNX objects, new objects), the tuple of spec
    ids selects the compiled entry, and `run` runs it.
 
-`run` is the one place that calls a compiled entry: retry once if the output
-structure turned out to vary, translate errors, rebuild the output and write
-NNX state back. The wrapper, `lower(...).compile()` and `fastcall.partial`
-all go through it. After a general call, `_install_fast` decides (the one
-eligibility rule, for Equinox and NNX alike) whether later calls of the same
-shape can take the fast path.
+`run` is the one place the general path calls a compiled entry through: retry
+once if the output structure turned out to vary, translate errors, rebuild the
+output and write NNX state back. The wrapper, `lower(...).compile()` and
+`fastcall.partial` all go through it. After a general call, `_install_fast`
+decides (the one eligibility rule, for Equinox and NNX alike) whether later
+calls of the same shape can take the fast path, and leaves a structure record.
 """
 
 from __future__ import annotations
