@@ -84,7 +84,20 @@ def main(argv: list[str] | None = None) -> int:
 
         progress(f"{name}: verifying")
         measured = _harness.measure(workload, rounds, round_s, progress)
-        gaps += _harness.slower_than_peers(workload, measured, args.tolerance)
+        found = _harness.slower_than_peers(workload, measured, args.tolerance)
+        if found:
+            # This machine's noise can move one run's medians by more than the tolerance:
+            # a gap counts only if a second measurement finds it again (its rows replace
+            # the first's, so the table shows what the verdict rests on).
+            measured = _harness.measure(workload, rounds, round_s, progress)
+            first = {(g.variant, g.peer) for g in found}
+            confirmed = [g for g in _harness.slower_than_peers(workload, measured, args.tolerance) if (g.variant, g.peer) in first]
+            kept = {(g.variant, g.peer) for g in confirmed}
+            for g in found:
+                if (g.variant, g.peer) not in kept:
+                    print(f"\n  re-measured, not found again (not counted): {g.message()}", file=sys.stderr)
+            found = confirmed
+        gaps += found
         rows += measured
     served: list[_serving.LoadResult] = []
     if serving:
