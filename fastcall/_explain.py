@@ -29,8 +29,9 @@ class ArgumentReport:
 class CallReport:
     """What `f.explain(*args, **kwargs)` returns."""
 
-    # "fast" (a fast record serves it), "structure" (a new object of a structure this
-    # function has run: its generated extractor reads it) or "general"
+    # "fast" (a fast record serves it), "structure" (arguments of the structures of a call
+    # this function ran: each read from the identity cache, by its structure's generated
+    # extractor, or from its NNX cache entry) or "general"
     route: str
     reasons: tuple[str, ...]  # why not the fast or structure path (empty when it is one)
     arguments: tuple[ArgumentReport, ...]
@@ -120,6 +121,12 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
         return ArgumentReport(name, f"cannot be read: {err}", "")
     if spec.kind != "tree":
         return ArgumentReport(name, spec.kind, "")
+    if type(read) is _fast.ArgRead and read.extract is not None and read.extract(value) is not None:
+        return ArgumentReport(
+            name,
+            "a new object of a structure this function has run",
+            "its leaves read by the structure's generated code (cached by identity if passed again)",
+        )
     if not type(value).__weakrefoffset__:
         if first and (spec.cacheable or spec.guardable) and type(value) in (list, dict):
             return ArgumentReport(
@@ -129,12 +136,6 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
             )
         return ArgumentReport(
             name, f"{type(value).__name__} (cannot be weakly referenced)", "flattened (generated code) every call"
-        )
-    if type(read) is _fast.ArgRead and read.extract is not None and read.extract(value) is not None:
-        return ArgumentReport(
-            name,
-            "a new object of a structure this function has run",
-            "its leaves read by the structure's generated code (cached by identity if passed again)",
         )
     if spec.cacheable or spec.guardable:
         return ArgumentReport(name, "not cached yet (seen for the first time)", "cached after its first calls")

@@ -38,6 +38,7 @@ X = jnp.ones(4)
 def _scenarios():
     yield "eqx list model", lambda: ListNet(jax.random.PRNGKey(0)), (X,), {}
     yield "new eqx model each call", lambda: ListNet(jax.random.PRNGKey(0)), (X,), {"new": True}
+    yield "new params dict each call", lambda: {"w": jnp.ones(4)}, (X,), {"new": True}
     yield "params dict", lambda: {"w": jnp.ones(4)}, (X,), {}
     yield "nnx module", lambda: nnx.Linear(4, 4, rngs=nnx.Rngs(0)), (X,), {}
     yield "nnx mutable static", WithConfig, (X,), {}
@@ -68,6 +69,7 @@ def test_explain_names_the_route_the_call_takes(name, make, rest, kwargs, hot_pa
         assert report.route == "general"
     elif new:
         assert report.route == "structure"
+        assert report.arguments[0].kind == "a new object of a structure this function has run"
     else:
         assert report.route == "fast"
 
