@@ -42,7 +42,8 @@ from typing import Any, NamedTuple
 import jax
 from flax import nnx
 from flax.nnx import graphlib
-from flax.nnx.variablelib import Variable
+from flax.nnx import variablelib
+from flax.nnx.variablelib import Variable, is_array_ref
 
 from . import _fast, _guard, _nnx_gate, _nnx_hooks
 from ._errors import FastcallError, describe_arg
@@ -114,10 +115,15 @@ else:  # pragma: no cover - an unverified flax without the slot: public, slower 
     _set_raw = Variable.set_raw_value
 
 
+# jax's mutable array reference type (`jax.new_ref`), where this jax has one: a graph
+# node to nnx.jit (traced, returned as the caller's own reference when passed in)
+_REF_TYPE = getattr(variablelib, "Ref", None)
+
+
 def is_node_type(t: type) -> bool:
-    """Whether instances of `t` are NNX graph nodes or Variables (NNX decides this by
-    type: registration in its graph registry)."""
-    return issubclass(t, (_nnx_hooks.Pytree, Variable)) or t in graphlib.GRAPH_REGISTRY
+    """Whether instances of `t` are NNX graph nodes, Variables or mutable array references
+    (NNX decides this by type: registration in its graph registry)."""
+    return issubclass(t, (_nnx_hooks.Pytree, Variable)) or t in graphlib.GRAPH_REGISTRY or t is _REF_TYPE
 
 
 def _is_node(x: Any) -> bool:
@@ -689,9 +695,10 @@ def _read_node(obj: Any, leaves: list[Any], arg_name: str, nnx_args: list[NnxArg
         spec = _read_variable(obj, leaves, arg_name, nnx_args)
         if spec is not None:
             return spec
-    if joint is not None or not type(obj).__weakrefoffset__:
+    if joint is not None or not type(obj).__weakrefoffset__ or type(obj) is _REF_TYPE:
         # Flattened afresh: jointly with the call's other NNX arguments, or an object the
-        # cache cannot hold (a Variable passed on its own cannot be weakly referenced).
+        # cache cannot hold (a Variable passed on its own cannot be weakly referenced; a
+        # mutable array reference has no graph to cache).
         refmap = joint if joint is not None else graphlib.RefMap()
         graphdef, flat = _flatten_node(obj, arg_name, ref_index=refmap)
         items = _leaf_items(obj, flat)[0]
@@ -1003,6 +1010,8 @@ class _Traced:
                 continue
             if isinstance(v, Variable):
                 new = v.get_raw_value()
+                if new is given and is_array_ref(new):
+                    continue  # (a mutable array reference: jax changes the caller's in place)
                 # A non-array value (a dict of arrays, ...) may have changed in place:
                 # always written back.
                 if everything or new is not given or not isinstance(new, jax.Array):
@@ -1021,11 +1030,13 @@ class NnxOutputs(NamedTuple):
     writes: tuple[tuple[int, int], ...]  # (NNX argument ordinal, leaf index) per written Variable
     restructure: tuple[tuple[int, Any, int], ...]  # (ordinal, new graphdef, number of leaves)
     has_nodes: bool  # the output holds NNX object markers to turn back into objects
-    inner_nodes: tuple[tuple[int, int], ...]  # (ordinal, graph index) of returned sub-objects
+    inner_nodes: tuple[int, ...]  # outer indices of the arguments' sub-objects returned
     n_written: int
     # the writes whose Variable the function replaced by a new one: the caller's object
     # gets a new Variable (same type and metadata) holding the value
     replaced: frozenset[tuple[int, int]] = frozenset()
+    joint: bool = False  # the arguments were flattened jointly (one index space)
+    links_outer: bool = False  # a new object returned holds objects of the arguments
 
 
 class TracedInputs:
@@ -1081,46 +1092,25 @@ class TracedInputs:
         replaced: list[tuple[int, int]] = []
         restructured: list[Any] = []
         restructure: list[tuple[int, Any, int]] = []
-        refmap = None
         flattened = self._flatten_all()
-        # A Variable replaced by a new one is written as a new Variable only where that is
-        # all that happened: the new Variable is not one the function was given (by any
-        # argument: a Variable moved keeps its identity), it sits in one place only, and the
-        # graph shares no object (a shared old Variable is reached by other paths too).
-        given_ids = {id(v) for t in self.args for v in t.inner}
-        new_places = collections.Counter(
-            id(a)
-            for t, (_, flat) in zip(self.args, flattened)
-            for a, b in zip(flat.leaves, t.inner)
-            if a is not b and isinstance(a, Variable)
-        )
+        changed = [self._changed(t, graphdef, list(flat.leaves), out, flattened)
+                   for t, (graphdef, flat) in zip(self.args, flattened)]
+        joint = bool(self.args) and self.args[0].spec.joint  # (jointly: all of a call's arguments, or none)
+        if joint and any(changed):
+            # Arguments that share objects are restructured together, in one index space,
+            # as they were read (a change made through one is seen through the others).
+            changed = [True] * len(self.args)
+        # Every graph flattened for the caller (restructured arguments, then new objects
+        # returned) shares one index, so that an object both put in an argument and
+        # returned comes back as one object; objects the function was given are named by
+        # their outer index, so the caller's own objects are updated and linked.
+        inner_ref = graphlib.RefMap()
+        outer_ref = self._outer_index_map() if graph_updates and not refuse_aliasing else None
         for ordinal, (t, (graphdef, flat)) in enumerate(zip(self.args, flattened)):
-            after = list(flat.leaves)
-            same_graph = graphdef == t.spec.graphdef and len(after) == len(t.inner)
-            # A structural change: another graphdef, or a raw leaf that is no longer an
-            # array. The same graphdef with a raw leaf rebound to another array is a value
-            # written back; with a Variable replaced by a new one (of the same type and
-            # metadata: the graphdef says so), a Variable replaced in the caller's object
-            # (`self.loss = Loss(...)` on every call), unless the output holds NNX objects.
-            changed = (
-                not same_graph
-                or any(not isinstance(a, (jax.Array, Variable)) for a, b in zip(after, t.inner) if a is not b)
-                or any(
-                    id(a) in given_ids or new_places[id(a)] > 1 or t.spec.has_shared
-                    for a, b in zip(after, t.inner)
-                    if a is not b and isinstance(a, Variable)
+            if changed[ordinal] and graph_updates:  # (without graph updates, as nnx.jit: values only)
+                new_graphdef, new_flat = graphlib.flatten(
+                    t.node, with_paths=True, ref_index=inner_ref, ref_outer_index=outer_ref
                 )
-                or (
-                    self._returns_nodes(out)
-                    and any(a is not b for a, b in zip(after, t.inner) if isinstance(b, Variable))
-                )
-            )
-            if changed and graph_updates:  # (without graph updates, as nnx.jit: values only)
-                if t.spec.joint:
-                    raise _joint_structure_error(t.name)
-                if refmap is None:
-                    refmap = self._outer_index_map()
-                new_graphdef, new_flat = graphlib.flatten(t.node, with_paths=True, ref_outer_index=refmap)
                 leaves = list(new_flat.leaves)
                 if shardings[ordinal] is not None:  # each new leaf gets its path's in_sharding
                     by_path = dict(zip(map(tuple, t.paths), shardings[ordinal]))
@@ -1128,6 +1118,8 @@ class TracedInputs:
                 restructure.append((ordinal, new_graphdef, len(leaves)))
                 restructured += leaves
                 continue
+            after = list(flat.leaves)
+            same_graph = graphdef == t.spec.graphdef and len(after) == len(t.inner)
             per_leaf = shardings[ordinal]
             aligned = after if same_graph else None
             for index, value, new_variable in t.writes(aligned, everything[ordinal], graph_updates):
@@ -1137,50 +1129,78 @@ class TracedInputs:
                 written.append(value)
                 if new_variable:
                     replaced.append((ordinal, index))
-        out, has_nodes, inner_nodes = self._mark_nodes(out, refuse_inputs=refuse_aliasing)
+        out, marks = self._mark_nodes(out, refuse_aliasing, inner_ref, outer_ref)
         extra = restructured + written
-        if not (writes or restructure or has_nodes):
+        if not (writes or restructure or marks.found):
             return out, None, []
         nnx_out = NnxOutputs(
-            tuple(writes), tuple(restructure), has_nodes, inner_nodes, len(extra), frozenset(replaced)
+            tuple(writes), tuple(restructure), marks.found, marks.sub_objects, len(extra), frozenset(replaced),
+            joint, marks.links_outer,
         )
         return out, nnx_out, extra
+
+    def _changed(self, t: _Traced, graphdef: Any, after: list[Any], out: Any, flattened: list[Any]) -> bool:
+        """Whether the function changed the structure of argument `t` (given its graphdef
+        and leaves `after` the call): another graphdef, or a raw leaf that is no longer an
+        array. The same graphdef with a raw leaf rebound to another array is a value
+        written back; with a Variable replaced by a new one (of the same type and
+        metadata: the graphdef says so), a Variable replaced in the caller's object
+        (`self.loss = Loss(...)` on every call), unless that cannot be done alone: the new
+        Variable is one the function was given (by any argument: a Variable moved keeps
+        its identity), it sits in more than one place, the graph shares objects (a shared
+        old Variable is reached by other paths too), or the output holds NNX objects."""
+        if graphdef != t.spec.graphdef or len(after) != len(t.inner):
+            return True
+        if any(not isinstance(a, (jax.Array, Variable)) for a, b in zip(after, t.inner) if a is not b):
+            return True
+        new_variables = [a for a, b in zip(after, t.inner) if a is not b and isinstance(a, Variable)]
+        if not new_variables:
+            return False
+        if t.spec.has_shared or self._returns_nodes(out):
+            return True
+        given_ids = {id(v) for u in self.args for v in u.inner}
+        new_places = collections.Counter(
+            id(a)
+            for u, (_, flat) in zip(self.args, flattened)
+            for a, b in zip(flat.leaves, u.inner)
+            if a is not b and isinstance(a, Variable)
+        )
+        return any(id(a) in given_ids or new_places[id(a)] > 1 for a in new_variables)
 
     @staticmethod
     def _returns_nodes(out: Any) -> bool:
         return any(_is_node(x) for x in jax.tree_util.tree_leaves(out, is_leaf=_is_node))
 
     def _outer_index_map(self) -> Any:
-        """inner object -> unique outer index, over every NNX argument of the call."""
+        """object rebuilt here -> its outer index (`outer_objects` gives the caller's
+        object at each), over every NNX argument of the call."""
         refmap = graphlib.RefMap()
         for ordinal, t in enumerate(self.args):
+            base = _outer_base(ordinal, t.spec.joint)
             for index, obj in t.index_ref.items():
-                refmap[obj] = ordinal * _ARG_STRIDE + index
+                refmap[obj] = base + index
         return refmap
 
-    def _mark_nodes(self, out: Any, refuse_inputs: bool) -> tuple[Any, bool, tuple[tuple[int, int], ...]]:
-        """Replace NNX objects in the output by markers; also returns whether there were
-        any, and the (ordinal, index) of each sub-object of an argument returned.
-        `refuse_inputs`: an input returned is an error (nnx.jit without graph updates)."""
-        found = [False]
-        sub_objects: list[tuple[int, int]] = []
-        inner: dict[int, tuple[int, int]] = {}  # id(object rebuilt in the trace) -> (k, index)
-        for k, t in enumerate(self.args):
-            if t.spec.joint:
-                continue  # (indices shared between arguments: sub-objects come back as copies)
+    def _mark_nodes(self, out: Any, refuse_inputs: bool, inner_ref: Any, outer_ref: Any) -> tuple[Any, _Marks]:
+        """Replace NNX objects in the output by markers. `refuse_inputs`: an input returned
+        is an error (nnx.jit without graph updates). New objects are flattened into
+        `inner_ref` (after the restructured arguments, and rebuilt outside in the same
+        order into one index), so that objects returned twice, or shared, stay one object;
+        with `outer_ref`, objects of the arguments inside them are named by outer index."""
+        marks = _Marks()
+        inner: dict[int, int] = {}  # id(object rebuilt in the trace) -> its outer index
+        for ordinal, t in enumerate(self.args):
+            base = _outer_base(ordinal, t.spec.joint)
             for index, obj in t.index_ref.items():
-                inner.setdefault(id(obj), (k, index))
-
-        # New objects are flattened together (and rebuilt outside in the same order into
-        # one index), so that objects returned twice, or shared, stay one object.
-        new_refs = graphlib.RefMap()
+                inner.setdefault(id(obj), base + index)
         # Every object of every input, for nnx.jit's refusal of inputs returned (aliasing).
         input_ids = {id(obj) for t in self.args for obj in t.index_ref.values()} if refuse_inputs else set()
+        sub_objects: list[int] = []
 
         def mark(x: Any) -> Any:
             if not _is_node(x):
                 return x
-            found[0] = True
+            marks.found = True
             if refuse_inputs and id(x) in input_ids:
                 raise aliasing_error("both an input and an output")
             for k, t in enumerate(self.args):
@@ -1188,14 +1208,43 @@ class TracedInputs:
                     return _InputNode(k)
             if id(x) in inner:
                 sub_objects.append(inner[id(x)])
-                return _InputNode(*inner[id(x)])
-            graphdef, values = graphlib.flatten(x, with_paths=False, ref_index=new_refs)
-            if refuse_inputs and any(id(obj) in input_ids for obj in new_refs):
+                return _InputNode(-1, inner[id(x)])
+            graphdef, values = graphlib.flatten(x, with_paths=False, ref_index=inner_ref, ref_outer_index=outer_ref)
+            if refuse_inputs and any(id(obj) in input_ids for obj in inner_ref):
                 raise aliasing_error("both an input and an output (inside a new object)")
+            marks.links_outer = marks.links_outer or _refers_outside(graphdef)
             return _NewNode(graphdef, list(values))
 
         marked = jax.tree_util.tree_map(mark, out, is_leaf=_is_node)
-        return marked, found[0], tuple(sub_objects)
+        marks.sub_objects = tuple(sub_objects)
+        return marked, marks
+
+
+class _Marks:
+    """What `_mark_nodes` found in an output."""
+
+    __slots__ = ("found", "sub_objects", "links_outer")
+
+    def __init__(self) -> None:
+        self.found = False  # any NNX object
+        self.sub_objects: tuple[int, ...] = ()  # outer indices of the arguments' sub-objects returned
+        self.links_outer = False  # a new object holds an object of the arguments
+
+
+def _outer_base(ordinal: int, joint: bool) -> int:
+    """The outer index of graph index 0 of NNX argument `ordinal` (arguments flattened
+    jointly share one index space)."""
+    return 0 if joint else ordinal * _ARG_STRIDE
+
+
+def _refers_outside(graphdef: Any) -> bool:
+    """Whether a graphdef flattened with an outer index names an object given by the caller."""
+    for node in getattr(graphdef, "nodes", ()):
+        if getattr(node, "outer_index", None) is not None:
+            return True
+        if getattr(getattr(node, "array_refdef", None), "outer_index", None) is not None:
+            return True
+    return False
 
 
 def aliasing_error(where: str) -> FastcallError:
@@ -1220,30 +1269,22 @@ def _constrained(leaf: Any, sharding: Any) -> Any:
     return leaf
 
 
-def _joint_structure_error(arg_name: str) -> FastcallError:
-    return FastcallError(
-        f"fastcall.jit: the function changed the structure of {describe_arg(arg_name)}, which "
-        "shares objects with another NNX argument. fastcall propagates structural changes only "
-        "for NNX arguments that share nothing: make the change outside the compiled function, "
-        "or pass only the object that holds the others (e.g. the optimizer that holds the model)."
-    )
-
-
 class _InputNode:
-    """Output marker: the function returned its k-th NNX argument, or the object at graph
-    index `index` inside it (a submodule, a Variable): the caller's own object is returned."""
+    """Output marker: the function returned its k-th NNX argument (`outer` None), or the
+    object at outer index `outer` of its arguments (a submodule, a Variable): the caller's
+    own object is returned."""
 
-    __slots__ = ("k", "index")
+    __slots__ = ("k", "outer")
 
-    def __init__(self, k: int, index: int = 0) -> None:
+    def __init__(self, k: int, outer: int | None = None) -> None:
         self.k = k
-        self.index = index
+        self.outer = outer
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is _InputNode and (other.k, other.index) == (self.k, self.index)
+        return type(other) is _InputNode and (other.k, other.outer) == (self.k, self.outer)
 
     def __hash__(self) -> int:
-        return hash((_InputNode, self.k, self.index))
+        return hash((_InputNode, self.k, self.outer))
 
 
 class _NewNode:
@@ -1265,10 +1306,9 @@ jax.tree_util.register_pytree_node(
 # After the call
 
 
-def write_back(nnx_out: NnxOutputs, written: Any, nnx_args: list[NnxArg]) -> Any:
+def write_back(nnx_out: NnxOutputs, written: Any, nnx_args: list[NnxArg]) -> _Link | None:
     """Apply structural changes and write changed Variables back to the caller's objects.
-    Returns the caller's sub-objects that the output refers to, resolved before the
-    graph changed (the markers' indices refer to the graph the function was given)."""
+    Returns the `_Link` that output markers are resolved through (None: none needed)."""
     if written and isinstance(written[0], jax.core.Tracer):  # all outputs are tracers, or none
         raise FastcallError(
             "fastcall.jit: the function changes NNX state (Variables), but it was "
@@ -1277,13 +1317,17 @@ def write_back(nnx_out: NnxOutputs, written: Any, nnx_args: list[NnxArg]) -> Any
             "NNX objects through the outer transformation (use nnx.jit/nnx.grad/... "
             "or nnx.split/merge outside), or call the function outside of it."
         )
-    resolved = None
+    link = None
     if nnx_out.restructure:
-        if nnx_out.inner_nodes:
-            resolved = {(k, index): _object_at(nnx_args[k].obj, index) for k, index in nnx_out.inner_nodes}
+        link = _Link(nnx_out, nnx_args)  # (read before the caller's graphs change)
         pos = 0
         for _, graphdef, n in nnx_out.restructure:
-            _apply_structure(graphdef, list(written[pos : pos + n]), [a.obj for a in nnx_args])
+            # Existing objects and Variables are reused by identity (updated in place to
+            # the structure and values made inside), new ones created, as nnx.jit's graph
+            # updates do.
+            graphlib.unflatten(
+                graphdef, list(written[pos : pos + n]), index_ref=link.index_ref, outer_index_outer_ref=link.outer
+            )
             pos += n
         written = written[pos:]
     for (ordinal, index), value in zip(nnx_out.writes, written):
@@ -1291,7 +1335,34 @@ def write_back(nnx_out: NnxOutputs, written: Any, nnx_args: list[NnxArg]) -> Any
             _replace_variable(nnx_args[ordinal], index, value)
         else:
             write_leaf(nnx_args[ordinal].variables[index], value)
-    return resolved
+    return link
+
+
+class _Link:
+    """How one call's output is tied to the caller's objects. `outer`: the caller's objects
+    (and their sub-objects and Variables) by outer index, read before any structural
+    change (the indices name the graphs the function was given). `index_ref`: one index
+    for every graph rebuilt after the call, restructured arguments first and then new
+    objects returned, in the order they were flattened inside."""
+
+    __slots__ = ("outer", "index_ref")
+
+    def __init__(self, nnx_out: NnxOutputs, nnx_args: list[NnxArg]) -> None:
+        self.index_ref = graphlib.IndexMap()
+        self.outer = graphlib.IndexMap()
+        if not (nnx_out.restructure or nnx_out.inner_nodes or nnx_out.links_outer):
+            return
+        shared = graphlib.RefMap() if nnx_out.joint else None
+        for ordinal, arg in enumerate(nnx_args):
+            refmap = shared if shared is not None else graphlib.RefMap()
+            graphlib.flatten(arg.obj, with_paths=False, ref_index=refmap)
+            if shared is None:
+                base = _outer_base(ordinal, False)
+                for obj, index in refmap.items():
+                    self.outer[base + index] = obj
+        if shared is not None:
+            for obj, index in shared.items():
+                self.outer[index] = obj
 
 
 def _replace_variable(arg: NnxArg, index: int, value: Any) -> None:
@@ -1335,45 +1406,21 @@ def _replace_variable(arg: NnxArg, index: int, value: Any) -> None:
             entry.node_ids = frozenset(entry.watched)
 
 
-def unmark_nodes(result: Any, nnx_args: list[NnxArg], resolved: Any = None) -> Any:
+def unmark_nodes(nnx_out: NnxOutputs, result: Any, nnx_args: list[NnxArg], link: _Link | None) -> Any:
     """Turn output markers back into objects: the caller's own, or new ones."""
-    new_index = graphlib.IndexMap()  # (markers come in the order `_mark_nodes` made them)
+    if link is None:
+        link = _Link(nnx_out, nnx_args)
+    # (markers come in the order `_mark_nodes` made them)
+    outer = link.outer if nnx_out.links_outer else None
 
     def unmark(x: Any) -> Any:
         if type(x) is _InputNode:
-            if x.index == 0:
-                return nnx_args[x.k].obj
-            if resolved is not None:
-                return resolved[(x.k, x.index)]
-            return _object_at(nnx_args[x.k].obj, x.index)
+            return nnx_args[x.k].obj if x.outer is None else link.outer[x.outer]
         if type(x) is _NewNode:
-            return graphlib.unflatten(x.graphdef, list(x.values), index_ref=new_index)
+            return graphlib.unflatten(x.graphdef, list(x.values), index_ref=link.index_ref, outer_index_outer_ref=outer)
         return x
 
     return jax.tree_util.tree_map(unmark, result, is_leaf=lambda x: type(x) in (_InputNode, _NewNode))
-
-
-def _apply_structure(graphdef: Any, values: list[Any], outer_objects: list[Any]) -> None:
-    """Update the caller's objects in place to the structure and values made inside
-    (existing nodes and Variables are reused by identity, new ones created), as nnx.jit
-    does with graph updates."""
-    outer = graphlib.IndexMap()
-    for ordinal, obj in enumerate(outer_objects):
-        refmap = graphlib.RefMap()
-        graphlib.flatten(obj, with_paths=False, ref_index=refmap)
-        for o, index in refmap.items():
-            outer[ordinal * _ARG_STRIDE + index] = o
-    graphlib.unflatten(graphdef, values, outer_index_outer_ref=outer)
-
-
-def _object_at(root: Any, index: int) -> Any:
-    """The object at graph index `index` of `root` (the caller's own submodule/Variable)."""
-    refmap = graphlib.RefMap()
-    graphlib.flatten(root, with_paths=False, ref_index=refmap)
-    for obj, i in refmap.items():
-        if i == index:
-            return obj
-    raise FastcallError(f"fastcall.jit: could not find object {index} of the returned NNX graph.")
 
 
 # --------------------------------------------------------------------------

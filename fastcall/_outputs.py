@@ -50,6 +50,14 @@ class OutInfo:
         self.treedef = treedef
         self.mask = mask
         self.statics = tuple(x for x, m in zip(leaves, mask) if not m)
+        for x in self.statics:
+            if isinstance(x, Tracer):  # (an array is never static: this is not an array)
+                raise FastcallError(
+                    f"fastcall: the function returned a traced value of type {jax.typeof(x)}, "
+                    "which is not an array (a mutable array reference made inside?). jax.jit "
+                    "cannot return one: return its value (ref[...]) instead. (With flax.nnx "
+                    "imported, fastcall returns a new reference holding the value, as nnx.jit does.)"
+                )
         try:
             self.static_keys: Any = tuple(_flatten.leaf_key(s) for s in self.statics)
             hash(self.static_keys)
@@ -104,11 +112,11 @@ class OutInfo:
         """The user's output from the flat outputs of one call; NNX state written back."""
         if self.passthrough:
             return dyn
-        resolved = None
+        link = None  # (how returned NNX objects are tied to the caller's)
         if self.nnx is not None:
             k = self.nnx.n_written
             if k or self.nnx.restructure:  # (a new structure may have no leaves at all)
-                resolved = self.adapter.write_back(self.nnx, dyn[len(dyn) - k :], nnx_args)
+                link = self.adapter.write_back(self.nnx, dyn[len(dyn) - k :], nnx_args)
                 dyn = dyn[: len(dyn) - k]
         if self.block:
             marker = dyn.pop()
@@ -124,7 +132,7 @@ class OutInfo:
         if self.regs:
             self._register(result, dyn)
         if self.nnx is not None and self.nnx.has_nodes:
-            result = self.adapter.unmark_nodes(result, nnx_args, resolved)
+            result = self.adapter.unmark_nodes(self.nnx, result, nnx_args, link)
         return result
 
     def _register(self, result: Any, dyn: Sequence[Any]) -> None:

@@ -521,6 +521,151 @@ def test_returned_objects_from_a_container_are_the_callers_own():
     assert out[3] is tree[0].linear.kernel
 
 
+# ---- structural changes through shared objects; new objects holding the caller's ----
+
+
+class Wrap(nnx.Module):
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+
+def test_structural_change_on_a_module_passed_twice():
+    """[a, a]: both places are one module; a Variable added through one is the caller's."""
+
+    def fn(ms, x):
+        ms[0].extra = nnx.Param(jnp.sum(x) * jnp.ones(3))
+        return ms[1](x) + ms[1].extra[...].sum()
+
+    def check(worlds: dict[str, World], i: int) -> None:
+        (ms,) = worlds["fastcall"].args
+        assert ms[0] is ms[1] and type(ms[0].extra) is nnx.Param
+
+    def make() -> World:
+        m = Counted(4, 4, 0)
+        return World(([m, m],))
+
+    compare(fn, make, XS, check=check)
+
+
+def test_structural_changes_through_a_submodule_shared_between_arguments():
+    def fn(a, b, x):
+        b.inner.bias = nnx.Param(jnp.full((4,), jnp.sum(x)))  # seen through a.inner too
+        a.added = nnx.Param(jnp.ones(1))
+        return a.inner(x)
+
+    def check(worlds: dict[str, World], i: int) -> None:
+        a, b, shared = worlds["fastcall"].args + worlds["fastcall"].keep
+        assert a.inner is b.inner is shared and type(a.added) is nnx.Param
+
+    def make() -> World:
+        shared = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+        return World((Wrap(shared), Wrap(shared)), keep=(shared,))
+
+    compare(fn, make, XS, check=check)
+
+
+def test_submodules_swapped_between_arguments_that_share_one():
+    def fn(a, b, x):
+        a.inner, b.inner = b.inner, a.inner
+        return a.inner(x) + b.other(x)
+
+    def check(worlds: dict[str, World], i: int) -> None:
+        a, b, p, q = worlds["fastcall"].args + worlds["fastcall"].keep
+        assert (a.inner, b.inner) == ((q, p) if i % 2 == 0 else (p, q)) and b.other is p
+
+    def make() -> World:
+        p, q = nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 4, rngs=nnx.Rngs(1))
+        b = Wrap(q)
+        b.other = p
+        return World((Wrap(p), b), keep=(p, q))
+
+    compare(fn, make, XS, check=check)
+
+
+@pytest.mark.parametrize("what", ["submodule", "variable", "argument", "in a list"])
+def test_a_new_object_returned_holds_the_callers_objects(what):
+    """nnx.jit links a new returned object to the caller's objects it holds."""
+
+    def fn(m, x):
+        inner = {"submodule": m.linear, "variable": m.linear.kernel, "argument": m, "in a list": nnx.List([m.linear])}[what]
+        m.count[...] += 1
+        return Wrap(inner), m.linear(x)
+
+    compare(fn, lambda: World((Counted(4, 4, 0),)), XS)
+    for jit in (nnx.jit, fastcall.jit):  # the oracle, then fastcall: the same links
+        f, m = jit(fn), Counted(4, 4, 0)
+        for _ in range(3):
+            wrapped, _ = f(m, X)
+            want = {"submodule": m.linear, "variable": m.linear.kernel, "argument": m, "in a list": m.linear}[what]
+            assert (wrapped.inner[0] if what == "in a list" else wrapped.inner) is want, jit
+
+
+def test_an_object_put_in_an_argument_and_returned_is_one_object():
+    def fn(m, x):
+        m.extra = nnx.Linear(4, 2, rngs=nnx.Rngs(3))
+        m.kl = nnx.Param(jnp.sum(m.linear(x)))
+        return m.extra, m.kl, m.extra(x)
+
+    compare(fn, lambda: World((Counted(4, 4, 0),)), XS)
+    for jit in (nnx.jit, fastcall.jit):  # the oracle, then fastcall
+        f, m = jit(fn), Counted(4, 4, 0)
+        for _ in range(3):
+            extra, kl, _ = f(m, X)
+            assert extra is m.extra and kl is m.kl, jit
+
+
+def test_a_ref_mode_module_created_inside_is_returned_with_values():
+    """flax's TestVariableRefMode::test_simple_jit: jax cannot return a mutable array
+    reference, so (as nnx.jit) its value comes out and a new reference is made outside."""
+    m1 = nnx.with_vars(nnx.Linear(1, 1, rngs=nnx.Rngs(0)), ref=True)
+
+    def fn(m, x):
+        out = nnx.with_vars(nnx.Linear(1, 1, rngs=nnx.Rngs(1)), ref=True)
+        out.kernel[...] = out.kernel[...] + m.kernel[...] * x
+        return out
+
+    got, want = fastcall.jit(fn)(m1, 2.0), nnx.jit(fn)(m1, 2.0)
+    for out in (got, want):
+        assert type(out.kernel) is nnx.Param and out.kernel.get_metadata().get("ref")
+    assert_trees_equal(got.kernel[...], want.kernel[...])
+    got.kernel[...] = got.kernel[...] + 1  # a reference of its own
+    assert float(got.kernel[...][0, 0]) == float(want.kernel[...][0, 0]) + 1
+
+
+# ---- jax mutable array references (jax.new_ref), graph nodes to nnx.jit ----
+
+
+def test_a_reference_argument_is_traced_changed_in_place_and_returned_as_itself():
+    """As nnx.jit (flax's test_mutable_array_input_output): one compile for any reference
+    of the same type; the caller's reference changed in place and returned as itself; a
+    reference made inside comes back as a new reference holding its value."""
+
+    def fn(r, d, x):
+        r[...] += x
+        d["r"][...] *= 2.0
+        return r, [d["r"]], jax.new_ref(x * 10.0)
+
+    outs = {}
+    for name, jit in (("nnx.jit", nnx.jit), ("fastcall", fastcall.jit)):
+        f = jit(fn)
+        for i in range(3):
+            r, q = jax.new_ref(jnp.array(1.0)), jax.new_ref(jnp.array(3.0))
+            back, in_list, made = f(r, {"r": q}, jnp.array(float(i)))
+            assert back is r and in_list[0] is q and float(r[...]) == 1.0 + i and float(q[...]) == 6.0
+            assert isinstance(made, jax.Ref) and float(made[...]) == 10.0 * i
+            outs.setdefault(name, []).append(float(made[...]))
+        if name == "fastcall":
+            assert f.stats().compiles == 1
+    assert outs["fastcall"] == outs["nnx.jit"]
+
+
+def test_a_reference_made_inside_without_nnx_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(fastcall._nnx_gate, "flax_imported", lambda: False)  # (as if flax were not loaded)
+    f = fastcall.jit(lambda x: jax.new_ref(x))
+    with pytest.raises(fastcall.FastcallError, match="not an array"):
+        f(jnp.ones(2))
+
+
 def test_rngs_in_a_dict():
     def fn(d, x):
         return d["m"](x) + jax.random.normal(d["rngs"].noise(), x.shape)
