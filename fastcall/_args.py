@@ -117,6 +117,8 @@ def resolve(
     scalar = _scalar_spec(value)
     if scalar is not None:
         return scalar
+    if _nnx_gate.is_graphdef(value):  # (the functional API: static, compared by value)
+        return _nnx_gate.adapter().read_graphdef(value, arg_name, trace_scalars)
     spec, dynamic = _flatten.flatten_generic(value, arg_name, trace_scalars)
     if spec.has_nnx:  # NNX objects inside a container: each read as if passed on its own
         return _nnx_gate.adapter().read_container(value, leaves, arg_name, nnx_args, joint, trace_scalars)

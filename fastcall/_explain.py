@@ -115,6 +115,8 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
     adapter = _nnx_gate.loaded()
     if adapter is not None and adapter.holds_nodes(value):
         return ArgumentReport(name, "container holding NNX objects", "the container flattened, each object read")
+    if _nnx_gate.is_graphdef(value):
+        return ArgumentReport(name, *_nnx_gate.adapter().explain_graphdef(value))
     try:
         spec, _ = _flatten.flatten_generic(value, name, state.options.trace_scalars)
     except Exception as err:  # (the call itself would raise this, naming the argument)

@@ -48,6 +48,7 @@ from flax.nnx.variablelib import Variable, is_array_ref
 from . import _fast, _guard, _nnx_gate, _nnx_hooks
 from ._errors import FastcallError, describe_arg
 from ._flatten import ArrayImpl, intern
+from ._flatten import flatten_generic as _flatten_generic
 from ._flatten import interned as _interned
 from ._flatten import is_traced_leaf
 from ._flatten import leaf_key as _leaf_key
@@ -650,6 +651,7 @@ def clear() -> None:
     with _watch_lock:
         _watchers.clear()  # (and any entry another thread replaced while it was being read)
     _variable_specs.clear()
+    _graphdefs.clear()
 
 
 # --------------------------------------------------------------------------
@@ -759,6 +761,70 @@ def _read_variable(v: Any, leaves: list[Any], arg_name: str, nnx_args: list[NnxA
     leaves.append(value)
     nnx_args.append(NnxArg(v, [v], None, frozenset((id(v),))))
     return spec
+
+
+GraphDef = graphlib.GraphDef
+
+
+class _KnownGraphdef(NamedTuple):
+    graphdef: Any  # held: its id cannot be reused while it is here
+    snapshot: Any  # a copy of it as keyed (None: nothing in it can change in place)
+    spec: Any
+
+
+# GraphDefs passed as arguments (the functional API), by id, at most `_MAX_GRAPHDEFS`.
+_graphdefs: dict[int, _KnownGraphdef] = {}
+_MAX_GRAPHDEFS = 64
+
+
+def read_graphdef(graphdef: Any, arg_name: str, trace_scalars: bool) -> int:
+    """Spec id of a GraphDef passed as an argument (`f(graphdef, state, x)`): static, part
+    of the compile key. A GraphDef holds the module's static attributes as they are: a
+    list or dict attribute is the module's own, so `model.features.append(...)` after
+    `nnx.split` changes the GraphDef in place (nnx.jit and jax.jit then keep computing
+    with the old value). Such a GraphDef is keyed by value and compared on every call with
+    a copy taken when it was keyed; one with hashable statics only, by itself."""
+    known = _graphdefs.get(id(graphdef))
+    if known is not None and known.graphdef is graphdef:
+        if known.snapshot is None or graphdef == known.snapshot:
+            return known.spec.id
+    if _has_mutable_statics(graphdef):
+        snapshot = _copy_unhashable(graphdef)
+        try:
+            key = ("graphdef by value", _freeze(graphdef))
+            spec = _interned(key)
+            if spec is None:
+                spec = intern(_flatten_generic(snapshot, arg_name, trace_scalars)[0], key)
+        except TypeError as err:
+            raise _static_error(arg_name, err) from None
+    else:
+        snapshot, spec = None, _flatten_generic(graphdef, arg_name, trace_scalars)[0]
+    if len(_graphdefs) >= _MAX_GRAPHDEFS:
+        _graphdefs.clear()
+    _graphdefs[id(graphdef)] = _KnownGraphdef(graphdef, snapshot, spec)
+    return spec.id
+
+
+def explain_graphdef(graphdef: Any) -> tuple[str, str]:
+    """(what a GraphDef argument is to fastcall, what it costs per call), for `f.explain`."""
+    if _has_mutable_statics(graphdef):
+        return (
+            "GraphDef holding lists or dicts (static, keyed by value)",
+            "compared (==) with its copy taken when keyed: an in-place change is seen",
+        )
+    return "GraphDef (static, part of the compile key)", "one identity check once seen"
+
+
+def _has_mutable_statics(graphdef: Any) -> bool:
+    """Whether a static attribute in the GraphDef cannot be hashed (a list, a dict, a
+    dataclass holding one: it may change in place)."""
+    for _, attr in graphdef.attributes:
+        if type(attr) is graphlib.Static:
+            try:
+                hash(attr.value)
+            except TypeError:
+                return True
+    return False
 
 
 _STATIC, _DYNAMIC = "static", "dynamic"  # TreeSpec.layout codes of a leaf that is not an NNX object

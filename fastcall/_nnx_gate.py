@@ -50,6 +50,20 @@ def is_node_type(t: type) -> bool:
     return known
 
 
+graphdef_types: dict[type, bool] = {}
+
+
+def is_graphdef(x: Any) -> bool:
+    """Whether `x` is an NNX GraphDef (`nnx.split`'s first result; cached per type)."""
+    t = type(x)
+    known = graphdef_types.get(t)
+    if known is None:
+        if "flax.nnx" not in sys.modules:
+            return False  # (not cached: flax may be imported later)
+        known = graphdef_types[t] = t is adapter().GraphDef
+    return known
+
+
 def is_node(x: Any) -> bool:
     """Whether `x` is an NNX graph node (Module, Pytree, Rngs, Optimizer) or a Variable."""
     return is_node_type(type(x))

@@ -342,6 +342,40 @@ def test_functional_api_state_updated_and_returned(returns):
     assert traces["nnx.jit"] == 1 and traces["fastcall"] <= 1, traces
 
 
+class WithFeatures(nnx.Module):
+    def __init__(self) -> None:
+        self.features = [1, 2]  # a mutable static attribute: nnx.split's GraphDef holds this very list
+        self.w = nnx.Param(jnp.arange(2.0))
+
+    def __call__(self, x):
+        return self.w[...] * x * len(self.features)
+
+
+def test_functional_api_graphdef_changed_in_place_is_never_stale():
+    """`model.features.append(...)` after nnx.split changes the GraphDef in place (nnx.jit
+    and jax.jit(static_argnums=0) keep the old program); fastcall compiles for the new
+    value and reuses the old program when the value comes back."""
+
+    def fn(graphdef, state, x):
+        return nnx.merge(graphdef, state)(x)
+
+    model = WithFeatures()
+    graphdef, state = nnx.split(model)
+    f = fastcall.jit(fn)
+    for features, compiles in (([1, 2], 1), ([1, 2, 3], 2), ([1, 2], 2), ([1, 2, 3, 4], 3)):
+        model.features[:] = features
+        assert_trees_equal(f(graphdef, state, X[0, :2]), fn(graphdef, state, X[0, :2]))
+        assert f.stats().compiles == compiles
+    assert "keyed by value" in f.explain(graphdef, state, X[0, :2]).arguments[0].kind
+    # a GraphDef of hashable statics only is keyed by itself: equal ones share a program
+    plain = nnx.split(Counted(4, 3, 0))
+    g = fastcall.jit(lambda graphdef, state, x: fn(graphdef, state, x))  # (its own compile count)
+    for _ in range(2):
+        graphdef, state = nnx.split(nnx.merge(*plain))
+        g(graphdef, state, X)
+    assert g.stats().compiles == 1
+
+
 def test_list_of_variables_shared():
     """flax's test_jit_pytree_of_variables: [v1, v1, v2]."""
     seen = []
