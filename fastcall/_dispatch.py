@@ -39,7 +39,7 @@ from typing import Any
 
 from . import _args, _codegen, _fast, _flatten, _guard, _nnx_gate
 from ._build import Entry, StructureVaries
-from ._fast import ArgRead, FastRecord, FastSlot, NodeRead, StructureRecord
+from ._fast import ArgRead, FastRecord, FastSlot, GraphdefRead, NodeRead, StructureRecord
 from ._flatten import ArrayImpl
 from ._outputs import on_error
 from ._trace import StepAside, currently_jitting
@@ -126,7 +126,7 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
     path: each non-array argument from the identity cache or its structure's generated
     extractor (`_codegen.templates`); not if one has neither."""
     args = resolved.args
-    reads: list[ArgRead | NodeRead | None] = []
+    reads: list[ArgRead | NodeRead | GraphdefRead | None] = []
     nnx_args = iter(resolved.nnx_args)
     for a, spec_id in zip(args, resolved.key):
         if spec_id == 0:
@@ -141,6 +141,9 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
             if nnx_arg is None or nnx_arg.obj is not a or not _nnx_gate.adapter().readable_argument(nnx_arg, spec_id):
                 return
             reads.append(NodeRead(spec_id))
+            continue
+        if _nnx_gate.is_graphdef(a):  # (the functional API's GraphDef: static, known by identity)
+            reads.append(GraphdefRead(spec_id))
             continue
         extract = next((t.extract for t in _codegen.templates.get(type(a), ()) if t.spec.id == spec_id), None)
         if extract is None:
@@ -221,6 +224,10 @@ def read_arguments(known: StructureRecord, args: tuple[Any, ...]) -> tuple[list[
             continue
         if isinstance(read, NodeRead):
             if not _nnx_gate.is_node(a) or not _nnx_gate.adapter().read_cached(a, read.spec_id, values, nnx_args):
+                return None
+            continue
+        if isinstance(read, GraphdefRead):
+            if not _nnx_gate.is_graphdef(a) or _nnx_gate.adapter().known_graphdef(a) != read.spec_id:
                 return None
             continue
         if i == 0 and known.fast_shape and known.last[0] == id(a):

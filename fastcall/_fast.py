@@ -65,11 +65,18 @@ class NodeRead(NamedTuple):
     spec_id: int
 
 
+class GraphdefRead(NamedTuple):
+    """How the structure path reads an NNX GraphDef argument (the functional API): one
+    known under this spec, unchanged (`_nnx.known_graphdef`). (Python only, as NodeRead.)"""
+
+    spec_id: int
+
+
 class StructureRecord(NamedTuple):
     """How to serve a call whose arguments have the structures of one the function ran."""
 
     arity: int  # the number of positional arguments the call must have
-    reads: tuple[ArgRead | NodeRead | None, ...]  # per positional argument; None: a plain jax array
+    reads: tuple[ArgRead | NodeRead | GraphdefRead | None, ...]  # per positional argument; None: a plain jax array
     call: Callable[..., Any]  # the compiled function
     # post(out, first, the NnxArgs of the call's NNX arguments or None); None: out is the result
     post: Callable[[Any, Any, Any], Any] | None

@@ -122,9 +122,16 @@ _REF_TYPE = getattr(variablelib, "Ref", None)
 
 
 def is_node_type(t: type) -> bool:
-    """Whether instances of `t` are NNX graph nodes, Variables or mutable array references
-    (NNX decides this by type: registration in its graph registry)."""
-    return issubclass(t, (_nnx_hooks.Pytree, Variable)) or t in graphlib.GRAPH_REGISTRY or t is _REF_TYPE
+    """Whether instances of `t` are read as NNX objects: graph nodes, Variables and mutable
+    array references (NNX decides this by type: registration in its graph registry), and
+    `nnx.State` (a pytree to nnx.jit, which fastcall reads and caches as a graph of its
+    Variables: see `NodeSpec.values_only`)."""
+    return (
+        issubclass(t, (_nnx_hooks.Pytree, Variable))
+        or t in graphlib.GRAPH_REGISTRY
+        or t is _REF_TYPE
+        or t is nnx.State
+    )
 
 
 def _is_node(x: Any) -> bool:
@@ -784,10 +791,9 @@ def read_graphdef(graphdef: Any, arg_name: str, trace_scalars: bool) -> int:
     `nnx.split` changes the GraphDef in place (nnx.jit and jax.jit then keep computing
     with the old value). Such a GraphDef is keyed by value and compared on every call with
     a copy taken when it was keyed; one with hashable statics only, by itself."""
-    known = _graphdefs.get(id(graphdef))
-    if known is not None and known.graphdef is graphdef:
-        if known.snapshot is None or graphdef == known.snapshot:
-            return known.spec.id
+    known = known_graphdef(graphdef)
+    if known is not None:
+        return known
     if _has_mutable_statics(graphdef):
         snapshot = _copy_unhashable(graphdef)
         try:
@@ -803,6 +809,15 @@ def read_graphdef(graphdef: Any, arg_name: str, trace_scalars: bool) -> int:
         _graphdefs.clear()
     _graphdefs[id(graphdef)] = _KnownGraphdef(graphdef, snapshot, spec)
     return spec.id
+
+
+def known_graphdef(graphdef: Any) -> int | None:
+    """The spec id `read_graphdef` gave this very GraphDef, if it is unchanged since; else None."""
+    known = _graphdefs.get(id(graphdef))
+    if known is not None and known.graphdef is graphdef:
+        if known.snapshot is None or graphdef == known.snapshot:
+            return known.spec.id
+    return None
 
 
 def explain_graphdef(graphdef: Any) -> tuple[str, str]:
@@ -992,6 +1007,8 @@ def _may_hold_container(node_def: Any) -> bool:
     can change in place): anything but a graph node, a Variable, and the leafless pytree
     nodes NNX keeps per object (its `PytreeState`)."""
     t = getattr(node_def, "type", None)
+    if t is nnx.State:
+        return True  # (its dict can change in place: `state["kernel"] = ...`)
     if not isinstance(t, type) or is_node_type(t):
         return False
     if t is getattr(graphlib, "GenericPytree", None):
@@ -1015,7 +1032,7 @@ class NodeSpec:
 
     __slots__ = (
         "id", "kind", "graphdef", "n_dyn", "cacheable", "templated", "mask", "joint", "mutable_statics",
-        "has_containers", "has_shared", "__weakref__",
+        "has_containers", "has_shared", "values_only", "__weakref__",
     )
 
     def __init__(self, graphdef: Any, n: int, joint: bool = False) -> None:
@@ -1035,6 +1052,10 @@ class NodeSpec:
         self.has_containers = nodes is None or any(map(_may_hold_container, nodes))
         # an object reached by two paths (a shared Variable or submodule: a NodeRef)
         self.has_shared = nodes is None or any(type(n) is graphlib.NodeRef for n in nodes)
+        # An nnx.State: a pytree to nnx.jit, which gives back only the new values of its
+        # Variables (a Variable replaced in it, a key added or a raw leaf rebound inside
+        # the function stay inside).
+        self.values_only = nodes is not None and len(nodes) > 0 and getattr(nodes[0], "type", None) is nnx.State
 
     def nnx_objects(self) -> list[tuple[int, NodeSpec]]:
         return [(0, self)]
@@ -1046,7 +1067,7 @@ _ARG_STRIDE = 1 << 32  # outer indices of NNX argument k are k * _ARG_STRIDE + i
 class _Traced:
     """One NNX argument inside the trace: the rebuilt node and its leaves before the call."""
 
-    __slots__ = ("node", "spec", "inner", "paths", "given", "index_ref", "name")
+    __slots__ = ("node", "spec", "inner", "paths", "owners", "given", "index_ref", "name")
 
     def __init__(self, node_spec: NodeSpec, given: Any, shared_index: Any, name: str) -> None:
         self.spec = node_spec
@@ -1060,20 +1081,25 @@ class _Traced:
         self.node = graphlib.unflatten(graphdef, list(given), index_ref=self.index_ref)
         self.inner: list[Any] = []  # the leaves (Variables, raw values) before the call
         self.paths: list[Any] = []  # and their paths
+        self.owners: list[Any] = []  # and the object holding each (None: not found)
 
-    def writes(self, after: list[Any] | None, everything: bool, replace: bool) -> list[tuple[int, Any, bool]]:
+    def writes(
+        self, after: list[Any] | None, everything: bool, replace: bool, raw: bool = True
+    ) -> list[tuple[int, Any, bool]]:
         """(leaf index, new value, whether its Variable was replaced) for every leaf the
         function changed (or, with `everything`, every leaf), given the leaves `after` the
         call if the graphdef is the same (raw leaves at the same places, Variables of the
         same types; None if not: then only the given Variables' values are compared).
-        `replace`: a Variable replaced by a new one is written as such (graph updates)."""
+        `replace`: a Variable replaced by a new one is written as such (graph updates);
+        `raw`: raw leaves rebound are written too."""
         out = []
         for i, (v, given) in enumerate(zip(self.inner, self.given)):
             now = v if after is None else after[i]
-            if isinstance(v, Variable) and now is not v:
-                if replace:
-                    out.append((i, now.get_raw_value(), True))
+            if isinstance(v, Variable) and now is not v and replace:
+                out.append((i, now.get_raw_value(), True))
                 continue
+            # (without graph updates, a Variable the function replaced still gives back the
+            # value it has now: it may have been changed before being moved or dropped)
             if isinstance(v, Variable):
                 new = v.get_raw_value()
                 if new is given and is_array_ref(new):
@@ -1082,7 +1108,9 @@ class _Traced:
                 # always written back.
                 if everything or new is not given or not isinstance(new, jax.Array):
                     out.append((i, new, False))
-            elif everything or now is not v:  # a raw leaf rebound (`self.count += 1`)
+            elif raw and (everything or now is not v) and not is_array_ref(now):
+                # a raw leaf rebound (`self.count += 1`); (a mutable array reference is
+                # changed in place through jax, and cannot be returned)
                 out.append((i, now, False))
         return out
 
@@ -1145,6 +1173,7 @@ class TracedInputs:
     def snapshot(self) -> None:
         for t, (_, flat) in zip(self.args, self._flatten_all()):
             t.inner, t.paths = list(flat.leaves), list(flat.paths)
+            t.owners = [_owner(t.node, path) for path in t.paths]
 
     def outputs(
         self, out: Any, graph_updates: bool, refuse_aliasing: bool, everything: list[bool], shardings: list[Any]
@@ -1173,7 +1202,8 @@ class TracedInputs:
         inner_ref = graphlib.RefMap()
         outer_ref = self._outer_index_map() if graph_updates and not refuse_aliasing else None
         for ordinal, (t, (graphdef, flat)) in enumerate(zip(self.args, flattened)):
-            if changed[ordinal] and graph_updates:  # (without graph updates, as nnx.jit: values only)
+            if changed[ordinal] and graph_updates and not t.spec.values_only:
+                # (without graph updates, as nnx.jit: values only)
                 new_graphdef, new_flat = graphlib.flatten(
                     t.node, with_paths=True, ref_index=inner_ref, ref_outer_index=outer_ref
                 )
@@ -1188,7 +1218,9 @@ class TracedInputs:
             same_graph = graphdef == t.spec.graphdef and len(after) == len(t.inner)
             per_leaf = shardings[ordinal]
             aligned = after if same_graph else None
-            for index, value, new_variable in t.writes(aligned, everything[ordinal], graph_updates):
+            values_only = t.spec.values_only
+            for index, value, new_variable in t.writes(aligned, everything[ordinal], graph_updates and not values_only,
+                                                       raw=not values_only):
                 if per_leaf is not None and per_leaf[index] is not None:
                     value = jax.lax.with_sharding_constraint(value, per_leaf[index])
                 writes.append((ordinal, index))
@@ -1219,11 +1251,16 @@ class TracedInputs:
             return True
         if any(not isinstance(a, (jax.Array, Variable)) for a, b in zip(after, t.inner) if a is not b):
             return True
-        new_variables = [a for a, b in zip(after, t.inner) if a is not b and isinstance(a, Variable)]
-        if not new_variables:
+        replaced = [i for i, (a, b) in enumerate(zip(after, t.inner)) if a is not b and isinstance(a, Variable)]
+        if not replaced:
             return False
         if t.spec.has_shared or self._returns_nodes(out):
             return True
+        # (the same graphdef, but a submodule replaced by a new one of the same structure:
+        # its Variables are new, and their owner too)
+        if any(t.owners[i] is None or _owner(t.node, t.paths[i]) is not t.owners[i] for i in replaced):
+            return True
+        new_variables = [after[i] for i in replaced]
         given_ids = {id(v) for u in self.args for v in u.inner}
         new_places = collections.Counter(
             id(a)
@@ -1262,6 +1299,16 @@ class TracedInputs:
         # Every object of every input, for nnx.jit's refusal of inputs returned (aliasing).
         input_ids = {id(obj) for t in self.args for obj in t.index_ref.values()} if refuse_inputs else set()
         sub_objects: list[int] = []
+        after: list[set[int]] = []
+
+        def reachable() -> set[int]:
+            """ids of every object in the arguments as they are after the call."""
+            if not after:
+                refmap = graphlib.RefMap()
+                for t in self.args:
+                    graphlib.flatten(t.node, with_paths=False, ref_index=refmap)
+                after.append({id(obj) for obj in refmap})
+            return after[0]
 
         def mark(x: Any) -> Any:
             if not _is_node(x):
@@ -1272,7 +1319,11 @@ class TracedInputs:
             for k, t in enumerate(self.args):
                 if x is t.node:
                     return _InputNode(k)
-            if id(x) in inner:
+            # A sub-object of an argument still in one after the call: the caller's, whose
+            # state is written back with the argument's. One the function detached is
+            # flattened as a new object would be, linked to the caller's (its state comes
+            # back with it).
+            if id(x) in inner and (outer_ref is None or id(x) in reachable()):
                 sub_objects.append(inner[id(x)])
                 return _InputNode(-1, inner[id(x)])
             graphdef, values = graphlib.flatten(x, with_paths=False, ref_index=inner_ref, ref_outer_index=outer_ref)
@@ -1284,6 +1335,17 @@ class TracedInputs:
         marked = jax.tree_util.tree_map(mark, out, is_leaf=_is_node)
         marks.sub_objects = tuple(sub_objects)
         return marked, marks
+
+
+def _owner(root: Any, path: Any) -> Any:
+    """The object holding the leaf at `path` of `root`'s graph (None if it cannot be found)."""
+    node = root
+    try:
+        for key in path[:-1]:
+            node = _child(node, key)
+    except Exception:
+        return None
+    return node
 
 
 class _Marks:
@@ -1588,7 +1650,8 @@ class ShardingContext:
         n = spec.n_dyn
         index = self.joint_index if spec.joint else graphlib.IndexMap()
         known = {id(obj) for obj in index.values()}  # (objects of earlier arguments)
-        placeholder = graphlib.unflatten(spec.graphdef, [None] * n, index_ref=index)
+        # (a stand-in per leaf: not None, which a mutable array reference's slot drops)
+        placeholder = graphlib.unflatten(spec.graphdef, [_Slot() for _ in range(n)], index_ref=index)
         flat = graphlib.flatten(placeholder, with_paths=True)[1]  # (every Variable, shared too)
         if _is_sharding(prefix):
             every = [prefix] * len(flat.leaves)
@@ -1621,6 +1684,12 @@ class ShardingContext:
                     f"there but {sharding} here. A shared Variable has one sharding: give both the same."
                 )
         return own
+
+
+class _Slot:
+    """A leaf's place in a placeholder graph (see `ShardingContext._node`)."""
+
+    __slots__ = ()
 
 
 def constrain(node: Any, sharding: Any) -> None:

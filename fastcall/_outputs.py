@@ -54,9 +54,8 @@ class OutInfo:
             if isinstance(x, Tracer):  # (an array is never static: this is not an array)
                 raise FastcallError(
                     f"fastcall: the function returned a traced value of type {jax.typeof(x)}, "
-                    "which is not an array (a mutable array reference made inside?). jax.jit "
-                    "cannot return one: return its value (ref[...]) instead. (With flax.nnx "
-                    "imported, fastcall returns a new reference holding the value, as nnx.jit does.)"
+                    "which is not an array (a mutable array reference made inside?). A compiled "
+                    "function cannot return one here: return its value (ref[...]) instead."
                 )
         try:
             self.static_keys: Any = tuple(_flatten.leaf_key(s) for s in self.statics)

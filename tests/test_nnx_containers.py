@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 
 import fastcall
 
-from .conftest import assert_trees_equal, state_of
+from .conftest import FAST_PATH, assert_trees_equal, served, state_of
 from .models import TinyDecoder
 
 settings.register_profile(
@@ -376,6 +376,106 @@ def test_functional_api_graphdef_changed_in_place_is_never_stale():
     assert g.stats().compiles == 1
 
 
+# ---- nnx.State arguments: cached as a graph of their Variables, nnx.jit's semantics ----
+
+
+def forward_state(graphdef, state, x):
+    return nnx.merge(graphdef, state)(x)
+
+
+def _change_state_outside(w: World, i: int) -> None:
+    """Between calls, every kind of change to the State argument (and so to the model)."""
+    graphdef, state = w.args
+    if i == 1:
+        state["linear"]["kernel"][...] = state["linear"]["kernel"][...] * 2.0  # a value
+    elif i == 2:
+        state["linear"]["bias"] = nnx.Param(jnp.full((3,), 0.5))  # a Variable replaced in its dict
+    elif i == 3:
+        state["linear"] = dict(state["linear"])  # a nested dict replaced by an equal one
+    elif i == 4:
+        state["count"].set_metadata(tag="x")  # metadata (a hooked change)
+
+
+def test_functional_api_state_changed_outside_between_calls_is_never_stale(hot_path):
+    def make() -> World:
+        model = Counted(4, 3, 0)
+        return World(nnx.split(model), keep=(model,))
+
+    data = [(X,), (X * 2.0,), (X - 0.5,), (X,), (X * 3.0,), (X,)]
+    worlds, _ = compare(forward_state, make, data, mutate=_change_state_outside)
+    # and the same calls again, on the structure path once the State is cached
+    f, w = fastcall.jit(forward_state), make()
+    routes = []
+    for i, (x,) in enumerate(data):
+        _change_state_outside(w, i)
+        want = forward_state(*nnx.split(nnx.clone(nnx.merge(*w.args))), x)  # (eagerly, on a copy)
+        y, route = served(f, *w.args, x)
+        routes.append(route)
+        assert_close(y, want)
+    # (NNX arguments are read by the structure path's Python copy: the C path hands them over)
+    assert routes[-1] == "python_structure" and routes[2:5] == ["general"] * 3, routes
+
+
+def test_a_state_passed_first_takes_the_fast_path(hot_path):
+    model = Counted(4, 3, 0)
+    graphdef, state = nnx.split(model)
+
+    def fn(state, x):
+        m = nnx.merge(graphdef, state)
+        return m(x)  # (count and cache written back through the state's Variables)
+
+    f, peer, twin = fastcall.jit(fn), nnx.jit(fn), nnx.split(Counted(4, 3, 0))[1]
+    routes = [served(f, state, X)[1] for _ in range(3)]
+    for _ in range(3):
+        peer(twin, X)
+    assert routes[-1] == FAST_PATH[hot_path], routes
+    assert_trees_equal(state_of(state), state_of(twin))
+    assert int(model.count[...]) == 3
+
+
+def test_changes_to_a_state_inside_are_values_only_as_under_nnx_jit():
+    """nnx.jit treats an nnx.State as a pytree: new values of its Variables come back; a
+    Variable replaced in it, a key added or deleted, a raw leaf rebound stay inside."""
+
+    def fn(state, x):
+        state["linear"]["kernel"] = nnx.Param(state["linear"]["kernel"][...] * 2.0)
+        state["added"] = nnx.Param(jnp.ones(1))
+        del state["cache"]
+        state["count"][...] += 1
+        state["raw"] = state["raw"] + 1.0
+        return state, jnp.sum(x)
+
+    def make() -> World:
+        model = Counted(4, 3, 0)
+        state = nnx.state(model)
+        state["raw"] = jnp.zeros(2)  # a raw array leaf of the State
+        return World((state,), keep=(model,))
+
+    # (not eagerly: an eager call changes the caller's State itself)
+    worlds, _ = compare(fn, make, XS, eager=False)
+    (state,) = worlds["fastcall"].args
+    assert "added" not in state and "cache" in state and float(state["raw"][0]) == 0.0
+    assert int(state["count"][...]) == 3
+
+
+def test_a_state_and_its_model_in_one_call_stay_shared():
+    seen = []
+
+    def fn(model, state, x):
+        seen.append(model.count is state["count"])
+        state["count"][...] += 10
+        return model(x)
+
+    def make() -> World:
+        model = Counted(4, 3, 0)
+        return World((model, nnx.state(model)))
+
+    worlds, _ = compare(fn, make, XS)
+    model, state = worlds["fastcall"].args
+    assert state["count"] is model.count and int(model.count[...]) == 33
+    assert seen and all(seen)
+
+
 def test_list_of_variables_shared():
     """flax's test_jit_pytree_of_variables: [v1, v1, v2]."""
     seen = []
@@ -666,6 +766,63 @@ def test_a_ref_mode_module_created_inside_is_returned_with_values():
     assert float(got.kernel[...][0, 0]) == float(want.kernel[...][0, 0]) + 1
 
 
+class _Sub(nnx.Module):
+    def __init__(self, v: float) -> None:
+        self.w = nnx.Param(jnp.full((2,), float(v)))
+
+
+class _Holds(nnx.Module):
+    def __init__(self, sub: nnx.Module) -> None:
+        self.sub = sub
+        self.b = nnx.Param(jnp.zeros(2))
+
+
+def _replace_sub(m):  # a new submodule of the same structure (same graphdef, new Variables)
+    m.sub = _Sub(3.0)
+    return m.b[...]
+
+
+def _detach_change_return(m):
+    old = m.sub
+    m.sub = _Sub(2.0)
+    old.w[...] += 7.0
+    return old
+
+
+def _detach_change(m):
+    old = m.sub
+    m.sub = _Sub(11.0)
+    old.w[...] += 3.0
+    return m.b[...]
+
+
+@pytest.mark.parametrize(
+    "fn, options",
+    [(_replace_sub, {}), (_detach_change_return, {}), (_detach_change, {"graph_updates": False})],
+    ids=["submodule replaced by an equal new one", "detached, changed, returned", "detached, changed, no graph updates"],
+)
+def test_submodules_replaced_or_detached_inside(fn, options):
+    """(Review findings.) A submodule replaced by a new one of the same structure is not
+    taken for Variables replaced in the old one (that corrupted the old submodule, shared
+    with a model not passed in); a detached submodule changed and returned comes back with
+    its new state; without graph updates a changed Variable of a detached submodule is
+    written back."""
+    results = {}
+    for name, jit in (("nnx.jit", nnx.jit), ("fastcall", fastcall.jit)):
+        enc = _Sub(1.0)
+        m, other = _Holds(enc), _Holds(enc)  # (other shares the submodule, and is not passed)
+        f = jit(fn, **options)
+        outs = [f(m) for _ in range(2)]
+        results[name] = (
+            [canon(o, World((m, other))) for o in outs],
+            m.sub is enc,
+            state_of((m, other)),
+        )
+    assert_trees_equal(results["fastcall"][0], results["nnx.jit"][0])
+    assert results["fastcall"][1] == results["nnx.jit"][1]
+    assert_trees_equal(results["fastcall"][2], results["nnx.jit"][2])
+
+
 # ---- jax mutable array references (jax.new_ref), graph nodes to nnx.jit ----
 
 
@@ -691,6 +848,27 @@ def test_a_reference_argument_is_traced_changed_in_place_and_returned_as_itself(
         if name == "fastcall":
             assert f.stats().compiles == 1
     assert outs["fastcall"] == outs["nnx.jit"]
+
+
+@pytest.mark.parametrize("jit, options", [
+    (fastcall.filter_jit, {"donate": "all"}),
+    (fastcall.jit, {"donate": "all-except-first"}),
+    (fastcall.jit, {"in_shardings": "one"}),
+])
+def test_a_reference_argument_with_donation_or_shardings(jit, options):
+    """(Review finding.) Every leaf written back (donation, in_shardings) never includes a
+    reference, which jax cannot return; a reference gets its one sharding."""
+    if options.get("in_shardings") == "one":
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        options = {"in_shardings": (one, one)}
+
+    def fn(r, x):
+        r[...] += x
+        return r[...] * 2
+
+    f, r = jit(fn, **options), jax.new_ref(jnp.ones(2))
+    outs = [f(r, jnp.ones(2)) for _ in range(2)]
+    assert [o.tolist() for o in outs] == [[4.0, 4.0], [6.0, 6.0]] and r[...].tolist() == [3.0, 3.0]
 
 
 def test_a_reference_made_inside_without_nnx_is_a_clear_error(monkeypatch):
