@@ -39,7 +39,7 @@ from typing import Any
 
 from . import _args, _codegen, _fast, _flatten, _guard, _nnx_gate
 from ._build import Entry, StructureVaries
-from ._fast import ArgRead, FastRecord, FastSlot, GraphdefRead, NodeRead, StructureRecord
+from ._fast import ArgRead, FastRecord, FastSlot, GraphdefRead, NodeRead, NodesRead, StructureRecord
 from ._flatten import ArrayImpl
 from ._outputs import on_error
 from ._trace import StepAside, currently_jitting
@@ -88,12 +88,10 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
         return
     fast_shape = all(k == 0 for k in resolved.key[1:])  # every other argument a plain array
     first = args[0]
-    if resolved.nnx_args and fast_shape:
-        if len(resolved.nnx_args) != 1:
-            return  # (NNX objects in the other, plain-array arguments? none can be)
-        nnx_arg = resolved.nnx_args[0]
-        node = nnx_arg.entry
-        if nnx_arg.obj is not first or node is None or not node.direct or state in node.fast:
+    if fast_shape and len(resolved.nnx_args) == 1 and resolved.nnx_args[0].obj is first:
+        # `f(model, *arrays)`: a fast record on the model's cache entry
+        node = resolved.nnx_args[0].entry
+        if node is None or not node.direct or state in node.fast:
             return
         record = FastRecord(len(args), entry.fn, node.items, _fast_post(entry))
         _nnx_gate.adapter().install_record(node, state, resolved.key[0], record)
@@ -126,7 +124,7 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
     path: each non-array argument from the identity cache or its structure's generated
     extractor (`_codegen.templates`); not if one has neither."""
     args = resolved.args
-    reads: list[ArgRead | NodeRead | GraphdefRead | None] = []
+    reads: list[ArgRead | NodeRead | NodesRead | GraphdefRead | None] = []
     nnx_args = iter(resolved.nnx_args)
     for a, spec_id in zip(args, resolved.key):
         if spec_id == 0:
@@ -141,6 +139,18 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
             if nnx_arg is None or nnx_arg.obj is not a or not _nnx_gate.adapter().readable_argument(nnx_arg, spec_id):
                 return
             reads.append(NodeRead(spec_id))
+            continue
+        if resolved.nnx_args and type(a) in (tuple, list) and a and all(map(_nnx_gate.is_node, a)):
+            # (a tuple or list of NNX objects, `(model, optimizer)`: each read on its own)
+            elements = []
+            for x in a:
+                nnx_arg = next(nnx_args, None)
+                if nnx_arg is None or nnx_arg.obj is not x or nnx_arg.entry is None:
+                    return
+                if not _nnx_gate.adapter().readable_argument(nnx_arg, nnx_arg.entry.spec_id):
+                    return
+                elements.append(nnx_arg.entry.spec_id)
+            reads.append(NodesRead(spec_id, type(a), tuple(elements)))
             continue
         if _nnx_gate.is_graphdef(a):  # (the functional API's GraphDef: static, known by identity)
             reads.append(GraphdefRead(spec_id))
@@ -225,6 +235,13 @@ def read_arguments(known: StructureRecord, args: tuple[Any, ...]) -> tuple[list[
         if isinstance(read, NodeRead):
             if not _nnx_gate.is_node(a) or not _nnx_gate.adapter().read_cached(a, read.spec_id, values, nnx_args):
                 return None
+            continue
+        if isinstance(read, NodesRead):
+            if type(a) is not read.kind or len(a) != len(read.elements):
+                return None
+            for x, spec_id in zip(a, read.elements):
+                if not _nnx_gate.is_node(x) or not _nnx_gate.adapter().read_cached(x, spec_id, values, nnx_args):
+                    return None
             continue
         if isinstance(read, GraphdefRead):
             if not _nnx_gate.is_graphdef(a) or _nnx_gate.adapter().known_graphdef(a) != read.spec_id:

@@ -113,6 +113,12 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
             f"{n} item identity checks (an in-place change is seen)",
         )
     adapter = _nnx_gate.loaded()
+    if type(read) is _fast.NodesRead and type(value) is read.kind and len(value) == len(read.elements):
+        return ArgumentReport(
+            name,
+            f"{read.kind.__name__} of NNX objects, of types and length this function has run",
+            "its type and length checked, each object read from its cache entry (no flatten)",
+        )
     if adapter is not None and adapter.holds_nodes(value):
         return ArgumentReport(name, "container holding NNX objects", "the container flattened, each object read")
     if _nnx_gate.is_graphdef(value):

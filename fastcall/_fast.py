@@ -72,11 +72,22 @@ class GraphdefRead(NamedTuple):
     spec_id: int
 
 
+class NodesRead(NamedTuple):
+    """How the structure path reads a tuple or list of NNX objects (`f((model, optimizer),
+    batch)`): of this type and length, each object read as NodeRead reads it, with the
+    spec given here; the container then has spec `spec_id`. (Python only, as NodeRead.)"""
+
+    spec_id: int
+    kind: type
+    elements: tuple[int, ...]
+
+
 class StructureRecord(NamedTuple):
     """How to serve a call whose arguments have the structures of one the function ran."""
 
     arity: int  # the number of positional arguments the call must have
-    reads: tuple[ArgRead | NodeRead | GraphdefRead | None, ...]  # per positional argument; None: a plain jax array
+    # per positional argument; None: a plain jax array
+    reads: tuple[ArgRead | NodeRead | NodesRead | GraphdefRead | None, ...]
     call: Callable[..., Any]  # the compiled function
     # post(out, first, the NnxArgs of the call's NNX arguments or None); None: out is the result
     post: Callable[[Any, Any, Any], Any] | None

@@ -273,6 +273,38 @@ def test_nnx_changes_between_steps_go_to_the_general_path(hot_path):
     assert step() == "python_structure"
 
 
+@pytest.mark.parametrize("kind", [tuple, list])
+def test_nnx_objects_in_a_tuple_take_the_structure_path(kind, hot_path):
+    """`step((model, optimizer), x, y)`, a new tuple each call: each object read from its
+    cache entry; anything changed goes to the general path first."""
+
+    def step(mo, x, y):
+        return _train_step(*mo, x, y)
+
+    (m, opt), (ref_m, ref_opt) = _pair(), _pair()
+    f, peer = fastcall.jit(step), nnx.jit(step)
+
+    def call():
+        loss, route = served(f, kind((m, opt)), XB, YB)
+        assert_trees_equal(loss, peer(kind((ref_m, ref_opt)), XB, YB))
+        assert_trees_equal(state_of(m), state_of(ref_m))
+        assert_trees_equal(state_of(opt), state_of(ref_opt))
+        return route
+
+    assert [call() for _ in range(3)] == ["general"] + ["python_structure"] * 2
+    report = f.explain(kind((m, opt)), XB, YB)
+    assert report.route == "structure" and "no flatten" in report.arguments[0].per_call
+    new = nnx.Linear(4, 4, rngs=nnx.Rngs(3))
+    m.l2, ref_m.l2 = new, nnx.clone(new)  # a structure change: re-read by the general path
+    assert call() == "general"
+    assert call() == "python_structure"
+    # another object in the tuple (a fresh optimizer, same transformation): the general path
+    opt, ref_opt = nnx.Optimizer(m, opt.tx, wrt=nnx.Param), nnx.Optimizer(ref_m, ref_opt.tx, wrt=nnx.Param)
+    assert call() == "general"
+    assert call() == "python_structure"
+    assert f.stats().compiles == 1
+
+
 def test_nnx_arguments_sharing_variables_are_read_jointly(hot_path):
     def f(a, b, x):
         a.l1.kernel[...] = a.l1.kernel[...] + 1.0
