@@ -132,7 +132,7 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
                 return  # (a traced Python scalar)
             reads.append(None)
             continue
-        if resolved.nnx_args and _nnx_gate.is_node(a):
+        if resolved.nnx_args and _nnx_gate.reads_as_node(a):
             # Read from its cache entry, on its own (not a Variable read afresh, not
             # flattened jointly with another argument).
             nnx_arg = next(nnx_args, None)
@@ -233,11 +233,11 @@ def read_arguments(known: StructureRecord, args: tuple[Any, ...]) -> tuple[list[
             values.append(a)
             continue
         if isinstance(read, NodeRead):
-            if not _nnx_gate.is_node(a) or not _nnx_gate.adapter().read_cached(a, read.spec_id, values, nnx_args):
+            if not _nnx_gate.reads_as_node(a) or not _nnx_gate.adapter().read_cached(a, read.spec_id, values, nnx_args):
                 return None
             continue
         if isinstance(read, NodesRead):
-            if type(a) is not read.kind or len(a) != len(read.elements):
+            if not isinstance(a, (tuple, list)) or type(a) is not read.kind or len(a) != len(read.elements):
                 return None
             for x, spec_id in zip(a, read.elements):
                 if not _nnx_gate.is_node(x) or not _nnx_gate.adapter().read_cached(x, spec_id, values, nnx_args):

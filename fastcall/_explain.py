@@ -100,7 +100,7 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
         if state.options.trace_scalars:
             return ArgumentReport(name, "Python scalar, traced (weakly typed)", "passed as is")
         return ArgumentReport(name, "Python scalar, static (part of the compile key)", "hashed")
-    if _nnx_gate.is_node(value):
+    if _nnx_gate.is_node(value) or (_nnx_gate.reads_as_node(value) and _nnx_gate.adapter().cached(value)):
         return ArgumentReport(name, *_nnx_gate.adapter().explain_node(value))
     hit = _flatten.lookup(value)
     if hit is not None:
@@ -113,7 +113,7 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
             f"{n} item identity checks (an in-place change is seen)",
         )
     adapter = _nnx_gate.loaded()
-    if type(read) is _fast.NodesRead and type(value) is read.kind and len(value) == len(read.elements):
+    if type(read) is _fast.NodesRead and isinstance(value, (tuple, list)) and type(value) is read.kind and len(value) == len(read.elements):
         return ArgumentReport(
             name,
             f"{read.kind.__name__} of NNX objects, of types and length this function has run",

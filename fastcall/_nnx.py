@@ -122,16 +122,12 @@ _REF_TYPE = getattr(variablelib, "Ref", None)
 
 
 def is_node_type(t: type) -> bool:
-    """Whether instances of `t` are read as NNX objects: graph nodes, Variables and mutable
-    array references (NNX decides this by type: registration in its graph registry), and
-    `nnx.State` (a pytree to nnx.jit, which fastcall reads and caches as a graph of its
-    Variables: see `NodeSpec.values_only`)."""
-    return (
-        issubclass(t, (_nnx_hooks.Pytree, Variable))
-        or t in graphlib.GRAPH_REGISTRY
-        or t is _REF_TYPE
-        or t is nnx.State
-    )
+    """Whether instances of `t` are NNX graph nodes, Variables or mutable array references
+    (NNX decides this by type: registration in its graph registry)."""
+    return issubclass(t, (_nnx_hooks.Pytree, Variable)) or t in graphlib.GRAPH_REGISTRY or t is _REF_TYPE
+
+
+State = nnx.State
 
 
 def _is_node(x: Any) -> bool:
@@ -896,6 +892,10 @@ def read_container(
     object is read as if it were an argument of its own (in leaf order, so its ordinal
     among the call's NNX objects is the same at trace time); other leaves follow the
     call's rule (arrays, and with `trace_scalars` Python scalars, are traced)."""
+    if joint is None and type(value) is nnx.State and (cached(value) is not None or _plain_state(value)):
+        # An nnx.State of Variables only (`nnx.split`'s): read and cached as one object, a
+        # graph of its Variables (see `NodeSpec.values_only`).
+        return _read_node(value, leaves, arg_name, nnx_args, None).id
     items, treedef = jax.tree_util.tree_flatten(value, is_leaf=_is_node_fast)
     layout: list[Any] = []
     codes: list[Any] = []
@@ -925,6 +925,13 @@ def read_container(
             f"cannot be hashed or compared ({type(err).__name__}: {err}). Static values are "
             "part of the compile key: make them hashable, or wrap them in a JAX array."
         ) from None
+
+
+def _plain_state(state: Any) -> bool:
+    """Whether an nnx.State holds Variables only (in its dicts and nested States, at any
+    depth): no module (which keeps its graph updates), no raw leaf (which nnx.jit does not
+    write back)."""
+    return all(map(_is_variable, jax.tree_util.tree_leaves(state, is_leaf=_is_node_fast)))
 
 
 def overlapping(nnx_args: list[NnxArg]) -> bool:
@@ -1084,14 +1091,15 @@ class _Traced:
         self.owners: list[Any] = []  # and the object holding each (None: not found)
 
     def writes(
-        self, after: list[Any] | None, everything: bool, replace: bool, raw: bool = True
+        self, after: list[Any] | None, everything: bool, replace: bool, raw: bool = True, alive: Any = None
     ) -> list[tuple[int, Any, bool]]:
         """(leaf index, new value, whether its Variable was replaced) for every leaf the
         function changed (or, with `everything`, every leaf), given the leaves `after` the
         call if the graphdef is the same (raw leaves at the same places, Variables of the
         same types; None if not: then only the given Variables' values are compared).
         `replace`: a Variable replaced by a new one is written as such (graph updates);
-        `raw`: raw leaves rebound are written too."""
+        `raw`: raw leaves rebound are written too; `alive`: if given, the ids of the
+        objects in the argument after the call, the only Variables written."""
         out = []
         for i, (v, given) in enumerate(zip(self.inner, self.given)):
             now = v if after is None else after[i]
@@ -1100,6 +1108,8 @@ class _Traced:
                 continue
             # (without graph updates, a Variable the function replaced still gives back the
             # value it has now: it may have been changed before being moved or dropped)
+            if isinstance(v, Variable) and alive is not None and id(v) not in alive:
+                continue
             if isinstance(v, Variable):
                 new = v.get_raw_value()
                 if new is given and is_array_ref(new):
@@ -1219,8 +1229,11 @@ class TracedInputs:
             per_leaf = shardings[ordinal]
             aligned = after if same_graph else None
             values_only = t.spec.values_only
+            # (an nnx.State, with graph updates: as nnx.jit, a Variable no longer in it after
+            # the call gives nothing back)
+            alive = {id(a) for a in after} if values_only and graph_updates else None
             for index, value, new_variable in t.writes(aligned, everything[ordinal], graph_updates and not values_only,
-                                                       raw=not values_only):
+                                                       raw=not values_only, alive=alive):
                 if per_leaf is not None and per_leaf[index] is not None:
                     value = jax.lax.with_sharding_constraint(value, per_leaf[index])
                 writes.append((ordinal, index))
@@ -1628,9 +1641,19 @@ class ShardingContext:
     def leaf_shardings(self, spec: NodeSpec | TreeSpec, prefix: Any, arg_name: str) -> list[Any]:
         """One sharding per leaf of an NNX argument, or of a container holding NNX objects
         (`prefix` a pytree prefix of it; at each NNX object, any of the forms below)."""
+        from ._build import broadcast_prefix
+
+        if isinstance(spec, NodeSpec) and spec.values_only:
+            # An nnx.State read as one object: a pytree of Variables to nnx.jit, so `prefix`
+            # is a pytree prefix of it, as for a container of Variables.
+            placeholder = graphlib.unflatten(spec.graphdef, [_Slot() for _ in range(spec.n_dyn)])
+            variables = jax.tree_util.tree_leaves(placeholder, is_leaf=_is_variable)
+            per_variable: list[Any] = []
+            for v, sharding in zip(variables, broadcast_prefix(prefix, placeholder, is_leaf=_is_variable)):
+                per_variable += self._node(_intern_graphdef(graphlib.flatten(v)[0], 1, arg_name), sharding, arg_name)
+            return per_variable
         if isinstance(spec, NodeSpec):
             return self._node(spec, prefix, arg_name)
-        from ._build import broadcast_prefix
 
         placeholder = spec.treedef.unflatten([object()] * len(spec.layout))
         per_item = broadcast_prefix(prefix, placeholder)

@@ -64,6 +64,22 @@ def is_graphdef(x: Any) -> bool:
     return known
 
 
+state_types: dict[type, bool] = {}
+
+
+def reads_as_node(x: Any) -> bool:
+    """`is_node`, or an `nnx.State` (which the adapter may read and cache as one object)."""
+    t = type(x)
+    if is_node_type(t):
+        return True
+    known = state_types.get(t)
+    if known is None:
+        if "flax.nnx" not in sys.modules:
+            return False
+        known = state_types[t] = t is adapter().State
+    return known
+
+
 def is_node(x: Any) -> bool:
     """Whether `x` is an NNX graph node (Module, Pytree, Rngs, Optimizer) or a Variable."""
     return is_node_type(type(x))

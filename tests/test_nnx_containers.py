@@ -458,6 +458,73 @@ def test_changes_to_a_state_inside_are_values_only_as_under_nnx_jit():
     assert int(state["count"][...]) == 3
 
 
+class _WithRaw(nnx.Module):
+    def __init__(self) -> None:
+        self.w = nnx.Param(jnp.ones(2))
+        self.scale = nnx.data(jnp.ones(2))  # a raw array: a raw leaf of nnx.split's State
+
+
+def test_a_state_with_raw_leaves_is_read_as_a_container_and_never_held():
+    """(Review finding.) A State holding raw leaves (or modules) is not cached as one object:
+    it is read as a container each call, and nothing keeps it alive."""
+    import gc
+    import weakref
+
+    f = fastcall.jit(lambda g, st, x: nnx.merge(g, st).w[...] * nnx.merge(g, st).scale * x)
+    model, refs = _WithRaw(), []
+    for i in range(5):
+        graphdef, state = nnx.split(model)  # a new State every step, as a training loop makes
+        assert_trees_equal(f(graphdef, state, float(i)), jnp.ones(2) * i)
+        refs.append(weakref.ref(state))
+    del state
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def _state_holding_module_step(s, x):
+    s["m"].w = nnx.Param(s["m"].w[...] * 4.0)  # graph updates on a module held by the State
+    s["m"].steps = s["m"].steps + 1.0  # a raw leaf of that module
+    return x
+
+
+def _changed_then_replaced(s, x):
+    s["w"][...] += 1.0
+    s["w"] = nnx.Param(jnp.zeros(2))  # no longer in the State after the call: nothing back
+    return x
+
+
+@pytest.mark.parametrize("fn, options", [
+    (_state_holding_module_step, {}),
+    (_changed_then_replaced, {}),
+    (_changed_then_replaced, {"graph_updates": False}),
+])
+def test_states_holding_modules_and_variables_dropped_inside(fn, options):
+    """(Review findings.) A module inside a State keeps its graph updates (only the State's
+    own mapping is a pytree to nnx.jit); a Variable changed and then dropped from the State
+    gives nothing back with graph updates, and its value without."""
+
+    class Sub(nnx.Module):
+        def __init__(self) -> None:
+            self.w = nnx.Param(jnp.ones(2))
+            self.steps = nnx.data(jnp.zeros(()))
+
+    def make():
+        sub = Sub()
+        if fn is _changed_then_replaced:  # (a State of Variables only: read as one object)
+            return nnx.State({"w": nnx.Param(jnp.ones(2))}), sub
+        return nnx.State({"m": sub, "w": nnx.Param(jnp.ones(2))}), sub
+
+    results = {}
+    for name, jit in (("nnx.jit", nnx.jit), ("fastcall", fastcall.jit)):
+        state, sub = make()
+        w = state["w"]
+        f = jit(fn, **options)
+        for _ in range(3):
+            f(state, 1.0)
+        results[name] = (state_of(sub), w[...], sorted(state.keys()))
+    assert_trees_equal(results["fastcall"], results["nnx.jit"])
+
+
 def test_a_state_and_its_model_in_one_call_stay_shared():
     seen = []
 

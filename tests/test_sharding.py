@@ -80,3 +80,15 @@ def test_two_processes_with_jax_distributed_on_loopback():
     for i, (code, out, err) in enumerate(outputs):
         assert code == 0, f"process {i}:\n{out[-2000:]}\n{err[-4000:]}"
         assert f"process {i}: MULTIPROCESS CHECK PASSED" in out
+
+
+def test_nnx_state_arguments_and_results_with_shardings():
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "state_shardings_check.py")],
+        env=_env(4),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "STATE SHARDING CHECKS PASSED" in proc.stdout
