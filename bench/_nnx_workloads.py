@@ -483,11 +483,6 @@ def functional(name: str, description: str, width: int, depth: int) -> Workload:
         make_floor,
         "jax.jit on the flat state leaves",
         more_peers={"jax.jit(static_argnums=0)": lambda s: jax.jit(s, static_argnums=0)},
-        # Both fastcall and jax.jit(static_argnums=0) hash and compare flax's GraphDef on
-        # every call (about 40 us here; flax does not cache its hash, and a GraphDef holds
-        # lists, so no identity cache may stand in for it): the two are at parity, and
-        # their ratio moves between 0.9 and 1.08 from run to run.
-        min_tolerance=0.10,
     )
 
 
