@@ -22,16 +22,21 @@ def _env(devices: int) -> dict[str, str]:
     return child_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
 
 
-def test_data_and_model_parallel_on_eight_devices():
+def _check_script(devices: int, marker: str, script: str, *args: str) -> None:
+    """Run tests/scripts/`script` on `devices` simulated devices; it must print `marker`."""
     proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "sharded_check.py")],
-        env=_env(8),
+        [sys.executable, str(SCRIPTS / script), *args],
+        env=_env(devices),
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "SHARDED CHECKS PASSED" in proc.stdout
+    assert marker in proc.stdout
+
+
+def test_data_and_model_parallel_on_eight_devices():
+    _check_script(8, "SHARDED CHECKS PASSED", "sharded_check.py")
 
 
 def test_in_shardings_with_nnx_prefix_on_eight_devices():
@@ -39,15 +44,7 @@ def test_in_shardings_with_nnx_prefix_on_eight_devices():
 
     if not hasattr(nnx, "prefix"):
         pytest.skip("nnx.prefix needs flax >= 0.12.7")
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "sharded_check.py"), "prefix"],
-        env=_env(8),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "SHARDED CHECKS PASSED" in proc.stdout
+    _check_script(8, "SHARDED CHECKS PASSED", "sharded_check.py", "prefix")
 
 
 def _free_port() -> int:
@@ -83,12 +80,4 @@ def test_two_processes_with_jax_distributed_on_loopback():
 
 
 def test_nnx_state_arguments_and_results_with_shardings():
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "state_shardings_check.py")],
-        env=_env(4),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "STATE SHARDING CHECKS PASSED" in proc.stdout
+    _check_script(4, "STATE SHARDING CHECKS PASSED", "state_shardings_check.py")
