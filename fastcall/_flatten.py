@@ -36,7 +36,11 @@ from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path
 from . import _fast, _guard, _nnx_gate
 from ._errors import FastcallError, describe_arg
 
-ArrayImpl = type(jnp.zeros(()))
+try:  # (the class itself: making an array here would start jax's backend at import, fixing
+    # the device count before a program sets XLA_FLAGS)
+    from jax._src.array import ArrayImpl
+except ImportError:  # pragma: no cover - another jax layout
+    ArrayImpl = type(jnp.zeros(()))
 ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 
 

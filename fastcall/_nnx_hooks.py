@@ -23,19 +23,19 @@ import dataclasses
 import warnings
 from typing import Any, Callable, NamedTuple
 
-import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import graphlib
 from flax.nnx.variablelib import Variable
 
 from ._errors import UnverifiedFlaxWarning
+from ._flatten import ArrayImpl
 
 # Flax releases on which every hook below was verified (by the test suite, the
 # version matrix in tests/matrix.py and the conformance runner); inclusive.
 VERIFIED_FLAX = ((0, 12, 5), (0, 12, 12))
 
 Pytree: Any = getattr(nnx, "Pytree", None) or nnx.Module
-_ARRAY = type(jnp.zeros(()))
+_ARRAY = ArrayImpl
 
 
 _MISSING = object()

@@ -30,6 +30,25 @@ def test_equinox_users_never_import_flax():
     assert out.strip() == "[]"
 
 
+def test_importing_fastcall_and_its_nnx_support_starts_no_jax_backend():
+    """A program may set XLA_FLAGS (e.g. a simulated device count, as flax's toy example
+    10 does) after its imports: importing fastcall, and loading its NNX support, must not
+    start jax's backend, which fixes the device count."""
+    out = run_python(
+        """
+        import os
+        import jax
+        from flax import nnx
+        import fastcall
+        from fastcall import _nnx_gate
+        _nnx_gate.adapter()  # (the NNX support, loaded)
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+        print(len(jax.devices()))
+        """
+    )
+    assert out.strip() == "4"
+
+
 @pytest.mark.parametrize("flax_first", [True, False], ids=["flax-imported-first", "fastcall-imported-first"])
 def test_nnx_objects_created_before_and_after_support_loads(flax_first):
     """Hooks patch NNX's classes when the adapter loads: objects created earlier are
