@@ -49,6 +49,14 @@ pytestmark = pytest.mark.usefixtures("hot_path")
 
 NODES = (nnx.Pytree, nnx.Variable)  # Modules, Optimizer, Rngs, ...; Variables
 
+# (older flax: nnx.jit has no graph_updates argument, and there is no nnx.with_vars)
+HAS_GRAPH_UPDATES = "graph_updates" in inspect.signature(nnx.jit).parameters
+
+
+def _needs_options(options: dict) -> None:
+    if "graph_updates" in options and not HAS_GRAPH_UPDATES:
+        pytest.skip("this flax's nnx.jit has no graph_updates argument")
+
 
 # ---- comparison machinery ----
 
@@ -514,6 +522,7 @@ def test_states_holding_modules_and_variables_dropped_inside(fn, options):
             return nnx.State({"w": nnx.Param(jnp.ones(2))}), sub
         return nnx.State({"m": sub, "w": nnx.Param(jnp.ones(2))}), sub
 
+    _needs_options(options)
     results = {}
     for name, jit in (("nnx.jit", nnx.jit), ("fastcall", fastcall.jit)):
         state, sub = make()
@@ -815,6 +824,7 @@ def test_an_object_put_in_an_argument_and_returned_is_one_object():
             assert extra is m.extra and kl is m.kl, jit
 
 
+@pytest.mark.skipif(not hasattr(nnx, "with_vars"), reason="this flax has no nnx.with_vars")
 def test_a_ref_mode_module_created_inside_is_returned_with_values():
     """flax's TestVariableRefMode::test_simple_jit: jax cannot return a mutable array
     reference, so (as nnx.jit) its value comes out and a new reference is made outside."""
@@ -874,6 +884,7 @@ def test_submodules_replaced_or_detached_inside(fn, options):
     with a model not passed in); a detached submodule changed and returned comes back with
     its new state; without graph updates a changed Variable of a detached submodule is
     written back."""
+    _needs_options(options)
     results = {}
     for name, jit in (("nnx.jit", nnx.jit), ("fastcall", fastcall.jit)):
         enc = _Sub(1.0)
@@ -941,7 +952,8 @@ def test_a_reference_argument_with_donation_or_shardings(jit, options):
 def test_a_reference_made_inside_without_nnx_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(fastcall._nnx_gate, "flax_imported", lambda: False)  # (as if flax were not loaded)
     f = fastcall.jit(lambda x: jax.new_ref(x))
-    with pytest.raises(fastcall.FastcallError, match="not an array"):
+    # (ours; an older jax, whose traced reference passes for an array, raises its own)
+    with pytest.raises(ValueError, match="not an array|mutable array references cannot be returned"):
         f(jnp.ones(2))
 
 
