@@ -36,8 +36,10 @@ from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path
 from . import _fast, _guard, _nnx_gate
 from ._errors import FastcallError, describe_arg
 
-try:  # (the class itself: making an array here would start jax's backend at import, fixing
-    # the device count before a program sets XLA_FLAGS)
+# jax's concrete array class, named directly: making an array here to learn it would start
+# jax's backend at import, fixing the device count before a program sets XLA_FLAGS.
+ArrayImpl: Any
+try:
     from jax._src.array import ArrayImpl
 except ImportError:  # pragma: no cover - another jax layout
     ArrayImpl = type(jnp.zeros(()))
