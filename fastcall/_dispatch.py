@@ -148,7 +148,7 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
                 if nnx_arg is None or nnx_arg.obj is not x or nnx_arg.entry is None:
                     return
                 if not _nnx_gate.adapter().readable_argument(nnx_arg, nnx_arg.entry.spec_id):
-                    return
+                    return  # (volatile, or read jointly)
                 elements.append(nnx_arg.entry.spec_id)
             reads.append(NodesRead(spec_id, type(a), tuple(elements)))
             continue

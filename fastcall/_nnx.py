@@ -1210,7 +1210,8 @@ class TracedInputs:
         # returned comes back as one object; objects the function was given are named by
         # their outer index, so the caller's own objects are updated and linked.
         inner_ref = graphlib.RefMap()
-        outer_ref = self._outer_index_map() if graph_updates and not refuse_aliasing else None
+        outer_index = self._outer_index_map()
+        outer_ref = outer_index if graph_updates and not refuse_aliasing else None
         for ordinal, (t, (graphdef, flat)) in enumerate(zip(self.args, flattened)):
             if changed[ordinal] and graph_updates and not t.spec.values_only:
                 # (without graph updates, as nnx.jit: values only)
@@ -1240,7 +1241,7 @@ class TracedInputs:
                 written.append(value)
                 if new_variable:
                     replaced.append((ordinal, index))
-        out, marks = self._mark_nodes(out, refuse_aliasing, inner_ref, outer_ref)
+        out, marks = self._mark_nodes(out, refuse_aliasing, inner_ref, outer_index, outer_ref)
         extra = restructured + written
         if not (writes or restructure or marks.found):
             return out, None, []
@@ -1297,18 +1298,17 @@ class TracedInputs:
                 refmap[obj] = base + index
         return refmap
 
-    def _mark_nodes(self, out: Any, refuse_inputs: bool, inner_ref: Any, outer_ref: Any) -> tuple[Any, _Marks]:
+    def _mark_nodes(
+        self, out: Any, refuse_inputs: bool, inner_ref: Any, outer_index: Any, outer_ref: Any
+    ) -> tuple[Any, _Marks]:
         """Replace NNX objects in the output by markers. `refuse_inputs`: an input returned
-        is an error (nnx.jit without graph updates). New objects are flattened into
-        `inner_ref` (after the restructured arguments, and rebuilt outside in the same
-        order into one index), so that objects returned twice, or shared, stay one object;
-        with `outer_ref`, objects of the arguments inside them are named by outer index."""
+        is an error (nnx.jit without graph updates). `outer_index`: each object the
+        function was given (rebuilt in the trace) -> its outer index. New objects are
+        flattened into `inner_ref` (after the restructured arguments, and rebuilt outside in
+        the same order into one index), so that objects returned twice, or shared, stay one
+        object; with `outer_ref`, objects of the arguments inside them are named by outer
+        index."""
         marks = _Marks()
-        inner: dict[int, int] = {}  # id(object rebuilt in the trace) -> its outer index
-        for ordinal, t in enumerate(self.args):
-            base = _outer_base(ordinal, t.spec.joint)
-            for index, obj in t.index_ref.items():
-                inner.setdefault(id(obj), base + index)
         # Every object of every input, for nnx.jit's refusal of inputs returned (aliasing).
         input_ids = {id(obj) for t in self.args for obj in t.index_ref.values()} if refuse_inputs else set()
         sub_objects: list[int] = []
@@ -1336,9 +1336,9 @@ class TracedInputs:
             # state is written back with the argument's. One the function detached is
             # flattened as a new object would be, linked to the caller's (its state comes
             # back with it).
-            if id(x) in inner and (outer_ref is None or id(x) in reachable()):
-                sub_objects.append(inner[id(x)])
-                return _InputNode(-1, inner[id(x)])
+            if x in outer_index and (outer_ref is None or id(x) in reachable()):
+                sub_objects.append(outer_index[x])
+                return _InputNode(-1, outer_index[x])
             graphdef, values = graphlib.flatten(x, with_paths=False, ref_index=inner_ref, ref_outer_index=outer_ref)
             if refuse_inputs and any(id(obj) in input_ids for obj in inner_ref):
                 raise aliasing_error("both an input and an output (inside a new object)")

@@ -51,33 +51,29 @@ def is_node_type(t: type) -> bool:
 
 
 graphdef_types: dict[type, bool] = {}
+state_types: dict[type, bool] = {}
+
+
+def _is_adapter_type(known: dict[type, bool], t: type, name: str) -> bool:
+    """Whether `t` is the adapter's class `name` (cached per type; never loads the adapter
+    before flax.nnx is imported, and caches nothing then: flax may be imported later)."""
+    found = known.get(t)
+    if found is None:
+        if "flax.nnx" not in sys.modules:
+            return False
+        found = known[t] = t is getattr(adapter(), name)
+    return found
 
 
 def is_graphdef(x: Any) -> bool:
-    """Whether `x` is an NNX GraphDef (`nnx.split`'s first result; cached per type)."""
-    t = type(x)
-    known = graphdef_types.get(t)
-    if known is None:
-        if "flax.nnx" not in sys.modules:
-            return False  # (not cached: flax may be imported later)
-        known = graphdef_types[t] = t is adapter().GraphDef
-    return known
-
-
-state_types: dict[type, bool] = {}
+    """Whether `x` is an NNX GraphDef (`nnx.split`'s first result)."""
+    return _is_adapter_type(graphdef_types, type(x), "GraphDef")
 
 
 def reads_as_node(x: Any) -> bool:
     """`is_node`, or an `nnx.State` (which the adapter may read and cache as one object)."""
     t = type(x)
-    if is_node_type(t):
-        return True
-    known = state_types.get(t)
-    if known is None:
-        if "flax.nnx" not in sys.modules:
-            return False
-        known = state_types[t] = t is adapter().State
-    return known
+    return is_node_type(t) or _is_adapter_type(state_types, t, "State")
 
 
 def is_node(x: Any) -> bool:
