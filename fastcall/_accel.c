@@ -14,7 +14,14 @@
  * as is; any other from the identity cache (`by_id`: an entry whose ref() is the
  * argument, whose guard holds and whose spec id is the expected one) or else
  * from its structure's extractor (not None), unless it is the object last read
- * there (`last`). The call then passes those leaves in order.
+ * there (`last`); an NNX object (`NodeRead`; each of a tuple or list of them,
+ * `NodesRead`) from its cache entry, if the fast index publishes a slot for it
+ * (validated as the fast path validates one) whose entry (`FastSlot.node`) has
+ * the expected spec: its leaves' current values; a GraphDef (`GraphdefRead`)
+ * if `GRAPHDEFS` knows this very object under the expected spec, unchanged.
+ * Calls with NNX objects are served only outside any JAX trace and when the
+ * objects are known to share nothing (`NodeEntry.disjoint`). The call then
+ * passes those leaves in order; `post` gets the NnxArgs of the NNX objects.
  *
  * Then: for an NNX record (variables is not None), the Variables' current
  * values are read through the _raw_value slot (a RawLeaf's through getattr)
@@ -26,18 +33,20 @@
  * build or import, fastcall behaves identically, only slower.
  *
  * The records are NamedTuples; their fields are read through the index
- * constants below, and the constructor checks the Python field names against
+ * constants below, and `configure` (called once, by `_dispatch`, with the
+ * shared tables and the record classes) checks the Python field names against
  * them, so a change of layout on one side fails loudly instead of misreading.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
 
-/* FastSlot(ref, records, guard) */
+/* FastSlot(ref, records, guard, node) */
 #define SLOT_REF 0
 #define SLOT_RECORDS 1
 #define SLOT_GUARD 2
-static const char *SLOT_FIELDS[] = {"ref", "records", "guard", NULL};
+#define SLOT_NODE 3
+static const char *SLOT_FIELDS[] = {"ref", "records", "guard", "node", NULL};
 /* FastRecord(arity, call, variables, post) */
 #define REC_ARITY 0
 #define REC_CALL 1
@@ -56,6 +65,20 @@ static const char *STRUCTURE_FIELDS[] = {"arity", "reads", "call", "post", "last
 #define READ_SPEC_ID 0
 #define READ_EXTRACT 1
 static const char *READ_FIELDS[] = {"spec_id", "extract", NULL};
+/* NodeRead(spec_id), GraphdefRead(spec_id) */
+#define NODE_SPEC_ID 0
+static const char *NODE_READ_FIELDS[] = {"spec_id", NULL};
+/* NodesRead(spec_id, kind, elements) */
+#define NODES_KIND 1
+#define NODES_ELEMENTS 2
+static const char *NODES_READ_FIELDS[] = {"spec_id", "kind", "elements", NULL};
+/* KnownGraphdef(graphdef, snapshot, spec_id, spec) */
+#define KNOWN_GRAPHDEF 0
+#define KNOWN_SNAPSHOT 1
+#define KNOWN_SPEC_ID 2
+static const char *KNOWN_GRAPHDEF_FIELDS[] = {"graphdef", "snapshot", "spec_id", "spec", NULL};
+/* NnxArg(obj, variables, entry, ids, paths): made here for the NNX objects read */
+static const char *NNX_ARG_FIELDS[] = {"obj", "variables", "entry", "ids", "paths", NULL};
 /* CacheEntry(ref, leaves, spec_id, spec, guard): the identity cache's (fastcall/_flatten.py) */
 #define CACHE_REF 0
 #define CACHE_LEAVES 1
@@ -63,18 +86,27 @@ static const char *READ_FIELDS[] = {"spec_id", "extract", NULL};
 #define CACHE_GUARD 4
 static const char *CACHE_FIELDS[] = {"ref", "leaves", "spec_id", "spec", "guard", NULL};
 
+/* What every wrapper shares, set once by `configure` (fastcall/_dispatch.py). */
+static struct {
+    PyObject *index;       /* dict: id(first) -> FastSlot (the fast index) */
+    PyObject *by_id;       /* dict: id(obj) -> CacheEntry (the identity cache) */
+    PyObject *graphdefs;   /* dict: id(graphdef) -> KnownGraphdef */
+    PyObject *value_slot;  /* one-element list: the Variable._raw_value descriptor, or None */
+    PyObject *array_type;  /* jaxlib ArrayImpl */
+    PyObject *varies_exc;  /* StructureVaries: retry through the fallback */
+    PyObject *jitting;     /* currently_jitting(): whether a JAX trace is running */
+    PyObject *arg_read, *node_read, *nodes_read, *graphdef_read, *nnx_arg; /* record classes */
+    PyObject *empty_ids;   /* frozenset(): NnxArg.ids of an object read from its entry */
+    PyObject *s_spec_id, *s_fresh, *s_items, *s_paths, *s_disjoint; /* NodeEntry attributes */
+} G;
+
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
     PyObject *fallback;    /* the Python wrapper: handles every other case */
-    PyObject *index;       /* dict: id(first) -> FastSlot */
     PyObject *structures;  /* dict: type(first) -> StructureRecord (this function's) */
-    PyObject *by_id;       /* dict: id(obj) -> CacheEntry (the identity cache) */
     PyObject *state;       /* key of this wrapped function in slot.records */
-    PyObject *array_type;  /* jaxlib ArrayImpl */
-    PyObject *varies_exc;  /* StructureVaries: retry through the fallback */
     PyObject *on_error;    /* on_error(exception, args): re-raises it, made clearer */
-    PyObject *value_slot;  /* one-element list: the Variable._raw_value descriptor, or None */
     Py_ssize_t calls;      /* calls served here (JitStats.paths["c_fast"]) */
     Py_ssize_t structure_calls; /* calls served by the structure path (paths["c_structure"]) */
     PyObject *dict;
@@ -176,7 +208,7 @@ ref_is(PyObject *ref, PyObject *obj)
 static PyObject *
 fw_failed(FastWrapper *self, Py_ssize_t *counter, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
-    if (PyErr_ExceptionMatches(self->varies_exc)) {
+    if (PyErr_ExceptionMatches(G.varies_exc)) {
         PyErr_Clear();
         (*counter)--;
         return fw_fallback(self, args, nargsf, kwnames);
@@ -217,7 +249,7 @@ fw_failed(FastWrapper *self, Py_ssize_t *counter, PyObject *const *args, size_t 
 static PyObject *
 cached_leaves(FastWrapper *self, PyObject *a, PyObject *key, PyObject *spec_id)
 {
-    PyObject *entry = PyDict_GetItemWithError(self->by_id, key); /* borrowed */
+    PyObject *entry = PyDict_GetItemWithError(G.by_id, key); /* borrowed */
     if (entry == NULL || !PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 5) {
         return NULL;
     }
@@ -247,6 +279,190 @@ was_last(PyObject *last, Py_ssize_t i, PyObject *key)
     return PyObject_RichCompareBool(PyList_GET_ITEM(last, i), key, Py_EQ);
 }
 
+/* The current value of one leaf of an NNX record (a new reference): a Variable's through
+ * the _raw_value slot descriptor `descr`, a RawLeaf(owner, name)'s (a 2-tuple; Variables
+ * never are) through getattr. */
+static PyObject *
+leaf_value(PyObject *descr, PyObject *item)
+{
+    if (PyTuple_Check(item) && PyTuple_GET_SIZE(item) == 2) {
+        return PyObject_GetAttr(PyTuple_GET_ITEM(item, 0), PyTuple_GET_ITEM(item, 1));
+    }
+    return Py_TYPE(descr)->tp_descr_get(descr, item, (PyObject *)Py_TYPE(item));
+}
+
+/* The structure path's reading of one NNX object `a` (`_dispatch.read_arguments` reads
+ * the same, through `_nnx.read_cached`): if the fast index publishes a slot for `a`,
+ * validated as the fast path validates one, whose entry (`node`) has spec `spec_id` and
+ * has had its values checked for tracers (not `fresh`), append its leaves' current values
+ * to `values`, its entry to `entries` and, if `nnx_args` is not NULL, its NnxArg; then 1.
+ * 0 if not (the first value not an array included: the Python copy decides), -1 on error.
+ * (On 0 or -1 the call is not served here, so nothing appended needs undoing.) */
+static int
+read_node(PyObject *a, PyObject *spec_id, PyObject *values, PyObject *entries, PyObject *nnx_args)
+{
+    PyObject *descr = PyList_GET_ITEM(G.value_slot, 0);
+    if (descr == Py_None) {
+        return 0;
+    }
+    PyObject *key = PyLong_FromVoidPtr(a);
+    if (key == NULL) {
+        return -1;
+    }
+    PyObject *slot = PyDict_GetItemWithError(G.index, key); /* borrowed */
+    Py_DECREF(key);
+    if (slot == NULL) {
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    if (!PyTuple_Check(slot) || PyTuple_GET_SIZE(slot) != 4) {
+        return 0;
+    }
+    Py_INCREF(slot); /* (reading values may run code that withdraws it) */
+    PyObject *node = PyTuple_GET_ITEM(slot, SLOT_NODE);
+    PyObject *guard = PyTuple_GET_ITEM(slot, SLOT_GUARD);
+    PyObject *found = NULL, *items = NULL;
+    int res = ref_is(PyTuple_GET_ITEM(slot, SLOT_REF), a);
+    if (res <= 0) {
+        goto done;
+    }
+    res = 0;
+    if (node == Py_None || (guard != Py_None && !guard_holds(guard))) {
+        goto done;
+    }
+    found = PyObject_GetAttr(node, G.s_spec_id);
+    if (found == NULL || (res = PyObject_RichCompareBool(found, spec_id, Py_EQ)) <= 0) {
+        res = found == NULL ? -1 : res;
+        goto done;
+    }
+    Py_DECREF(found);
+    found = PyObject_GetAttr(node, G.s_fresh);
+    if (found == NULL || found != Py_False) {
+        res = found == NULL ? -1 : 0;
+        goto done;
+    }
+    items = PyObject_GetAttr(node, G.s_items);
+    if (items == NULL || !PyList_CheckExact(items)) {
+        res = items == NULL ? -1 : 0;
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(items); j++) {
+        PyObject *item = PyList_GET_ITEM(items, j);
+        Py_INCREF(item);
+        PyObject *value = leaf_value(descr, item);
+        Py_DECREF(item);
+        if (value == NULL) {
+            res = -1;
+            goto done;
+        }
+        /* (tracers: inside an NNX transform; the first value tells, as in the fast path) */
+        int ok = j > 0 || (PyObject *)Py_TYPE(value) == G.array_type;
+        if (!ok || PyList_Append(values, value) < 0) {
+            Py_DECREF(value);
+            res = ok ? -1 : 0;
+            goto done;
+        }
+        Py_DECREF(value);
+    }
+    if (PyList_Append(entries, node) < 0) {
+        res = -1;
+        goto done;
+    }
+    if (nnx_args != NULL) {
+        Py_DECREF(found);
+        found = PyObject_GetAttr(node, G.s_paths);
+        if (found == NULL) {
+            res = -1;
+            goto done;
+        }
+        /* NnxArg(a, entry.items, entry, frozenset(), entry.paths), made as namedtuple's own
+         * `_make` does (tuple.__new__), without calling its Python __new__ */
+        PyObject *fields = PyTuple_Pack(5, a, items, node, G.empty_ids, found);
+        PyObject *packed = fields == NULL ? NULL : PyTuple_Pack(1, fields);
+        Py_XDECREF(fields);
+        PyObject *arg = packed == NULL ? NULL : PyTuple_Type.tp_new((PyTypeObject *)G.nnx_arg, packed, NULL);
+        Py_XDECREF(packed);
+        if (arg == NULL || PyList_Append(nnx_args, arg) < 0) {
+            Py_XDECREF(arg);
+            res = -1;
+            goto done;
+        }
+        Py_DECREF(arg);
+    }
+    res = 1;
+done:
+    Py_XDECREF(found);
+    Py_XDECREF(items);
+    Py_DECREF(slot);
+    return res;
+}
+
+/* Whether the GraphDef argument `a` is known (`GRAPHDEFS`) as this very object under spec
+ * `spec_id`, unchanged since (compared with its snapshot, if it has one): 1, 0, -1 error. */
+static int
+read_graphdef(PyObject *a, PyObject *spec_id)
+{
+    PyObject *key = PyLong_FromVoidPtr(a);
+    if (key == NULL) {
+        return -1;
+    }
+    PyObject *known = PyDict_GetItemWithError(G.graphdefs, key); /* borrowed */
+    Py_DECREF(key);
+    if (known == NULL) {
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    if (!PyTuple_Check(known) || PyTuple_GET_SIZE(known) != 4 || PyTuple_GET_ITEM(known, KNOWN_GRAPHDEF) != a) {
+        return 0;
+    }
+    Py_INCREF(known); /* (comparing runs code) */
+    int res = PyObject_RichCompareBool(PyTuple_GET_ITEM(known, KNOWN_SPEC_ID), spec_id, Py_EQ);
+    PyObject *snapshot = PyTuple_GET_ITEM(known, KNOWN_SNAPSHOT);
+    if (res == 1 && snapshot != Py_None) {
+        res = PyObject_RichCompareBool(a, snapshot, Py_EQ);
+    }
+    Py_DECREF(known);
+    return res;
+}
+
+/* Whether the NNX objects read, by their cache entries in call order, are known to share
+ * nothing: each earlier entry's `disjoint` cache (`_nnx.overlapping`: id(later entry) ->
+ * (weakref to it, shares nothing?)) says so for every later one. 1 yes; 0 not known so, or
+ * not (the Python copy decides); -1 error. */
+static int
+known_disjoint(PyObject *entries)
+{
+    Py_ssize_t n = PyList_GET_SIZE(entries);
+    for (Py_ssize_t i = 0; i + 1 < n; i++) {
+        PyObject *cache = PyObject_GetAttr(PyList_GET_ITEM(entries, i), G.s_disjoint);
+        if (cache == NULL) {
+            return -1;
+        }
+        int res = PyDict_CheckExact(cache);
+        for (Py_ssize_t j = i + 1; j < n && res == 1; j++) {
+            PyObject *other = PyList_GET_ITEM(entries, j);
+            PyObject *key = PyLong_FromVoidPtr(other);
+            if (key == NULL) {
+                res = -1;
+                break;
+            }
+            PyObject *known = PyDict_GetItemWithError(cache, key); /* borrowed */
+            Py_DECREF(key);
+            if (known == NULL) {
+                res = PyErr_Occurred() ? -1 : 0;
+            } else if (!PyTuple_Check(known) || PyTuple_GET_SIZE(known) != 2
+                       || PyTuple_GET_ITEM(known, 1) != Py_True) {
+                res = 0;
+            } else {
+                res = ref_is(PyTuple_GET_ITEM(known, 0), other);
+            }
+        }
+        Py_DECREF(cache);
+        if (res != 1) {
+            return res;
+        }
+    }
+    return 1;
+}
+
 /* The structure path (see the top of this file): serves the call, or hands it to the
  * fallback. */
 static PyObject *
@@ -272,8 +488,16 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
     }
     for (Py_ssize_t i = 0; i < nargs; i++) { /* (cheap checks first) */
         PyObject *read = PyTuple_GET_ITEM(reads, i);
-        if (read == Py_None ? (PyObject *)Py_TYPE(args[i]) != self->array_type
-                            : !PyTuple_Check(read) || PyTuple_GET_SIZE(read) != 2) {
+        if (read == Py_None) {
+            if ((PyObject *)Py_TYPE(args[i]) != G.array_type) {
+                return fw_fallback(self, args, nargsf, kwnames);
+            }
+            continue;
+        }
+        PyObject *kind = (PyObject *)Py_TYPE(read);
+        Py_ssize_t size = kind == G.arg_read ? 2 : kind == G.nodes_read ? 3 : 1;
+        if ((kind != G.arg_read && kind != G.node_read && kind != G.nodes_read && kind != G.graphdef_read)
+            || PyTuple_GET_SIZE(read) != size) {
             return fw_fallback(self, args, nargsf, kwnames);
         }
     }
@@ -283,8 +507,10 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
     }
     /* Hold what we use: another thread may replace the record during the call. */
     Py_INCREF(record);
+    PyObject *post = PyTuple_GET_ITEM(record, STR_POST);
     PyObject *out = NULL;
     int declined = 0;
+    PyObject *entries = NULL, *nnx_args = NULL; /* (made at the first NNX object read) */
     PyObject *small_parts[SMALL_STACK], *small_keys[SMALL_STACK];
     PyObject **parts = nargs <= SMALL_STACK ? small_parts : PyMem_Calloc(nargs, sizeof(PyObject *));
     PyObject **keys = nargs <= SMALL_STACK ? small_keys : PyMem_Calloc(nargs, sizeof(PyObject *));
@@ -306,6 +532,52 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
             continue;
         }
         PyObject *a = args[i];
+        PyObject *kind = (PyObject *)Py_TYPE(read);
+        if (kind != G.arg_read) {
+            /* an NNX object, a tuple or list of them, or a GraphDef (no leaves) */
+            int got = 0;
+            parts[i] = PyList_New(0);
+            if (parts[i] == NULL) {
+                goto done;
+            }
+            if (kind == G.graphdef_read) {
+                got = read_graphdef(a, PyTuple_GET_ITEM(read, NODE_SPEC_ID));
+            } else {
+                if (entries == NULL) {
+                    entries = PyList_New(0);
+                    nnx_args = post == Py_None ? NULL : PyList_New(0);
+                    if (entries == NULL || (post != Py_None && nnx_args == NULL)) {
+                        goto done;
+                    }
+                }
+                if (kind == G.node_read) {
+                    got = read_node(a, PyTuple_GET_ITEM(read, NODE_SPEC_ID), parts[i], entries, nnx_args);
+                } else {
+                    PyObject *elements = PyTuple_GET_ITEM(read, NODES_ELEMENTS);
+                    /* (a tuple, or a list copied: reading values may run code) */
+                    PyObject *objs = (PyObject *)Py_TYPE(a) == PyTuple_GET_ITEM(read, NODES_KIND)
+                                             && (PyTuple_CheckExact(a) || PyList_CheckExact(a))
+                                             && PyTuple_CheckExact(elements)
+                                         ? PySequence_Tuple(a)
+                                         : NULL;
+                    got = objs != NULL && PyTuple_GET_SIZE(objs) == PyTuple_GET_SIZE(elements);
+                    for (Py_ssize_t j = 0; got == 1 && j < PyTuple_GET_SIZE(elements); j++) {
+                        got = read_node(PyTuple_GET_ITEM(objs, j), PyTuple_GET_ITEM(elements, j), parts[i],
+                                        entries, nnx_args);
+                    }
+                    Py_XDECREF(objs);
+                    if (PyErr_Occurred()) {
+                        got = -1;
+                    }
+                }
+            }
+            if (got != 1) {
+                declined = got == 0;
+                goto done;
+            }
+            total += PyList_GET_SIZE(parts[i]);
+            continue;
+        }
         keys[i] = PyLong_FromVoidPtr(a);
         if (keys[i] == NULL) {
             goto done;
@@ -339,6 +611,20 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
         }
         total += PySequence_Fast_GET_SIZE(parts[i]);
     }
+    if (entries != NULL && PyList_GET_SIZE(entries) > 0) {
+        /* NNX objects: not inside a JAX trace (state changed inside must stay in it), and
+         * sharing nothing (else they are read jointly): the Python copy decides otherwise */
+        int ok = PyList_GET_SIZE(entries) == 1 ? 1 : known_disjoint(entries);
+        if (ok == 1) {
+            PyObject *jitting = PyObject_CallNoArgs(G.jitting);
+            ok = jitting == NULL ? -1 : jitting == Py_False;
+            Py_XDECREF(jitting);
+        }
+        if (ok != 1) {
+            declined = ok == 0;
+            goto done;
+        }
+    }
     stack = total <= SMALL_STACK ? small : PyMem_Malloc(total * sizeof(PyObject *));
     if (stack == NULL) {
         PyErr_NoMemory();
@@ -370,9 +656,9 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
         out = fw_failed(self, &self->structure_calls, args, nargsf, kwnames);
         goto done;
     }
-    PyObject *post = PyTuple_GET_ITEM(record, STR_POST);
     if (post != Py_None) {
-        PyObject *result = PyObject_CallFunctionObjArgs(post, out, args[0], Py_None, NULL);
+        PyObject *result = PyObject_CallFunctionObjArgs(post, out, args[0], nnx_args != NULL ? nnx_args : Py_None,
+                                                        NULL);
         Py_DECREF(out);
         out = result;
     }
@@ -386,6 +672,8 @@ done:
     if (parts != NULL && parts != small_parts) PyMem_Free(parts);
     if (keys != NULL && keys != small_keys) PyMem_Free(keys);
     if (stack != NULL && stack != small) PyMem_Free(stack);
+    Py_XDECREF(entries);
+    Py_XDECREF(nnx_args);
     Py_DECREF(record);
     if (declined) {
         return fw_fallback(self, args, nargsf, kwnames);
@@ -406,12 +694,12 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
     if (key == NULL) {
         return NULL;
     }
-    PyObject *slot = PyDict_GetItemWithError(self->index, key); /* borrowed */
+    PyObject *slot = PyDict_GetItemWithError(G.index, key); /* borrowed */
     Py_DECREF(key);
     if (slot == NULL) {
         return PyErr_Occurred() ? NULL : fw_structure(self, args, nargsf, kwnames);
     }
-    if (!PyTuple_Check(slot) || PyTuple_GET_SIZE(slot) != 3) {
+    if (!PyTuple_Check(slot) || PyTuple_GET_SIZE(slot) != 4) {
         return fw_structure(self, args, nargsf, kwnames);
     }
     int same = ref_is(PyTuple_GET_ITEM(slot, SLOT_REF), first);
@@ -438,12 +726,12 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
         return (arity == -1 && PyErr_Occurred()) ? NULL : fw_structure(self, args, nargsf, kwnames);
     }
     for (Py_ssize_t i = 1; i < nargs; i++) {
-        if ((PyObject *)Py_TYPE(args[i]) != self->array_type) {
+        if ((PyObject *)Py_TYPE(args[i]) != G.array_type) {
             return fw_structure(self, args, nargsf, kwnames);
         }
     }
     PyObject *variables = PyTuple_GET_ITEM(record, REC_VARIABLES);
-    PyObject *descr = PyList_GET_ITEM(self->value_slot, 0);
+    PyObject *descr = PyList_GET_ITEM(G.value_slot, 0);
     if (variables != Py_None && (!PyList_CheckExact(variables) || descr == Py_None)) {
         return fw_fallback(self, args, nargsf, kwnames);
     }
@@ -460,19 +748,14 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
         goto done;
     }
     if (nvars > 0) {
-        descrgetfunc get = Py_TYPE(descr)->tp_descr_get;
         for (; filled < nvars; filled++) {
-            PyObject *var = PyList_GET_ITEM(variables, filled);
-            /* a RawLeaf(owner, name) (a tuple; Variables never are): getattr(owner, name) */
-            PyObject *value = PyTuple_Check(var) && PyTuple_GET_SIZE(var) == 2
-                                  ? PyObject_GetAttr(PyTuple_GET_ITEM(var, 0), PyTuple_GET_ITEM(var, 1))
-                                  : get(descr, var, (PyObject *)Py_TYPE(var));
+            PyObject *value = leaf_value(descr, PyList_GET_ITEM(variables, filled));
             if (value == NULL) {
                 goto done;
             }
             stack[filled] = value;
         }
-        if ((PyObject *)Py_TYPE(stack[0]) != self->array_type) {
+        if ((PyObject *)Py_TYPE(stack[0]) != G.array_type) {
             /* tracers (inside an nnx transform) or another kind of value */
             for (Py_ssize_t i = 0; i < filled; i++) Py_DECREF(stack[i]);
             filled = 0;
@@ -525,14 +808,9 @@ fw_traverse(PyObject *op, visitproc visit, void *arg)
 {
     FastWrapper *self = (FastWrapper *)op;
     Py_VISIT(self->fallback);
-    Py_VISIT(self->index);
     Py_VISIT(self->structures);
-    Py_VISIT(self->by_id);
     Py_VISIT(self->state);
-    Py_VISIT(self->array_type);
-    Py_VISIT(self->varies_exc);
     Py_VISIT(self->on_error);
-    Py_VISIT(self->value_slot);
     Py_VISIT(self->dict);
     return 0;
 }
@@ -542,14 +820,9 @@ fw_clear(PyObject *op)
 {
     FastWrapper *self = (FastWrapper *)op;
     Py_CLEAR(self->fallback);
-    Py_CLEAR(self->index);
     Py_CLEAR(self->structures);
-    Py_CLEAR(self->by_id);
     Py_CLEAR(self->state);
-    Py_CLEAR(self->array_type);
-    Py_CLEAR(self->varies_exc);
     Py_CLEAR(self->on_error);
-    Py_CLEAR(self->value_slot);
     Py_CLEAR(self->dict);
     return 0;
 }
@@ -566,54 +839,125 @@ fw_dealloc(PyObject *op)
     Py_TYPE(op)->tp_free(op);
 }
 
-/* Check that the Python record `fields` (a tuple of names) matches `expected`. */
-static int
-check_fields(PyObject *fields, const char **expected, const char *record)
+/* The record class `records[name]`, a new reference, if its fields (`_fields`) are
+ * `expected`; NULL with an error if not. */
+static PyObject *
+record_class(PyObject *records, const char *name, const char **expected)
 {
+    PyObject *cls = PyDict_GetItemString(records, name); /* borrowed */
+    if (cls == NULL || !PyType_Check(cls)) {
+        PyErr_Format(PyExc_TypeError, "fastcall._accel: no record class %s given", name);
+        return NULL;
+    }
+    PyObject *fields = PyObject_GetAttrString(cls, "_fields");
+    if (fields == NULL) {
+        return NULL;
+    }
     Py_ssize_t n = 0;
     while (expected[n] != NULL) n++;
     if (!PyTuple_Check(fields) || PyTuple_GET_SIZE(fields) != n) {
-        PyErr_Format(PyExc_TypeError, "fastcall._accel: %s has another layout than this C build reads", record);
-        return -1;
+        PyErr_Format(PyExc_TypeError, "fastcall._accel: %s has another layout than this C build reads", name);
+        Py_DECREF(fields);
+        return NULL;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *name = PyTuple_GET_ITEM(fields, i);
-        if (!PyUnicode_Check(name) || PyUnicode_CompareWithASCIIString(name, expected[i]) != 0) {
-            PyErr_Format(PyExc_TypeError, "fastcall._accel: %s field %zd is %R, C reads it as '%s'", record, i,
-                         name, expected[i]);
-            return -1;
+        PyObject *field = PyTuple_GET_ITEM(fields, i);
+        if (!PyUnicode_Check(field) || PyUnicode_CompareWithASCIIString(field, expected[i]) != 0) {
+            PyErr_Format(PyExc_TypeError, "fastcall._accel: %s field %zd is %R, C reads it as '%s'", name, i,
+                         field, expected[i]);
+            Py_DECREF(fields);
+            return NULL;
         }
     }
-    return 0;
+    Py_DECREF(fields);
+    Py_INCREF(cls);
+    return cls;
 }
 
+#define SET_SHARED(field, value) do { PyObject *old_ = G.field; G.field = (value); Py_XDECREF(old_); } while (0)
+
+/* configure(index, by_id, graphdefs, value_slot, array_type, varies_exc, jitting, records):
+ * the tables and types every wrapper reads (see the struct G); `records` maps each record
+ * class's name to the class, whose fields are checked against the layout read here.
+ * Nothing is changed if a check fails. */
+static PyObject *
+py_configure(PyObject *module, PyObject *args)
+{
+    PyObject *index, *by_id, *graphdefs, *value_slot, *array_type, *varies_exc, *jitting, *records;
+    if (!PyArg_UnpackTuple(args, "configure", 8, 8, &index, &by_id, &graphdefs, &value_slot, &array_type,
+                           &varies_exc, &jitting, &records)) {
+        return NULL;
+    }
+    if (!PyDict_CheckExact(index) || !PyDict_CheckExact(by_id) || !PyDict_CheckExact(graphdefs)
+        || !PyDict_Check(records)) {
+        PyErr_SetString(PyExc_TypeError, "configure: index, by_id, graphdefs and records must be dicts");
+        return NULL;
+    }
+    if (!PyList_CheckExact(value_slot) || PyList_GET_SIZE(value_slot) != 1) {
+        PyErr_SetString(PyExc_TypeError, "configure: value_slot must be a one-element list");
+        return NULL;
+    }
+    PyObject *cls[10];
+    const char *names[10] = {"FastSlot", "FastRecord", "StructureRecord", "CacheEntry", "ArgRead",
+                             "NodeRead", "NodesRead", "GraphdefRead", "KnownGraphdef", "NnxArg"};
+    const char **layouts[10] = {SLOT_FIELDS, RECORD_FIELDS, STRUCTURE_FIELDS, CACHE_FIELDS, READ_FIELDS,
+                                NODE_READ_FIELDS, NODES_READ_FIELDS, NODE_READ_FIELDS, KNOWN_GRAPHDEF_FIELDS,
+                                NNX_ARG_FIELDS};
+    for (int i = 0; i < 10; i++) {
+        cls[i] = record_class(records, names[i], layouts[i]);
+        if (cls[i] == NULL) {
+            for (int j = 0; j < i; j++) Py_DECREF(cls[j]);
+            return NULL;
+        }
+    }
+    if (G.empty_ids == NULL) {
+        G.empty_ids = PyFrozenSet_New(NULL);
+        G.s_spec_id = PyUnicode_InternFromString("spec_id");
+        G.s_fresh = PyUnicode_InternFromString("fresh");
+        G.s_items = PyUnicode_InternFromString("items");
+        G.s_paths = PyUnicode_InternFromString("paths");
+        G.s_disjoint = PyUnicode_InternFromString("disjoint");
+        if (G.empty_ids == NULL || G.s_spec_id == NULL || G.s_fresh == NULL || G.s_items == NULL
+            || G.s_paths == NULL || G.s_disjoint == NULL) {
+            for (int j = 0; j < 10; j++) Py_DECREF(cls[j]);
+            return NULL;
+        }
+    }
+    for (int j = 0; j < 4; j++) Py_DECREF(cls[j]); /* (checked only: read by position) */
+    SET_SHARED(arg_read, cls[4]);
+    SET_SHARED(node_read, cls[5]);
+    SET_SHARED(nodes_read, cls[6]);
+    SET_SHARED(graphdef_read, cls[7]);
+    Py_DECREF(cls[8]);
+    SET_SHARED(nnx_arg, cls[9]);
+    Py_INCREF(index); SET_SHARED(index, index);
+    Py_INCREF(by_id); SET_SHARED(by_id, by_id);
+    Py_INCREF(graphdefs); SET_SHARED(graphdefs, graphdefs);
+    Py_INCREF(value_slot); SET_SHARED(value_slot, value_slot);
+    Py_INCREF(array_type); SET_SHARED(array_type, array_type);
+    Py_INCREF(varies_exc); SET_SHARED(varies_exc, varies_exc);
+    Py_INCREF(jitting); SET_SHARED(jitting, jitting);
+    Py_RETURN_NONE;
+}
+
+/* FastWrapper(fallback, state, structures, on_error), once `configure` has run. */
 static PyObject *
 fw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    PyObject *fallback, *index, *structures, *by_id, *state, *array_type, *varies_exc, *on_error, *value_slot;
-    PyObject *slot_fields, *record_fields, *structure_fields, *read_fields, *cache_fields;
+    PyObject *fallback, *state, *structures, *on_error;
     if (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) {
         PyErr_SetString(PyExc_TypeError, "FastWrapper takes positional arguments only");
         return NULL;
     }
-    if (!PyArg_UnpackTuple(args, "FastWrapper", 14, 14, &fallback, &index, &structures, &by_id, &state,
-                           &array_type, &varies_exc, &on_error, &value_slot, &slot_fields, &record_fields,
-                           &structure_fields, &read_fields, &cache_fields)) {
+    if (!PyArg_UnpackTuple(args, "FastWrapper", 4, 4, &fallback, &state, &structures, &on_error)) {
         return NULL;
     }
-    if (!PyDict_CheckExact(index) || !PyDict_CheckExact(structures) || !PyDict_CheckExact(by_id)) {
-        PyErr_SetString(PyExc_TypeError, "FastWrapper: index, structures and by_id must be dicts");
+    if (G.index == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "FastWrapper: fastcall._accel.configure has not been called");
         return NULL;
     }
-    if (!PyList_CheckExact(value_slot) || PyList_GET_SIZE(value_slot) != 1) {
-        PyErr_SetString(PyExc_TypeError, "FastWrapper: value_slot must be a one-element list");
-        return NULL;
-    }
-    if (check_fields(slot_fields, SLOT_FIELDS, "FastSlot") < 0
-        || check_fields(record_fields, RECORD_FIELDS, "FastRecord") < 0
-        || check_fields(structure_fields, STRUCTURE_FIELDS, "StructureRecord") < 0
-        || check_fields(read_fields, READ_FIELDS, "ArgRead") < 0
-        || check_fields(cache_fields, CACHE_FIELDS, "CacheEntry") < 0) {
+    if (!PyDict_CheckExact(structures)) {
+        PyErr_SetString(PyExc_TypeError, "FastWrapper: structures must be a dict");
         return NULL;
     }
     FastWrapper *self = (FastWrapper *)type->tp_alloc(type, 0);
@@ -622,14 +966,9 @@ fw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     }
     self->vectorcall = fw_vectorcall;
     Py_INCREF(fallback); self->fallback = fallback;
-    Py_INCREF(index); self->index = index;
     Py_INCREF(structures); self->structures = structures;
-    Py_INCREF(by_id); self->by_id = by_id;
     Py_INCREF(state); self->state = state;
-    Py_INCREF(array_type); self->array_type = array_type;
-    Py_INCREF(varies_exc); self->varies_exc = varies_exc;
     Py_INCREF(on_error); self->on_error = on_error;
-    Py_INCREF(value_slot); self->value_slot = value_slot;
     self->calls = 0;
     self->structure_calls = 0;
     self->dict = NULL;
@@ -671,6 +1010,7 @@ static PyTypeObject FastWrapperType = {
 
 static PyMethodDef accel_methods[] = {
     {"guard_holds", py_guard_holds, METH_O, "Whether a guard's containers are unchanged (see _guard.py)."},
+    {"configure", py_configure, METH_VARARGS, "Set the tables and record classes every FastWrapper reads."},
     {NULL, NULL, 0, NULL},
 };
 

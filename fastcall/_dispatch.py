@@ -15,8 +15,10 @@ whole route of a call:
    a call this function ran (`_fast.StructureRecord`, per type of the first
    argument): `read_arguments` reads each one as the record says (a plain
    array; the identity cache or a generated extractor; an NNX object's cache
-   entry) or declines, and the compiled entry runs on those leaves. The C
-   extension serves it too, but for NNX arguments, which it hands over here.
+   entry; a known GraphDef) or declines, and the compiled entry runs on those
+   leaves. The C extension serves it too, reading NNX objects only from the
+   entries the fast index publishes (`FastSlot.node`); it hands any other NNX
+   object over to this Python copy.
 3. The general path. Every argument is resolved (`_args.resolve_call`: plain
    arrays, identity-cache hits, NNX objects, new objects), the tuple of spec
    ids selects the compiled entry, and `run` runs it.
@@ -53,6 +55,23 @@ except ImportError:  # pragma: no cover - not built: pure Python, same behaviour
 # Read once, at import: `FASTCALL_DISABLE_ACCEL=1` serves every call from Python (for
 # debugging, and for the tests that run every behaviour through both paths).
 USE_ACCEL = os.environ.get("FASTCALL_DISABLE_ACCEL", "") not in ("1", "true", "yes")
+
+
+def configure_accel() -> None:
+    """Give the C extension the tables and record classes every C wrapper reads (it checks
+    each record's fields against the layout it reads)."""
+    records = (
+        FastSlot, FastRecord, StructureRecord, _flatten.CacheEntry, ArgRead, NodeRead, NodesRead, GraphdefRead,
+        _fast.KnownGraphdef, _fast.NnxArg,
+    )
+    _accel.configure(
+        _fast.INDEX, _flatten.by_id, _fast.GRAPHDEFS, _fast.VALUE_SLOT, ArrayImpl, StructureVaries, currently_jitting,
+        {cls.__name__: cls for cls in records},
+    )
+
+
+if _accel is not None:
+    configure_accel()
 
 
 def run(state: Any, entry: Entry, resolved: Any, executable: Any = None) -> Any:
@@ -244,7 +263,7 @@ def read_arguments(known: StructureRecord, args: tuple[Any, ...]) -> tuple[list[
                     return None
             continue
         if isinstance(read, GraphdefRead):
-            if not _nnx_gate.is_graphdef(a) or _nnx_gate.adapter().known_graphdef(a) != read.spec_id:
+            if not _nnx_gate.is_graphdef(a) or _fast.known_graphdef(a) != read.spec_id:
                 return None
             continue
         if i == 0 and known.fast_shape and known.last[0] == id(a):
@@ -337,22 +356,7 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
     if _accel is None or not USE_ACCEL:
         return wrapper
     # The same fast path in C (see _accel.c); every other call falls back to `wrapper`.
-    public = _accel.FastWrapper(
-        wrapper,
-        _fast.INDEX,
-        state.structures,
-        _flatten.by_id,
-        state,
-        ArrayImpl,
-        StructureVaries,
-        functools.partial(_c_error, state),
-        _fast.VALUE_SLOT,
-        FastSlot._fields,
-        FastRecord._fields,
-        StructureRecord._fields,
-        ArgRead._fields,
-        _flatten.CacheEntry._fields,
-    )
+    public = _accel.FastWrapper(wrapper, state, state.structures, functools.partial(_c_error, state))
     functools.update_wrapper(public, user_fun)
     state.c_wrappers.add(public)
     return public

@@ -46,6 +46,9 @@ class FastSlot(NamedTuple):
     ref: Any  # a weakref with the object's id as `.oid`: `ref() is first` validates the slot
     records: dict[Any, FastRecord]  # wrapped function's state -> record
     guard: Any = None  # (objects holding lists or dicts) `_guard.holds(guard)` validates it too
+    # (NNX objects) the object's cache entry (`_nnx.NodeEntry`), current while the slot is
+    # published: the structure path reads NNX arguments through it
+    node: Any = None
 
 
 INDEX: dict[int, FastSlot] = {}
@@ -60,14 +63,16 @@ class ArgRead(NamedTuple):
 
 class NodeRead(NamedTuple):
     """How the structure path reads an NNX argument: from its cache entry, which must be
-    usable as it is and have this spec. (Python only: the C path hands such calls over.)"""
+    usable as it is and have this spec. In C, only an entry published in the fast index
+    (`FastSlot.node`, validated as a fast call validates its slot) is read; any other
+    call is handed over to the Python copy, which reads every usable entry."""
 
     spec_id: int
 
 
 class GraphdefRead(NamedTuple):
     """How the structure path reads an NNX GraphDef argument (the functional API): one
-    known under this spec, unchanged (`_nnx.known_graphdef`). (Python only, as NodeRead.)"""
+    known under this spec (`GRAPHDEFS`), unchanged."""
 
     spec_id: int
 
@@ -75,7 +80,7 @@ class GraphdefRead(NamedTuple):
 class NodesRead(NamedTuple):
     """How the structure path reads a tuple or list of NNX objects (`f((model, optimizer),
     batch)`): of this type and length, each object read as NodeRead reads it, with the
-    spec given here; the container then has spec `spec_id`. (Python only, as NodeRead.)"""
+    spec given here; the container then has spec `spec_id`."""
 
     spec_id: int
     kind: type
@@ -97,6 +102,41 @@ class StructureRecord(NamedTuple):
     # the first argument passed again is too: the general path gives it a fast record.
     last: list[int]
     fast_shape: bool
+
+
+class NnxArg(NamedTuple):
+    """An NNX object of one call (an argument, or an object inside a container
+    argument), for writing state back after it. (Made by the NNX adapter, and by the
+    structure path in C for the NNX objects it reads.)"""
+
+    obj: Any  # the caller's object
+    variables: list[Any]  # its leaves in flatten order: Variables and raw-leaf handles
+    entry: Any  # its cache entry, `_nnx.NodeEntry` (None: flattened afresh for this call)
+    ids: frozenset[int] = frozenset()  # (flattened afresh) ids of its nodes and Variables
+    paths: Any = None  # the leaves' paths (None: the entry's)
+
+
+class KnownGraphdef(NamedTuple):
+    """A GraphDef passed as an argument (the functional API), as `_nnx.read_graphdef` keyed it."""
+
+    graphdef: Any  # held: its id cannot be reused while it is here
+    snapshot: Any  # a copy of it as keyed, compared (==) on every use (None: it cannot change in place)
+    spec_id: int
+    spec: Any  # held: keeps the interned spec (and so its id) alive
+
+
+# GraphDefs passed as arguments, by id (filled by the NNX adapter, at most 64).
+GRAPHDEFS: dict[int, KnownGraphdef] = {}
+
+
+def known_graphdef(graphdef: Any) -> int | None:
+    """The spec id `_nnx.read_graphdef` gave this very GraphDef, if it is unchanged since;
+    else None. (The C structure path's copy reads GRAPHDEFS the same way.)"""
+    known = GRAPHDEFS.get(id(graphdef))
+    if known is not None and known.graphdef is graphdef:
+        if known.snapshot is None or graphdef == known.snapshot:
+            return known.spec_id
+    return None
 
 
 class RawLeaf(NamedTuple):
@@ -125,10 +165,10 @@ def read_value(item: Any) -> Any:
     return _raw_value(item)
 
 
-def publish(ref: Any, records: dict[Any, FastRecord], guard: Any = None) -> None:
+def publish(ref: Any, records: dict[Any, FastRecord], guard: Any = None, node: Any = None) -> None:
     """Make `records` servable for the object `ref` refers to (`ref.oid` is its id), while
-    `guard` (if any) holds."""
-    INDEX[ref.oid] = FastSlot(ref, records, guard)
+    `guard` (if any) holds; `node`: an NNX object's cache entry."""
+    INDEX[ref.oid] = FastSlot(ref, records, guard, node)
 
 
 def withdraw(ref: Any, _index: dict[int, FastSlot] = INDEX) -> None:
@@ -149,3 +189,4 @@ def forget_function(state: Any) -> None:
 
 def clear() -> None:
     INDEX.clear()
+    GRAPHDEFS.clear()

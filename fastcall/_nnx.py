@@ -438,7 +438,7 @@ def _switch_variant(obj: Any, arg_name: str, entry: NodeEntry) -> NodeEntry:
             # (still flipped if a value changed meanwhile; the next use switches again)
             entry.flipped = entry.flip_key() != key
             if entry.direct and not entry.flipped:
-                _fast.publish(entry.ref, entry.fast, entry.guard)
+                _fast.publish(entry.ref, entry.fast, entry.guard, entry)
             return entry
         # Kept only if nothing but flips changed since the variants were read: no plain
         # list or dict in the graph changed in place (the guard holds; such a change has
@@ -642,7 +642,7 @@ def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
         _unwatch(previous)
     by_id[ref.oid] = entry
     if entry.direct and not entry.stale:
-        _fast.publish(ref, entry.fast, entry.guard)
+        _fast.publish(ref, entry.fast, entry.guard, entry)
     return entry
 
 
@@ -663,15 +663,7 @@ def clear() -> None:
 _GRAPH_CONTEXT: Any = graphlib.GRAPH_CONTEXT  # (thread-local)
 
 
-class NnxArg(NamedTuple):
-    """An NNX object of one call (an argument, or an object inside a container
-    argument), for writing state back after it."""
-
-    obj: Any  # the caller's object
-    variables: list[Any]  # its leaves in flatten order: Variables and raw-leaf handles
-    entry: NodeEntry | None  # its cache entry (None: flattened afresh for this call)
-    ids: frozenset[int] = frozenset()  # (flattened afresh) ids of its nodes and Variables
-    paths: Any = None  # (flattened afresh) the leaves' paths
+NnxArg = _fast.NnxArg
 
 
 def read_argument(obj: Any, leaves: list[Any], arg_name: str, nnx_args: list[NnxArg], joint: Any) -> int:
@@ -769,14 +761,9 @@ def _read_variable(v: Any, leaves: list[Any], arg_name: str, nnx_args: list[NnxA
 GraphDef = graphlib.GraphDef
 
 
-class _KnownGraphdef(NamedTuple):
-    graphdef: Any  # held: its id cannot be reused while it is here
-    snapshot: Any  # a copy of it as keyed (None: nothing in it can change in place)
-    spec: Any
-
-
-# GraphDefs passed as arguments (the functional API), by id, at most `_MAX_GRAPHDEFS`.
-_graphdefs: dict[int, _KnownGraphdef] = {}
+# GraphDefs passed as arguments (the functional API), by id, at most `_MAX_GRAPHDEFS`
+# (`_fast.GRAPHDEFS`: the structure path reads it, in C too).
+_graphdefs = _fast.GRAPHDEFS
 _MAX_GRAPHDEFS = 64
 
 
@@ -803,17 +790,11 @@ def read_graphdef(graphdef: Any, arg_name: str, trace_scalars: bool) -> int:
         snapshot, spec = None, _flatten_generic(graphdef, arg_name, trace_scalars)[0]
     if len(_graphdefs) >= _MAX_GRAPHDEFS:
         _graphdefs.clear()
-    _graphdefs[id(graphdef)] = _KnownGraphdef(graphdef, snapshot, spec)
+    _graphdefs[id(graphdef)] = _fast.KnownGraphdef(graphdef, snapshot, spec.id, spec)
     return spec.id
 
 
-def known_graphdef(graphdef: Any) -> int | None:
-    """The spec id `read_graphdef` gave this very GraphDef, if it is unchanged since; else None."""
-    known = _graphdefs.get(id(graphdef))
-    if known is not None and known.graphdef is graphdef:
-        if known.snapshot is None or graphdef == known.snapshot:
-            return known.spec.id
-    return None
+known_graphdef = _fast.known_graphdef
 
 
 def explain_graphdef(graphdef: Any) -> tuple[str, str]:

@@ -3,6 +3,7 @@ results and counts whichever it is, and the records the C path reads."""
 
 from __future__ import annotations
 
+import collections
 import os
 import subprocess
 import sys
@@ -147,21 +148,32 @@ def test_disable_accel_environment_variable():
 
 
 def test_c_wrapper_checks_the_record_layout():
-    from fastcall import _dispatch, _fast, _flatten
+    from fastcall import _dispatch
 
     if _dispatch._accel is None:
         pytest.skip("the C accelerator is not built")
-    good = (lambda: None, _fast.INDEX, {}, {}, object(), object, Exception, print, _fast.VALUE_SLOT)
-    fields = [
-        _fast.FastSlot._fields, _fast.FastRecord._fields, _fast.StructureRecord._fields, _fast.ArgRead._fields,
-        _flatten.CacheEntry._fields,
-    ]
-    _dispatch._accel.FastWrapper(*good, *fields)
-    for i, name in enumerate(["FastSlot", "FastRecord", "StructureRecord", "ArgRead", "CacheEntry"]):
-        wrong = list(fields)
-        wrong[i] = (*fields[i][:-1], "other")
-        with pytest.raises(TypeError, match=f"{name} field {len(fields[i]) - 1}"):
-            _dispatch._accel.FastWrapper(*good, *wrong)
-        wrong[i] = fields[i][:1]
-        with pytest.raises(TypeError, match=name):
-            _dispatch._accel.FastWrapper(*good, *wrong)
+    records = ["FastSlot", "FastRecord", "StructureRecord", "CacheEntry", "ArgRead", "NodeRead", "NodesRead",
+               "GraphdefRead", "KnownGraphdef", "NnxArg"]
+    real = _dispatch._accel.configure
+    calls = []
+    try:
+        _dispatch._accel.configure = lambda *a: calls.append(a)
+        _dispatch.configure_accel()
+    finally:
+        _dispatch._accel.configure = real
+    (tables,) = calls
+    assert sorted(tables[-1]) == sorted(records)
+    try:
+        for name in records:
+            cls = tables[-1][name]
+            for wrong_fields, match in [((*cls._fields[:-1], "other"), f"{name} field {len(cls._fields) - 1}"),
+                                        (cls._fields + ("extra",), name)]:
+                wrong = collections.namedtuple(name, wrong_fields)
+                with pytest.raises(TypeError, match=match):
+                    real(*tables[:-1], {**tables[-1], name: wrong})
+            with pytest.raises(TypeError, match=f"no record class {name}"):
+                real(*tables[:-1], {k: v for k, v in tables[-1].items() if k != name})
+    finally:
+        _dispatch.configure_accel()  # (a failed configure changes nothing; restore anyway)
+    f = fastcall.jit(lambda x: x + 1)
+    assert int(f(jnp.ones(()))) == 2

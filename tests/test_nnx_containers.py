@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 
 import fastcall
 
-from .conftest import FAST_PATH, assert_trees_equal, served, state_of
+from .conftest import FAST_PATH, STRUCTURE_PATH, assert_trees_equal, served, state_of
 from .models import TinyDecoder
 
 settings.register_profile(
@@ -420,8 +420,7 @@ def test_functional_api_state_changed_outside_between_calls_is_never_stale(hot_p
         y, route = served(f, *w.args, x)
         routes.append(route)
         assert_close(y, want)
-    # (NNX arguments are read by the structure path's Python copy: the C path hands them over)
-    assert routes[-1] == "python_structure" and routes[2:5] == ["general"] * 3, routes
+    assert routes[-1] == STRUCTURE_PATH[hot_path] and routes[2:5] == ["general"] * 3, routes
 
 
 def test_a_state_passed_first_takes_the_fast_path(hot_path):

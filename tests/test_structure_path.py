@@ -247,8 +247,7 @@ def test_nnx_training_step_takes_the_structure_path(hot_path):
         assert_trees_equal(loss, peer(ref_m, ref_opt, XB, YB))
         assert_trees_equal(state_of(m), state_of(ref_m))
         assert_trees_equal(state_of(opt), state_of(ref_opt))
-    # (the C path hands calls with NNX reads to its Python copy)
-    assert routes == ["general"] + ["python_structure"] * 3
+    assert routes == ["general"] + [STRUCTURE_PATH[hot_path]] * 3
     assert f.stats().compiles == 1
 
 
@@ -266,11 +265,11 @@ def test_nnx_changes_between_steps_go_to_the_general_path(hot_path):
     for obj in (m, ref_m):
         obj.eval()  # a flip: switched to by the general path
     assert step() == "general"
-    assert step() == "python_structure"
+    assert step() == STRUCTURE_PATH[hot_path]
     new = nnx.Linear(4, 4, rngs=nnx.Rngs(3))
     m.l2, ref_m.l2 = new, nnx.clone(new)  # a structure change: re-read by the general path
     assert step() == "general"
-    assert step() == "python_structure"
+    assert step() == STRUCTURE_PATH[hot_path]
 
 
 @pytest.mark.parametrize("kind", [tuple, list])
@@ -291,17 +290,17 @@ def test_nnx_objects_in_a_tuple_take_the_structure_path(kind, hot_path):
         assert_trees_equal(state_of(opt), state_of(ref_opt))
         return route
 
-    assert [call() for _ in range(3)] == ["general"] + ["python_structure"] * 2
+    assert [call() for _ in range(3)] == ["general"] + [STRUCTURE_PATH[hot_path]] * 2
     report = f.explain(kind((m, opt)), XB, YB)
     assert report.route == "structure" and "no flatten" in report.arguments[0].per_call
     new = nnx.Linear(4, 4, rngs=nnx.Rngs(3))
     m.l2, ref_m.l2 = new, nnx.clone(new)  # a structure change: re-read by the general path
     assert call() == "general"
-    assert call() == "python_structure"
+    assert call() == STRUCTURE_PATH[hot_path]
     # another object in the tuple (a fresh optimizer, same transformation): the general path
     opt, ref_opt = nnx.Optimizer(m, opt.tx, wrt=nnx.Param), nnx.Optimizer(ref_m, ref_opt.tx, wrt=nnx.Param)
     assert call() == "general"
-    assert call() == "python_structure"
+    assert call() == STRUCTURE_PATH[hot_path]
     assert f.stats().compiles == 1
 
 
