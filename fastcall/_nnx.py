@@ -1493,7 +1493,7 @@ def _replace_variable(arg: NnxArg, index: int, value: Any) -> None:
     the function replaced; the object's cache entry follows (no re-read)."""
     old = arg.variables[index]
     new = old.replace(value)
-    entry = arg.entry if arg.entry is not None else by_id.get(id(arg.obj))
+    entry: NodeEntry | None = arg.entry if arg.entry is not None else by_id.get(id(arg.obj))
     if entry is not None and (entry.ref() is not arg.obj or entry.items is not arg.variables):
         entry = None  # (not the entry this call read: it is left to the hooks)
     paths = arg.paths if arg.paths is not None else (entry.paths if entry is not None else None)
