@@ -78,7 +78,13 @@ static const char *NODES_READ_FIELDS[] = {"spec_id", "kind", "elements", NULL};
 #define KNOWN_SPEC_ID 2
 static const char *KNOWN_GRAPHDEF_FIELDS[] = {"graphdef", "snapshot", "spec_id", "spec", NULL};
 /* NnxArg(obj, variables, entry, ids, paths): made here for the NNX objects read */
+#define NNX_ARG_VARIABLES 1
 static const char *NNX_ARG_FIELDS[] = {"obj", "variables", "entry", "ids", "paths", NULL};
+/* WriteBack(writes, result, post): a record's post-processing, applied here */
+#define WB_WRITES 0
+#define WB_RESULT 1
+#define WB_POST 2
+static const char *WRITE_BACK_FIELDS[] = {"writes", "result", "post", NULL};
 /* CacheEntry(ref, leaves, spec_id, spec, guard): the identity cache's (fastcall/_flatten.py) */
 #define CACHE_REF 0
 #define CACHE_LEAVES 1
@@ -92,12 +98,14 @@ static struct {
     PyObject *by_id;       /* dict: id(obj) -> CacheEntry (the identity cache) */
     PyObject *graphdefs;   /* dict: id(graphdef) -> KnownGraphdef */
     PyObject *value_slot;  /* one-element list: the Variable._raw_value descriptor, or None */
+    PyObject *graph_context; /* one-element list: NNX's (thread-local) graph context, or None */
     PyObject *array_type;  /* jaxlib ArrayImpl */
     PyObject *varies_exc;  /* StructureVaries: retry through the fallback */
     PyObject *jitting;     /* currently_jitting(): whether a JAX trace is running */
-    PyObject *arg_read, *node_read, *nodes_read, *graphdef_read, *nnx_arg; /* record classes */
+    PyObject *arg_read, *node_read, *nodes_read, *graphdef_read, *nnx_arg, *write_back; /* record classes */
     PyObject *empty_ids;   /* frozenset(): NnxArg.ids of an object read from its entry */
     PyObject *s_spec_id, *s_fresh, *s_items, *s_paths, *s_disjoint; /* NodeEntry attributes */
+    PyObject *s_static_cache; /* "tmp_static_cache" */
 } G;
 
 typedef struct {
@@ -291,6 +299,24 @@ leaf_value(PyObject *descr, PyObject *item)
     return Py_TYPE(descr)->tp_descr_get(descr, item, (PyObject *)Py_TYPE(item));
 }
 
+/* Whether NNX calls are served here now: 1 yes; 0 no, while nnx.cached_partial's static
+ * cache waits to be consumed (the general path consumes it; `_fast.static_cache_pending`);
+ * -1 error. */
+static int
+no_static_cache_pending(void)
+{
+    PyObject *context = PyList_GET_ITEM(G.graph_context, 0);
+    if (context == Py_None) {
+        return 1;
+    }
+    PyObject *cache = PyObject_GetAttr(context, G.s_static_cache);
+    if (cache == NULL) {
+        return -1;
+    }
+    Py_DECREF(cache);
+    return cache == Py_None;
+}
+
 /* The structure path's reading of one NNX object `a` (`_dispatch.read_arguments` reads
  * the same, through `_nnx.read_cached`): if the fast index publishes a slot for `a`,
  * validated as the fast path validates one, whose entry (`node`) has spec `spec_id` and
@@ -463,6 +489,97 @@ known_disjoint(PyObject *entries)
     return 1;
 }
 
+/* The user's result of a call from the compiled function's output `out` (a new
+ * reference, consumed): `post(out, first, nnx)`, or for a WriteBack post (whose calls
+ * change NNX objects only by new values of their Variables) the same done here: the last
+ * len(writes) outputs set into the Variables they name, through the _raw_value slot, and
+ * `result(the other outputs)`. `variables`: the one NNX object's leaves (the fast path),
+ * else NULL and `nnx` lists the call's NnxArgs. Anything unexpected (an output that is not
+ * an array, e.g. a tracer; a raw leaf to write) goes through the general `post`. */
+static PyObject *
+apply_post(PyObject *post, PyObject *out, PyObject *first, PyObject *nnx, PyObject *variables)
+{
+    PyObject *result = NULL;
+    if (post == Py_None) {
+        return out;
+    }
+    PyObject *descr = PyList_GET_ITEM(G.value_slot, 0);
+    if ((PyObject *)Py_TYPE(post) != G.write_back || Py_TYPE(descr) != &PyMemberDescr_Type
+        || !PyList_CheckExact(out)) {
+        goto general;
+    }
+    PyObject *writes = PyTuple_GET_ITEM(post, WB_WRITES);
+    Py_ssize_t n = PyList_GET_SIZE(out);
+    Py_ssize_t k = PyTuple_CheckExact(writes) ? PyTuple_GET_SIZE(writes) : -1;
+    if (k < 0 || k > n || (variables == NULL && (nnx == NULL || !PyList_CheckExact(nnx)))) {
+        goto general;
+    }
+    /* Check everything before writing anything. */
+    for (Py_ssize_t j = 0; j < k; j++) {
+        PyObject *w = PyTuple_GET_ITEM(writes, j);
+        if (!PyTuple_CheckExact(w) || PyTuple_GET_SIZE(w) != 2
+            || (PyObject *)Py_TYPE(PyList_GET_ITEM(out, n - k + j)) != G.array_type) {
+            goto general;
+        }
+        Py_ssize_t ordinal = PyLong_AsSsize_t(PyTuple_GET_ITEM(w, 0));
+        Py_ssize_t index = PyLong_AsSsize_t(PyTuple_GET_ITEM(w, 1));
+        if (PyErr_Occurred()) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyObject *items = variables;
+        if (items == NULL) {
+            if (ordinal < 0 || ordinal >= PyList_GET_SIZE(nnx)) {
+                goto general;
+            }
+            PyObject *arg = PyList_GET_ITEM(nnx, ordinal);
+            items = PyTuple_Check(arg) && PyTuple_GET_SIZE(arg) == 5 ? PyTuple_GET_ITEM(arg, NNX_ARG_VARIABLES)
+                                                                    : NULL;
+        } else if (ordinal != 0) {
+            goto general;
+        }
+        if (items == NULL || !PyList_CheckExact(items) || index < 0 || index >= PyList_GET_SIZE(items)) {
+            goto general;
+        }
+        PyObject *item = PyList_GET_ITEM(items, index);
+        if (PyTuple_Check(item) || !PyObject_TypeCheck(item, PyDescr_TYPE(descr))) {
+            goto general; /* (a RawLeaf, or not a Variable) */
+        }
+    }
+    for (Py_ssize_t j = 0; j < k; j++) {
+        PyObject *w = PyTuple_GET_ITEM(writes, j);
+        Py_ssize_t ordinal = PyLong_AsSsize_t(PyTuple_GET_ITEM(w, 0));
+        Py_ssize_t index = PyLong_AsSsize_t(PyTuple_GET_ITEM(w, 1));
+        PyObject *items = variables != NULL ? variables
+                                            : PyTuple_GET_ITEM(PyList_GET_ITEM(nnx, ordinal), NNX_ARG_VARIABLES);
+        if (index >= PyList_GET_SIZE(items)) { /* (changed by code an old value's release ran) */
+            PyErr_SetString(PyExc_RuntimeError, "fastcall: an NNX object's leaves changed during write-back");
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyObject *item = PyList_GET_ITEM(items, index);
+        Py_INCREF(item); /* (the old value's release may run code) */
+        int failed = Py_TYPE(descr)->tp_descr_set(descr, item, PyList_GET_ITEM(out, n - k + j)) < 0;
+        Py_DECREF(item);
+        if (failed) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    PyObject *head = PyList_GetSlice(out, 0, n - k);
+    Py_DECREF(out);
+    if (head == NULL) {
+        return NULL;
+    }
+    result = PyObject_CallOneArg(PyTuple_GET_ITEM(post, WB_RESULT), head);
+    Py_DECREF(head);
+    return result;
+general:
+    result = PyObject_CallFunctionObjArgs(post, out, first, variables != NULL ? variables : nnx, NULL);
+    Py_DECREF(out);
+    return result;
+}
+
 /* The structure path (see the top of this file): serves the call, or hands it to the
  * fallback. */
 static PyObject *
@@ -613,8 +730,12 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
     }
     if (entries != NULL && PyList_GET_SIZE(entries) > 0) {
         /* NNX objects: not inside a JAX trace (state changed inside must stay in it), and
-         * sharing nothing (else they are read jointly): the Python copy decides otherwise */
+         * sharing nothing (else they are read jointly), and no nnx.cached_partial cache
+         * pending: the Python copy decides otherwise */
         int ok = PyList_GET_SIZE(entries) == 1 ? 1 : known_disjoint(entries);
+        if (ok == 1) {
+            ok = no_static_cache_pending();
+        }
         if (ok == 1) {
             PyObject *jitting = PyObject_CallNoArgs(G.jitting);
             ok = jitting == NULL ? -1 : jitting == Py_False;
@@ -656,12 +777,7 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
         out = fw_failed(self, &self->structure_calls, args, nargsf, kwnames);
         goto done;
     }
-    if (post != Py_None) {
-        PyObject *result = PyObject_CallFunctionObjArgs(post, out, args[0], nnx_args != NULL ? nnx_args : Py_None,
-                                                        NULL);
-        Py_DECREF(out);
-        out = result;
-    }
+    out = apply_post(post, out, args[0], nnx_args != NULL ? nnx_args : Py_None, NULL);
 done:
     if (parts != NULL && keys != NULL) {
         for (Py_ssize_t i = 0; i < nargs; i++) {
@@ -755,11 +871,13 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
             }
             stack[filled] = value;
         }
-        if ((PyObject *)Py_TYPE(stack[0]) != G.array_type) {
-            /* tracers (inside an nnx transform) or another kind of value */
+        int pending = 0;
+        if ((PyObject *)Py_TYPE(stack[0]) != G.array_type || (pending = no_static_cache_pending()) != 1) {
+            /* tracers (inside an nnx transform) or another kind of value; or nnx.cached_partial's
+             * cache pending (the general path consumes it) */
             for (Py_ssize_t i = 0; i < filled; i++) Py_DECREF(stack[i]);
             filled = 0;
-            out = fw_fallback(self, args, nargsf, kwnames);
+            out = pending < 0 ? NULL : fw_fallback(self, args, nargsf, kwnames);
             goto done;
         }
     }
@@ -774,12 +892,8 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
         out = fw_failed(self, &self->calls, args, nargsf, kwnames);
         goto done;
     }
-    PyObject *post = PyTuple_GET_ITEM(record, REC_POST);
-    if (post != Py_None) {
-        PyObject *result = PyObject_CallFunctionObjArgs(post, out, first, variables, NULL);
-        Py_DECREF(out);
-        out = result;
-    }
+    out = apply_post(PyTuple_GET_ITEM(record, REC_POST), out, first, Py_None,
+                     variables != Py_None ? variables : NULL);
 done:
     for (Py_ssize_t i = 0; i < filled; i++) Py_DECREF(stack[i]);
     if (stack != NULL && stack != small) PyMem_Free(stack);
@@ -876,16 +990,17 @@ record_class(PyObject *records, const char *name, const char **expected)
 
 #define SET_SHARED(field, value) do { PyObject *old_ = G.field; G.field = (value); Py_XDECREF(old_); } while (0)
 
-/* configure(index, by_id, graphdefs, value_slot, array_type, varies_exc, jitting, records):
+/* configure(index, by_id, graphdefs, value_slot, graph_context, array_type, varies_exc, jitting,
+ *           records):
  * the tables and types every wrapper reads (see the struct G); `records` maps each record
  * class's name to the class, whose fields are checked against the layout read here.
  * Nothing is changed if a check fails. */
 static PyObject *
 py_configure(PyObject *module, PyObject *args)
 {
-    PyObject *index, *by_id, *graphdefs, *value_slot, *array_type, *varies_exc, *jitting, *records;
-    if (!PyArg_UnpackTuple(args, "configure", 8, 8, &index, &by_id, &graphdefs, &value_slot, &array_type,
-                           &varies_exc, &jitting, &records)) {
+    PyObject *index, *by_id, *graphdefs, *value_slot, *graph_context, *array_type, *varies_exc, *jitting, *records;
+    if (!PyArg_UnpackTuple(args, "configure", 9, 9, &index, &by_id, &graphdefs, &value_slot, &graph_context,
+                           &array_type, &varies_exc, &jitting, &records)) {
         return NULL;
     }
     if (!PyDict_CheckExact(index) || !PyDict_CheckExact(by_id) || !PyDict_CheckExact(graphdefs)
@@ -893,35 +1008,38 @@ py_configure(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "configure: index, by_id, graphdefs and records must be dicts");
         return NULL;
     }
-    if (!PyList_CheckExact(value_slot) || PyList_GET_SIZE(value_slot) != 1) {
-        PyErr_SetString(PyExc_TypeError, "configure: value_slot must be a one-element list");
+    if (!PyList_CheckExact(value_slot) || PyList_GET_SIZE(value_slot) != 1 || !PyList_CheckExact(graph_context)
+        || PyList_GET_SIZE(graph_context) != 1) {
+        PyErr_SetString(PyExc_TypeError, "configure: value_slot and graph_context must be one-element lists");
         return NULL;
     }
-    PyObject *cls[10];
-    const char *names[10] = {"FastSlot", "FastRecord", "StructureRecord", "CacheEntry", "ArgRead",
-                             "NodeRead", "NodesRead", "GraphdefRead", "KnownGraphdef", "NnxArg"};
-    const char **layouts[10] = {SLOT_FIELDS, RECORD_FIELDS, STRUCTURE_FIELDS, CACHE_FIELDS, READ_FIELDS,
-                                NODE_READ_FIELDS, NODES_READ_FIELDS, NODE_READ_FIELDS, KNOWN_GRAPHDEF_FIELDS,
-                                NNX_ARG_FIELDS};
-    for (int i = 0; i < 10; i++) {
+    enum { N_RECORDS = 11 };
+    PyObject *cls[N_RECORDS];
+    const char *names[N_RECORDS] = {"FastSlot", "FastRecord", "StructureRecord", "CacheEntry", "ArgRead",
+                                    "NodeRead", "NodesRead", "GraphdefRead", "KnownGraphdef", "NnxArg",
+                                    "WriteBack"};
+    const char **layouts[N_RECORDS] = {SLOT_FIELDS, RECORD_FIELDS, STRUCTURE_FIELDS, CACHE_FIELDS,
+                                       READ_FIELDS, NODE_READ_FIELDS, NODES_READ_FIELDS, NODE_READ_FIELDS,
+                                       KNOWN_GRAPHDEF_FIELDS, NNX_ARG_FIELDS, WRITE_BACK_FIELDS};
+    for (int i = 0; i < N_RECORDS; i++) {
         cls[i] = record_class(records, names[i], layouts[i]);
         if (cls[i] == NULL) {
             for (int j = 0; j < i; j++) Py_DECREF(cls[j]);
             return NULL;
         }
     }
-    if (G.empty_ids == NULL) {
-        G.empty_ids = PyFrozenSet_New(NULL);
-        G.s_spec_id = PyUnicode_InternFromString("spec_id");
-        G.s_fresh = PyUnicode_InternFromString("fresh");
-        G.s_items = PyUnicode_InternFromString("items");
-        G.s_paths = PyUnicode_InternFromString("paths");
-        G.s_disjoint = PyUnicode_InternFromString("disjoint");
-        if (G.empty_ids == NULL || G.s_spec_id == NULL || G.s_fresh == NULL || G.s_items == NULL
-            || G.s_paths == NULL || G.s_disjoint == NULL) {
-            for (int j = 0; j < 10; j++) Py_DECREF(cls[j]);
+    /* (made once; each checked, so that a failure leaves none half made) */
+    PyObject **made[] = {&G.s_spec_id, &G.s_fresh, &G.s_items, &G.s_paths, &G.s_disjoint, &G.s_static_cache};
+    const char *strings[] = {"spec_id", "fresh", "items", "paths", "disjoint", "tmp_static_cache"};
+    for (int i = 0; i < 6; i++) {
+        if (*made[i] == NULL && (*made[i] = PyUnicode_InternFromString(strings[i])) == NULL) {
+            for (int j = 0; j < N_RECORDS; j++) Py_DECREF(cls[j]);
             return NULL;
         }
+    }
+    if (G.empty_ids == NULL && (G.empty_ids = PyFrozenSet_New(NULL)) == NULL) {
+        for (int j = 0; j < N_RECORDS; j++) Py_DECREF(cls[j]);
+        return NULL;
     }
     for (int j = 0; j < 4; j++) Py_DECREF(cls[j]); /* (checked only: read by position) */
     SET_SHARED(arg_read, cls[4]);
@@ -930,10 +1048,12 @@ py_configure(PyObject *module, PyObject *args)
     SET_SHARED(graphdef_read, cls[7]);
     Py_DECREF(cls[8]);
     SET_SHARED(nnx_arg, cls[9]);
+    SET_SHARED(write_back, cls[10]);
     Py_INCREF(index); SET_SHARED(index, index);
     Py_INCREF(by_id); SET_SHARED(by_id, by_id);
     Py_INCREF(graphdefs); SET_SHARED(graphdefs, graphdefs);
     Py_INCREF(value_slot); SET_SHARED(value_slot, value_slot);
+    Py_INCREF(graph_context); SET_SHARED(graph_context, graph_context);
     Py_INCREF(array_type); SET_SHARED(array_type, array_type);
     Py_INCREF(varies_exc); SET_SHARED(varies_exc, varies_exc);
     Py_INCREF(jitting); SET_SHARED(jitting, jitting);

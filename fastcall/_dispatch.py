@@ -41,7 +41,7 @@ from typing import Any
 
 from . import _args, _codegen, _fast, _flatten, _guard, _nnx_gate
 from ._build import Entry, StructureVaries
-from ._fast import ArgRead, FastRecord, FastSlot, GraphdefRead, NodeRead, NodesRead, StructureRecord
+from ._fast import ArgRead, FastRecord, FastSlot, GraphdefRead, NodeRead, NodesRead, StructureRecord, WriteBack
 from ._flatten import ArrayImpl
 from ._outputs import on_error
 from ._trace import StepAside, currently_jitting
@@ -62,10 +62,11 @@ def configure_accel() -> None:
     each record's fields against the layout it reads)."""
     records = (
         FastSlot, FastRecord, StructureRecord, _flatten.CacheEntry, ArgRead, NodeRead, NodesRead, GraphdefRead,
-        _fast.KnownGraphdef, _fast.NnxArg,
+        _fast.KnownGraphdef, _fast.NnxArg, WriteBack,
     )
     _accel.configure(
-        _fast.INDEX, _flatten.by_id, _fast.GRAPHDEFS, _fast.VALUE_SLOT, ArrayImpl, StructureVaries, currently_jitting,
+        _fast.INDEX, _flatten.by_id, _fast.GRAPHDEFS, _fast.VALUE_SLOT, _fast.GRAPH_CONTEXT, ArrayImpl,
+        StructureVaries, currently_jitting,
         {cls.__name__: cls for cls in records},
     )
 
@@ -217,7 +218,7 @@ def _fast_post(entry: Entry) -> Any:
             return finish(out, ())
         return finish(out, [nnx_arg(first, variables, None)])  # type: ignore[misc]
 
-    return post
+    return _writing_back(entry, post)
 
 
 def _structure_post(entry: Entry) -> Any:
@@ -229,7 +230,16 @@ def _structure_post(entry: Entry) -> Any:
     def post(out: Any, first: Any, nnx_args: Any) -> Any:
         return finish(out, nnx_args or ())
 
-    return post
+    return _writing_back(entry, post)
+
+
+def _writing_back(entry: Entry, post: Any) -> Any:
+    """`post`, as a WriteBack the C path applies itself where the entry's calls only write
+    new values into the caller's Variables."""
+    writes = entry.out.plain_writes() if entry.out is not None and not entry.varies else None
+    if writes is None:
+        return post
+    return WriteBack(writes, entry.out.result, post)  # type: ignore[union-attr]
 
 
 def _all_arrays(values: tuple[Any, ...], start: int) -> bool:
@@ -291,6 +301,7 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
     index_get = _fast.INDEX.get
     structures_get = state.structures.get
     read_value = _fast.read_value
+    static_cache_pending = _fast.static_cache_pending
     guard_holds = _guard.holds
     counts = state.counts
     resolve_call = _args.resolve_call
@@ -311,8 +322,9 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
                         values: Any = [*args[1:]]
                     else:  # NNX: the Variables' current values, read through the slot
                         values = [*map(read_value, variables), *args[1:]]
-                    # (tracers inside an nnx transform: the general path steps aside)
-                    if variables and type(values[0]) is not ArrayImpl:
+                    # (tracers inside an nnx transform: the general path steps aside; a
+                    # pending nnx.cached_partial cache: the general path consumes it)
+                    if variables and (type(values[0]) is not ArrayImpl or static_cache_pending()):
                         call = None
             structure = call is None
             if structure:

@@ -39,7 +39,8 @@ class FastRecord(NamedTuple):
     arity: int  # the number of positional arguments the call must have
     call: Callable[..., Any]  # the compiled function (first's leaves already bound, for pytrees)
     variables: Sequence[Any] | None  # NNX: Variables and RawLeafs whose current values are passed first
-    post: Callable[[Any, Any, Any], Any] | None  # post(out, first, variables); None: out is the result
+    # post(out, first, variables); None: out is the result (a WriteBack: see there)
+    post: Callable[[Any, Any, Any], Any] | None
 
 
 class FastSlot(NamedTuple):
@@ -94,7 +95,8 @@ class StructureRecord(NamedTuple):
     # per positional argument; None: a plain jax array
     reads: tuple[ArgRead | NodeRead | NodesRead | GraphdefRead | None, ...]
     call: Callable[..., Any]  # the compiled function
-    # post(out, first, the NnxArgs of the call's NNX arguments or None); None: out is the result
+    # post(out, first, the NnxArgs of the call's NNX arguments or None); None: out is the
+    # result (a WriteBack: see there)
     post: Callable[[Any, Any, Any], Any] | None
     # Per positional argument, the id of the object last read there. An object extracted
     # again is left to the general path, which caches it by identity (then it is read
@@ -102,6 +104,22 @@ class StructureRecord(NamedTuple):
     # the first argument passed again is too: the general path gives it a fast record.
     last: list[int]
     fast_shape: bool
+
+
+class WriteBack(NamedTuple):
+    """The post-processing of a record whose calls change NNX objects only by new values
+    of their Variables (`_outputs.OutInfo.plain_writes`). The C path applies it itself:
+    the last `len(writes)` outputs are set into the Variables they name, through the
+    _raw_value slot, and `result` makes the user's output from the others. Anything else
+    (an output not an array, a raw leaf to write) goes through `post`, as the Python
+    copy always does (calling the record calls `post`)."""
+
+    writes: tuple[tuple[int, int], ...]  # per new value: (NNX object ordinal, leaf index)
+    result: Callable[[list[Any]], Any]  # the user's output from the other outputs
+    post: Callable[[Any, Any, Any], Any]  # the general post-processing
+
+    def __call__(self, out: Any, first: Any, nnx: Any) -> Any:
+        return self.post(out, first, nnx)
 
 
 class NnxArg(NamedTuple):
@@ -156,6 +174,18 @@ class RawLeaf(NamedTuple):
 # it from here); NNX records exist only after it loaded and verified the slot.
 VALUE_SLOT: list[Any] = [None]
 _raw_value = operator.attrgetter("_raw_value")
+
+# NNX's graph context (thread-local), put in this cell by the NNX adapter when it loads.
+# While its `tmp_static_cache` is set (nnx.cached_partial is calling the function with
+# its cache pending), no fast or structure path serves an NNX call: the general path
+# consumes the cache (flax raises if nobody does).
+GRAPH_CONTEXT: list[Any] = [None]
+
+
+def static_cache_pending() -> bool:
+    """Whether nnx.cached_partial's static cache waits to be consumed (see GRAPH_CONTEXT)."""
+    context = GRAPH_CONTEXT[0]
+    return context is not None and context.tmp_static_cache is not None
 
 
 def read_value(item: Any) -> Any:

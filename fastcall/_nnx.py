@@ -472,7 +472,7 @@ def read_cached(obj: Any, spec_id: int, values: list[Any], nnx_args: list[NnxArg
     `spec_id`; False (nothing appended) otherwise, or where `read_argument` would step
     aside or consume NNX's cached_partial cache."""
     entry = cached(obj)
-    if entry is None or entry.spec_id != spec_id or entry.fresh or _GRAPH_CONTEXT.tmp_static_cache is not None:
+    if entry is None or entry.spec_id != spec_id or entry.fresh or _fast.static_cache_pending():
         return False
     current = entry.values()
     if current and type(current[0]) is not ArrayImpl:
@@ -661,6 +661,7 @@ def clear() -> None:
 # Reading NNX arguments for a call
 
 _GRAPH_CONTEXT: Any = graphlib.GRAPH_CONTEXT  # (thread-local)
+_fast.GRAPH_CONTEXT[0] = _GRAPH_CONTEXT
 
 
 NnxArg = _fast.NnxArg
@@ -710,10 +711,9 @@ def _read_node(obj: Any, leaves: list[Any], arg_name: str, nnx_args: list[NnxArg
     if _GRAPH_CONTEXT.tmp_static_cache is not None:
         # Called by nnx.cached_partial, which hands its static cache to the next NNX
         # transform: fastcall's own cache supersedes it, so consume it here, on every
-        # call (the object, the partial's clone, stays off the fast path for that).
+        # such call (the fast paths leave these calls to this path:
+        # `_fast.static_cache_pending`).
         _GRAPH_CONTEXT.tmp_static_cache = None
-        entry.direct = False
-        _fast.withdraw(entry.ref)
     values = entry.values()
     # Inside nnx.grad/vmap/scan the module is a copy holding tracers: run inline.
     # Variables of a module created outside cannot receive tracers (NNX forbids it),

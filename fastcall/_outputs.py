@@ -117,6 +117,14 @@ class OutInfo:
             if k or self.nnx.restructure:  # (a new structure may have no leaves at all)
                 link = self.adapter.write_back(self.nnx, dyn[len(dyn) - k :], nnx_args)
                 dyn = dyn[: len(dyn) - k]
+        result = self.result(dyn)
+        if self.nnx is not None and self.nnx.has_nodes:
+            result = self.adapter.unmark_nodes(self.nnx, result, nnx_args, link)
+        return result
+
+    def result(self, dyn: Any) -> Any:
+        """The user's output from the flat outputs of one call, less those written back
+        (returned NNX objects still markers)."""
         if self.block:
             marker = dyn.pop()
             if type(marker) is ArrayImpl:
@@ -130,9 +138,18 @@ class OutInfo:
             result = self.treedef.unflatten(dyn)
         if self.regs:
             self._register(result, dyn)
-        if self.nnx is not None and self.nnx.has_nodes:
-            result = self.adapter.unmark_nodes(self.nnx, result, nnx_args, link)
         return result
+
+    def plain_writes(self) -> tuple[tuple[int, int], ...] | None:
+        """The (NNX object ordinal, leaf index) of each Variable written back, if writing
+        new values into the caller's Variables is all a call does to its NNX objects (no
+        structural change, no Variable replaced, no NNX object returned); else None."""
+        nnx = self.nnx
+        if nnx is None or self.passthrough or nnx.restructure or nnx.replaced or nnx.has_nodes:
+            return None
+        if not nnx.writes or nnx.n_written != len(nnx.writes):
+            return None
+        return nnx.writes
 
     def _register(self, result: Any, dyn: Sequence[Any]) -> None:
         """Cache returned modules (and tuples such as optimizer states) by identity, so

@@ -17,7 +17,7 @@ from flax import nnx
 import fastcall
 from fastcall import _nnx
 
-from .conftest import assert_trees_equal, run_threads, state_of
+from .conftest import FAST_PATH, STRUCTURE_PATH, assert_trees_equal, run_threads, served, state_of
 from .models import TinyDecoder  # a copy of the decoder the benchmark times
 
 pytestmark = pytest.mark.usefixtures("hot_path")
@@ -805,6 +805,38 @@ def test_nnx_cached_partial_over_a_fastcall_function():
     for i in range(3):
         assert_trees_equal(f(jnp.ones(2) * i), g(jnp.ones(2) * i))
         assert_same_state(ours, theirs)
+
+
+@pytest.mark.parametrize("model_first", [True, False])
+def test_cached_partial_of_a_function_the_fast_paths_already_serve(model_first, hot_path):
+    """nnx.cached_partial hands its static cache to the next NNX transform; a call served by
+    the fast or structure path must leave it to the general path, which consumes it (flax
+    raises after the call otherwise), and the model keeps its fast route afterwards."""
+
+    def step(a, b):
+        m, x = (a, b) if model_first else (b, a)
+        m.bias[...] += 1
+        return m(x)
+
+    ours, theirs = nnx.Linear(2, 2, rngs=nnx.Rngs(0)), nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    x = jnp.ones(2)
+    f, g = fastcall.jit(step), nnx.jit(step)
+    args = (lambda m: (m, x)) if model_first else (lambda m: (x, m))
+    for _ in range(3):
+        assert_trees_equal(f(*args(ours)), g(*args(theirs)))
+    route = FAST_PATH[hot_path] if model_first else STRUCTURE_PATH[hot_path]
+    out, path = served(f, *args(ours))
+    assert path == route
+    assert_trees_equal(out, g(*args(theirs)))
+    for _ in range(2):  # (nothing cached by the partial: the model is passed at the call)
+        out, path = served(nnx.cached_partial(f), *args(ours))
+        assert path == "general"
+        assert_trees_equal(out, nnx.cached_partial(g)(*args(theirs)))
+        assert_same_state(ours, theirs)
+    out, path = served(f, *args(ours))
+    assert path == route
+    assert_trees_equal(out, g(*args(theirs)))
+    assert_same_state(ours, theirs)
 
 
 def test_bound_method_of_an_nnx_object_is_refused_as_nnx_jit_refuses_it():

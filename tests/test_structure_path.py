@@ -335,3 +335,45 @@ def test_nnx_structure_path_inside_an_outer_jit(hot_path):
     assert all(isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
                for leaf in jax.tree_util.tree_leaves(nnx.state(m)))
     assert_trees_equal(f(m, opt, XB, YB), _train_step(ref_m, ref_opt, XB, YB))
+
+
+class _Counting(nnx.Module):
+    """A layer that counts its calls in a Variable, and (`raw`) in a raw array attribute."""
+
+    def __init__(self, raw: bool):
+        self.linear = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+        self.calls = nnx.BatchStat(jnp.zeros((), jnp.int32))
+        self.raw = nnx.data(jnp.zeros(())) if raw else None
+
+    def __call__(self, x):
+        self.calls[...] += 1
+        if self.raw is not None:
+            self.raw = self.raw + 1.0
+        return self.linear(x), {"calls": self.calls[...]}
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["variables", "raw leaf"])
+@pytest.mark.parametrize("alone", [True, False], ids=["fast", "structure"])
+def test_write_back_of_new_values_is_applied_in_c(raw, alone, hot_path, monkeypatch):
+    """A call that changes NNX objects only by new Variable values: the C paths set them
+    themselves (no Python write-back); a raw leaf to rebind goes through the Python one.
+    Either way: values, returned structure and state as nnx.jit, every call."""
+    from fastcall import _nnx
+
+    python_writes = []
+    real = _nnx.write_back
+    monkeypatch.setattr(_nnx, "write_back", lambda *a: python_writes.append(1) or real(*a))
+    step = (lambda m, x: m(x)) if alone else (lambda pair, x: pair[0](x)[0] + pair[1](x)[0])
+    ours, theirs = [_Counting(raw), _Counting(raw)], [_Counting(raw), _Counting(raw)]
+    f, peer = fastcall.jit(step), nnx.jit(step)
+    args = (lambda ms: (ms[0], XB)) if alone else (lambda ms: ((ms[0], ms[1]), XB))
+    for i in range(4):
+        out, route = served(f, *args(ours))
+        assert_trees_equal(out, peer(*args(theirs)))
+        assert_trees_equal(state_of(ours[0]), state_of(theirs[0]))
+        assert_trees_equal(state_of(ours[1]), state_of(theirs[1]))
+        if i > 0:
+            assert route == (FAST_PATH if alone else STRUCTURE_PATH)[hot_path]
+    assert int(ours[0].calls[...]) == 4
+    in_python = hot_path == "python" or raw
+    assert len(python_writes) == (4 if in_python else 1)  # (the first call: the general path)
