@@ -863,7 +863,7 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
         PyErr_NoMemory();
         goto done;
     }
-    if (nvars > 0) {
+    if (variables != Py_None) { /* an NNX object (perhaps with no leaves at all) */
         for (; filled < nvars; filled++) {
             PyObject *value = leaf_value(descr, PyList_GET_ITEM(variables, filled));
             if (value == NULL) {
@@ -872,7 +872,8 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
             stack[filled] = value;
         }
         int pending = 0;
-        if ((PyObject *)Py_TYPE(stack[0]) != G.array_type || (pending = no_static_cache_pending()) != 1) {
+        if ((nvars > 0 && (PyObject *)Py_TYPE(stack[0]) != G.array_type)
+            || (pending = no_static_cache_pending()) != 1) {
             /* tracers (inside an nnx transform) or another kind of value; or nnx.cached_partial's
              * cache pending (the general path consumes it) */
             for (Py_ssize_t i = 0; i < filled; i++) Py_DECREF(stack[i]);

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from . import _codegen, _flatten, _nnx_gate
+from . import _codegen, _fast, _flatten, _nnx_gate
 from ._errors import FastcallError, describe_arg
 from ._flatten import ArrayImpl, Spec, remember
 from ._trace import StepAside, contains_tracer, currently_jitting
@@ -35,6 +35,9 @@ def resolve_call(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...],
     """Resolve every argument of one call. Returns None if the arguments do not fit the
     function's signature (the caller then lets the function raise its own TypeError).
     NNX arguments that share objects are flattened jointly (as nnx.jit does)."""
+    # (called by nnx.cached_partial, which hands its static cache to the next NNX transform:
+    # consumed here, whatever the arguments; the fast paths leave such calls to this path)
+    _fast.consume_static_cache()
     if kwargs and state.signature is not None:
         try:
             bound = state.signature.bind(*args, **kwargs)

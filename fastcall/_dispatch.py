@@ -324,7 +324,9 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
                         values = [*map(read_value, variables), *args[1:]]
                     # (tracers inside an nnx transform: the general path steps aside; a
                     # pending nnx.cached_partial cache: the general path consumes it)
-                    if variables and (type(values[0]) is not ArrayImpl or static_cache_pending()):
+                    if variables is not None and (
+                        (variables and type(values[0]) is not ArrayImpl) or static_cache_pending()
+                    ):
                         call = None
             structure = call is None
             if structure:

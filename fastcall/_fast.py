@@ -30,6 +30,7 @@ call returned, a new params dict each call, `step(model, optimizer, x, y)`.
 from __future__ import annotations
 
 import operator
+import sys
 from typing import Any, Callable, NamedTuple, Sequence
 
 
@@ -186,6 +187,19 @@ def static_cache_pending() -> bool:
     """Whether nnx.cached_partial's static cache waits to be consumed (see GRAPH_CONTEXT)."""
     context = GRAPH_CONTEXT[0]
     return context is not None and context.tmp_static_cache is not None
+
+
+def consume_static_cache() -> None:
+    """Consume nnx.cached_partial's pending static cache, as the NNX transform it hands it
+    to would (fastcall's own cache supersedes it). The general path does, on every call."""
+    context = GRAPH_CONTEXT[0]
+    if context is None:  # (the NNX adapter is not loaded: a call without NNX objects)
+        graphlib = sys.modules.get("flax.nnx.graphlib")
+        if graphlib is None:
+            return  # (no flax.nnx, no nnx.cached_partial)
+        context = GRAPH_CONTEXT[0] = graphlib.GRAPH_CONTEXT
+    if context.tmp_static_cache is not None:
+        context.tmp_static_cache = None
 
 
 def read_value(item: Any) -> Any:

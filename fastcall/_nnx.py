@@ -708,12 +708,6 @@ def _read_node(obj: Any, leaves: list[Any], arg_name: str, nnx_args: list[NnxArg
         nnx_args.append(NnxArg(obj, items, None, ids, list(flat.paths)))
         return _intern_graphdef(graphdef, len(items), arg_name, joint=joint is not None)
     entry = lookup(obj, arg_name)
-    if _GRAPH_CONTEXT.tmp_static_cache is not None:
-        # Called by nnx.cached_partial, which hands its static cache to the next NNX
-        # transform: fastcall's own cache supersedes it, so consume it here, on every
-        # such call (the fast paths leave these calls to this path:
-        # `_fast.static_cache_pending`).
-        _GRAPH_CONTEXT.tmp_static_cache = None
     values = entry.values()
     # Inside nnx.grad/vmap/scan the module is a copy holding tracers: run inline.
     # Variables of a module created outside cannot receive tracers (NNX forbids it),

@@ -839,6 +839,32 @@ def test_cached_partial_of_a_function_the_fast_paths_already_serve(model_first, 
     assert_same_state(ours, theirs)
 
 
+def test_cached_partial_is_consumed_whatever_the_arguments(hot_path):
+    """The general path consumes nnx.cached_partial's cache on every call it serves, as
+    nnx.jit does: a module with no leaves (served fast otherwise), a lone Variable, no NNX
+    argument at all."""
+
+    class Scale(nnx.Module):
+        def __init__(self):
+            self.k = 2.0
+
+        def __call__(self, x):
+            return x * self.k
+
+    x, m = jnp.ones(2), Scale()
+    f = fastcall.jit(lambda m, x: m(x))
+    f(m, x), f(m, x)
+    assert served(f, m, x)[1] == FAST_PATH[hot_path]
+    out, path = served(nnx.cached_partial(f), m, x)
+    assert path == "general"
+    assert_trees_equal(out, nnx.cached_partial(nnx.jit(lambda m, x: m(x)))(m, x))
+    bias = nnx.Linear(2, 2, rngs=nnx.Rngs(0)).bias
+    for g in (lambda v, x: v[...] + x, lambda a, b: a + b):
+        args = (bias, x) if g.__code__.co_varnames[0] == "v" else (x, x)
+        assert_trees_equal(nnx.cached_partial(fastcall.jit(g))(*args), nnx.cached_partial(nnx.jit(g))(*args))
+    assert nnx.graphlib.GRAPH_CONTEXT.tmp_static_cache is None
+
+
 def test_bound_method_of_an_nnx_object_is_refused_as_nnx_jit_refuses_it():
     class M(nnx.Module):
         def __init__(self):
