@@ -176,7 +176,8 @@ class RawLeaf(NamedTuple):
 VALUE_SLOT: list[Any] = [None]
 _raw_value = operator.attrgetter("_raw_value")
 
-# NNX's graph context (thread-local), put in this cell by the NNX adapter when it loads.
+# NNX's graph context (thread-local), put in this cell by the NNX adapter when it loads (or
+# by `consume_static_cache`, for a call without NNX objects while flax.nnx is imported).
 # While its `tmp_static_cache` is set (nnx.cached_partial is calling the function with
 # its cache pending), no fast or structure path serves an NNX call: the general path
 # consumes the cache (flax raises if nobody does).
