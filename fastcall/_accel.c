@@ -250,6 +250,20 @@ fw_failed(FastWrapper *self, Py_ssize_t *counter, PyObject *const *args, size_t 
     return NULL;
 }
 
+/* `table[id(obj)]` (borrowed), or NULL: not there, or an error (check PyErr_Occurred). The
+ * fast index, the identity cache, GRAPHDEFS and the entries' `disjoint` caches are keyed by id. */
+static PyObject *
+by_id_of(PyObject *table, PyObject *obj)
+{
+    PyObject *key = PyLong_FromVoidPtr(obj);
+    if (key == NULL) {
+        return NULL;
+    }
+    PyObject *found = PyDict_GetItemWithError(table, key);
+    Py_DECREF(key);
+    return found;
+}
+
 #define SMALL_STACK 64
 
 /* The leaves of `a` (a new reference to a tuple or list) if the identity cache holds a
@@ -331,12 +345,7 @@ read_node(PyObject *a, PyObject *spec_id, PyObject *values, PyObject *entries, P
     if (descr == Py_None) {
         return 0;
     }
-    PyObject *key = PyLong_FromVoidPtr(a);
-    if (key == NULL) {
-        return -1;
-    }
-    PyObject *slot = PyDict_GetItemWithError(G.index, key); /* borrowed */
-    Py_DECREF(key);
+    PyObject *slot = by_id_of(G.index, a); /* borrowed */
     if (slot == NULL) {
         return PyErr_Occurred() ? -1 : 0;
     }
@@ -427,12 +436,7 @@ done:
 static int
 read_graphdef(PyObject *a, PyObject *spec_id)
 {
-    PyObject *key = PyLong_FromVoidPtr(a);
-    if (key == NULL) {
-        return -1;
-    }
-    PyObject *known = PyDict_GetItemWithError(G.graphdefs, key); /* borrowed */
-    Py_DECREF(key);
+    PyObject *known = by_id_of(G.graphdefs, a); /* borrowed */
     if (known == NULL) {
         return PyErr_Occurred() ? -1 : 0;
     }
@@ -465,13 +469,7 @@ known_disjoint(PyObject *entries)
         int res = PyDict_CheckExact(cache);
         for (Py_ssize_t j = i + 1; j < n && res == 1; j++) {
             PyObject *other = PyList_GET_ITEM(entries, j);
-            PyObject *key = PyLong_FromVoidPtr(other);
-            if (key == NULL) {
-                res = -1;
-                break;
-            }
-            PyObject *known = PyDict_GetItemWithError(cache, key); /* borrowed */
-            Py_DECREF(key);
+            PyObject *known = by_id_of(cache, other); /* borrowed */
             if (known == NULL) {
                 res = PyErr_Occurred() ? -1 : 0;
             } else if (!PyTuple_Check(known) || PyTuple_GET_SIZE(known) != 2
@@ -806,12 +804,7 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
         return fw_fallback(self, args, nargsf, kwnames);
     }
     PyObject *first = args[0];
-    PyObject *key = PyLong_FromVoidPtr(first);
-    if (key == NULL) {
-        return NULL;
-    }
-    PyObject *slot = PyDict_GetItemWithError(G.index, key); /* borrowed */
-    Py_DECREF(key);
+    PyObject *slot = by_id_of(G.index, first); /* borrowed */
     if (slot == NULL) {
         return PyErr_Occurred() ? NULL : fw_structure(self, args, nargsf, kwnames);
     }
