@@ -522,8 +522,9 @@ def _write_back_floor(objects: Any, fn: Callable[..., Any], *args: Any) -> Calla
     return run
 
 
-def optimizer_tuple_step(name: str, description: str, width: int, depth: int, batch: int) -> Workload:
-    """`optimizer_step` with `(model, optimizer)` passed as one tuple argument."""
+def optimizer_tuple_step(name: str, description: str, width: int, depth: int, batch: int, as_dict: bool = False) -> Workload:
+    """`optimizer_step` with `(model, optimizer)` passed as one tuple argument (`as_dict`:
+    as one dict, `{"model": model, "optimizer": optimizer}`)."""
     x = jnp.ones((batch, width))
     y = jnp.zeros((batch, width))
 
@@ -534,8 +535,11 @@ def optimizer_tuple_step(name: str, description: str, width: int, depth: int, ba
     def loss_fn(model, x, y):
         return jnp.mean((model(x) - y) ** 2)
 
+    def pack(model, optimizer):
+        return {"model": model, "optimizer": optimizer} if as_dict else (model, optimizer)
+
     def step(mo, x, y):
-        model, optimizer = mo
+        model, optimizer = (mo["model"], mo["optimizer"]) if as_dict else mo
         loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
         optimizer.update(model, grads)
         return loss
@@ -545,7 +549,7 @@ def optimizer_tuple_step(name: str, description: str, width: int, depth: int, ba
             model, opt = build()
             f = wrap(step)
             getter = lambda: _state_leaves(model) + _state_leaves(opt)  # noqa: E731
-            return lambda: (f((model, opt), x, y), getter)
+            return lambda: (f(pack(model, opt), x, y), getter)
 
         return make
 
@@ -553,7 +557,7 @@ def optimizer_tuple_step(name: str, description: str, width: int, depth: int, ba
         name,
         description,
         variant,
-        lambda: _write_back_floor(build(), step, x, y),
+        lambda: _write_back_floor(pack(*build()), step, x, y),
         "jax.jit on flat state leaves, changed state returned and rebound",
     )
 
@@ -857,6 +861,10 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
         "nnx_train": lambda: optimizer_step("nnx_train", "NNX MLP w32 d3 + nnx.Optimizer(adam) step", 32, 3, 8),
         "nnx_train_tuple": lambda: optimizer_tuple_step(
             "nnx_train_tuple", "nnx_train with (model, optimizer) passed as one tuple argument", 32, 3, 8
+        ),
+        "nnx_train_dict": lambda: optimizer_tuple_step(
+            "nnx_train_dict", "nnx_train with {'model': model, 'optimizer': optimizer} as one dict argument", 32, 3, 8,
+            as_dict=True,
         ),
         "cnn": lambda: forward(
             "cnn",

@@ -14,8 +14,8 @@
  * as is; any other from the identity cache (`by_id`: an entry whose ref() is the
  * argument, whose guard holds and whose spec id is the expected one) or else
  * from its structure's extractor (not None), unless it is the object last read
- * there (`last`); an NNX object (`NodeRead`; each of a tuple or list of them,
- * `NodesRead`) from its cache entry, if the fast index publishes a slot for it
+ * there (`last`); an NNX object (`NodeRead`; each of a tuple, list or dict of
+ * them, `NodesRead`) from its cache entry, if the fast index publishes a slot for it
  * (validated as the fast path validates one) whose entry (`FastSlot.node`) has
  * the expected spec: its leaves' current values; a GraphDef (`GraphdefRead`)
  * if `GRAPHDEFS` knows this very object under the expected spec, unchanged.
@@ -68,10 +68,11 @@ static const char *READ_FIELDS[] = {"spec_id", "extract", NULL};
 /* NodeRead(spec_id), GraphdefRead(spec_id) */
 #define NODE_SPEC_ID 0
 static const char *NODE_READ_FIELDS[] = {"spec_id", NULL};
-/* NodesRead(spec_id, kind, elements) */
+/* NodesRead(spec_id, kind, elements, keys) */
 #define NODES_KIND 1
 #define NODES_ELEMENTS 2
-static const char *NODES_READ_FIELDS[] = {"spec_id", "kind", "elements", NULL};
+#define NODES_KEYS 3
+static const char *NODES_READ_FIELDS[] = {"spec_id", "kind", "elements", "keys", NULL};
 /* KnownGraphdef(graphdef, snapshot, spec_id, spec) */
 #define KNOWN_GRAPHDEF 0
 #define KNOWN_SNAPSHOT 1
@@ -85,6 +86,10 @@ static const char *NNX_ARG_FIELDS[] = {"obj", "variables", "entry", "ids", "path
 #define WB_RESULT 1
 #define WB_POST 2
 static const char *WRITE_BACK_FIELDS[] = {"writes", "result", "post", NULL};
+/* RawLeaf(owner, name): a raw leaf of an NNX graph, read and written as owner.name */
+#define RAW_OWNER 0
+#define RAW_NAME 1
+static const char *RAW_LEAF_FIELDS[] = {"owner", "name", NULL};
 /* CacheEntry(ref, leaves, spec_id, spec, guard): the identity cache's (fastcall/_flatten.py) */
 #define CACHE_REF 0
 #define CACHE_LEAVES 1
@@ -102,10 +107,11 @@ static struct {
     PyObject *array_type;  /* jaxlib ArrayImpl */
     PyObject *varies_exc;  /* StructureVaries: retry through the fallback */
     PyObject *jitting;     /* currently_jitting(): whether a JAX trace is running */
-    PyObject *arg_read, *node_read, *nodes_read, *graphdef_read, *nnx_arg, *write_back; /* record classes */
+    PyObject *arg_read, *node_read, *nodes_read, *graphdef_read, *nnx_arg, *write_back, *raw_leaf; /* record classes */
     PyObject *empty_ids;   /* frozenset(): NnxArg.ids of an object read from its entry */
     PyObject *s_spec_id, *s_fresh, *s_items, *s_paths, *s_disjoint; /* NodeEntry attributes */
     PyObject *s_static_cache; /* "tmp_static_cache" */
+    PyObject *s_dict, *s_pytree_nodes; /* "__dict__", "_pytree__nodes" (a raw leaf's owner) */
 } G;
 
 typedef struct {
@@ -307,8 +313,8 @@ was_last(PyObject *last, Py_ssize_t i, PyObject *key)
 static PyObject *
 leaf_value(PyObject *descr, PyObject *item)
 {
-    if (PyTuple_Check(item) && PyTuple_GET_SIZE(item) == 2) {
-        return PyObject_GetAttr(PyTuple_GET_ITEM(item, 0), PyTuple_GET_ITEM(item, 1));
+    if ((PyObject *)Py_TYPE(item) == G.raw_leaf) {
+        return PyObject_GetAttr(PyTuple_GET_ITEM(item, RAW_OWNER), PyTuple_GET_ITEM(item, RAW_NAME));
     }
     return Py_TYPE(descr)->tp_descr_get(descr, item, (PyObject *)Py_TYPE(item));
 }
@@ -433,6 +439,45 @@ done:
 
 /* Whether the GraphDef argument `a` is known (`GRAPHDEFS`) as this very object under spec
  * `spec_id`, unchanged since (compared with its snapshot, if it has one): 1, 0, -1 error. */
+/* The NNX objects of a tuple, list or dict argument to read, as `NodesRead.objects`
+ * gives them (a new tuple: reading values may run code that changes a list or dict),
+ * or NULL: not of the record's kind and size (a dict: keys), or an error. */
+static PyObject *
+nodes_of(PyObject *a, PyObject *read)
+{
+    PyObject *elements = PyTuple_GET_ITEM(read, NODES_ELEMENTS);
+    PyObject *keys = PyTuple_GET_ITEM(read, NODES_KEYS);
+    if ((PyObject *)Py_TYPE(a) != PyTuple_GET_ITEM(read, NODES_KIND) || !PyTuple_CheckExact(elements)) {
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(elements);
+    if (PyTuple_CheckExact(a) || PyList_CheckExact(a)) {
+        if (keys != Py_None || PySequence_Fast_GET_SIZE(a) != n) {
+            return NULL;
+        }
+        PyObject *objs = PySequence_Tuple(a);
+        if (objs != NULL && PyTuple_GET_SIZE(objs) != n) {
+            Py_CLEAR(objs);
+        }
+        return objs;
+    }
+    if (!PyDict_CheckExact(a) || !PyTuple_CheckExact(keys) || PyTuple_GET_SIZE(keys) != n
+        || PyDict_GET_SIZE(a) != n) {
+        return NULL;
+    }
+    PyObject *objs = PyTuple_New(n);
+    for (Py_ssize_t j = 0; objs != NULL && j < n; j++) {
+        PyObject *x = PyDict_GetItemWithError(a, PyTuple_GET_ITEM(keys, j)); /* borrowed */
+        if (x == NULL) {
+            Py_CLEAR(objs); /* (a key missing: declined; or the lookup raised) */
+            break;
+        }
+        Py_INCREF(x);
+        PyTuple_SET_ITEM(objs, j, x);
+    }
+    return objs;
+}
+
 static int
 read_graphdef(PyObject *a, PyObject *spec_id)
 {
@@ -487,13 +532,49 @@ known_disjoint(PyObject *entries)
     return 1;
 }
 
+/* Rebind a raw leaf of the caller's graph to `value` (an array), as `_nnx.write_leaf`
+ * does: a data array attribute rebound to an array directly in the owner's __dict__ (all
+ * NNX's __setattr__ would do; the hooks see no structure change), anything else through
+ * setattr. 0, or -1 with an exception set. */
+static int
+write_raw_leaf(PyObject *leaf, PyObject *value)
+{
+    PyObject *owner = PyTuple_GET_ITEM(leaf, RAW_OWNER); /* (a weak proxy: forwards) */
+    PyObject *name = PyTuple_GET_ITEM(leaf, RAW_NAME);
+    PyObject *held = PyObject_GetAttr(owner, G.s_dict);
+    PyObject *nodes = held != NULL ? PyObject_GetAttr(owner, G.s_pytree_nodes) : NULL;
+    if (nodes == NULL) {
+        Py_XDECREF(held);
+        return -1;
+    }
+    int direct = 0, res = 0;
+    if (PyDict_CheckExact(held) && (PyObject *)Py_TYPE(value) == G.array_type) {
+        PyObject *old = PyDict_GetItemWithError(held, name); /* borrowed */
+        if (old != NULL && (PyObject *)Py_TYPE(old) == G.array_type) {
+            PyObject *data = PyObject_GetItem(nodes, name); /* (a mapping: `.get(name) is True`) */
+            if (data == NULL && PyErr_ExceptionMatches(PyExc_KeyError)) {
+                PyErr_Clear();
+            }
+            direct = data == Py_True;
+            Py_XDECREF(data);
+        }
+        res = PyErr_Occurred() ? -1 : 0;
+    }
+    if (res == 0) {
+        res = direct ? PyDict_SetItem(held, name, value) : PyObject_SetAttr(owner, name, value);
+    }
+    Py_DECREF(held);
+    Py_DECREF(nodes);
+    return res;
+}
+
 /* The user's result of a call from the compiled function's output `out` (a new
  * reference, consumed): `post(out, first, nnx)`, or for a WriteBack post (whose calls
- * change NNX objects only by new values of their Variables) the same done here: the last
- * len(writes) outputs set into the Variables they name, through the _raw_value slot, and
- * `result(the other outputs)`. `variables`: the one NNX object's leaves (the fast path),
+ * change NNX objects only by new values of their leaves) the same done here: the last
+ * len(writes) outputs set into the leaves they name (a Variable through the _raw_value
+ * slot, a RawLeaf as `write_raw_leaf` rebinds it), and `result(the other outputs)`. `variables`: the one NNX object's leaves (the fast path),
  * else NULL and `nnx` lists the call's NnxArgs. Anything unexpected (an output that is not
- * an array, e.g. a tracer; a raw leaf to write) goes through the general `post`. */
+ * an array, e.g. a tracer) goes through the general `post`. */
 static PyObject *
 apply_post(PyObject *post, PyObject *out, PyObject *first, PyObject *nnx, PyObject *variables)
 {
@@ -540,8 +621,9 @@ apply_post(PyObject *post, PyObject *out, PyObject *first, PyObject *nnx, PyObje
             goto general;
         }
         PyObject *item = PyList_GET_ITEM(items, index);
-        if (PyTuple_Check(item) || !PyObject_TypeCheck(item, PyDescr_TYPE(descr))) {
-            goto general; /* (a RawLeaf, or not a Variable) */
+        if ((PyObject *)Py_TYPE(item) != G.raw_leaf
+            && (PyTuple_Check(item) || !PyObject_TypeCheck(item, PyDescr_TYPE(descr)))) {
+            goto general; /* (not a Variable or RawLeaf) */
         }
     }
     for (Py_ssize_t j = 0; j < k; j++) {
@@ -557,7 +639,10 @@ apply_post(PyObject *post, PyObject *out, PyObject *first, PyObject *nnx, PyObje
         }
         PyObject *item = PyList_GET_ITEM(items, index);
         Py_INCREF(item); /* (the old value's release may run code) */
-        int failed = Py_TYPE(descr)->tp_descr_set(descr, item, PyList_GET_ITEM(out, n - k + j)) < 0;
+        PyObject *value = PyList_GET_ITEM(out, n - k + j);
+        int failed = ((PyObject *)Py_TYPE(item) == G.raw_leaf ? write_raw_leaf(item, value)
+                                                               : Py_TYPE(descr)->tp_descr_set(descr, item, value))
+                     < 0;
         Py_DECREF(item);
         if (failed) {
             Py_DECREF(out);
@@ -610,7 +695,7 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
             continue;
         }
         PyObject *kind = (PyObject *)Py_TYPE(read);
-        Py_ssize_t size = kind == G.arg_read ? 2 : kind == G.nodes_read ? 3 : 1;
+        Py_ssize_t size = kind == G.arg_read ? 2 : kind == G.nodes_read ? 4 : 1;
         if ((kind != G.arg_read && kind != G.node_read && kind != G.nodes_read && kind != G.graphdef_read)
             || PyTuple_GET_SIZE(read) != size) {
             return fw_fallback(self, args, nargsf, kwnames);
@@ -669,13 +754,8 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
                     got = read_node(a, PyTuple_GET_ITEM(read, NODE_SPEC_ID), parts[i], entries, nnx_args);
                 } else {
                     PyObject *elements = PyTuple_GET_ITEM(read, NODES_ELEMENTS);
-                    /* (a tuple, or a list copied: reading values may run code) */
-                    PyObject *objs = (PyObject *)Py_TYPE(a) == PyTuple_GET_ITEM(read, NODES_KIND)
-                                             && (PyTuple_CheckExact(a) || PyList_CheckExact(a))
-                                             && PyTuple_CheckExact(elements)
-                                         ? PySequence_Tuple(a)
-                                         : NULL;
-                    got = objs != NULL && PyTuple_GET_SIZE(objs) == PyTuple_GET_SIZE(elements);
+                    PyObject *objs = nodes_of(a, read);
+                    got = objs != NULL;
                     for (Py_ssize_t j = 0; got == 1 && j < PyTuple_GET_SIZE(elements); j++) {
                         got = read_node(PyTuple_GET_ITEM(objs, j), PyTuple_GET_ITEM(elements, j), parts[i],
                                         entries, nnx_args);
@@ -1007,14 +1087,14 @@ py_configure(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "configure: value_slot and graph_context must be one-element lists");
         return NULL;
     }
-    enum { N_RECORDS = 11 };
+    enum { N_RECORDS = 12 };
     PyObject *cls[N_RECORDS];
     const char *names[N_RECORDS] = {"FastSlot", "FastRecord", "StructureRecord", "CacheEntry", "ArgRead",
                                     "NodeRead", "NodesRead", "GraphdefRead", "KnownGraphdef", "NnxArg",
-                                    "WriteBack"};
+                                    "WriteBack", "RawLeaf"};
     const char **layouts[N_RECORDS] = {SLOT_FIELDS, RECORD_FIELDS, STRUCTURE_FIELDS, CACHE_FIELDS,
                                        READ_FIELDS, NODE_READ_FIELDS, NODES_READ_FIELDS, NODE_READ_FIELDS,
-                                       KNOWN_GRAPHDEF_FIELDS, NNX_ARG_FIELDS, WRITE_BACK_FIELDS};
+                                       KNOWN_GRAPHDEF_FIELDS, NNX_ARG_FIELDS, WRITE_BACK_FIELDS, RAW_LEAF_FIELDS};
     for (int i = 0; i < N_RECORDS; i++) {
         cls[i] = record_class(records, names[i], layouts[i]);
         if (cls[i] == NULL) {
@@ -1023,9 +1103,11 @@ py_configure(PyObject *module, PyObject *args)
         }
     }
     /* (made once; each checked, so that a failure leaves none half made) */
-    PyObject **made[] = {&G.s_spec_id, &G.s_fresh, &G.s_items, &G.s_paths, &G.s_disjoint, &G.s_static_cache};
-    const char *strings[] = {"spec_id", "fresh", "items", "paths", "disjoint", "tmp_static_cache"};
-    for (int i = 0; i < 6; i++) {
+    PyObject **made[] = {&G.s_spec_id, &G.s_fresh, &G.s_items, &G.s_paths, &G.s_disjoint, &G.s_static_cache,
+                         &G.s_dict, &G.s_pytree_nodes};
+    const char *strings[] = {"spec_id", "fresh", "items", "paths", "disjoint", "tmp_static_cache", "__dict__",
+                             "_pytree__nodes"};
+    for (int i = 0; i < 8; i++) {
         if (*made[i] == NULL && (*made[i] = PyUnicode_InternFromString(strings[i])) == NULL) {
             for (int j = 0; j < N_RECORDS; j++) Py_DECREF(cls[j]);
             return NULL;
@@ -1043,6 +1125,7 @@ py_configure(PyObject *module, PyObject *args)
     Py_DECREF(cls[8]);
     SET_SHARED(nnx_arg, cls[9]);
     SET_SHARED(write_back, cls[10]);
+    SET_SHARED(raw_leaf, cls[11]);
     Py_INCREF(index); SET_SHARED(index, index);
     Py_INCREF(by_id); SET_SHARED(by_id, by_id);
     Py_INCREF(graphdefs); SET_SHARED(graphdefs, graphdefs);

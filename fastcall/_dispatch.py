@@ -62,7 +62,7 @@ def configure_accel() -> None:
     each record's fields against the layout it reads)."""
     records = (
         FastSlot, FastRecord, StructureRecord, _flatten.CacheEntry, ArgRead, NodeRead, NodesRead, GraphdefRead,
-        _fast.KnownGraphdef, _fast.NnxArg, WriteBack,
+        _fast.KnownGraphdef, _fast.NnxArg, WriteBack, _fast.RawLeaf,
     )
     _accel.configure(
         _fast.INDEX, _flatten.by_id, _fast.GRAPHDEFS, _fast.VALUE_SLOT, _fast.GRAPH_CONTEXT, ArrayImpl,
@@ -160,17 +160,12 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
                 return
             reads.append(NodeRead(spec_id))
             continue
-        if resolved.nnx_args and type(a) in (tuple, list) and a and all(map(_nnx_gate.is_node, a)):
-            # (a tuple or list of NNX objects, `(model, optimizer)`: each read on its own)
-            elements = []
-            for x in a:
-                nnx_arg = next(nnx_args, None)
-                if nnx_arg is None or nnx_arg.obj is not x or nnx_arg.entry is None:
-                    return
-                if not _nnx_gate.adapter().readable_argument(nnx_arg, nnx_arg.entry.spec_id):
-                    return  # (volatile, or read jointly)
-                elements.append(nnx_arg.entry.spec_id)
-            reads.append(NodesRead(spec_id, type(a), tuple(elements)))
+        if resolved.nnx_args and type(a) in (tuple, list, dict) and a:
+            # (a tuple, list or dict of NNX objects, `(model, optimizer)`: each read on its own)
+            nodes = _nodes_read(a, spec_id, nnx_args)
+            if nodes is None:
+                return
+            reads.append(nodes)
             continue
         if _nnx_gate.is_graphdef(a):  # (the functional API's GraphDef: static, known by identity)
             reads.append(GraphdefRead(spec_id))
@@ -191,6 +186,29 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
     for i, read in enumerate(reads):
         if type(read) is ArgRead:
             known.last[i] = id(args[i])
+
+
+def _nodes_read(a: Any, spec_id: int, nnx_args: Any) -> NodesRead | None:
+    """How the structure path reads `a`, a tuple, list or dict of NNX objects, as this call
+    read it (taking its objects' NnxArgs from the iterator `nnx_args`, in the order the
+    general path read them); None if it holds anything else, or an object that cannot be
+    read from its cache entry on its own."""
+    objs = list(a.values()) if type(a) is dict else list(a)
+    if not all(map(_nnx_gate.is_node, objs)):
+        return None
+    read = [next(nnx_args, None) for _ in objs]
+    for n in read:
+        if n is None or n.entry is None or not _nnx_gate.adapter().readable_argument(n, n.entry.spec_id):
+            return None  # (volatile, or read jointly)
+    keys = None
+    if type(a) is dict:  # (the general path reads a dict's values in jax's key order)
+        key_of = {id(x): k for k, x in a.items()}
+        keys = tuple(key_of.get(id(n.obj)) for n in read)
+    nodes = NodesRead(spec_id, type(a), tuple(n.entry.spec_id for n in read), keys)
+    found = nodes.objects(a)
+    if found is None or any(x is not n.obj for x, n in zip(found, read)):
+        return None
+    return nodes
 
 
 def _publish_pytree(state: Any, first: Any, hit: Any, entry: Entry, arity: int) -> None:
@@ -235,7 +253,7 @@ def _structure_post(entry: Entry) -> Any:
 
 def _writing_back(entry: Entry, post: Any) -> Any:
     """`post`, as a WriteBack the C path applies itself where the entry's calls only write
-    new values into the caller's Variables."""
+    new values into the caller's Variables and raw leaves."""
     writes = entry.out.plain_writes() if entry.out is not None and not entry.varies else None
     if writes is None:
         return post
@@ -266,9 +284,10 @@ def read_arguments(known: StructureRecord, args: tuple[Any, ...]) -> tuple[list[
                 return None
             continue
         if isinstance(read, NodesRead):
-            if not isinstance(a, (tuple, list)) or type(a) is not read.kind or len(a) != len(read.elements):
+            objs = read.objects(a)
+            if objs is None:
                 return None
-            for x, spec_id in zip(a, read.elements):
+            for x, spec_id in zip(objs, read.elements):
                 if not _nnx_gate.is_node(x) or not _nnx_gate.adapter().read_cached(x, spec_id, values, nnx_args):
                     return None
             continue

@@ -113,11 +113,11 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
             f"{n} item identity checks (an in-place change is seen)",
         )
     adapter = _nnx_gate.loaded()
-    if type(read) is _fast.NodesRead and isinstance(value, (tuple, list)) and type(value) is read.kind and len(value) == len(read.elements):
+    if type(read) is _fast.NodesRead and read.objects(value) is not None:
         return ArgumentReport(
             name,
             f"{read.kind.__name__} of NNX objects, of types and length this function has run",
-            "its type and length checked, each object read from its cache entry (no flatten)",
+            "its type and length (a dict: its keys) checked, each object read from its cache entry (no flatten)",
         )
     if adapter is not None and adapter.holds_nodes(value):
         return ArgumentReport(name, "container holding NNX objects", "the container flattened, each object read")

@@ -80,13 +80,27 @@ class GraphdefRead(NamedTuple):
 
 
 class NodesRead(NamedTuple):
-    """How the structure path reads a tuple or list of NNX objects (`f((model, optimizer),
-    batch)`): of this type and length, each object read as NodeRead reads it, with the
-    spec given here; the container then has spec `spec_id`."""
+    """How the structure path reads a tuple, list or dict of NNX objects (`f((model,
+    optimizer), batch)`, `f({"encoder": e, "decoder": d}, x)`): of this type and length
+    (a dict: with these keys), each object read as NodeRead reads it, with the spec given
+    here; the container then has spec `spec_id`."""
 
     spec_id: int
-    kind: type
-    elements: tuple[int, ...]
+    kind: type  # tuple, list or dict
+    elements: tuple[int, ...]  # per object, its spec
+    keys: tuple[Any, ...] | None = None  # (a dict) its keys, in the order the general path read them
+
+    def objects(self, a: Any) -> Sequence[Any] | None:
+        """The NNX objects of `a` to read, in order, if it is of this kind and size (a dict:
+        with these keys); else None. (The C structure path's copy does the same.)"""
+        if type(a) is not self.kind or len(a) != len(self.elements):
+            return None
+        if self.keys is None:
+            return a  # type: ignore[no-any-return]
+        try:
+            return [a[k] for k in self.keys]
+        except KeyError:
+            return None
 
 
 class StructureRecord(NamedTuple):
@@ -110,10 +124,10 @@ class StructureRecord(NamedTuple):
 class WriteBack(NamedTuple):
     """The post-processing of a record whose calls change NNX objects only by new values
     of their Variables (`_outputs.OutInfo.plain_writes`). The C path applies it itself:
-    the last `len(writes)` outputs are set into the Variables they name, through the
-    _raw_value slot, and `result` makes the user's output from the others. Anything else
-    (an output not an array, a raw leaf to write) goes through `post`, as the Python
-    copy always does (calling the record calls `post`)."""
+    the last `len(writes)` outputs are set into the leaves they name (a Variable through
+    its _raw_value slot, a RawLeaf as `_nnx.write_leaf` rebinds it), and `result` makes the
+    user's output from the others. Anything else (an output not an array, e.g. a tracer)
+    goes through `post`, as the Python copy always does (calling the record calls `post`)."""
 
     writes: tuple[tuple[int, int], ...]  # per new value: (NNX object ordinal, leaf index)
     result: Callable[[list[Any]], Any]  # the user's output from the other outputs

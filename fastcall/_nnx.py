@@ -927,6 +927,7 @@ def overlapping(nnx_args: list[NnxArg]) -> bool:
             if known is None or known[0]() is not b:
                 known = (weakref.ref(b), a.node_ids.isdisjoint(b.node_ids))
                 a.disjoint[id(b)] = known
+                b.disjoint[id(a)] = (weakref.ref(a), known[1])  # (C looks in one order only)
             if not known[1]:
                 return True
     return False

@@ -141,9 +141,10 @@ class OutInfo:
         return result
 
     def plain_writes(self) -> tuple[tuple[int, int], ...] | None:
-        """The (NNX object ordinal, leaf index) of each Variable written back, if writing
-        new values into the caller's Variables is all a call does to its NNX objects (no
-        structural change, no Variable replaced, no NNX object returned); else None."""
+        """The (NNX object ordinal, leaf index) of each leaf written back, if writing new
+        values into the caller's Variables and raw leaves is all a call does to its NNX
+        objects (no structural change, no Variable replaced, no NNX object returned); else
+        None."""
         nnx = self.nnx
         if nnx is None or self.passthrough or nnx.restructure or nnx.replaced or nnx.has_nodes:
             return None

@@ -272,26 +272,38 @@ def test_nnx_changes_between_steps_go_to_the_general_path(hot_path):
     assert step() == STRUCTURE_PATH[hot_path]
 
 
-@pytest.mark.parametrize("kind", [tuple, list])
+_PACKS = {
+    "tuple": lambda m, opt: (m, opt),
+    "list": lambda m, opt: [m, opt],
+    # (keys inserted out of jax's sorted order: the objects are read in the general path's)
+    "dict": lambda m, opt: {"optimizer": opt, "model": m},
+}
+
+
+@pytest.mark.parametrize("kind", list(_PACKS))
 def test_nnx_objects_in_a_tuple_take_the_structure_path(kind, hot_path):
-    """`step((model, optimizer), x, y)`, a new tuple each call: each object read from its
-    cache entry; anything changed goes to the general path first."""
+    """`step((model, optimizer), x, y)`, a new tuple (list, dict) each call: each object
+    read from its cache entry; anything changed goes to the general path first."""
 
     def step(mo, x, y):
+        if isinstance(mo, dict):
+            return _train_step(mo["model"], mo["optimizer"], x, y)
         return _train_step(*mo, x, y)
+
+    pack = _PACKS[kind]
 
     (m, opt), (ref_m, ref_opt) = _pair(), _pair()
     f, peer = fastcall.jit(step), nnx.jit(step)
 
     def call():
-        loss, route = served(f, kind((m, opt)), XB, YB)
-        assert_trees_equal(loss, peer(kind((ref_m, ref_opt)), XB, YB))
+        loss, route = served(f, pack(m, opt), XB, YB)
+        assert_trees_equal(loss, peer(pack(ref_m, ref_opt), XB, YB))
         assert_trees_equal(state_of(m), state_of(ref_m))
         assert_trees_equal(state_of(opt), state_of(ref_opt))
         return route
 
     assert [call() for _ in range(3)] == ["general"] + [STRUCTURE_PATH[hot_path]] * 2
-    report = f.explain(kind((m, opt)), XB, YB)
+    report = f.explain(pack(m, opt), XB, YB)
     assert report.route == "structure" and "no flatten" in report.arguments[0].per_call
     new = nnx.Linear(4, 4, rngs=nnx.Rngs(3))
     m.l2, ref_m.l2 = new, nnx.clone(new)  # a structure change: re-read by the general path
@@ -302,6 +314,49 @@ def test_nnx_objects_in_a_tuple_take_the_structure_path(kind, hot_path):
     assert call() == "general"
     assert call() == STRUCTURE_PATH[hot_path]
     assert f.stats().compiles == 1
+
+
+def test_nnx_objects_in_a_dict_are_read_by_key(hot_path):
+    """A dict of NNX objects on the structure path: its values are read under the keys
+    recorded, so objects of one structure swapped between keys are read where they now
+    are; another key set, a key more or less, or another value goes to the general path.
+    Values, outputs and written-back state as nnx.jit on every call."""
+
+    def step(d, x):
+        enc = d["enc"]
+        enc.l1.kernel[...] = enc.l1.kernel[...] * 0.5  # (written back to whichever is "enc")
+        y = enc(x)
+        for key in sorted(d):
+            if key != "enc":
+                y = d[key](y)
+        return y, enc.l2.bias[...]
+
+    ours = [Net(nnx.Rngs(i)) for i in range(3)]
+    theirs = [Net(nnx.Rngs(i)) for i in range(3)]
+    for net in ours + theirs:
+        net.eval()
+    f, peer = fastcall.jit(step), nnx.jit(step)
+
+    def call(make):
+        out, route = served(f, make(ours), XB)
+        assert_trees_equal(out, peer(make(theirs), XB))
+        for a, b in zip(ours, theirs):
+            assert_trees_equal(state_of(a), state_of(b))
+        return route
+
+    plain = lambda n: {"enc": n[0], "dec": n[1]}  # noqa: E731
+    assert [call(plain) for _ in range(3)] == ["general"] + [STRUCTURE_PATH[hot_path]] * 2
+    assert call(lambda n: {"dec": n[1], "enc": n[0]}) == STRUCTURE_PATH[hot_path]  # (insertion order)
+    assert call(lambda n: {"enc": n[1], "dec": n[0]}) == STRUCTURE_PATH[hot_path]  # swapped
+    other = lambda n: {"enc": n[2], "dec": n[0]}  # noqa: E731
+    assert call(other) == "general"  # an object not seen before: its structure read first
+    assert call(other) == STRUCTURE_PATH[hot_path]
+    assert call(lambda n: {"enc": n[0], "dec": n[1], "aux": n[2]}) == "general"  # a key more
+    assert call(lambda n: {"enc": n[0], "decoder": n[1]}) == "general"  # another key
+    assert call(lambda n: {"enc": n[0]}) == "general"  # a key less (one object fewer)
+    # (one structure record per type of first argument: the last structure run)
+    assert [call(plain) for _ in range(2)] == ["general", STRUCTURE_PATH[hot_path]]
+    assert f.stats().compiles == 4
 
 
 def test_nnx_arguments_sharing_variables_are_read_jointly(hot_path):
@@ -355,9 +410,9 @@ class _Counting(nnx.Module):
 @pytest.mark.parametrize("raw", [False, True], ids=["variables", "raw leaf"])
 @pytest.mark.parametrize("alone", [True, False], ids=["fast", "structure"])
 def test_write_back_of_new_values_is_applied_in_c(raw, alone, hot_path, monkeypatch):
-    """A call that changes NNX objects only by new Variable values: the C paths set them
-    themselves (no Python write-back); a raw leaf to rebind goes through the Python one.
-    Either way: values, returned structure and state as nnx.jit, every call."""
+    """A call that changes NNX objects only by new values of Variables (and raw array
+    leaves): the C paths set them themselves (no Python write-back). Either way: values,
+    returned structure and state as nnx.jit, every call."""
     from fastcall import _nnx
 
     python_writes = []
@@ -375,5 +430,6 @@ def test_write_back_of_new_values_is_applied_in_c(raw, alone, hot_path, monkeypa
         if i > 0:
             assert route == (FAST_PATH if alone else STRUCTURE_PATH)[hot_path]
     assert int(ours[0].calls[...]) == 4
-    in_python = hot_path == "python" or raw
-    assert len(python_writes) == (4 if in_python else 1)  # (the first call: the general path)
+    assert len(python_writes) == (4 if hot_path == "python" else 1)  # (the first call: the general path)
+    if raw:
+        assert float(ours[0].raw) == 4.0 and type(ours[0].raw) is type(theirs[0].raw)
