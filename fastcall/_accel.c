@@ -17,7 +17,9 @@
  * there (`last`); an NNX object (`NodeRead`; each of a tuple, list or dict of
  * them, `NodesRead`) from its cache entry, if the fast index publishes a slot for it
  * (validated as the fast path validates one) whose entry (`FastSlot.node`) has
- * the expected spec: its leaves' current values; a GraphDef (`GraphdefRead`)
+ * the expected spec: its leaves' current values; a Variable passed on its own, the
+ * call's only NNX object (`VariableRead`), if of the recorded type and metadata: its
+ * value; a GraphDef (`GraphdefRead`)
  * if `GRAPHDEFS` knows this very object under the expected spec, unchanged.
  * Calls with NNX objects are served only outside any JAX trace and when the
  * objects are known to share nothing (`NodeEntry.disjoint`). The call then
@@ -73,6 +75,10 @@ static const char *NODE_READ_FIELDS[] = {"spec_id", NULL};
 #define NODES_ELEMENTS 2
 #define NODES_KEYS 3
 static const char *NODES_READ_FIELDS[] = {"spec_id", "kind", "elements", "keys", NULL};
+/* VariableRead(spec_id, kind, metadata) */
+#define VARIABLE_KIND 1
+#define VARIABLE_METADATA 2
+static const char *VARIABLE_READ_FIELDS[] = {"spec_id", "kind", "metadata", NULL};
 /* KnownGraphdef(graphdef, snapshot, spec_id, spec) */
 #define KNOWN_GRAPHDEF 0
 #define KNOWN_SNAPSHOT 1
@@ -107,11 +113,13 @@ static struct {
     PyObject *array_type;  /* jaxlib ArrayImpl */
     PyObject *varies_exc;  /* StructureVaries: retry through the fallback */
     PyObject *jitting;     /* currently_jitting(): whether a JAX trace is running */
-    PyObject *arg_read, *node_read, *nodes_read, *graphdef_read, *nnx_arg, *write_back, *raw_leaf; /* record classes */
+    PyObject *arg_read, *node_read, *nodes_read, *variable_read, *graphdef_read, *nnx_arg, *write_back,
+        *raw_leaf; /* record classes */
     PyObject *empty_ids;   /* frozenset(): NnxArg.ids of an object read from its entry */
     PyObject *s_spec_id, *s_fresh, *s_items, *s_paths, *s_disjoint; /* NodeEntry attributes */
     PyObject *s_static_cache; /* "tmp_static_cache" */
     PyObject *s_dict, *s_pytree_nodes; /* "__dict__", "_pytree__nodes" (a raw leaf's owner) */
+    PyObject *s_var_metadata; /* "_var_metadata" (a Variable's metadata dict) */
 } G;
 
 typedef struct {
@@ -337,6 +345,22 @@ no_static_cache_pending(void)
     return cache == Py_None;
 }
 
+/* Append NnxArg(obj, variables, entry, ids, paths) to `nnx_args`, made as namedtuple's
+ * own `_make` does (tuple.__new__), without calling its Python __new__. 0, or -1. */
+static int
+append_nnx_arg(PyObject *nnx_args, PyObject *obj, PyObject *variables, PyObject *entry, PyObject *ids,
+               PyObject *paths)
+{
+    PyObject *fields = PyTuple_Pack(5, obj, variables, entry, ids, paths);
+    PyObject *packed = fields == NULL ? NULL : PyTuple_Pack(1, fields);
+    Py_XDECREF(fields);
+    PyObject *arg = packed == NULL ? NULL : PyTuple_Type.tp_new((PyTypeObject *)G.nnx_arg, packed, NULL);
+    Py_XDECREF(packed);
+    int res = arg == NULL ? -1 : PyList_Append(nnx_args, arg);
+    Py_XDECREF(arg);
+    return res;
+}
+
 /* The structure path's reading of one NNX object `a` (`_dispatch.read_arguments` reads
  * the same, through `_nnx.read_cached`): if the fast index publishes a slot for `a`,
  * validated as the fast path validates one, whose entry (`node`) has spec `spec_id` and
@@ -411,29 +435,64 @@ read_node(PyObject *a, PyObject *spec_id, PyObject *values, PyObject *entries, P
     if (nnx_args != NULL) {
         Py_DECREF(found);
         found = PyObject_GetAttr(node, G.s_paths);
-        if (found == NULL) {
+        if (found == NULL || append_nnx_arg(nnx_args, a, items, node, G.empty_ids, found) < 0) {
             res = -1;
             goto done;
         }
-        /* NnxArg(a, entry.items, entry, frozenset(), entry.paths), made as namedtuple's own
-         * `_make` does (tuple.__new__), without calling its Python __new__ */
-        PyObject *fields = PyTuple_Pack(5, a, items, node, G.empty_ids, found);
-        PyObject *packed = fields == NULL ? NULL : PyTuple_Pack(1, fields);
-        Py_XDECREF(fields);
-        PyObject *arg = packed == NULL ? NULL : PyTuple_Type.tp_new((PyTypeObject *)G.nnx_arg, packed, NULL);
-        Py_XDECREF(packed);
-        if (arg == NULL || PyList_Append(nnx_args, arg) < 0) {
-            Py_XDECREF(arg);
-            res = -1;
-            goto done;
-        }
-        Py_DECREF(arg);
     }
     res = 1;
 done:
     Py_XDECREF(found);
     Py_XDECREF(items);
     Py_DECREF(slot);
+    return res;
+}
+
+/* The structure path's reading of a Variable passed on its own (`VariableRead`;
+ * `_nnx.read_variable_again` is the Python copy): if `a` is of the record's type, with
+ * metadata equal to the record's copy and a jax array as value, append that value to
+ * `values` and, if `nnx_args` is not NULL, its NnxArg; then 1. 0 if not, -1 on error. */
+static int
+read_variable(PyObject *a, PyObject *read, PyObject *values, PyObject *nnx_args)
+{
+    PyObject *descr = PyList_GET_ITEM(G.value_slot, 0);
+    if (descr == Py_None || (PyObject *)Py_TYPE(a) != PyTuple_GET_ITEM(read, VARIABLE_KIND)) {
+        return 0;
+    }
+    PyObject *metadata = PyObject_GetAttr(a, G.s_var_metadata);
+    int res = metadata == NULL ? -1
+                               : PyObject_RichCompareBool(metadata, PyTuple_GET_ITEM(read, VARIABLE_METADATA), Py_EQ);
+    Py_XDECREF(metadata);
+    if (res <= 0) {
+        if (res < 0 && PyErr_ExceptionMatches(PyExc_Exception)) {
+            PyErr_Clear(); /* (as the Python copy: metadata that cannot be compared declines) */
+            res = 0;
+        }
+        return res;
+    }
+    PyObject *value = Py_TYPE(descr)->tp_descr_get(descr, a, (PyObject *)Py_TYPE(a));
+    if (value == NULL) {
+        return -1;
+    }
+    res = (PyObject *)Py_TYPE(value) != G.array_type ? 0 : PyList_Append(values, value) < 0 ? -1 : 1;
+    Py_DECREF(value); /* (a tracer: inside an NNX transform; the Python copy decides) */
+    if (res == 1 && nnx_args != NULL) {
+        /* NnxArg(a, [a], None, frozenset({id(a)})), as `_nnx._read_variable` makes it */
+        PyObject *variables = PyList_New(1);
+        PyObject *key = PyLong_FromVoidPtr(a);
+        PyObject *ids = NULL;
+        if (variables != NULL && key != NULL) {
+            Py_INCREF(a);
+            PyList_SET_ITEM(variables, 0, a);
+            PyObject *one = PyTuple_Pack(1, key);
+            ids = one == NULL ? NULL : PyFrozenSet_New(one);
+            Py_XDECREF(one);
+        }
+        res = ids == NULL || append_nnx_arg(nnx_args, a, variables, Py_None, ids, Py_None) < 0 ? -1 : 1;
+        Py_XDECREF(variables);
+        Py_XDECREF(key);
+        Py_XDECREF(ids);
+    }
     return res;
 }
 
@@ -695,8 +754,9 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
             continue;
         }
         PyObject *kind = (PyObject *)Py_TYPE(read);
-        Py_ssize_t size = kind == G.arg_read ? 2 : kind == G.nodes_read ? 4 : 1;
-        if ((kind != G.arg_read && kind != G.node_read && kind != G.nodes_read && kind != G.graphdef_read)
+        Py_ssize_t size = kind == G.arg_read ? 2 : kind == G.nodes_read ? 4 : kind == G.variable_read ? 3 : 1;
+        if ((kind != G.arg_read && kind != G.node_read && kind != G.nodes_read && kind != G.variable_read
+             && kind != G.graphdef_read)
             || PyTuple_GET_SIZE(read) != size) {
             return fw_fallback(self, args, nargsf, kwnames);
         }
@@ -711,6 +771,7 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
     PyObject *out = NULL;
     int declined = 0;
     PyObject *entries = NULL, *nnx_args = NULL; /* (made at the first NNX object read) */
+    Py_ssize_t n_variables = 0; /* Variables read (VariableRead): each must be the call's only NNX object */
     PyObject *small_parts[SMALL_STACK], *small_keys[SMALL_STACK];
     PyObject **parts = nargs <= SMALL_STACK ? small_parts : PyMem_Calloc(nargs, sizeof(PyObject *));
     PyObject **keys = nargs <= SMALL_STACK ? small_keys : PyMem_Calloc(nargs, sizeof(PyObject *));
@@ -734,7 +795,7 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
         PyObject *a = args[i];
         PyObject *kind = (PyObject *)Py_TYPE(read);
         if (kind != G.arg_read) {
-            /* an NNX object, a tuple or list of them, or a GraphDef (no leaves) */
+            /* an NNX object, a tuple, list or dict of them, a Variable, or a GraphDef (no leaves) */
             int got = 0;
             parts[i] = PyList_New(0);
             if (parts[i] == NULL) {
@@ -752,6 +813,9 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
                 }
                 if (kind == G.node_read) {
                     got = read_node(a, PyTuple_GET_ITEM(read, NODE_SPEC_ID), parts[i], entries, nnx_args);
+                } else if (kind == G.variable_read) {
+                    got = read_variable(a, read, parts[i], nnx_args);
+                    n_variables++;
                 } else {
                     PyObject *elements = PyTuple_GET_ITEM(read, NODES_ELEMENTS);
                     PyObject *objs = nodes_of(a, read);
@@ -806,11 +870,13 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
         }
         total += PySequence_Fast_GET_SIZE(parts[i]);
     }
-    if (entries != NULL && PyList_GET_SIZE(entries) > 0) {
+    if (entries != NULL && (PyList_GET_SIZE(entries) > 0 || n_variables > 0)) {
         /* NNX objects: not inside a JAX trace (state changed inside must stay in it), and
-         * sharing nothing (else they are read jointly), and no nnx.cached_partial cache
-         * pending: the Python copy decides otherwise */
-        int ok = PyList_GET_SIZE(entries) == 1 ? 1 : known_disjoint(entries);
+         * sharing nothing (else they are read jointly; a Variable read on its own must be the
+         * call's only NNX object), and no nnx.cached_partial cache pending: the Python copy
+         * decides otherwise */
+        Py_ssize_t n_entries = PyList_GET_SIZE(entries);
+        int ok = n_variables > 0 ? n_variables == 1 && n_entries == 0 : n_entries == 1 ? 1 : known_disjoint(entries);
         if (ok == 1) {
             ok = no_static_cache_pending();
         }
@@ -1087,14 +1153,15 @@ py_configure(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "configure: value_slot and graph_context must be one-element lists");
         return NULL;
     }
-    enum { N_RECORDS = 12 };
+    enum { N_RECORDS = 13 };
     PyObject *cls[N_RECORDS];
     const char *names[N_RECORDS] = {"FastSlot", "FastRecord", "StructureRecord", "CacheEntry", "ArgRead",
                                     "NodeRead", "NodesRead", "GraphdefRead", "KnownGraphdef", "NnxArg",
-                                    "WriteBack", "RawLeaf"};
+                                    "WriteBack", "RawLeaf", "VariableRead"};
     const char **layouts[N_RECORDS] = {SLOT_FIELDS, RECORD_FIELDS, STRUCTURE_FIELDS, CACHE_FIELDS,
                                        READ_FIELDS, NODE_READ_FIELDS, NODES_READ_FIELDS, NODE_READ_FIELDS,
-                                       KNOWN_GRAPHDEF_FIELDS, NNX_ARG_FIELDS, WRITE_BACK_FIELDS, RAW_LEAF_FIELDS};
+                                       KNOWN_GRAPHDEF_FIELDS, NNX_ARG_FIELDS, WRITE_BACK_FIELDS, RAW_LEAF_FIELDS,
+                                       VARIABLE_READ_FIELDS};
     for (int i = 0; i < N_RECORDS; i++) {
         cls[i] = record_class(records, names[i], layouts[i]);
         if (cls[i] == NULL) {
@@ -1104,10 +1171,10 @@ py_configure(PyObject *module, PyObject *args)
     }
     /* (made once; each checked, so that a failure leaves none half made) */
     PyObject **made[] = {&G.s_spec_id, &G.s_fresh, &G.s_items, &G.s_paths, &G.s_disjoint, &G.s_static_cache,
-                         &G.s_dict, &G.s_pytree_nodes};
+                         &G.s_dict, &G.s_pytree_nodes, &G.s_var_metadata};
     const char *strings[] = {"spec_id", "fresh", "items", "paths", "disjoint", "tmp_static_cache", "__dict__",
-                             "_pytree__nodes"};
-    for (int i = 0; i < 8; i++) {
+                             "_pytree__nodes", "_var_metadata"};
+    for (int i = 0; i < 9; i++) {
         if (*made[i] == NULL && (*made[i] = PyUnicode_InternFromString(strings[i])) == NULL) {
             for (int j = 0; j < N_RECORDS; j++) Py_DECREF(cls[j]);
             return NULL;
@@ -1126,6 +1193,7 @@ py_configure(PyObject *module, PyObject *args)
     SET_SHARED(nnx_arg, cls[9]);
     SET_SHARED(write_back, cls[10]);
     SET_SHARED(raw_leaf, cls[11]);
+    SET_SHARED(variable_read, cls[12]);
     Py_INCREF(index); SET_SHARED(index, index);
     Py_INCREF(by_id); SET_SHARED(by_id, by_id);
     Py_INCREF(graphdefs); SET_SHARED(graphdefs, graphdefs);

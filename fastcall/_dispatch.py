@@ -41,7 +41,9 @@ from typing import Any
 
 from . import _args, _codegen, _fast, _flatten, _guard, _nnx_gate
 from ._build import Entry, StructureVaries
-from ._fast import ArgRead, FastRecord, FastSlot, GraphdefRead, NodeRead, NodesRead, StructureRecord, WriteBack
+from ._fast import (
+    ArgRead, FastRecord, FastSlot, GraphdefRead, NodeRead, NodesRead, StructureRecord, VariableRead, WriteBack,
+)
 from ._flatten import ArrayImpl
 from ._outputs import on_error
 from ._trace import StepAside, currently_jitting
@@ -61,8 +63,8 @@ def configure_accel() -> None:
     """Give the C extension the tables and record classes every C wrapper reads (it checks
     each record's fields against the layout it reads)."""
     records = (
-        FastSlot, FastRecord, StructureRecord, _flatten.CacheEntry, ArgRead, NodeRead, NodesRead, GraphdefRead,
-        _fast.KnownGraphdef, _fast.NnxArg, WriteBack, _fast.RawLeaf,
+        FastSlot, FastRecord, StructureRecord, _flatten.CacheEntry, ArgRead, NodeRead, NodesRead, VariableRead,
+        GraphdefRead, _fast.KnownGraphdef, _fast.NnxArg, WriteBack, _fast.RawLeaf,
     )
     _accel.configure(
         _fast.INDEX, _flatten.by_id, _fast.GRAPHDEFS, _fast.VALUE_SLOT, _fast.GRAPH_CONTEXT, ArrayImpl,
@@ -108,10 +110,11 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
         return
     fast_shape = all(k == 0 for k in resolved.key[1:])  # every other argument a plain array
     first = args[0]
-    if fast_shape and len(resolved.nnx_args) == 1 and resolved.nnx_args[0].obj is first:
-        # `f(model, *arrays)`: a fast record on the model's cache entry
-        node = resolved.nnx_args[0].entry
-        if node is None or not node.direct or state in node.fast:
+    node = resolved.nnx_args[0].entry if len(resolved.nnx_args) == 1 and resolved.nnx_args[0].obj is first else None
+    if fast_shape and node is not None:
+        # `f(model, *arrays)`: a fast record on the model's cache entry (a Variable, which has
+        # none, is left to the structure path)
+        if not node.direct or state in node.fast:
             return
         record = FastRecord(len(args), entry.fn, node.items, _fast_post(entry))
         _nnx_gate.adapter().install_record(node, state, resolved.key[0], record)
@@ -144,13 +147,20 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
     path: each non-array argument from the identity cache or its structure's generated
     extractor (`_codegen.templates`); not if one has neither."""
     args = resolved.args
-    reads: list[ArgRead | NodeRead | NodesRead | GraphdefRead | None] = []
+    reads: list[ArgRead | NodeRead | NodesRead | VariableRead | GraphdefRead | None] = []
     nnx_args = iter(resolved.nnx_args)
     for a, spec_id in zip(args, resolved.key):
         if spec_id == 0:
             if type(a) is not ArrayImpl:
                 return  # (a traced Python scalar)
             reads.append(None)
+            continue
+        if len(resolved.nnx_args) == 1 and resolved.nnx_args[0].obj is a and resolved.nnx_args[0].entry is None:
+            # (a Variable passed on its own, the call's only NNX object)
+            variable = _nnx_gate.adapter().variable_read(next(nnx_args), spec_id)
+            if variable is None:
+                return
+            reads.append(variable)
             continue
         if resolved.nnx_args and _nnx_gate.reads_as_node(a):
             # Read from its cache entry, on its own (not a Variable read afresh, not
@@ -290,6 +300,10 @@ def read_arguments(known: StructureRecord, args: tuple[Any, ...]) -> tuple[list[
             for x, spec_id in zip(objs, read.elements):
                 if not _nnx_gate.is_node(x) or not _nnx_gate.adapter().read_cached(x, spec_id, values, nnx_args):
                     return None
+            continue
+        if isinstance(read, VariableRead):
+            if not _nnx_gate.adapter().read_variable_again(a, read, values, nnx_args):
+                return None
             continue
         if isinstance(read, GraphdefRead):
             if not _nnx_gate.is_graphdef(a) or _fast.known_graphdef(a) != read.spec_id:

@@ -72,6 +72,17 @@ class NodeRead(NamedTuple):
     spec_id: int
 
 
+class VariableRead(NamedTuple):
+    """How the structure path reads a Variable passed on its own, the call's only NNX object
+    (`f(model.kernel, x)`; a Variable cannot be weakly referenced, so it has no cache
+    entry): of this type, with metadata equal to this copy (which, with the type, makes
+    its spec: `_nnx._read_variable`), and a jax array as value."""
+
+    spec_id: int
+    kind: type
+    metadata: dict[str, Any]  # a copy, of hashable values
+
+
 class GraphdefRead(NamedTuple):
     """How the structure path reads an NNX GraphDef argument (the functional API): one
     known under this spec (`GRAPHDEFS`), unchanged."""
@@ -108,7 +119,7 @@ class StructureRecord(NamedTuple):
 
     arity: int  # the number of positional arguments the call must have
     # per positional argument; None: a plain jax array
-    reads: tuple[ArgRead | NodeRead | NodesRead | GraphdefRead | None, ...]
+    reads: tuple[ArgRead | NodeRead | NodesRead | VariableRead | GraphdefRead | None, ...]
     call: Callable[..., Any]  # the compiled function
     # post(out, first, the NnxArgs of the call's NNX arguments or None); None: out is the
     # result (a WriteBack: see there)

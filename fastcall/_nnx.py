@@ -752,6 +752,44 @@ def _read_variable(v: Any, leaves: list[Any], arg_name: str, nnx_args: list[NnxA
     return spec
 
 
+def variable_read(arg: NnxArg, spec_id: int) -> _fast.VariableRead | None:
+    """How the structure path reads this call's Variable argument again, if it was read
+    as `_read_variable` reads it (without a graph walk, under this spec); else None."""
+    v = arg.obj
+    if arg.entry is not None or not _is_variable(v) or len(arg.variables) != 1 or arg.variables[0] is not v:
+        return None
+    try:
+        metadata = v.get_metadata()  # (a copy)
+        spec = _variable_specs.get((type(v), tuple(metadata.items())))
+        if spec is None or spec.id != spec_id or _var_metadata(v) != metadata:
+            return None
+    except Exception:
+        return None
+    return _fast.VariableRead(spec_id, type(v), metadata)
+
+
+def read_variable_again(v: Any, read: _fast.VariableRead, values: list[Any], nnx_args: list[NnxArg]) -> bool:
+    """The structure path's reading of a Variable argument (`VariableRead`): its value and
+    NnxArg, as `_read_variable` gives them, if it is of the recorded type and metadata and
+    holds a jax array; False (nothing appended) otherwise."""
+    if type(v) is not read.kind or _fast.static_cache_pending():
+        return False
+    value = raw_value(v)
+    if type(value) is not ArrayImpl:
+        return False  # (a tracer: inside an NNX transform)
+    try:
+        if _var_metadata(v) != read.metadata:
+            return False
+    except Exception:
+        return False
+    values.append(value)
+    nnx_args.append(NnxArg(v, [v], None, frozenset((id(v),))))
+    return True
+
+
+# A Variable's metadata dict itself (the C structure path reads the same attribute).
+_var_metadata = operator.attrgetter("_var_metadata")
+
 GraphDef = graphlib.GraphDef
 
 
@@ -940,7 +978,10 @@ def joint_index() -> Any:
 def explain_node(obj: Any) -> tuple[str, str]:
     """(what an NNX argument is to fastcall, what it costs per call), for `f.explain`."""
     if _is_variable(obj):
-        return "NNX Variable on its own", "read afresh (type and metadata select the program)"
+        return (
+            "NNX Variable on its own (no cache entry: it cannot be weakly referenced)",
+            "its type and metadata compared with the last call's (they select the program), its value read",
+        )
     entry = by_id.get(id(obj))
     if entry is None or entry.ref() is not obj:
         return "NNX object, not read yet", "read on its first call"

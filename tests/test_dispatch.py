@@ -153,7 +153,7 @@ def test_c_wrapper_checks_the_record_layout():
     if _dispatch._accel is None:
         pytest.skip("the C accelerator is not built")
     records = ["FastSlot", "FastRecord", "StructureRecord", "CacheEntry", "ArgRead", "NodeRead", "NodesRead",
-               "GraphdefRead", "KnownGraphdef", "NnxArg", "WriteBack", "RawLeaf"]
+               "GraphdefRead", "KnownGraphdef", "NnxArg", "WriteBack", "RawLeaf", "VariableRead"]
     real = _dispatch._accel.configure
     calls = []
     try:

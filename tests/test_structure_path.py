@@ -433,3 +433,50 @@ def test_write_back_of_new_values_is_applied_in_c(raw, alone, hot_path, monkeypa
     assert len(python_writes) == (4 if hot_path == "python" else 1)  # (the first call: the general path)
     if raw:
         assert float(ours[0].raw) == 4.0 and type(ours[0].raw) is type(theirs[0].raw)
+
+
+def test_a_variable_on_its_own_takes_the_structure_path(hot_path):
+    """`f(model.kernel, x)`: a Variable has no cache entry (it cannot be weakly referenced),
+    so the structure path reads it by type and metadata, compared with the last call's, and
+    its value; a Variable of another type or metadata goes to the general path (and
+    compiles, as under nnx.jit), and so does one passed beside another NNX object."""
+
+    def scale(v, x):
+        v[...] = v[...] * 2.0  # (written back, as nnx.jit does)
+        return x * v[...]
+
+    ours, theirs = Net(nnx.Rngs(0)), Net(nnx.Rngs(0))
+    f, peer = fastcall.jit(scale), nnx.jit(scale)
+
+    def call(pick, x=XB):
+        out, route = served(f, pick(ours), x)
+        assert_trees_equal(out, peer(pick(theirs), x))
+        assert_trees_equal(state_of(ours), state_of(theirs))
+        return route
+
+    bias = lambda n: n.l1.bias  # noqa: E731
+    assert [call(bias) for _ in range(3)] == ["general"] + [STRUCTURE_PATH[hot_path]] * 2
+    assert call(lambda n: n.l2.bias) == STRUCTURE_PATH[hot_path]  # another Variable, same type and metadata
+    assert f.explain(ours.l1.bias, XB).route == "structure"
+    for n in (ours, theirs):
+        n.l1.bias.set_metadata("note", "changed")  # (metadata selects the program)
+    assert [call(bias) for _ in range(2)] == ["general", STRUCTURE_PATH[hot_path]]
+    for n in (ours, theirs):
+        n.extra = nnx.BatchStat(jnp.ones(4))
+    assert [call(lambda n: n.extra) for _ in range(2)] == ["general", STRUCTURE_PATH[hot_path]]  # another type
+    assert f.stats().compiles == 3
+    # beside another NNX object: the general path (which checks sharing), every call
+    g, gpeer = fastcall.jit(lambda v, m, x: scale(v, m(x))), nnx.jit(lambda v, m, x: scale(v, m(x)))
+    for _ in range(2):
+        out, route = served(g, ours.l1.bias, ours, XB)
+        assert route == "general"
+        assert_trees_equal(out, gpeer(theirs.l1.bias, theirs, XB))
+        assert_trees_equal(state_of(ours), state_of(theirs))
+    # inside an outer jax.jit: run inline in that trace, as nnx.jit's call (NNX then refuses
+    # the write from inside it); no tracer is written into the Variable
+    from flax import errors
+
+    for fn, n in ((f, ours), (peer, theirs)):
+        with pytest.raises(errors.TraceContextError, match="different trace level"):  # (NNX's own error)
+            jax.jit(lambda: fn(n.l1.bias, XB))()
+    assert not isinstance(ours.l1.bias[...], jax.core.Tracer)
