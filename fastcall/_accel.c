@@ -308,16 +308,34 @@ cached_leaves(FastWrapper *self, PyObject *a, PyObject *key, PyObject *spec_id)
     return leaves;
 }
 
-/* Whether `last[i]` is `key` (1), not (0), or error (-1). */
+/* Whether `last[i]`, a mark `last_mark` made, is of `a` (whose id is `key`): 1, 0, or
+ * error (-1). (`_fast.passed_again` is the Python copy.) */
 static int
-was_last(PyObject *last, Py_ssize_t i, PyObject *key)
+was_last(PyObject *last, Py_ssize_t i, PyObject *a, PyObject *key)
 {
-    return PyObject_RichCompareBool(PyList_GET_ITEM(last, i), key, Py_EQ);
+    PyObject *mark = PyList_GET_ITEM(last, i);
+    if (PyLong_CheckExact(mark)) {
+        return PyObject_RichCompareBool(mark, key, Py_EQ);
+    }
+    return PyWeakref_CheckRef(mark) ? ref_is(mark, a) : 0;
+}
+
+/* What `StructureRecord.last` keeps of the argument `a` read at one position (a new
+ * reference; `_fast.last_mark` is the Python copy, and says why): a weak reference to
+ * it; for a list or dict passed `first` to f(first, *arrays), its id `key`; else None. */
+static PyObject *
+last_mark(PyObject *a, PyObject *key, int first)
+{
+    if (PyType_SUPPORTS_WEAKREFS(Py_TYPE(a))) {
+        return PyWeakref_NewRef(a, NULL);
+    }
+    PyObject *mark = first && (PyList_CheckExact(a) || PyDict_CheckExact(a)) ? key : Py_None;
+    Py_INCREF(mark);
+    return mark;
 }
 
 /* The current value of one leaf of an NNX record (a new reference): a Variable's through
- * the _raw_value slot descriptor `descr`, a RawLeaf(owner, name)'s (a 2-tuple; Variables
- * never are) through getattr. */
+ * the _raw_value slot descriptor `descr`, a RawLeaf(owner, name)'s through getattr. */
 static PyObject *
 leaf_value(PyObject *descr, PyObject *item)
 {
@@ -496,8 +514,6 @@ read_variable(PyObject *a, PyObject *read, PyObject *values, PyObject *nnx_args)
     return res;
 }
 
-/* Whether the GraphDef argument `a` is known (`GRAPHDEFS`) as this very object under spec
- * `spec_id`, unchanged since (compared with its snapshot, if it has one): 1, 0, -1 error. */
 /* The NNX objects of a tuple, list or dict argument to read, as `NodesRead.objects`
  * gives them (a new tuple: reading values may run code that changes a list or dict),
  * or NULL: not of the record's kind and size (a dict: keys), or an error. */
@@ -537,6 +553,8 @@ nodes_of(PyObject *a, PyObject *read)
     return objs;
 }
 
+/* Whether the GraphDef argument `a` is known (`GRAPHDEFS`) as this very object under spec
+ * `spec_id`, unchanged since (compared with its snapshot, if it has one): 1, 0, -1 error. */
 static int
 read_graphdef(PyObject *a, PyObject *spec_id)
 {
@@ -843,7 +861,7 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
         }
         int again = 0;
         if (i == 0 && fast_shape) { /* passed again: the general path gives it a fast record */
-            again = was_last(last, 0, keys[0]);
+            again = was_last(last, 0, a, keys[0]);
             if (again != 0) {
                 declined = again > 0;
                 goto done;
@@ -855,7 +873,7 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
                 goto done;
             }
             PyObject *extract = PyTuple_GET_ITEM(read, READ_EXTRACT);
-            if (extract == Py_None || (again = was_last(last, i, keys[i])) != 0) {
+            if (extract == Py_None || (again = was_last(last, i, a, keys[i])) != 0) {
                 declined = again >= 0; /* (extracted again: the general path caches it) */
                 goto done;
             }
@@ -909,8 +927,8 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
     }
     for (Py_ssize_t i = 0; i < nargs; i++) {
         if (keys[i] != NULL) {
-            Py_INCREF(keys[i]);
-            if (PyList_SetItem(last, i, keys[i]) < 0) { /* (steals the new reference) */
+            PyObject *mark = last_mark(args[i], keys[i], i == 0 && fast_shape);
+            if (mark == NULL || PyList_SetItem(last, i, mark) < 0) { /* (steals the new reference) */
                 goto done;
             }
         }

@@ -170,7 +170,7 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
                 return
             reads.append(NodeRead(spec_id))
             continue
-        if resolved.nnx_args and type(a) in (tuple, list, dict) and a:
+        if resolved.nnx_args and _holds_only_nodes(a):
             # (a tuple, list or dict of NNX objects, `(model, optimizer)`: each read on its own)
             nodes = _nodes_read(a, spec_id, nnx_args)
             if nodes is None:
@@ -190,23 +190,28 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
         return  # (NNX objects inside another argument: read by the general path only)
     known = state.structures.get(type(args[0]))
     if known is None or known.reads != tuple(reads) or known.call is not entry.fn:
-        known = StructureRecord(len(args), tuple(reads), entry.fn, _structure_post(entry), [0] * len(args), fast_shape)
+        known = StructureRecord(len(args), tuple(reads), entry.fn, _structure_post(entry), [None] * len(args), fast_shape)
         state.structures[type(args[0])] = known
     # The objects of this call, passed again, come back to the general path (see `last`).
     for i, read in enumerate(reads):
         if type(read) is ArgRead:
-            known.last[i] = id(args[i])
+            known.last[i] = _fast.last_mark(args[i], i == 0 and fast_shape)
+
+
+def _holds_only_nodes(a: Any) -> bool:
+    """Whether `a` is a non-empty tuple, list or dict whose items are all NNX objects."""
+    t = type(a)
+    if t is dict:
+        return bool(a) and all(map(_nnx_gate.is_node, a.values()))
+    return (t is tuple or t is list) and bool(a) and all(map(_nnx_gate.is_node, a))
 
 
 def _nodes_read(a: Any, spec_id: int, nnx_args: Any) -> NodesRead | None:
-    """How the structure path reads `a`, a tuple, list or dict of NNX objects, as this call
-    read it (taking its objects' NnxArgs from the iterator `nnx_args`, in the order the
-    general path read them); None if it holds anything else, or an object that cannot be
-    read from its cache entry on its own."""
-    objs = list(a.values()) if type(a) is dict else list(a)
-    if not all(map(_nnx_gate.is_node, objs)):
-        return None
-    read = [next(nnx_args, None) for _ in objs]
+    """How the structure path reads `a`, a tuple, list or dict of NNX objects only, as this
+    call read it (taking its objects' NnxArgs from the iterator `nnx_args`, in the order the
+    general path read them); None if an object cannot be read from its cache entry on its
+    own."""
+    read = [next(nnx_args, None) for _ in range(len(a))]
     for n in read:
         if n is None or n.entry is None or not _nnx_gate.adapter().readable_argument(n, n.entry.spec_id):
             return None  # (volatile, or read jointly)
@@ -309,13 +314,13 @@ def read_arguments(known: StructureRecord, args: tuple[Any, ...]) -> tuple[list[
             if not _nnx_gate.is_graphdef(a) or _fast.known_graphdef(a) != read.spec_id:
                 return None
             continue
-        if i == 0 and known.fast_shape and known.last[0] == id(a):
+        if i == 0 and known.fast_shape and _fast.passed_again(known.last[0], a):
             return None  # passed again: the general path gives it a fast record
         hit = _flatten.lookup(a)
         if hit is not None and hit.spec_id == read.spec_id:
             values += hit.leaves
             continue
-        if read.extract is None or known.last[i] == id(a):
+        if read.extract is None or _fast.passed_again(known.last[i], a):
             return None  # (extracted again: the general path caches it by identity)
         leaves = read.extract(a)
         if leaves is None:
@@ -326,7 +331,7 @@ def read_arguments(known: StructureRecord, args: tuple[Any, ...]) -> tuple[list[
     last = known.last
     for i, read in enumerate(known.reads):
         if type(read) is ArgRead:
-            last[i] = id(args[i])
+            last[i] = _fast.last_mark(args[i], i == 0 and known.fast_shape)
     return values, nnx_args
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import operator
 import sys
+import weakref
 from typing import Any, Callable, NamedTuple, Sequence
 
 
@@ -124,12 +125,35 @@ class StructureRecord(NamedTuple):
     # post(out, first, the NnxArgs of the call's NNX arguments or None); None: out is the
     # result (a WriteBack: see there)
     post: Callable[[Any, Any, Any], Any] | None
-    # Per positional argument, the id of the object last read there. An object extracted
-    # again is left to the general path, which caches it by identity (then it is read
-    # from the identity cache). With `fast_shape` (every other argument a plain array),
-    # the first argument passed again is too: the general path gives it a fast record.
-    last: list[int]
+    # Per positional argument, a mark of the object last read there (`last_mark`). An
+    # object extracted again is left to the general path, which caches it by identity
+    # (then it is read from the identity cache). With `fast_shape` (every other argument
+    # a plain array), the first argument passed again is too: the general path gives it a
+    # fast record.
+    last: list[Any]
     fast_shape: bool
+
+
+def last_mark(obj: Any, first: bool) -> Any:
+    """What `StructureRecord.last` keeps of an object read at one position, to tell whether
+    a later call passes this very object again: a weak reference to it (a new object that
+    reuses a dead one's id is not it); for a list or dict passed first to `f(first,
+    *arrays)`, which `_flatten.hold` caches (checking its leaves), its id; else None: the
+    identity cache cannot hold it, so passing it again gains nothing (a new batch dict each
+    call, whose id Python reuses, must not look passed again). (C: the same.)"""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return id(obj) if first and type(obj) in (list, dict) else None
+
+
+def passed_again(mark: Any, obj: Any) -> bool:
+    """Whether `obj` is the object `mark` (`last_mark`) was taken of."""
+    if mark is None:
+        return False
+    if type(mark) is int:
+        return mark == id(obj)
+    return mark() is obj  # type: ignore[no-any-return]
 
 
 class WriteBack(NamedTuple):

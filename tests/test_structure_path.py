@@ -147,6 +147,44 @@ def test_new_params_dict_each_call(hot_path):
     assert routes[-1] == FAST_PATH[hot_path], routes
 
 
+def test_a_new_object_that_reuses_a_dead_ones_id_is_not_passed_again(hot_path):
+    """A new batch dict (or a new Equinox model) each call: Python often gives it the id of
+    the one the previous call read, now dead. It must not be taken for that object passed
+    again (which the general path would cache by identity): every call after the first
+    takes the structure path."""
+    import gc
+
+    def step(model, batch):
+        return model(batch["x"]) * batch["y"]
+
+    f = fastcall.jit(step)
+    (model,) = _models(1)
+    routes = []
+    for i in range(5):
+        batch = {"x": X + i, "y": X}
+        out, route = served(f, model, batch)
+        assert_trees_equal(out, step(model, batch))
+        routes.append(route)
+        del batch
+    # (the second call also passes the model again: the general path caches it by identity)
+    assert routes == ["general", "general"] + [STRUCTURE_PATH[hot_path]] * 3
+
+    def two(m, x):
+        return m(x)
+
+    g = fastcall.jit(two)
+    ids, routes = set(), []
+    for i in range(5):
+        (m,) = _models(1, scale=1.0)
+        ids.add(id(m))
+        out, route = served(g, m, X)
+        assert_trees_equal(out, m(X))
+        routes.append(route)
+        del m
+        gc.collect()
+    assert routes[1:] == [STRUCTURE_PATH[hot_path]] * 4, (routes, len(ids))
+
+
 def test_the_same_object_again_goes_on_to_the_fast_path(hot_path):
     f = fastcall.jit(_call)
     a, b = _models(2)
@@ -314,6 +352,27 @@ def test_nnx_objects_in_a_tuple_take_the_structure_path(kind, hot_path):
     assert call() == "general"
     assert call() == STRUCTURE_PATH[hot_path]
     assert f.stats().compiles == 1
+
+
+@pytest.mark.parametrize("kind", ["tuple", "list"])
+def test_a_batch_container_beside_nnx_arguments(kind, hot_path):
+    """`step(model, optimizer, (x, y))`: a container of arrays next to NNX arguments is read
+    as any other pytree argument (not as a container of NNX objects)."""
+
+    def step(model, optimizer, batch):
+        return _train_step(model, optimizer, *batch)
+
+    (m, opt), (ref_m, ref_opt) = _pair(), _pair()
+    f, peer = fastcall.jit(step), nnx.jit(step)
+    make = tuple if kind == "tuple" else list
+    routes = []
+    for _ in range(3):
+        loss, route = served(f, m, opt, make((XB, YB)))
+        routes.append(route)
+        assert_trees_equal(loss, peer(ref_m, ref_opt, make((XB, YB))))
+        assert_trees_equal(state_of(m), state_of(ref_m))
+        assert_trees_equal(state_of(opt), state_of(ref_opt))
+    assert routes == ["general"] + [STRUCTURE_PATH[hot_path]] * 2
 
 
 def test_nnx_objects_in_a_dict_are_read_by_key(hot_path):
