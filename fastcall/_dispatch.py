@@ -211,10 +211,12 @@ def _nodes_read(a: Any, spec_id: int, nnx_args: Any) -> NodesRead | None:
     call read it (taking its objects' NnxArgs from the iterator `nnx_args`, in the order the
     general path read them); None if an object cannot be read from its cache entry on its
     own."""
-    read = [next(nnx_args, None) for _ in range(len(a))]
-    for n in read:
+    read: list[Any] = []
+    for _ in range(len(a)):
+        n = next(nnx_args, None)
         if n is None or n.entry is None or not _nnx_gate.adapter().readable_argument(n, n.entry.spec_id):
             return None  # (volatile, or read jointly)
+        read.append(n)
     keys = None
     if type(a) is dict:  # (the general path reads a dict's values in jax's key order)
         key_of = {id(x): k for k, x in a.items()}

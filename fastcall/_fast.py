@@ -105,12 +105,13 @@ class NodesRead(NamedTuple):
     def objects(self, a: Any) -> Sequence[Any] | None:
         """The NNX objects of `a` to read, in order, if it is of this kind and size (a dict:
         with these keys); else None. (The C structure path's copy does the same.)"""
-        if type(a) is not self.kind or len(a) != len(self.elements):
+        given: Any = a  # (mypy narrows `a` by the type check below)
+        if type(a) is not self.kind or len(given) != len(self.elements):
             return None
         if self.keys is None:
-            return a  # type: ignore[no-any-return]
+            return given  # type: ignore[no-any-return]
         try:
-            return [a[k] for k in self.keys]
+            return [given[k] for k in self.keys]
         except KeyError:
             return None
 
