@@ -978,9 +978,18 @@ def joint_index() -> Any:
 def explain_node(obj: Any) -> tuple[str, str]:
     """(what an NNX argument is to fastcall, what it costs per call), for `f.explain`."""
     if _is_variable(obj):
+        try:
+            hashable = type(raw_value(obj)) is ArrayImpl and hash(tuple(obj.get_metadata().items())) is not None
+        except Exception:
+            hashable = False
+        if not hashable or obj.get_metadata().get("hijax"):
+            return (
+                "NNX Variable on its own, with unhashable metadata or a value that is not a jax array",
+                "a graph walk every call (nnx.jit's cost)",
+            )
         return (
             "NNX Variable on its own (no cache entry: it cannot be weakly referenced)",
-            "its type and metadata compared with the last call's (they select the program), its value read",
+            "its type and metadata compared with the recorded ones (they select the program), its value read",
         )
     entry = by_id.get(id(obj))
     if entry is None or entry.ref() is not obj:

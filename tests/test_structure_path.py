@@ -524,6 +524,9 @@ def test_a_variable_on_its_own_takes_the_structure_path(hot_path):
         n.extra = nnx.BatchStat(jnp.ones(4))
     assert [call(lambda n: n.extra) for _ in range(2)] == ["general", STRUCTURE_PATH[hot_path]]  # another type
     assert f.stats().compiles == 3
+    odd = nnx.Param(jnp.ones(4), note=["unhashable"])  # (never on the structure path: a graph walk)
+    assert_trees_equal(f(odd, XB), XB * 2.0)
+    assert "graph walk" in f.explain(odd, XB).arguments[0].per_call
     # beside another NNX object: the general path (which checks sharing), every call
     g, gpeer = fastcall.jit(lambda v, m, x: scale(v, m(x))), nnx.jit(lambda v, m, x: scale(v, m(x)))
     for _ in range(2):
