@@ -732,11 +732,10 @@ def _read_variable(v: Any, leaves: list[Any], arg_name: str, nnx_args: list[NnxA
     value = raw_value(v)
     if type(value) is not ArrayImpl:
         return None  # (a tracer, a NumPy array, a mutable array reference, ...)
-    try:
-        key = (type(v), tuple(v.get_metadata().items()))
-        spec = _variable_specs.get(key)
-    except Exception:
+    key = _variable_key(v)
+    if key is None:
         return None  # (unhashable metadata: the graph walk names it)
+    spec = _variable_specs.get(key)
     if spec is None:
         if v.get_metadata().get("hijax"):
             return None
@@ -752,16 +751,32 @@ def _read_variable(v: Any, leaves: list[Any], arg_name: str, nnx_args: list[NnxA
     return spec
 
 
+def _variable_key(v: Any) -> tuple[Any, ...] | None:
+    """What a lone Variable's spec is cached under (`_variable_specs`): its type and
+    metadata; None if the metadata cannot be hashed."""
+    try:
+        key = (type(v), tuple(v.get_metadata().items()))
+        hash(key)
+    except Exception:
+        return None
+    return key
+
+
 def variable_read(arg: NnxArg, spec_id: int) -> _fast.VariableRead | None:
     """How the structure path reads this call's Variable argument again, if it was read
     as `_read_variable` reads it (without a graph walk, under this spec); else None."""
     v = arg.obj
     if arg.entry is not None or not _is_variable(v) or len(arg.variables) != 1 or arg.variables[0] is not v:
         return None
+    key = _variable_key(v)
+    if key is None:
+        return None
+    spec = _variable_specs.get(key)
+    if spec is None or spec.id != spec_id:
+        return None
+    metadata = dict(key[1])  # (a copy, as taken now)
     try:
-        metadata = v.get_metadata()  # (a copy)
-        spec = _variable_specs.get((type(v), tuple(metadata.items())))
-        if spec is None or spec.id != spec_id or _var_metadata(v) != metadata:
+        if _var_metadata(v) != metadata:
             return None
     except Exception:
         return None
@@ -978,11 +993,7 @@ def joint_index() -> Any:
 def explain_node(obj: Any) -> tuple[str, str]:
     """(what an NNX argument is to fastcall, what it costs per call), for `f.explain`."""
     if _is_variable(obj):
-        try:
-            hashable = type(raw_value(obj)) is ArrayImpl and hash(tuple(obj.get_metadata().items())) is not None
-        except Exception:
-            hashable = False
-        if not hashable or obj.get_metadata().get("hijax"):
+        if type(raw_value(obj)) is not ArrayImpl or _variable_key(obj) is None or obj.get_metadata().get("hijax"):
             return (
                 "NNX Variable on its own, with unhashable metadata or a value that is not a jax array",
                 "a graph walk every call (nnx.jit's cost)",
