@@ -1291,9 +1291,174 @@ static PyTypeObject FastWrapperType = {
     .tp_getset = fw_getset,
 };
 
+/* build(recipe, d): the user's output rebuilt from `d`, the list of a call's dynamic
+ * outputs, by the recipe `_codegen.make_builder` wrote for its structure (the C twin of the
+ * Python builder it generates from the same walk). The recipe is a flat tuple of
+ * instructions on a stack, leaves first:
+ *   LEAF i          push d[i]
+ *   CONST v         push v
+ *   TUPLE n         pop n, push a tuple of them        LIST n   the same, a list
+ *   DICT keys       pop len(keys), push {keys[j]: value j} (in that order)
+ *   NTUPLE cls n    pop n, push tuple.__new__(cls, them) (a namedtuple)
+ *   OBJECT cls keys pop len(keys), push object.__new__(cls) with its __dict__ set, through
+ *                   object.__setattr__, to {keys[j]: value j} (an Equinox module: what its
+ *                   own unflatten does)
+ * and leaves exactly one value. */
+enum { OP_LEAF, OP_CONST, OP_TUPLE, OP_LIST, OP_DICT, OP_NTUPLE, OP_OBJECT };
+static PyObject *G_empty_tuple, *G_s_dunder_dict; /* (), "__dict__": made at import */
+
+static PyObject *
+py_build(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyTuple_CheckExact(args[0]) || !(PyList_CheckExact(args[1]) || PyTuple_CheckExact(args[1]))) {
+        PyErr_SetString(PyExc_TypeError, "build(recipe: tuple, d: list)");
+        return NULL;
+    }
+    PyObject *recipe = args[0], *d = args[1];
+    Py_ssize_t n_ops = PyTuple_GET_SIZE(recipe), n_d = PySequence_Fast_GET_SIZE(d);
+    PyObject **items_d = PySequence_Fast_ITEMS(d);
+    /* (every instruction takes at least two slots, so the stack never holds more) */
+    PyObject **stack = PyMem_Malloc(sizeof(PyObject *) * (size_t)(n_ops / 2 + 1));
+    if (stack == NULL) {
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t top = 0, pc = 0;
+    PyObject *result = NULL;
+#define ARG(k) (pc + (k) < n_ops ? PyTuple_GET_ITEM(recipe, pc + (k)) : NULL)
+    while (pc < n_ops) {
+        long op = PyLong_AsLong(PyTuple_GET_ITEM(recipe, pc));
+        PyObject *a1 = ARG(1), *a2 = ARG(2), *made = NULL;
+        Py_ssize_t n = -1;
+        if (op == -1 && PyErr_Occurred()) {
+            goto done;
+        }
+        if (a1 == NULL) {
+            goto malformed;
+        }
+        switch (op) {
+        case OP_LEAF:
+            n = PyLong_AsSsize_t(a1);
+            if (n < 0 || n >= n_d) {
+                goto malformed;
+            }
+            made = Py_NewRef(items_d[n]);
+            pc += 2;
+            break;
+        case OP_CONST:
+            made = Py_NewRef(a1);
+            pc += 2;
+            break;
+        case OP_TUPLE:
+        case OP_LIST:
+            n = PyLong_AsSsize_t(a1);
+            if (n < 0 || n > top) {
+                goto malformed;
+            }
+            made = op == OP_TUPLE ? PyTuple_New(n) : PyList_New(n);
+            if (made == NULL) {
+                goto done;
+            }
+            top -= n;
+            for (Py_ssize_t j = 0; j < n; j++) { /* (references moved from the stack) */
+                if (op == OP_TUPLE) {
+                    PyTuple_SET_ITEM(made, j, stack[top + j]);
+                } else {
+                    PyList_SET_ITEM(made, j, stack[top + j]);
+                }
+            }
+            pc += 2;
+            break;
+        case OP_DICT:
+        case OP_OBJECT: {
+            PyObject *keys = op == OP_DICT ? a1 : a2;
+            if (keys == NULL || !PyTuple_CheckExact(keys) || PyTuple_GET_SIZE(keys) > top
+                || (op == OP_OBJECT && !PyType_Check(a1))) {
+                goto malformed;
+            }
+            n = PyTuple_GET_SIZE(keys);
+            PyObject *dict = PyDict_New();
+            if (dict == NULL) {
+                goto done;
+            }
+            top -= n;
+            int failed = 0;
+            for (Py_ssize_t j = 0; j < n; j++) {
+                failed = failed || PyDict_SetItem(dict, PyTuple_GET_ITEM(keys, j), stack[top + j]) < 0;
+                Py_DECREF(stack[top + j]);
+            }
+            if (failed) {
+                Py_DECREF(dict);
+                goto done;
+            }
+            if (op == OP_DICT) {
+                made = dict;
+                pc += 2;
+                break;
+            }
+            made = PyBaseObject_Type.tp_new((PyTypeObject *)a1, G_empty_tuple, NULL);
+            if (made != NULL && PyObject_GenericSetAttr(made, G_s_dunder_dict, dict) < 0) {
+                Py_CLEAR(made);
+            }
+            Py_DECREF(dict);
+            if (made == NULL) {
+                goto done;
+            }
+            pc += 3;
+            break;
+        }
+        case OP_NTUPLE: {
+            n = a2 == NULL ? -1 : PyLong_AsSsize_t(a2);
+            if (n < 0 || n > top || !PyType_Check(a1) || !PyType_IsSubtype((PyTypeObject *)a1, &PyTuple_Type)) {
+                goto malformed;
+            }
+            PyObject *items = PyTuple_New(n);
+            if (items == NULL) {
+                goto done;
+            }
+            top -= n;
+            for (Py_ssize_t j = 0; j < n; j++) {
+                PyTuple_SET_ITEM(items, j, stack[top + j]);
+            }
+            PyObject *one = PyTuple_Pack(1, items);
+            Py_DECREF(items);
+            if (one == NULL) {
+                goto done;
+            }
+            made = PyTuple_Type.tp_new((PyTypeObject *)a1, one, NULL);
+            Py_DECREF(one);
+            if (made == NULL) {
+                goto done;
+            }
+            pc += 3;
+            break;
+        }
+        default:
+            goto malformed;
+        }
+        stack[top++] = made;
+    }
+#undef ARG
+    if (top != 1) {
+        goto malformed;
+    }
+    result = stack[--top];
+    goto done;
+malformed:
+    if (!PyErr_Occurred()) {
+        PyErr_Format(PyExc_SystemError, "fastcall: malformed output recipe at instruction %zd", pc);
+    }
+done:
+    while (top > 0) {
+        Py_DECREF(stack[--top]);
+    }
+    PyMem_Free(stack);
+    return result;
+}
+
 static PyMethodDef accel_methods[] = {
     {"guard_holds", py_guard_holds, METH_O, "Whether a guard's containers are unchanged (see _guard.py)."},
     {"configure", py_configure, METH_VARARGS, "Set the tables and record classes every FastWrapper reads."},
+    {"build", (PyCFunction)(void (*)(void))py_build, METH_FASTCALL, "An output rebuilt from a call's dynamic outputs by its recipe."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1309,6 +1474,12 @@ PyMODINIT_FUNC
 PyInit__accel(void)
 {
     if (PyType_Ready(&FastWrapperType) < 0) {
+        return NULL;
+    }
+    if (G_empty_tuple == NULL && (G_empty_tuple = PyTuple_New(0)) == NULL) {
+        return NULL;
+    }
+    if (G_s_dunder_dict == NULL && (G_s_dunder_dict = PyUnicode_InternFromString("__dict__")) == NULL) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&accel_module);

@@ -13,12 +13,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Any, Callable, Sequence
 
 import equinox as eqx
 import jax
 
+from . import _native
 from ._flatten import ARRAY_TYPES, ArrayImpl, Spec, static_equal
 
 
@@ -194,11 +196,17 @@ class Template:
             raise _NoTemplate
 
 
+# Instructions of an output recipe (the stack machine `_accel.build` runs; see _accel.c).
+_LEAF, _CONST, _TUPLE, _LIST, _DICT, _NTUPLE, _OBJECT = range(7)
+
+
 class _BuilderGen:
-    """Emits Python that rebuilds a known output structure from the flat list `d` of
-    dynamic outputs (the inverse of a Template, used instead of `treedef.unflatten`,
-    whose Equinox unflatten runs Python per node anyway): statements that build
-    Equinox modules, leaves first, then one expression for the whole output."""
+    """Walks one known output structure (the inverse of a Template, used instead of
+    `treedef.unflatten`, whose Equinox unflatten runs Python per node anyway) and writes
+    how to rebuild it from the flat list `d` of dynamic outputs, twice from the one walk:
+    as Python (statements that build Equinox modules, leaves first, then one expression
+    for the whole output) and as a recipe for the C builder (`_accel.build`), the same
+    steps as stack instructions."""
 
     def __init__(self) -> None:
         self.consts: dict[str, Any] = {}
@@ -206,10 +214,12 @@ class _BuilderGen:
         self.pos = 0
         self.nodes = 0
         self.stmts: list[str] = []  # modules are built by statements, leaves-first
+        self.recipe: list[Any] = []
 
     def const(self, value: Any) -> str:
         name = f"_c{next(self.counter)}"
         self.consts[name] = value
+        self.recipe += (_CONST, value)
         return name
 
     def expr(self, value: Any) -> str:
@@ -219,64 +229,82 @@ class _BuilderGen:
         t = type(value)
         if isinstance(value, ARRAY_TYPES):
             e = f"d[{self.pos}]"
+            self.recipe += (_LEAF, self.pos)
             self.pos += 1
             return e
         if value is None:
+            self.recipe += (_CONST, None)
             return "None"
         if t is tuple:
             items = [self.expr(v) for v in value]
+            self.recipe += (_TUPLE, len(items))
             return "(" + "".join(i + ", " for i in items) + ")"
         if t is list:
-            return "[" + ", ".join(self.expr(v) for v in value) + "]"
+            items = [self.expr(v) for v in value]
+            self.recipe += (_LIST, len(items))
+            return "[" + ", ".join(items) + "]"
         if t is dict:
             try:
                 keys = sorted(value)
             except TypeError:
                 raise _NoTemplate from None
             # jax flattens dicts in sorted key order and rebuilds them that way too.
-            return "{" + ", ".join(f"{self.const(k)}: {self.expr(value[k])}" for k in keys) + "}"
+            return self._dict(keys, [value[k] for k in keys])
         if issubclass(t, tuple) and hasattr(t, "_fields"):
             items = [self.expr(v) for v in value]
-            return f"_tnew({self.const(t)}, (" + "".join(i + ", " for i in items) + "))"
+            self.recipe += (_NTUPLE, t, len(items))
+            return f"_tnew({self._name(t)}, (" + "".join(i + ", " for i in items) + "))"
         if t is _STATE_TYPE:  # (as its tree_unflatten builds it)
             d = value.__dict__.get("_state")
             if type(d) is not dict or len(value.__dict__) != 1:
                 raise _NoTemplate
-            entries = ", ".join(f"{self.const(k)}: {self.expr(item)}" for k, item in d.items())
-            v = f"_o{next(self.counter)}"
-            self.stmts.append(f"{v} = _new({self.const(t)})")
-            self.stmts.append(f"_setattr({v}, '__dict__', {{'_state': {{{entries}}}}})")
-            return v
+            return self._object(t, {"_state": self._dict(list(d), list(d.values()))})
         if isinstance(value, eqx.Module):
             fields = dataclasses.fields(value)
             d = value.__dict__
             if len(d) != len(fields) or any(f.name not in d for f in fields):
                 raise _NoTemplate
-            parts = []
+            parts = {}
             for f in fields:
                 v = d[f.name]
-                if f.metadata.get("static", False):
-                    parts.append(f"{f.name!r}: {self.const(v)}")
-                else:
-                    parts.append(f"{f.name!r}: {self.expr(v)}")
-            # object.__new__ + setting __dict__: what Equinox's own unflatten does,
-            # without a Python call per module.
-            v = f"_o{next(self.counter)}"
-            self.stmts.append(f"{v} = _new({self.const(t)})")
-            self.stmts.append(f"_setattr({v}, '__dict__', {{{', '.join(parts)}}})")
-            return v
+                parts[f.name] = self.const(v) if f.metadata.get("static", False) else self.expr(v)
+            return self._object(t, parts)
         if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
             return self.const(value)  # a static output, returned as it was at trace time
         raise _NoTemplate
 
+    def _name(self, value: Any) -> str:
+        """A name for `value` in the Python builder (not an instruction)."""
+        name = f"_c{next(self.counter)}"
+        self.consts[name] = value
+        return name
+
+    def _dict(self, keys: list[Any], values: list[Any]) -> str:
+        entries = [f"{self._name(k)}: {self.expr(v)}" for k, v in zip(keys, values)]
+        self.recipe += (_DICT, tuple(keys))
+        return "{" + ", ".join(entries) + "}"
+
+    def _object(self, t: type, parts: dict[str, str]) -> str:
+        """`t` built with `parts` (field name -> its expression, already written) as its
+        __dict__: object.__new__ + setting __dict__, what Equinox's own unflatten does,
+        without a Python call per module."""
+        v = f"_o{next(self.counter)}"
+        self.stmts.append(f"{v} = _new({self._name(t)})")
+        self.stmts.append(f"_setattr({v}, '__dict__', {{{', '.join(f'{k!r}: {e}' for k, e in parts.items())}}})")
+        self.recipe += (_OBJECT, t, tuple(parts))
+        return v
+
 
 def make_builder(example: Any) -> Callable[[Sequence[Any]], Any] | None:
-    """Generated `build(dynamic_outputs) -> output` for `example`'s structure, or None."""
+    """`build(dynamic_outputs) -> output` for `example`'s structure, or None: the C builder
+    where the extension serves calls (`_native.ACCEL`), else generated Python."""
     gen = _BuilderGen()
     try:
         body = gen.expr(example)
     except (_NoTemplate, RecursionError):
         return None
+    if _native.ACCEL is not None:
+        return functools.partial(_native.ACCEL.build, tuple(gen.recipe))
     namespace: dict[str, Any] = dict(gen.consts)
     namespace.update(_tnew=tuple.__new__, _new=object.__new__, _setattr=object.__setattr__)
     lines = "".join(f"    {stmt}\n" for stmt in gen.stmts)

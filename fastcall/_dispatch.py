@@ -34,12 +34,12 @@ calls of the same shape can take the fast path, and leaves a structure record.
 from __future__ import annotations
 
 import functools
-import importlib
-import os
 import weakref
 from typing import Any
 
-from . import _args, _codegen, _fast, _flatten, _guard, _nnx_gate
+import jax
+
+from . import _args, _codegen, _fast, _flatten, _guard, _native, _nnx_gate
 from ._build import Entry, StructureVaries
 from ._fast import (
     ArgRead, FastRecord, FastSlot, GraphdefRead, NodeRead, NodesRead, StructureRecord, VariableRead, WriteBack,
@@ -47,16 +47,6 @@ from ._fast import (
 from ._flatten import ArrayImpl
 from ._outputs import on_error
 from ._trace import StepAside, currently_jitting
-
-_accel: Any
-try:  # the optional C fast path (fastcall/_accel.c)
-    _accel = importlib.import_module("fastcall._accel")
-except ImportError:  # pragma: no cover - not built: pure Python, same behaviour
-    _accel = None
-
-# Read once, at import: `FASTCALL_DISABLE_ACCEL=1` serves every call from Python (for
-# debugging, and for the tests that run every behaviour through both paths).
-USE_ACCEL = os.environ.get("FASTCALL_DISABLE_ACCEL", "") not in ("1", "true", "yes")
 
 
 def configure_accel() -> None:
@@ -66,14 +56,14 @@ def configure_accel() -> None:
         FastSlot, FastRecord, StructureRecord, _flatten.CacheEntry, ArgRead, NodeRead, NodesRead, VariableRead,
         GraphdefRead, _fast.KnownGraphdef, _fast.NnxArg, WriteBack, _fast.RawLeaf,
     )
-    _accel.configure(
+    _native.BUILT.configure(
         _fast.INDEX, _flatten.by_id, _fast.GRAPHDEFS, _fast.VALUE_SLOT, _fast.GRAPH_CONTEXT, ArrayImpl,
         StructureVaries, currently_jitting,
         {cls.__name__: cls for cls in records},
     )
 
 
-if _accel is not None:
+if _native.BUILT is not None:
     configure_accel()
 
 

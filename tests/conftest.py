@@ -95,12 +95,12 @@ def with_statics():
 @pytest.fixture(params=["c", "python"])
 def hot_path(request, monkeypatch):
     """Run a test through the C fast path and through the pure-Python one."""
-    from fastcall import _dispatch
+    from fastcall import _dispatch, _native
 
     if request.param == "python":
-        monkeypatch.setattr(_dispatch, "USE_ACCEL", False)
-    elif _dispatch._accel is None:
-        pytest.skip("the C accelerator is not built")
+        monkeypatch.setattr(_native, "ACCEL", None)
+    elif _native.ACCEL is None:
+        pytest.skip("the C accelerator is not built, or is disabled (FASTCALL_DISABLE_ACCEL)")
     return request.param
 
 

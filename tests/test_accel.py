@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Any, NamedTuple
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -12,9 +15,9 @@ import fastcall
 
 def test_c_accelerator_is_built_and_used():
     """CI builds the C fast path; a silent fallback would only show up as lost speed."""
-    from fastcall import _dispatch
+    from fastcall import _dispatch, _native
 
-    assert _dispatch._accel is not None, "fastcall/_accel.c was not built (is a C compiler installed?)"
+    assert _native.BUILT is not None, "fastcall/_accel.c was not built (is a C compiler installed?)"
     f = fastcall.jit(lambda m, x: m(x))
     assert type(f).__name__ == "FastWrapper"
     m = eqx.nn.Linear(2, 2, key=jax.random.PRNGKey(0))
@@ -28,9 +31,9 @@ def test_c_accelerator_is_built_and_used():
 
 
 def test_c_wrapper_behaves_like_a_function():
-    from fastcall import _dispatch
+    from fastcall import _dispatch, _native
 
-    if _dispatch._accel is None:
+    if _native.BUILT is None:
         pytest.skip("not built")
 
     class Model(eqx.Module):
@@ -53,3 +56,55 @@ def test_c_wrapper_behaves_like_a_function():
 
     weakref.ref(Model.double)
     hash(Model.double)
+
+
+class _Pair(NamedTuple):
+    a: Any
+    b: Any
+
+
+def _output_example():
+    """An output holding every kind of node the builders rebuild."""
+    mlp = eqx.nn.MLP(2, 2, 3, 2, key=jax.random.PRNGKey(0))
+    _, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(3, "batch", mode="batch")
+    return (mlp, [jnp.ones(2), None, "static"], {"b": jnp.zeros(1), "a": _Pair(jnp.ones(3), 7)}, state, 1.5)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+def test_output_builders_rebuild_every_kind_of_node(native, monkeypatch):
+    """The output builder (C from its recipe, or generated Python: one walk writes both)
+    rebuilds an output of new objects from the flat dynamic outputs: the same tree, the
+    same leaves (by identity), statics as they were."""
+    from fastcall import _codegen, _native
+
+    if native and _native.BUILT is None:
+        pytest.skip("not built")
+    monkeypatch.setattr(_native, "ACCEL", _native.BUILT if native else None)
+    example = _output_example()
+    build = _codegen.make_builder(example)
+    assert build is not None and (type(build) is functools.partial) == native
+    leaves, treedef = jax.tree_util.tree_flatten(example)
+    dynamic = [x for x in leaves if isinstance(x, jax.Array)]
+    fresh = [x + 1 for x in dynamic]
+    out = build(fresh)
+    out_leaves, out_treedef = jax.tree_util.tree_flatten(out)
+    assert out_treedef == treedef
+    assert all(a is b for a, b in zip([x for x in out_leaves if isinstance(x, jax.Array)], fresh))
+    assert [x for x in out_leaves if not isinstance(x, jax.Array)] == [x for x in leaves if not isinstance(x, jax.Array)]
+    assert out[0] is not example[0] and type(out[0]) is type(example[0])
+    assert type(out[2]["a"]) is _Pair and type(out[3]) is eqx.nn.State
+    assert list(out[2]) == ["a", "b"]  # (jax's order, as treedef.unflatten gives it)
+
+
+def test_c_builder_rejects_a_malformed_recipe():
+    from fastcall import _native
+
+    if _native.BUILT is None:
+        pytest.skip("not built")
+    build = _native.BUILT.build
+    assert build((0, 0, 1, "s", 2, 2), [jnp.ones(1)])[1] == "s"
+    for recipe in [(0, 5), (2, 1), (1, 1, 1, 2), (9, 0), (0,), (6, int, ("x",)), (5, list, 0)]:
+        with pytest.raises(SystemError, match="malformed output recipe"):
+            build(recipe, [jnp.ones(1)])
+    with pytest.raises(TypeError):
+        build([0, 0], [jnp.ones(1)])

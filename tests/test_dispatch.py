@@ -104,7 +104,7 @@ def test_nnx_fast_path_reads_values_and_writes_state_back(hot_path):
 def test_stats_count_the_same_whichever_path_serves(monkeypatch):
     """The same call sequence, through the C path and through Python, counts the same:
     an output structure that varies, a failing call, and plain hits."""
-    from fastcall import _dispatch
+    from fastcall import _dispatch, _native
 
     def sequence():
         fastcall.clear_caches()
@@ -128,7 +128,7 @@ def test_stats_count_the_same_whichever_path_serves(monkeypatch):
         return s.calls, s.compiles, s.hits, sum(s.paths.values())
 
     c = sequence()
-    monkeypatch.setattr(_dispatch, "USE_ACCEL", False)
+    monkeypatch.setattr(_native, "ACCEL", None)
     python = sequence()
     assert c == python
     assert c[0] == c[3] == 6
@@ -148,19 +148,19 @@ def test_disable_accel_environment_variable():
 
 
 def test_c_wrapper_checks_the_record_layout():
-    from fastcall import _dispatch
+    from fastcall import _dispatch, _native
 
-    if _dispatch._accel is None:
+    if _native.BUILT is None:
         pytest.skip("the C accelerator is not built")
     records = ["FastSlot", "FastRecord", "StructureRecord", "CacheEntry", "ArgRead", "NodeRead", "NodesRead",
                "GraphdefRead", "KnownGraphdef", "NnxArg", "WriteBack", "RawLeaf", "VariableRead"]
-    real = _dispatch._accel.configure
+    real = _native.BUILT.configure
     calls = []
     try:
-        _dispatch._accel.configure = lambda *a: calls.append(a)
+        _native.BUILT.configure = lambda *a: calls.append(a)
         _dispatch.configure_accel()
     finally:
-        _dispatch._accel.configure = real
+        _native.BUILT.configure = real
     (tables,) = calls
     assert sorted(tables[-1]) == sorted(records)
     try:
