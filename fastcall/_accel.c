@@ -14,8 +14,8 @@
  * as is; any other from the identity cache (`by_id`: an entry whose ref() is the
  * argument, whose guard holds and whose spec id is the expected one) or else
  * from its structure's extractor (not None), unless it is the object last read
- * there (`last`); an NNX object (`NodeRead`; each of a tuple, list or dict of
- * them, `NodesRead`) from its cache entry, if the fast index publishes a slot for it
+ * there (`last`); an NNX object (`NodeRead`; each of a tuple, list, dict or
+ * other pytree of them, `NodesRead`) from its cache entry, if the fast index publishes a slot for it
  * (validated as the fast path validates one) whose entry (`FastSlot.node`) has
  * the expected spec: its leaves' current values; a Variable passed on its own, the
  * call's only NNX object (`VariableRead`), if of the recorded type and metadata: its
@@ -120,6 +120,7 @@ static struct {
     PyObject *s_static_cache; /* "tmp_static_cache" */
     PyObject *s_dict, *s_pytree_nodes; /* "__dict__", "_pytree__nodes" (a raw leaf's owner) */
     PyObject *s_var_metadata; /* "_var_metadata" (a Variable's metadata dict) */
+    PyObject *s_objects;      /* "objects" (NodesRead.objects) */
 } G;
 
 typedef struct {
@@ -514,9 +515,10 @@ read_variable(PyObject *a, PyObject *read, PyObject *values, PyObject *nnx_args)
     return res;
 }
 
-/* The NNX objects of a tuple, list or dict argument to read, as `NodesRead.objects`
- * gives them (a new tuple: reading values may run code that changes a list or dict),
- * or NULL: not of the record's kind and size (a dict: keys), or an error. */
+/* The NNX objects of a container argument to read, as `NodesRead.objects` gives them (a
+ * new tuple: reading values may run code that changes a list or dict), or NULL: not of the
+ * record's kind and size (a dict: keys; another pytree: treedef), or an error. Another
+ * pytree is flattened by `NodesRead.objects` itself. */
 static PyObject *
 nodes_of(PyObject *a, PyObject *read)
 {
@@ -526,6 +528,15 @@ nodes_of(PyObject *a, PyObject *read)
         return NULL;
     }
     Py_ssize_t n = PyTuple_GET_SIZE(elements);
+    if (keys != Py_None && !PyTuple_CheckExact(keys)) {
+        PyObject *found = PyObject_CallMethodOneArg(read, G.s_objects, a);
+        PyObject *objs = found == NULL || found == Py_None ? NULL : PySequence_Tuple(found);
+        Py_XDECREF(found);
+        if (objs != NULL && PyTuple_GET_SIZE(objs) != n) {
+            Py_CLEAR(objs);
+        }
+        return objs;
+    }
     if (PyTuple_CheckExact(a) || PyList_CheckExact(a)) {
         if (keys != Py_None || PySequence_Fast_GET_SIZE(a) != n) {
             return NULL;
@@ -1189,10 +1200,10 @@ py_configure(PyObject *module, PyObject *args)
     }
     /* (made once; each checked, so that a failure leaves none half made) */
     PyObject **made[] = {&G.s_spec_id, &G.s_fresh, &G.s_items, &G.s_paths, &G.s_disjoint, &G.s_static_cache,
-                         &G.s_dict, &G.s_pytree_nodes, &G.s_var_metadata};
+                         &G.s_dict, &G.s_pytree_nodes, &G.s_var_metadata, &G.s_objects};
     const char *strings[] = {"spec_id", "fresh", "items", "paths", "disjoint", "tmp_static_cache", "__dict__",
-                             "_pytree__nodes", "_var_metadata"};
-    for (int i = 0; i < 9; i++) {
+                             "_pytree__nodes", "_var_metadata", "objects"};
+    for (int i = 0; i < 10; i++) {
         if (*made[i] == NULL && (*made[i] = PyUnicode_InternFromString(strings[i])) == NULL) {
             for (int j = 0; j < N_RECORDS; j++) Py_DECREF(cls[j]);
             return NULL;

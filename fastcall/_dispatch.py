@@ -189,29 +189,55 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
 
 
 def _holds_only_nodes(a: Any) -> bool:
-    """Whether `a` is a non-empty tuple, list or dict whose items are all NNX objects."""
+    """Whether `a` is a non-empty container of NNX objects only: a tuple, list or dict of
+    them, or any other pytree whose leaves, NNX objects taken as leaves, all are (a
+    nested tuple, a namedtuple, a dataclass)."""
     t = type(a)
-    if t is dict:
-        return bool(a) and all(map(_nnx_gate.is_node, a.values()))
-    return (t is tuple or t is list) and bool(a) and all(map(_nnx_gate.is_node, a))
+    if t is dict and a and all(map(_nnx_gate.is_node, a.values())):
+        return True
+    if (t is tuple or t is list) and a and all(map(_nnx_gate.is_node, a)):
+        return True
+    return _flat_nodes(a) is not None
+
+
+def _flat_nodes(a: Any) -> tuple[list[Any], Any] | None:
+    """`a`'s NNX objects and treedef, flattened with NNX objects as leaves, if it holds
+    some and nothing else; else None."""
+    try:
+        objs, treedef = jax.tree_util.tree_flatten(a, is_leaf=_nnx_gate.is_node)
+    except Exception:
+        return None
+    if not objs or not all(map(_nnx_gate.is_node, objs)) or jax.tree_util.treedef_is_leaf(treedef):
+        return None  # (a leaf: `a` itself is an NNX object)
+    return objs, treedef
 
 
 def _nodes_read(a: Any, spec_id: int, nnx_args: Any) -> NodesRead | None:
-    """How the structure path reads `a`, a tuple, list or dict of NNX objects only, as this
-    call read it (taking its objects' NnxArgs from the iterator `nnx_args`, in the order the
-    general path read them); None if an object cannot be read from its cache entry on its
-    own."""
+    """How the structure path reads `a`, a container of NNX objects only (`_holds_only_nodes`),
+    as this call read it (taking its objects' NnxArgs from the iterator `nnx_args`, in the
+    order the general path read them); None if an object cannot be read from its cache
+    entry on its own."""
+    t = type(a)
+    keys: Any = None
+    if t is dict and all(map(_nnx_gate.is_node, a.values())):
+        count = len(a)
+    elif (t is tuple or t is list) and all(map(_nnx_gate.is_node, a)):
+        count = len(a)
+    else:  # (another pytree: found again by its treedef)
+        flat = _flat_nodes(a)
+        if flat is None:
+            return None
+        count, keys = len(flat[0]), flat[1]
     read: list[Any] = []
-    for _ in range(len(a)):
+    for _ in range(count):
         n = next(nnx_args, None)
         if n is None or n.entry is None or not _nnx_gate.adapter().readable_argument(n, n.entry.spec_id):
             return None  # (volatile, or read jointly)
         read.append(n)
-    keys = None
-    if type(a) is dict:  # (the general path reads a dict's values in jax's key order)
+    if t is dict and keys is None:  # (the general path reads a dict's values in jax's key order)
         key_of = {id(x): k for k, x in a.items()}
         keys = tuple(key_of.get(id(n.obj)) for n in read)
-    nodes = NodesRead(spec_id, type(a), tuple(n.entry.spec_id for n in read), keys)
+    nodes = NodesRead(spec_id, t, tuple(n.entry.spec_id for n in read), keys)
     found = nodes.objects(a)
     if found is None or any(x is not n.obj for x, n in zip(found, read)):
         return None
@@ -397,10 +423,10 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
         return out
 
     functools.update_wrapper(wrapper, user_fun)
-    if _accel is None or not USE_ACCEL:
+    if _native.ACCEL is None:
         return wrapper
     # The same fast path in C (see _accel.c); every other call falls back to `wrapper`.
-    public = _accel.FastWrapper(wrapper, state, state.structures, functools.partial(_c_error, state))
+    public = _native.ACCEL.FastWrapper(wrapper, state, state.structures, functools.partial(_c_error, state))
     functools.update_wrapper(public, user_fun)
     state.c_wrappers.add(public)
     return public

@@ -114,10 +114,17 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
         )
     adapter = _nnx_gate.loaded()
     if type(read) is _fast.NodesRead and read.objects(value) is not None:
+        if read.keys is None or type(read.keys) is tuple:
+            return ArgumentReport(
+                name,
+                f"{read.kind.__name__} of NNX objects, of types and length this function has run",
+                "its type and length (a dict: its keys) checked, each object read from its cache entry (no flatten)",
+            )
         return ArgumentReport(
             name,
-            f"{read.kind.__name__} of NNX objects, of types and length this function has run",
-            "its type and length (a dict: its keys) checked, each object read from its cache entry (no flatten)",
+            f"{read.kind.__name__} of NNX objects, of a tree structure this function has run",
+            "flattened down to its NNX objects and its tree structure compared, each object read from its cache"
+            " entry (the objects are not flattened)",
         )
     if adapter is not None and adapter.holds_nodes(value):
         return ArgumentReport(name, "container holding NNX objects", "the container flattened, each object read")

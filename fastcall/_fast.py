@@ -34,6 +34,10 @@ import sys
 import weakref
 from typing import Any, Callable, NamedTuple, Sequence
 
+import jax
+
+from . import _nnx_gate
+
 
 class FastRecord(NamedTuple):
     """How to serve `f(first, *arrays)` for one wrapped function and one object."""
@@ -92,28 +96,43 @@ class GraphdefRead(NamedTuple):
 
 
 class NodesRead(NamedTuple):
-    """How the structure path reads a tuple, list or dict of NNX objects (`f((model,
-    optimizer), batch)`, `f({"encoder": e, "decoder": d}, x)`): of this type and length
-    (a dict: with these keys), each object read as NodeRead reads it, with the spec given
-    here; the container then has spec `spec_id`."""
+    """How the structure path reads a container of NNX objects (`f((model, optimizer),
+    batch)`, `f({"encoder": e, "decoder": d}, x)`, a dataclass of them): of this type, and of
+    this length (a tuple or list), these keys (a dict) or this tree structure (any other
+    pytree), each object read as NodeRead reads it, with the spec given here; the
+    container then has spec `spec_id`."""
 
     spec_id: int
-    kind: type  # tuple, list or dict
+    kind: type
     elements: tuple[int, ...]  # per object, its spec
-    keys: tuple[Any, ...] | None = None  # (a dict) its keys, in the order the general path read them
+    # None: a tuple or list, its items the objects. A tuple: a dict's keys, in the order the
+    # general path read them. Else the container's treedef, NNX objects as its leaves (a
+    # nested tuple, a namedtuple, a dataclass, ...: flattened on every call).
+    keys: Any = None
 
     def objects(self, a: Any) -> Sequence[Any] | None:
         """The NNX objects of `a` to read, in order, if it is of this kind and size (a dict:
-        with these keys); else None. (The C structure path's copy does the same.)"""
+        with these keys; another pytree: of this treedef); else None. (The C structure
+        path's copy does the same, and calls this for another pytree.)"""
         given: Any = a  # (mypy narrows `a` by the type check below)
-        if type(a) is not self.kind or len(given) != len(self.elements):
+        if type(a) is not self.kind:
             return None
-        if self.keys is None:
-            return given  # type: ignore[no-any-return]
+        keys = self.keys
+        if keys is None or type(keys) is tuple:
+            if len(given) != len(self.elements):
+                return None
+            if keys is None:
+                return given  # type: ignore[no-any-return]
+            try:
+                return [given[k] for k in keys]
+            except KeyError:
+                return None
+        objs, treedef = jax.tree_util.tree_flatten(a, is_leaf=_nnx_gate.is_node)
         try:
-            return [given[k] for k in self.keys]
-        except KeyError:
+            same = treedef == keys  # (static data compared by ==, as the compile key does)
+        except Exception:
             return None
+        return objs if same and len(objs) == len(self.elements) else None
 
 
 class StructureRecord(NamedTuple):

@@ -9,6 +9,10 @@ the general path and still give the right answer."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+from typing import Any, NamedTuple
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -416,6 +420,67 @@ def test_nnx_objects_in_a_dict_are_read_by_key(hot_path):
     # (one structure record per type of first argument: the last structure run)
     assert [call(plain) for _ in range(2)] == ["general", STRUCTURE_PATH[hot_path]]
     assert f.stats().compiles == 4
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    model: Any
+    optimizer: Any
+    name: str = dataclasses.field(default="run", metadata=dict(static=True))
+
+
+class TrainPair(NamedTuple):
+    model: Any
+    optimizer: Any
+
+
+_OTHER_PACKS = {
+    "dataclass": lambda m, opt, name="run": TrainState(m, opt, name),
+    "namedtuple": lambda m, opt, name="run": TrainPair(m, opt),
+    "nested tuple": lambda m, opt, name="run": (m, (opt,)),
+}
+
+
+@pytest.mark.parametrize("kind", list(_OTHER_PACKS))
+def test_nnx_objects_in_another_pytree_take_the_structure_path(kind, hot_path):
+    """A dataclass, a namedtuple or a nested tuple of NNX objects, new each call: flattened
+    down to its NNX objects, its tree structure compared with the one recorded (static
+    fields included), each object read from its cache entry. Another static field, an
+    array in an object's place or another object goes to the general path first."""
+
+    def step(ts, x, y):
+        model, optimizer = (ts[0], ts[1][0]) if type(ts) is tuple else (ts.model, ts.optimizer)
+        return _train_step(model, optimizer, x, y)
+
+    pack = _OTHER_PACKS[kind]
+    (m, opt), (ref_m, ref_opt) = _pair(), _pair()
+    f, peer = fastcall.jit(step), nnx.jit(step)
+
+    def call(**kw):
+        loss, route = served(f, pack(m, opt, **kw), XB, YB)
+        assert_trees_equal(loss, peer(pack(ref_m, ref_opt, **kw), XB, YB))
+        assert_trees_equal(state_of(m), state_of(ref_m))
+        assert_trees_equal(state_of(opt), state_of(ref_opt))
+        return route
+
+    assert [call() for _ in range(3)] == ["general"] + [STRUCTURE_PATH[hot_path]] * 2
+    report = f.explain(pack(m, opt), XB, YB)
+    assert report.route == "structure" and "tree structure compared" in report.arguments[0].per_call
+    if kind == "dataclass":  # another static field: another compile key
+        assert call(name="other") == "general"
+        assert call(name="other") == STRUCTURE_PATH[hot_path]
+        assert f.stats().compiles == 2
+    # another optimizer object: read by the general path first
+    opt, ref_opt = nnx.Optimizer(m, opt.tx, wrt=nnx.Param), nnx.Optimizer(ref_m, ref_opt.tx, wrt=nnx.Param)
+    assert call() == "general"
+    assert call() == STRUCTURE_PATH[hot_path]
+    # an array where an NNX object was: not this structure (the function raises, as under nnx.jit)
+    with pytest.raises(Exception) as theirs:
+        peer(pack(ref_m, jnp.ones(3)), XB, YB)
+    with pytest.raises(theirs.type, match=re.escape(str(theirs.value).splitlines()[0])):
+        f(pack(m, jnp.ones(3)), XB, YB)
+    assert call() == STRUCTURE_PATH[hot_path]
 
 
 def test_nnx_arguments_sharing_variables_are_read_jointly(hot_path):
