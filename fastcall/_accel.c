@@ -1466,10 +1466,213 @@ done:
     return result;
 }
 
+/* remember_outputs(kit, regs, result, dyn, previous, strong): `OutInfo._register` (its
+ * Python copy, with `_flatten.remember` and `remember_strongly`) in C. Forgets each token
+ * of `previous` (the tuples the entry's previous call cached strongly) whose entry is still
+ * its own; then for each (index, start, stop, spec) of `regs` whose first leaf dyn[start]
+ * is an ArrayImpl, caches `item` (`result`, or result[index]) by identity with the leaves
+ * dyn[start:stop]: a tuple strongly (a `_Strong` token, appended to `strong`), anything
+ * else by a `_Ref` weak reference whose callback `evict` drops the entry when it dies (not
+ * weakly referenceable: not cached); an entry it replaces is withdrawn from the fast index.
+ * `kit` = (by_id, CacheEntry, _Ref, evict, _Strong, itemgetter(0), withdraw, ArrayImpl). */
+enum { KIT_BY_ID, KIT_ENTRY, KIT_REF, KIT_EVICT, KIT_STRONG, KIT_GETTER, KIT_WITHDRAW, KIT_ARRAY, KIT_SIZE };
+
+static PyObject *G_s_oid, *G_s_id; /* "oid", "id": made at import */
+
+/* CacheEntry(ref, leaves, spec_id, spec, None) as tuple.__new__ makes it (no Python frame) */
+static PyObject *
+cache_entry(PyObject *cls, PyObject *ref, PyObject *leaves, PyObject *spec)
+{
+    PyObject *spec_id = PyObject_GetAttr(spec, G_s_id);
+    if (spec_id == NULL) {
+        return NULL;
+    }
+    PyObject *fields = PyTuple_Pack(5, ref, leaves, spec_id, spec, Py_None);
+    Py_DECREF(spec_id);
+    if (fields == NULL) {
+        return NULL;
+    }
+    PyObject *one = PyTuple_Pack(1, fields);
+    Py_DECREF(fields);
+    if (one == NULL) {
+        return NULL;
+    }
+    PyObject *entry = PyTuple_Type.tp_new((PyTypeObject *)cls, one, NULL);
+    Py_DECREF(one);
+    return entry;
+}
+
+/* Cache `item` by identity (see remember_outputs); 0, or -1 on error. */
+static int
+remember_one(PyObject *const *kit, PyObject *item, PyObject *leaves, PyObject *spec, PyObject *strong)
+{
+    PyObject *by_id = kit[KIT_BY_ID];
+    PyObject *oid = PyLong_FromVoidPtr(item);
+    if (oid == NULL) {
+        return -1;
+    }
+    PyObject *ref = NULL, *entry = NULL, *old = NULL;
+    int res = -1;
+    if (PyTuple_CheckExact(item)) {
+        PyObject *held = PyTuple_Pack(1, item);
+        ref = held == NULL ? NULL : PyObject_CallFunctionObjArgs(kit[KIT_STRONG], kit[KIT_GETTER], held, NULL);
+        Py_XDECREF(held);
+    } else {
+        ref = PyObject_CallFunctionObjArgs(kit[KIT_REF], item, kit[KIT_EVICT], NULL);
+        if (ref == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear(); /* (cannot be weakly referenced: not cached) */
+            Py_DECREF(oid);
+            return 0;
+        }
+    }
+    if (ref == NULL || PyObject_SetAttr(ref, G_s_oid, oid) < 0) {
+        goto done;
+    }
+    entry = cache_entry(kit[KIT_ENTRY], ref, leaves, spec);
+    if (entry == NULL) {
+        goto done;
+    }
+    if (PyTuple_CheckExact(item)) {
+        if (PyDict_SetItem(by_id, oid, entry) < 0 || PyList_Append(strong, ref) < 0) {
+            goto done;
+        }
+    } else {
+        old = PyDict_GetItemWithError(by_id, oid);
+        if (old == NULL && PyErr_Occurred()) {
+            goto done;
+        }
+        Py_XINCREF(old);
+        if (PyDict_SetItem(by_id, oid, entry) < 0) {
+            goto done;
+        }
+        if (old != NULL && PyTuple_Check(old) && PyTuple_GET_SIZE(old) > CACHE_REF) {
+            /* (its fast records bind the old leaves) */
+            PyObject *r = PyObject_CallOneArg(kit[KIT_WITHDRAW], PyTuple_GET_ITEM(old, CACHE_REF));
+            if (r == NULL) {
+                goto done;
+            }
+            Py_DECREF(r);
+        }
+    }
+    res = 0;
+done:
+    Py_XDECREF(old);
+    Py_XDECREF(entry);
+    Py_XDECREF(ref);
+    Py_DECREF(oid);
+    return res;
+}
+
+static PyObject *
+py_remember_outputs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6 || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != KIT_SIZE
+        || !PyTuple_CheckExact(args[1]) || !PyList_CheckExact(args[3]) || !PyList_CheckExact(args[4])
+        || !PyList_CheckExact(args[5]) || !PyDict_CheckExact(PyTuple_GET_ITEM(args[0], KIT_BY_ID))
+        || !PyType_Check(PyTuple_GET_ITEM(args[0], KIT_ENTRY))
+        || !PyType_IsSubtype((PyTypeObject *)PyTuple_GET_ITEM(args[0], KIT_ENTRY), &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "remember_outputs(kit, regs: tuple, result, dyn: list, previous: list, "
+                                         "strong: list)");
+        return NULL;
+    }
+    PyObject *const *kit = &PyTuple_GET_ITEM(args[0], 0);
+    PyObject *regs = args[1], *result = args[2], *dyn = args[3], *previous = args[4], *strong = args[5];
+    PyObject *by_id = kit[KIT_BY_ID];
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(previous); j++) { /* `forget_strong` */
+        PyObject *token = PyList_GET_ITEM(previous, j);
+        PyObject *oid = PyObject_GetAttr(token, G_s_oid);
+        if (oid == NULL) {
+            return NULL;
+        }
+        PyObject *entry = PyDict_GetItemWithError(by_id, oid); /* borrowed */
+        int failed = entry == NULL && PyErr_Occurred();
+        if (!failed && entry != NULL && PyTuple_Check(entry) && PyTuple_GET_SIZE(entry) > CACHE_REF
+            && PyTuple_GET_ITEM(entry, CACHE_REF) == token) {
+            failed = PyDict_DelItem(by_id, oid) < 0;
+        }
+        Py_DECREF(oid);
+        if (failed) {
+            return NULL;
+        }
+    }
+    for (Py_ssize_t r = 0; r < PyTuple_GET_SIZE(regs); r++) {
+        PyObject *reg = PyTuple_GET_ITEM(regs, r);
+        if (!PyTuple_Check(reg) || PyTuple_GET_SIZE(reg) != 4) {
+            PyErr_SetString(PyExc_TypeError, "remember_outputs: a registration is (index, start, stop, spec)");
+            return NULL;
+        }
+        PyObject *index = PyTuple_GET_ITEM(reg, 0);
+        Py_ssize_t start = PyLong_AsSsize_t(PyTuple_GET_ITEM(reg, 1));
+        Py_ssize_t stop = PyLong_AsSsize_t(PyTuple_GET_ITEM(reg, 2));
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
+        if (start < 0 || start >= stop || stop > PyList_GET_SIZE(dyn)) {
+            PyErr_SetString(PyExc_IndexError, "remember_outputs: leaves out of range");
+            return NULL;
+        }
+        if ((PyObject *)Py_TYPE(PyList_GET_ITEM(dyn, start)) != kit[KIT_ARRAY]) {
+            continue; /* (a tracer of an outer trace: never cached) */
+        }
+        PyObject *item = index == Py_None ? Py_NewRef(result) : PyObject_GetItem(result, index);
+        PyObject *leaves = item == NULL ? NULL : PyList_GetSlice(dyn, start, stop);
+        int failed = leaves == NULL || remember_one(kit, item, leaves, PyTuple_GET_ITEM(reg, 3), strong) < 0;
+        Py_XDECREF(leaves);
+        Py_XDECREF(item);
+        if (failed) {
+            return NULL;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+/* evict(by_id, index, ref): `_flatten._evict` in C, the callback of the identity cache's
+ * weak references: when an object dies (before its id can be reused), drop its identity
+ * cache entry and its fast index slot, each only if it is still `ref`'s (a newer one under
+ * the same id stays). */
+static int
+drop_if_own(PyObject *table, PyObject *oid, PyObject *ref)
+{
+    if (!PyDict_CheckExact(table)) {
+        return 0;
+    }
+    PyObject *held = PyDict_GetItemWithError(table, oid); /* borrowed */
+    if (held == NULL) {
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    _Static_assert(CACHE_REF == 0 && SLOT_REF == 0, "a CacheEntry's and a FastSlot's ref are both field 0");
+    if (PyTuple_Check(held) && PyTuple_GET_SIZE(held) > 0 && PyTuple_GET_ITEM(held, CACHE_REF) == ref) {
+        return PyDict_DelItem(table, oid);
+    }
+    return 0;
+}
+
+static PyObject *
+py_evict(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "evict(by_id, index, ref)");
+        return NULL;
+    }
+    PyObject *oid = PyObject_GetAttr(args[2], G_s_oid);
+    if (oid == NULL) {
+        return NULL;
+    }
+    int failed = drop_if_own(args[0], oid, args[2]) < 0 || drop_if_own(args[1], oid, args[2]) < 0;
+    Py_DECREF(oid);
+    if (failed) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef accel_methods[] = {
     {"guard_holds", py_guard_holds, METH_O, "Whether a guard's containers are unchanged (see _guard.py)."},
     {"configure", py_configure, METH_VARARGS, "Set the tables and record classes every FastWrapper reads."},
     {"build", (PyCFunction)(void (*)(void))py_build, METH_FASTCALL, "An output rebuilt from a call's dynamic outputs by its recipe."},
+    {"evict", (PyCFunction)(void (*)(void))py_evict, METH_FASTCALL, "Drop a dead object's cache entries."},
+    {"remember_outputs", (PyCFunction)(void (*)(void))py_remember_outputs, METH_FASTCALL,
+     "Cache a call's returned modules and tuples by identity (OutInfo._register)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1491,6 +1694,12 @@ PyInit__accel(void)
         return NULL;
     }
     if (G_s_dunder_dict == NULL && (G_s_dunder_dict = PyUnicode_InternFromString("__dict__")) == NULL) {
+        return NULL;
+    }
+    if (G_s_oid == NULL && (G_s_oid = PyUnicode_InternFromString("oid")) == NULL) {
+        return NULL;
+    }
+    if (G_s_id == NULL && (G_s_id = PyUnicode_InternFromString("id")) == NULL) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&accel_module);

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path
 
-from . import _fast, _guard, _nnx_gate
+from . import _fast, _guard, _native, _nnx_gate
 from ._errors import FastcallError, describe_arg
 
 # jax's concrete array class, named directly: making an array here to learn it would start
@@ -340,10 +340,20 @@ def _evict(ref: _Ref, _by_id: dict = by_id, _withdraw: Callable = _fast.withdraw
     _withdraw(ref)
 
 
+# `_evict` in C, bound to the tables early too (None: the extension is not built).
+_native_evict = functools.partial(_native.BUILT.evict, by_id, _fast.INDEX) if _native.BUILT is not None else None
+
+
+def _evicts() -> Callable[[_Ref], None]:
+    """The callback of the identity cache's weak references: `_evict`, or its C copy where
+    calls are served in C."""
+    return _native_evict if _native.ACCEL is not None and _native_evict is not None else _evict
+
+
 def remember(obj: Any, leaves: Sequence[Any], spec: Any, guard: Any = None) -> None:
     """Cache `obj`'s dynamic leaves by identity (no-op for non-weakrefable objects)."""
     try:
-        ref = _Ref(obj, _evict)
+        ref = _Ref(obj, _evicts())
     except TypeError:
         return
     ref.oid = id(obj)
@@ -484,6 +494,16 @@ def remember_strongly(obj: Any, leaves: Sequence[Any], spec: Any) -> _Strong:
     token.oid = id(obj)
     by_id[token.oid] = CacheEntry(token, leaves, spec.id, spec)
     return token
+
+
+def native_remember_outputs() -> Callable[..., None] | None:
+    """`_accel.remember_outputs` bound to this identity cache: `OutInfo._register`'s caching
+    done in C (the same steps as `remember` and `remember_strongly`); None where calls are
+    served in Python."""
+    if _native.ACCEL is None:
+        return None
+    kit = (by_id, CacheEntry, _Ref, _evicts(), _Strong, operator.itemgetter(0), _fast.withdraw, ArrayImpl)
+    return functools.partial(_native.ACCEL.remember_outputs, kit)
 
 
 def forget_strong(token: _Strong) -> None:

@@ -36,7 +36,7 @@ class OutInfo:
     """The output structure of one compiled entry, and what each call must do with it."""
 
     __slots__ = (
-        "mode", "treedef", "mask", "statics", "static_keys", "block", "regs", "nnx", "build", "strong",
+        "mode", "treedef", "mask", "statics", "static_keys", "block", "regs", "remember", "nnx", "build", "strong",
         "passthrough", "adapter",
     )
     treedef: Any
@@ -66,6 +66,7 @@ class OutInfo:
         self.nnx = nnx
         self.adapter: Any = _nnx_gate.adapter() if nnx is not None else None
         self.regs = tuple(_registrations(out, mask))
+        self.remember = _flatten.native_remember_outputs() if self.regs else None  # (see `_register`)
         needs_flat = bool(self.statics or self.block or self.regs or nnx is not None)
         # Generated code that rebuilds this output structure (None: use treedef.unflatten).
         # jax rebuilds an Equinox module or eqx.nn.State by calling its Python unflatten,
@@ -159,6 +160,9 @@ class OutInfo:
         strong: list[Any] = []
         with _strong_lock:  # (two threads finishing calls of one program at once)
             previous, self.strong = self.strong, strong
+        if self.remember is not None:  # (the same, in C)
+            self.remember(self.regs, result, dyn if type(dyn) is list else list(dyn), previous, strong)
+            return
         for old in previous:
             _flatten.forget_strong(old)
         for index, start, stop, spec in self.regs:

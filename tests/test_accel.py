@@ -12,6 +12,8 @@ import pytest
 
 import fastcall
 
+from .conftest import assert_trees_equal
+
 
 def test_c_accelerator_is_built_and_used():
     """CI builds the C fast path; a silent fallback would only show up as lost speed."""
@@ -108,3 +110,39 @@ def test_c_builder_rejects_a_malformed_recipe():
             build(recipe, [jnp.ones(1)])
     with pytest.raises(TypeError):
         build([0, 0], [jnp.ones(1)])
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+def test_returned_modules_and_tuples_are_cached_by_identity(native, monkeypatch):
+    """`model, opt_state = step(model, opt_state)`: the returned module is cached by weak
+    reference (dropped when it dies), the returned tuple strongly until the next call of
+    the entry; the same in C (`remember_outputs`, `evict`) and in Python."""
+    import gc
+
+    from fastcall import _flatten, _native
+
+    if native and _native.BUILT is None:
+        pytest.skip("not built")
+    monkeypatch.setattr(_native, "ACCEL", _native.BUILT if native else None)
+    model = eqx.nn.Linear(2, 2, key=jax.random.PRNGKey(0))
+    state = (jnp.zeros(2), jnp.ones(1))
+
+    @fastcall.jit
+    def step(m, s):
+        return jax.tree.map(lambda w: w * 0.5, m), (s[0] + 1, s[1] * 2)
+
+    m1, s1 = step(model, state)
+    entry = _flatten.lookup(m1)
+    assert entry is not None and list(entry.leaves) == [m1.weight, m1.bias]
+    assert all(a is b for a, b in zip(entry.leaves, (m1.weight, m1.bias)))
+    assert (entry.ref.__callback__ is _flatten._evict) != native
+    held = _flatten.lookup(s1)
+    assert held is not None and held.leaves[0] is s1[0] and held.ref() is s1
+    m2, s2 = step(m1, s1)
+    assert_trees_equal((m2, s2), (jax.tree.map(lambda w: w * 0.25, model), (state[0] + 2, state[1] * 4)))
+    assert id(s1) not in _flatten.by_id  # (forgotten: s1 is alive, so its id is its own)
+    assert _flatten.lookup(s2) is not None
+    oid = id(m2)
+    del m1, m2
+    gc.collect()
+    assert oid not in _flatten.by_id  # (evicted when it died)
