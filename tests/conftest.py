@@ -95,7 +95,7 @@ def with_statics():
 @pytest.fixture(params=["c", "python"])
 def hot_path(request, monkeypatch):
     """Run a test through the C fast path and through the pure-Python one."""
-    from fastcall import _dispatch, _native
+    from fastcall import _native
 
     if request.param == "python":
         monkeypatch.setattr(_native, "ACCEL", None)

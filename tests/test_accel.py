@@ -17,7 +17,7 @@ from .conftest import assert_trees_equal
 
 def test_c_accelerator_is_built_and_used():
     """CI builds the C fast path; a silent fallback would only show up as lost speed."""
-    from fastcall import _dispatch, _native
+    from fastcall import _native
 
     assert _native.BUILT is not None, "fastcall/_accel.c was not built (is a C compiler installed?)"
     f = fastcall.jit(lambda m, x: m(x))
@@ -33,7 +33,7 @@ def test_c_accelerator_is_built_and_used():
 
 
 def test_c_wrapper_behaves_like_a_function():
-    from fastcall import _dispatch, _native
+    from fastcall import _native
 
     if _native.BUILT is None:
         pytest.skip("not built")

@@ -104,7 +104,7 @@ def test_nnx_fast_path_reads_values_and_writes_state_back(hot_path):
 def test_stats_count_the_same_whichever_path_serves(monkeypatch):
     """The same call sequence, through the C path and through Python, counts the same:
     an output structure that varies, a failing call, and plain hits."""
-    from fastcall import _dispatch, _native
+    from fastcall import _native
 
     def sequence():
         fastcall.clear_caches()
