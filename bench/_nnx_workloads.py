@@ -7,6 +7,7 @@ proves the weights, outputs and written-back state equal before timing.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -522,9 +523,19 @@ def _write_back_floor(objects: Any, fn: Callable[..., Any], *args: Any) -> Calla
     return run
 
 
-def optimizer_tuple_step(name: str, description: str, width: int, depth: int, batch: int, as_dict: bool = False) -> Workload:
-    """`optimizer_step` with `(model, optimizer)` passed as one tuple argument (`as_dict`:
-    as one dict, `{"model": model, "optimizer": optimizer}`)."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    """A dataclass of NNX objects passed as one argument (`step(TrainState(model, optimizer), ...)`)."""
+
+    model: Any
+    optimizer: Any
+
+
+def optimizer_tuple_step(name: str, description: str, width: int, depth: int, batch: int, container: str = "tuple") -> Workload:
+    """`optimizer_step` with `(model, optimizer)` passed as one argument: a tuple, a dict
+    `{"model": model, "optimizer": optimizer}` or a dataclass `TrainState(model, optimizer)`
+    (`container`)."""
     x = jnp.ones((batch, width))
     y = jnp.zeros((batch, width))
 
@@ -536,10 +547,15 @@ def optimizer_tuple_step(name: str, description: str, width: int, depth: int, ba
         return jnp.mean((model(x) - y) ** 2)
 
     def pack(model, optimizer):
-        return {"model": model, "optimizer": optimizer} if as_dict else (model, optimizer)
+        if container == "dict":
+            return {"model": model, "optimizer": optimizer}
+        return TrainState(model, optimizer) if container == "dataclass" else (model, optimizer)
 
     def step(mo, x, y):
-        model, optimizer = (mo["model"], mo["optimizer"]) if as_dict else mo
+        if container == "dict":
+            model, optimizer = mo["model"], mo["optimizer"]
+        else:
+            model, optimizer = (mo.model, mo.optimizer) if container == "dataclass" else mo
         loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
         optimizer.update(model, grads)
         return loss
@@ -864,7 +880,11 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
         ),
         "nnx_train_dict": lambda: optimizer_tuple_step(
             "nnx_train_dict", "nnx_train with {'model': model, 'optimizer': optimizer} as one dict argument", 32, 3, 8,
-            as_dict=True,
+            container="dict",
+        ),
+        "nnx_train_dataclass": lambda: optimizer_tuple_step(
+            "nnx_train_dataclass", "nnx_train with a dataclass TrainState(model, optimizer) as one argument", 32, 3, 8,
+            container="dataclass",
         ),
         "cnn": lambda: forward(
             "cnn",

@@ -86,7 +86,9 @@ def test_cross_framework_workloads_are_proven_equal():
 
 # Workloads whose fastcall.jit variant passes NNX objects in another shape than a direct
 # argument (a lone Variable, the functional API, containers of NNX objects).
-ARGUMENT_SHAPE_WORKLOADS = ("nnx_variable_arg", "nnx_functional", "nnx_train_tuple", "nnx_train_dict", "nnx_kv_list")
+ARGUMENT_SHAPE_WORKLOADS = (
+    "nnx_variable_arg", "nnx_functional", "nnx_train_tuple", "nnx_train_dict", "nnx_train_dataclass", "nnx_kv_list",
+)
 
 
 @pytest.mark.parametrize("name", ARGUMENT_SHAPE_WORKLOADS)
