@@ -824,7 +824,7 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
         PyObject *a = args[i];
         PyObject *kind = (PyObject *)Py_TYPE(read);
         if (kind != G.arg_read) {
-            /* an NNX object, a tuple, list or dict of them, a Variable, or a GraphDef (no leaves) */
+            /* an NNX object, a container of them (NodesRead), a Variable, or a GraphDef (no leaves) */
             int got = 0;
             parts[i] = PyList_New(0);
             if (parts[i] == NULL) {
@@ -1313,7 +1313,8 @@ static PyTypeObject FastWrapperType = {
  *   NTUPLE cls n    pop n, push tuple.__new__(cls, them) (a namedtuple)
  *   OBJECT cls keys pop len(keys), push object.__new__(cls) with its __dict__ set, through
  *                   object.__setattr__, to {keys[j]: value j} (an Equinox module: what its
- *                   own unflatten does)
+ *                   own unflatten does; object's constructor is called directly, so the
+ *                   recipe is never written for a class object.__new__ refuses)
  * and leaves exactly one value. */
 enum { OP_LEAF, OP_CONST, OP_TUPLE, OP_LIST, OP_DICT, OP_NTUPLE, OP_OBJECT };
 static PyObject *G_empty_tuple, *G_s_dunder_dict; /* (), "__dict__": made at import */
@@ -1322,7 +1323,7 @@ static PyObject *
 py_build(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 2 || !PyTuple_CheckExact(args[0]) || !(PyList_CheckExact(args[1]) || PyTuple_CheckExact(args[1]))) {
-        PyErr_SetString(PyExc_TypeError, "build(recipe: tuple, d: list)");
+        PyErr_SetString(PyExc_TypeError, "build(recipe: tuple, d: list or tuple)");
         return NULL;
     }
     PyObject *recipe = args[0], *d = args[1];

@@ -217,6 +217,8 @@ class _BuilderGen:
         self.recipe: list[Any] = []
 
     def const(self, value: Any) -> str:
+        """A value of the output (a static field or leaf): named for the Python builder and
+        pushed by the recipe. (A class or a dict key, which is not a value: `_name`.)"""
         name = f"_c{next(self.counter)}"
         self.consts[name] = value
         self.recipe += (_CONST, value)
@@ -274,7 +276,8 @@ class _BuilderGen:
         raise _NoTemplate
 
     def _name(self, value: Any) -> str:
-        """A name for `value` in the Python builder (not an instruction)."""
+        """A name for `value` in the Python builder only (a class, a dict key: the recipe
+        carries it inside an instruction, not as a value of its own)."""
         name = f"_c{next(self.counter)}"
         self.consts[name] = value
         return name
@@ -288,6 +291,13 @@ class _BuilderGen:
         """`t` built with `parts` (field name -> its expression, already written) as its
         __dict__: object.__new__ + setting __dict__, what Equinox's own unflatten does,
         without a Python call per module."""
+        try:
+            object.__new__(t)
+        except TypeError:
+            # (a class whose C base has its own __new__, an Exception say: object.__new__
+            # refuses it, and the C builder, which calls object's constructor directly, would
+            # skip that check; jax's unflatten builds it, or raises as Equinox does)
+            raise _NoTemplate from None
         v = f"_o{next(self.counter)}"
         self.stmts.append(f"{v} = _new({self._name(t)})")
         self.stmts.append(f"_setattr({v}, '__dict__', {{{', '.join(f'{k!r}: {e}' for k, e in parts.items())}}})")

@@ -161,7 +161,8 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
             reads.append(NodeRead(spec_id))
             continue
         if resolved.nnx_args and _holds_only_nodes(a):
-            # (a tuple, list or dict of NNX objects, `(model, optimizer)`: each read on its own)
+            # (a container of NNX objects only, `(model, optimizer)`, a dict or dataclass of
+            # them: each read on its own)
             nodes = _nodes_read(a, spec_id, nnx_args)
             if nodes is None:
                 return

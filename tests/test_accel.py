@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -146,3 +147,24 @@ def test_returned_modules_and_tuples_are_cached_by_identity(native, monkeypatch)
     del m1, m2
     gc.collect()
     assert oid not in _flatten.by_id  # (evicted when it died)
+
+
+class _ExceptionModule(eqx.Module, Exception):  # (a C base with its own __new__)
+    w: jax.Array
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+def test_an_output_class_object_new_refuses_is_not_built_by_recipe(native, monkeypatch):
+    """object.__new__ refuses a class whose C base has its own __new__; the C builder calls
+    object's constructor directly, so no recipe is written for one and the output is built
+    (or refused) as eqx.filter_jit builds it."""
+    from fastcall import _codegen, _native
+
+    if native and _native.BUILT is None:
+        pytest.skip("not built")
+    monkeypatch.setattr(_native, "ACCEL", _native.BUILT if native else None)
+    assert _codegen.make_builder(_ExceptionModule(jnp.ones(1))) is None
+    with pytest.raises(TypeError) as theirs:
+        eqx.filter_jit(lambda x: _ExceptionModule(x * 2))(jnp.ones(1))
+    with pytest.raises(TypeError, match=re.escape(str(theirs.value))):
+        fastcall.jit(lambda x: _ExceptionModule(x * 2))(jnp.ones(1))
