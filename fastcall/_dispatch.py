@@ -160,10 +160,11 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
                 return
             reads.append(NodeRead(spec_id))
             continue
-        if resolved.nnx_args and _holds_only_nodes(a):
+        container = _node_container(a) if resolved.nnx_args else None
+        if container is not None:
             # (a container of NNX objects only, `(model, optimizer)`, a dict or dataclass of
             # them: each read on its own)
-            nodes = _nodes_read(a, spec_id, nnx_args)
+            nodes = _nodes_read(a, container, spec_id, nnx_args)
             if nodes is None:
                 return
             reads.append(nodes)
@@ -189,56 +190,41 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
             known.last[i] = _fast.last_mark(args[i], i == 0 and fast_shape)
 
 
-def _holds_only_nodes(a: Any) -> bool:
-    """Whether `a` is a non-empty container of NNX objects only: a tuple, list or dict of
-    them, or any other pytree whose leaves, NNX objects taken as leaves, all are (a
-    nested tuple, a namedtuple, a dataclass)."""
+def _node_container(a: Any) -> tuple[int, Any] | None:
+    """If `a` is a non-empty container of NNX objects only: how many it holds, and how
+    `NodesRead` finds them again (None: a tuple's or list's items; `dict`: a dict's values,
+    keyed by `_nodes_read`; else its treedef, NNX objects as leaves: any other pytree, a
+    nested tuple, a namedtuple, a dataclass). Else None."""
     t = type(a)
     if t is dict and a and all(map(_nnx_gate.is_node, a.values())):
-        return True
+        return len(a), dict
     if (t is tuple or t is list) and a and all(map(_nnx_gate.is_node, a)):
-        return True
-    return _flat_nodes(a) is not None
-
-
-def _flat_nodes(a: Any) -> tuple[list[Any], Any] | None:
-    """`a`'s NNX objects and treedef, flattened with NNX objects as leaves, if it holds
-    some and nothing else; else None."""
+        return len(a), None
     try:
         objs, treedef = jax.tree_util.tree_flatten(a, is_leaf=_nnx_gate.is_node)
     except Exception:
         return None
     if not objs or not all(map(_nnx_gate.is_node, objs)) or jax.tree_util.treedef_is_leaf(treedef):
         return None  # (a leaf: `a` itself is an NNX object)
-    return objs, treedef
+    return len(objs), treedef
 
 
-def _nodes_read(a: Any, spec_id: int, nnx_args: Any) -> NodesRead | None:
-    """How the structure path reads `a`, a container of NNX objects only (`_holds_only_nodes`),
-    as this call read it (taking its objects' NnxArgs from the iterator `nnx_args`, in the
-    order the general path read them); None if an object cannot be read from its cache
-    entry on its own."""
-    t = type(a)
-    keys: Any = None
-    if t is dict and all(map(_nnx_gate.is_node, a.values())):
-        count = len(a)
-    elif (t is tuple or t is list) and all(map(_nnx_gate.is_node, a)):
-        count = len(a)
-    else:  # (another pytree: found again by its treedef)
-        flat = _flat_nodes(a)
-        if flat is None:
-            return None
-        count, keys = len(flat[0]), flat[1]
+def _nodes_read(a: Any, container: tuple[int, Any], spec_id: int, nnx_args: Any) -> NodesRead | None:
+    """How the structure path reads `a`, a container of NNX objects only (`container`, as
+    `_node_container` gives it), as this call read it (taking its objects' NnxArgs from the
+    iterator `nnx_args`, in the order the general path read them); None if an object cannot
+    be read from its cache entry on its own."""
+    count, keys = container
     read: list[Any] = []
     for _ in range(count):
         n = next(nnx_args, None)
         if n is None or n.entry is None or not _nnx_gate.adapter().readable_argument(n, n.entry.spec_id):
             return None  # (volatile, or read jointly)
         read.append(n)
-    if t is dict and keys is None:  # (the general path reads a dict's values in jax's key order)
+    if keys is dict:  # (the general path reads a dict's values in jax's key order)
         key_of = {id(x): k for k, x in a.items()}
         keys = tuple(key_of.get(id(n.obj)) for n in read)
-    nodes = NodesRead(spec_id, t, tuple(n.entry.spec_id for n in read), keys)
+    nodes = NodesRead(spec_id, type(a), tuple(n.entry.spec_id for n in read), keys)
     found = nodes.objects(a)
     if found is None or any(x is not n.obj for x, n in zip(found, read)):
         return None
