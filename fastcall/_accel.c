@@ -113,6 +113,7 @@ static struct {
     PyObject *array_type;  /* jaxlib ArrayImpl */
     PyObject *varies_exc;  /* StructureVaries: retry through the fallback */
     PyObject *jitting;     /* currently_jitting(): whether a JAX trace is running */
+    PyObject *top_level;   /* _trace.TOP_LEVEL_PROBE: (holder, name, value) triples, or None */
     PyObject *arg_read, *node_read, *nodes_read, *variable_read, *graphdef_read, *nnx_arg, *write_back,
         *raw_leaf; /* record classes */
     PyObject *empty_ids;   /* frozenset(): NnxArg.ids of an object read from its entry */
@@ -362,6 +363,32 @@ no_static_cache_pending(void)
     }
     Py_DECREF(cache);
     return cache == Py_None;
+}
+
+/* Whether no JAX trace is running (1), one is (0), or error (-1): `currently_jitting()`,
+ * read as _trace.TOP_LEVEL_PROBE says (no Python frame), or called where no probe was found. */
+static int
+at_top_level(void)
+{
+    if (G.top_level == Py_None) {
+        PyObject *jitting = PyObject_CallNoArgs(G.jitting);
+        int top = jitting == NULL ? -1 : jitting == Py_False;
+        Py_XDECREF(jitting);
+        return top;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(G.top_level); i++) {
+        PyObject *triple = PyTuple_GET_ITEM(G.top_level, i); /* (checked by configure) */
+        PyObject *now = PyObject_GetAttr(PyTuple_GET_ITEM(triple, 0), PyTuple_GET_ITEM(triple, 1));
+        if (now == NULL) {
+            return -1;
+        }
+        int same = now == PyTuple_GET_ITEM(triple, 2);
+        Py_DECREF(now);
+        if (!same) {
+            return 0;
+        }
+    }
+    return 1;
 }
 
 /* Append NnxArg(obj, variables, entry, ids, paths) to `nnx_args`, made as namedtuple's
@@ -910,9 +937,7 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
             ok = no_static_cache_pending();
         }
         if (ok == 1) {
-            PyObject *jitting = PyObject_CallNoArgs(G.jitting);
-            ok = jitting == NULL ? -1 : jitting == Py_False;
-            Py_XDECREF(jitting);
+            ok = at_top_level();
         }
         if (ok != 1) {
             declined = ok == 0;
@@ -1160,16 +1185,27 @@ record_class(PyObject *records, const char *name, const char **expected)
 #define SET_SHARED(field, value) do { PyObject *old_ = G.field; G.field = (value); Py_XDECREF(old_); } while (0)
 
 /* configure(index, by_id, graphdefs, value_slot, graph_context, array_type, varies_exc, jitting,
- *           records):
+ *           top_level, records):
  * the tables and types every wrapper reads (see the struct G); `records` maps each record
  * class's name to the class, whose fields are checked against the layout read here.
  * Nothing is changed if a check fails. */
 static PyObject *
 py_configure(PyObject *module, PyObject *args)
 {
-    PyObject *index, *by_id, *graphdefs, *value_slot, *graph_context, *array_type, *varies_exc, *jitting, *records;
-    if (!PyArg_UnpackTuple(args, "configure", 9, 9, &index, &by_id, &graphdefs, &value_slot, &graph_context,
-                           &array_type, &varies_exc, &jitting, &records)) {
+    PyObject *index, *by_id, *graphdefs, *value_slot, *graph_context, *array_type, *varies_exc, *jitting,
+        *top_level, *records;
+    if (!PyArg_UnpackTuple(args, "configure", 10, 10, &index, &by_id, &graphdefs, &value_slot, &graph_context,
+                           &array_type, &varies_exc, &jitting, &top_level, &records)) {
+        return NULL;
+    }
+    int probe_ok = top_level == Py_None || PyTuple_CheckExact(top_level);
+    for (Py_ssize_t i = 0; probe_ok && top_level != Py_None && i < PyTuple_GET_SIZE(top_level); i++) {
+        PyObject *triple = PyTuple_GET_ITEM(top_level, i);
+        probe_ok = PyTuple_CheckExact(triple) && PyTuple_GET_SIZE(triple) == 3
+                   && PyUnicode_Check(PyTuple_GET_ITEM(triple, 1));
+    }
+    if (!probe_ok) {
+        PyErr_SetString(PyExc_TypeError, "configure: top_level must be None or a tuple of (holder, str, value)");
         return NULL;
     }
     if (!PyDict_CheckExact(index) || !PyDict_CheckExact(by_id) || !PyDict_CheckExact(graphdefs)
@@ -1231,6 +1267,7 @@ py_configure(PyObject *module, PyObject *args)
     Py_INCREF(array_type); SET_SHARED(array_type, array_type);
     Py_INCREF(varies_exc); SET_SHARED(varies_exc, varies_exc);
     Py_INCREF(jitting); SET_SHARED(jitting, jitting);
+    Py_INCREF(top_level); SET_SHARED(top_level, top_level);
     Py_RETURN_NONE;
 }
 

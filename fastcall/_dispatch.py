@@ -46,7 +46,7 @@ from ._fast import (
 )
 from ._flatten import ArrayImpl
 from ._outputs import on_error
-from ._trace import StepAside, currently_jitting
+from ._trace import TOP_LEVEL_PROBE, StepAside, currently_jitting
 
 
 def configure_accel() -> None:
@@ -58,7 +58,7 @@ def configure_accel() -> None:
     )
     _native.BUILT.configure(
         _fast.INDEX, _flatten.by_id, _fast.GRAPHDEFS, _fast.VALUE_SLOT, _fast.GRAPH_CONTEXT, ArrayImpl,
-        StructureVaries, currently_jitting,
+        StructureVaries, currently_jitting, TOP_LEVEL_PROBE,
         {cls.__name__: cls for cls in records},
     )
 

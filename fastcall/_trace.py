@@ -23,6 +23,7 @@ class StepAside(Exception):
     transformation, so the function runs inline in that trace instead."""
 
 try:  # jax >= 0.4.36 keeps the current trace in a context object.
+    from jax._src import core as _core
     from jax._src.core import trace_ctx as _trace_ctx
 
     _trace_ctx.is_top_level()  # check that the private route still works
@@ -47,6 +48,44 @@ except Exception:  # pragma: no cover - fallback for other jax versions
     def currently_jitting() -> bool:
         """True while a JAX transformation is tracing (slow fallback)."""
         return isinstance(jnp.zeros(()) + 1, Tracer)
+
+
+def _top_level_probe() -> tuple[tuple[Any, str, Any], ...] | None:
+    """`currently_jitting()` as (holder, attribute, value) triples for the C fast path:
+    eager Python exactly when `getattr(holder, attribute) is value` for each. This is what
+    `trace_ctx.is_top_level()` compares (the current trace is the eval trace, the axis
+    environment the top one), read without a Python frame: inside a call that the trace
+    check would otherwise dominate, calling it costs more than the rest of the check.
+
+    The state lives in jaxlib's context-local config objects (jax >= 0.9: `.value`) or on
+    the thread-local context itself (older jax). Used only if it agrees with
+    `is_top_level()` outside and inside a trace here; otherwise None, and the C path calls
+    `currently_jitting` instead."""
+    try:
+        top = (_core.eval_trace, _core.top_axis_env)
+        config_objects = (getattr(_core, "trace_state_strong_ref", None), getattr(_core, "axis_env_state", None))
+        if all(hasattr(c, "value") for c in config_objects):
+            probe = tuple((c, "value", v) for c, v in zip(config_objects, top))
+        else:
+            probe = ((_trace_ctx, "trace", top[0]), (_trace_ctx, "axis_env", top[1]))
+
+        def eager(probe: tuple[tuple[Any, str, Any], ...]) -> bool:
+            return all(getattr(holder, name) is value for holder, name, value in probe)
+
+        seen: list[bool] = []
+
+        def traced() -> Any:
+            seen.append(eager(probe) == _trace_ctx.is_top_level())
+            return 0
+
+        jax.make_jaxpr(traced)()
+        agrees = seen == [True] and eager(probe) and _trace_ctx.is_top_level()
+        return probe if agrees else None
+    except Exception:  # pragma: no cover - depends on jax internals
+        return None
+
+
+TOP_LEVEL_PROBE = _top_level_probe()
 
 
 def contains_tracer(leaves: Iterable[Any]) -> bool:

@@ -566,6 +566,61 @@ def test_closed_over_mutation_under_outer_jit_is_an_error():
     assert "_StepAside" not in chained  # no internal exception in the user's traceback
 
 
+@pytest.mark.parametrize("probe", [True, False], ids=["probe", "no_probe"])
+@pytest.mark.parametrize("transform", ["jit", "vmap", "grad"])
+def test_structure_path_steps_aside_under_an_outer_trace(transform, probe, hot_path):
+    # Every argument concrete, yet a trace is running: the structure path must notice (its
+    # C copy reads jax's trace state directly, _trace.TOP_LEVEL_PROBE, or calls
+    # currently_jitting where no probe was found) and leave the call to the general path,
+    # which runs it inline in the outer trace.
+    from fastcall import _dispatch
+
+    if probe:
+        return structure_call_under(transform, hot_path)
+    if hot_path == "python":
+        pytest.skip("the probe is read by the C path only")
+    try:
+        _dispatch.TOP_LEVEL_PROBE, saved = None, _dispatch.TOP_LEVEL_PROBE
+        _dispatch.configure_accel()
+        structure_call_under(transform, hot_path)
+    finally:
+        _dispatch.TOP_LEVEL_PROBE = saved
+        _dispatch.configure_accel()
+
+
+def structure_call_under(transform: str, hot_path: str) -> None:
+    v = nnx.Param(jnp.arange(3.0))
+    pair = (nnx.Linear(3, 3, rngs=nnx.Rngs(0)), nnx.Linear(3, 3, rngs=nnx.Rngs(1)))
+    f = fastcall.jit(lambda v, x: v[...] * x)
+    g = fastcall.jit(lambda p, x: p[1](p[0](x)))
+    x = jnp.ones(3)
+    for _ in range(2):
+        f(v, x), g(pair, x)
+    assert served(f, v, x)[1] == STRUCTURE_PATH[hot_path]
+    assert served(g, pair, x)[1] == STRUCTURE_PATH[hot_path]
+    expected = (v[...] * x).sum() + pair[1](pair[0](x)).sum()
+    before = f.stats().paths[STRUCTURE_PATH[hot_path]], g.stats().paths[STRUCTURE_PATH[hot_path]]
+
+    def inner(s):
+        return s * (f(v, x).sum() + g(pair, x).sum())
+
+    if transform == "jit":
+        out = jax.jit(inner)(1.0)
+    elif transform == "vmap":
+        out = jax.vmap(inner)(jnp.ones(2))[1]
+    else:
+        out = jax.grad(inner)(1.0)
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+    assert (f.stats().paths[STRUCTURE_PATH[hot_path]], g.stats().paths[STRUCTURE_PATH[hot_path]]) == before
+
+
+def test_the_trace_check_reads_jax_state_directly_on_supported_jax():
+    # Without the probe the C path still checks, by calling currently_jitting (slower).
+    from fastcall import _trace
+
+    assert _trace.TOP_LEVEL_PROBE is not None
+
+
 def grow(m, x):
     m.extra = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
     m.layers[0].kernel = nnx.Param(m.layers[0].kernel[...] * 2)
