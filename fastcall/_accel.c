@@ -1348,13 +1348,14 @@ static PyTypeObject FastWrapperType = {
  *   TUPLE n         pop n, push a tuple of them        LIST n   the same, a list
  *   DICT keys       pop len(keys), push {keys[j]: value j} (in that order)
  *   NTUPLE cls n    pop n, push tuple.__new__(cls, them) (a namedtuple)
- *   OBJECT cls keys pop len(keys), push object.__new__(cls) with its __dict__ set, through
- *                   object.__setattr__, to {keys[j]: value j} (an Equinox module: what its
- *                   own unflatten does; object's constructor is called directly, so the
- *                   recipe is never written for a class object.__new__ refuses)
+ *   OBJECT cls keys pop len(keys), push object.__new__(cls) with each field keys[j] set
+ *                   to value j, in that order, as object.__setattr__ sets it (an Equinox
+ *                   module: what its own unflatten does; object's constructor is called
+ *                   directly, so the recipe is never written for a class object.__new__
+ *                   refuses, nor for one where a field name is a data descriptor)
  * and leaves exactly one value. */
 enum { OP_LEAF, OP_CONST, OP_TUPLE, OP_LIST, OP_DICT, OP_NTUPLE, OP_OBJECT };
-static PyObject *G_empty_tuple, *G_s_dunder_dict; /* (), "__dict__": made at import */
+static PyObject *G_empty_tuple; /* (): made at import */
 
 static PyObject *
 py_build(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -1425,34 +1426,35 @@ py_build(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 goto malformed;
             }
             n = PyTuple_GET_SIZE(keys);
-            PyObject *dict = PyDict_New();
-            if (dict == NULL) {
-                goto done;
-            }
             top -= n;
-            int failed = 0;
+            if (op == OP_OBJECT) {
+                /* field by field, as object.__setattr__ (what Equinox's unflatten does): the
+                 * values go into the instance's own storage, with no dict made */
+                made = PyBaseObject_Type.tp_new((PyTypeObject *)a1, G_empty_tuple, NULL);
+                int failed = made == NULL;
+                for (Py_ssize_t j = 0; j < n; j++) {
+                    failed = failed || PyObject_GenericSetAttr(made, PyTuple_GET_ITEM(keys, j), stack[top + j]) < 0;
+                    Py_DECREF(stack[top + j]);
+                }
+                if (failed) {
+                    Py_XDECREF(made);
+                    goto done;
+                }
+                pc += 3;
+                break;
+            }
+            PyObject *dict = PyDict_New();
+            int failed = dict == NULL;
             for (Py_ssize_t j = 0; j < n; j++) {
                 failed = failed || PyDict_SetItem(dict, PyTuple_GET_ITEM(keys, j), stack[top + j]) < 0;
                 Py_DECREF(stack[top + j]);
             }
             if (failed) {
-                Py_DECREF(dict);
+                Py_XDECREF(dict);
                 goto done;
             }
-            if (op == OP_DICT) {
-                made = dict;
-                pc += 2;
-                break;
-            }
-            made = PyBaseObject_Type.tp_new((PyTypeObject *)a1, G_empty_tuple, NULL);
-            if (made != NULL && PyObject_GenericSetAttr(made, G_s_dunder_dict, dict) < 0) {
-                Py_CLEAR(made);
-            }
-            Py_DECREF(dict);
-            if (made == NULL) {
-                goto done;
-            }
-            pc += 3;
+            made = dict;
+            pc += 2;
             break;
         }
         case OP_NTUPLE: {
@@ -1729,9 +1731,6 @@ PyInit__accel(void)
         return NULL;
     }
     if (G_empty_tuple == NULL && (G_empty_tuple = PyTuple_New(0)) == NULL) {
-        return NULL;
-    }
-    if (G_s_dunder_dict == NULL && (G_s_dunder_dict = PyUnicode_InternFromString("__dict__")) == NULL) {
         return NULL;
     }
     if (G_s_oid == NULL && (G_s_oid = PyUnicode_InternFromString("oid")) == NULL) {

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import itertools
 from typing import Any, Callable, Sequence
 
@@ -289,8 +290,10 @@ class _BuilderGen:
 
     def _object(self, t: type, parts: dict[str, str]) -> str:
         """`t` built with `parts` (field name -> its expression, already written) as its
-        __dict__: object.__new__ + setting __dict__, what Equinox's own unflatten does,
-        without a Python call per module."""
+        fields: object.__new__, then the fields set as object.__setattr__ sets them, what
+        Equinox's own unflatten does, without a Python call per module. (The C builder sets
+        them one by one; the Python one assigns __dict__ at once, the same thing here: no
+        field name is a data descriptor of the class.)"""
         try:
             object.__new__(t)
         except TypeError:
@@ -298,6 +301,10 @@ class _BuilderGen:
             # refuses it, and the C builder, which calls object's constructor directly, would
             # skip that check; jax's unflatten builds it, or raises as Equinox does)
             raise _NoTemplate from None
+        for name in parts:
+            attr = inspect.getattr_static(t, name, None)
+            if hasattr(type(attr), "__set__") or hasattr(type(attr), "__delete__"):
+                raise _NoTemplate  # (object.__setattr__ would call it: jax's unflatten decides)
         v = f"_o{next(self.counter)}"
         self.stmts.append(f"{v} = _new({self._name(t)})")
         self.stmts.append(f"_setattr({v}, '__dict__', {{{', '.join(f'{k!r}: {e}' for k, e in parts.items())}}})")

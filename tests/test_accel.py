@@ -168,3 +168,38 @@ def test_an_output_class_object_new_refuses_is_not_built_by_recipe(native, monke
         eqx.filter_jit(lambda x: _ExceptionModule(x * 2))(jnp.ones(1))
     with pytest.raises(TypeError, match=re.escape(str(theirs.value))):
         fastcall.jit(lambda x: _ExceptionModule(x * 2))(jnp.ones(1))
+
+
+class _Described:
+    """A data descriptor: object.__setattr__ calls its __set__ instead of storing the value."""
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        return self if obj is None else obj.__dict__["w"]
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__["w"] = value
+
+
+class _DescribedModule(eqx.Module):
+    w: jax.Array
+
+
+_DescribedModule.w = _Described()  # (set after the class is made: the field stays a field)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+def test_an_output_class_with_a_data_descriptor_field_is_not_built_by_recipe(native, monkeypatch):
+    """The C builder sets fields as object.__setattr__ does (which calls a data descriptor),
+    the Python one assigns __dict__ (which does not): no recipe is written for such a class,
+    and jax's unflatten (Equinox's own) builds it."""
+    from fastcall import _codegen, _native
+
+    if native and _native.BUILT is None:
+        pytest.skip("not built")
+    monkeypatch.setattr(_native, "ACCEL", _native.BUILT if native else None)
+    assert _codegen.make_builder(_DescribedModule(jnp.ones(1))) is None
+    assert _codegen.make_builder(eqx.nn.Linear(2, 2, key=jax.random.PRNGKey(0))) is not None
+    ours = fastcall.jit(lambda x: _DescribedModule(x * 2))(jnp.ones(1))
+    theirs = eqx.filter_jit(lambda x: _DescribedModule(x * 2))(jnp.ones(1))
+    assert type(ours) is _DescribedModule and list(ours.__dict__) == list(theirs.__dict__)
+    assert_trees_equal(ours, theirs)
