@@ -685,11 +685,12 @@ write_raw_leaf(PyObject *leaf, PyObject *value)
 
 /* The user's result of a call from the compiled function's output `out` (a new
  * reference, consumed): `post(out, first, nnx)`, or for a WriteBack post (whose calls
- * change NNX objects only by new values of their leaves) the same done here: the last
- * len(writes) outputs set into the leaves they name (a Variable through the _raw_value
- * slot, a RawLeaf as `write_raw_leaf` rebinds it), and `result(the other outputs)`. `variables`: the one NNX object's leaves (the fast path),
- * else NULL and `nnx` lists the call's NnxArgs. Anything unexpected (an output that is not
- * an array, e.g. a tracer) goes through the general `post`. */
+ * change NNX objects only by new values of their leaves, or not at all) the same done
+ * here: the last len(writes) outputs set into the leaves they name (a Variable through the
+ * _raw_value slot, a RawLeaf as `write_raw_leaf` rebinds it), and `result(the other
+ * outputs)`. `variables`: the one NNX object's leaves (the fast path), else NULL and `nnx`
+ * lists the call's NnxArgs. Anything unexpected in a write (an output that is not an
+ * array, e.g. a tracer) goes through the general `post`. */
 static PyObject *
 apply_post(PyObject *post, PyObject *out, PyObject *first, PyObject *nnx, PyObject *variables)
 {
@@ -698,14 +699,21 @@ apply_post(PyObject *post, PyObject *out, PyObject *first, PyObject *nnx, PyObje
         return out;
     }
     PyObject *descr = PyList_GET_ITEM(G.value_slot, 0);
-    if ((PyObject *)Py_TYPE(post) != G.write_back || Py_TYPE(descr) != &PyMemberDescr_Type
-        || !PyList_CheckExact(out)) {
+    if ((PyObject *)Py_TYPE(post) != G.write_back || !PyList_CheckExact(out)) {
         goto general;
     }
     PyObject *writes = PyTuple_GET_ITEM(post, WB_WRITES);
     Py_ssize_t n = PyList_GET_SIZE(out);
     Py_ssize_t k = PyTuple_CheckExact(writes) ? PyTuple_GET_SIZE(writes) : -1;
-    if (k < 0 || k > n || (variables == NULL && (nnx == NULL || !PyList_CheckExact(nnx)))) {
+    if (k < 0 || k > n) {
+        goto general;
+    }
+    if (k == 0) { /* (nothing written: an Equinox output, say) */
+        result = PyObject_CallOneArg(PyTuple_GET_ITEM(post, WB_RESULT), out);
+        Py_DECREF(out);
+        return result;
+    }
+    if (Py_TYPE(descr) != &PyMemberDescr_Type || (variables == NULL && (nnx == NULL || !PyList_CheckExact(nnx)))) {
         goto general;
     }
     /* Check everything before writing anything. */
@@ -1358,13 +1366,8 @@ enum { OP_LEAF, OP_CONST, OP_TUPLE, OP_LIST, OP_DICT, OP_NTUPLE, OP_OBJECT };
 static PyObject *G_empty_tuple; /* (): made at import */
 
 static PyObject *
-py_build(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+build_output(PyObject *recipe, PyObject *d)
 {
-    if (nargs != 2 || !PyTuple_CheckExact(args[0]) || !(PyList_CheckExact(args[1]) || PyTuple_CheckExact(args[1]))) {
-        PyErr_SetString(PyExc_TypeError, "build(recipe: tuple, d: list or tuple)");
-        return NULL;
-    }
-    PyObject *recipe = args[0], *d = args[1];
     Py_ssize_t n_ops = PyTuple_GET_SIZE(recipe), n_d = PySequence_Fast_GET_SIZE(d);
     PyObject **items_d = PySequence_Fast_ITEMS(d);
     /* (every instruction takes at least two slots, so the stack never holds more) */
@@ -1506,11 +1509,32 @@ done:
     return result;
 }
 
-/* remember_outputs(kit, regs, result, dyn, previous, strong): `OutInfo._register` (its
- * Python copy, with `_flatten.remember` and `remember_strongly`) in C. Forgets each token
- * of `previous` (the tuples the entry's previous call cached strongly) whose entry is still
- * its own; then for each (index, start, stop, spec) of `regs` whose first leaf dyn[start]
- * is an ArrayImpl, caches `item` (`result`, or result[index]) by identity with the leaves
+static int
+build_args_ok(PyObject *recipe, PyObject *d, const char *usage)
+{
+    if (!PyTuple_CheckExact(recipe) || !(PyList_CheckExact(d) || PyTuple_CheckExact(d))) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *
+py_build(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *usage = "build(recipe: tuple, d: list or tuple)";
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return NULL;
+    }
+    return build_args_ok(args[0], args[1], usage) ? build_output(args[0], args[1]) : NULL;
+}
+
+/* remember_outputs(kit, regs, held, result, dyn): `OutInfo._register` (its Python copy,
+ * with `_flatten.remember` and `remember_strongly`) in C. Swaps `held[0]` (the tuples the
+ * entry's previous call cached strongly, as `_Strong` tokens) for a new list `strong`;
+ * forgets each previous token whose entry is still its own; then for each (index, start,
+ * stop, spec) of `regs` whose first leaf dyn[start] is an ArrayImpl, caches `item` (`result`, or result[index]) by identity with the leaves
  * dyn[start:stop]: a tuple strongly (a `_Strong` token, appended to `strong`), anything
  * else by a `_Ref` weak reference whose callback `evict` drops the entry when it dies (not
  * weakly referenceable: not cached); an entry it replaces is withdrawn from the fast index.
@@ -1603,26 +1627,25 @@ done:
     return res;
 }
 
-static PyObject *
-py_remember_outputs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+/* The steps of remember_outputs once its arguments are checked: 0, or -1 on error. */
+static int
+remember_outputs(PyObject *const *kit, PyObject *regs, PyObject *result, PyObject *dyn, PyObject *held)
 {
-    if (nargs != 6 || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != KIT_SIZE
-        || !PyTuple_CheckExact(args[1]) || !PyList_CheckExact(args[3]) || !PyList_CheckExact(args[4])
-        || !PyList_CheckExact(args[5]) || !PyDict_CheckExact(PyTuple_GET_ITEM(args[0], KIT_BY_ID))
-        || !PyType_Check(PyTuple_GET_ITEM(args[0], KIT_ENTRY))
-        || !PyType_IsSubtype((PyTypeObject *)PyTuple_GET_ITEM(args[0], KIT_ENTRY), &PyTuple_Type)) {
-        PyErr_SetString(PyExc_TypeError, "remember_outputs(kit, regs: tuple, result, dyn: list, previous: list, "
-                                         "strong: list)");
-        return NULL;
+    /* held[0] swapped for a new list first (under the GIL: no other call interleaves) */
+    PyObject *strong = PyList_New(0);
+    if (strong == NULL) {
+        return -1;
     }
-    PyObject *const *kit = &PyTuple_GET_ITEM(args[0], 0);
-    PyObject *regs = args[1], *result = args[2], *dyn = args[3], *previous = args[4], *strong = args[5];
+    PyObject *previous = Py_NewRef(PyList_GET_ITEM(held, 0));
+    Py_INCREF(strong); /* (ours, and held's: code run by the steps below may swap it again) */
+    PyList_SetItem(held, 0, strong);
+    int res = -1;
     PyObject *by_id = kit[KIT_BY_ID];
-    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(previous); j++) { /* `forget_strong` */
+    for (Py_ssize_t j = 0; PyList_Check(previous) && j < PyList_GET_SIZE(previous); j++) { /* `forget_strong` */
         PyObject *token = PyList_GET_ITEM(previous, j);
         PyObject *oid = PyObject_GetAttr(token, G_s_oid);
         if (oid == NULL) {
-            return NULL;
+            goto done;
         }
         PyObject *entry = PyDict_GetItemWithError(by_id, oid); /* borrowed */
         int failed = entry == NULL && PyErr_Occurred();
@@ -1632,24 +1655,24 @@ py_remember_outputs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         Py_DECREF(oid);
         if (failed) {
-            return NULL;
+            goto done;
         }
     }
     for (Py_ssize_t r = 0; r < PyTuple_GET_SIZE(regs); r++) {
         PyObject *reg = PyTuple_GET_ITEM(regs, r);
         if (!PyTuple_Check(reg) || PyTuple_GET_SIZE(reg) != 4) {
             PyErr_SetString(PyExc_TypeError, "remember_outputs: a registration is (index, start, stop, spec)");
-            return NULL;
+            goto done;
         }
         PyObject *index = PyTuple_GET_ITEM(reg, 0);
         Py_ssize_t start = PyLong_AsSsize_t(PyTuple_GET_ITEM(reg, 1));
         Py_ssize_t stop = PyLong_AsSsize_t(PyTuple_GET_ITEM(reg, 2));
         if (PyErr_Occurred()) {
-            return NULL;
+            goto done;
         }
         if (start < 0 || start >= stop || stop > PyList_GET_SIZE(dyn)) {
             PyErr_SetString(PyExc_IndexError, "remember_outputs: leaves out of range");
-            return NULL;
+            goto done;
         }
         if ((PyObject *)Py_TYPE(PyList_GET_ITEM(dyn, start)) != kit[KIT_ARRAY]) {
             continue; /* (a tracer of an outer trace: never cached) */
@@ -1660,10 +1683,70 @@ py_remember_outputs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_XDECREF(leaves);
         Py_XDECREF(item);
         if (failed) {
-            return NULL;
+            goto done;
         }
     }
+    res = 0;
+done:
+    Py_DECREF(previous);
+    Py_DECREF(strong);
+    return res;
+}
+
+/* Whether (kit, regs, held) are as remember_outputs reads them; else TypeError `usage`. */
+static int
+remember_args_ok(PyObject *kit, PyObject *regs, PyObject *held, const char *usage)
+{
+    if (!PyTuple_CheckExact(kit) || PyTuple_GET_SIZE(kit) != KIT_SIZE || !PyTuple_CheckExact(regs)
+        || !PyList_CheckExact(held) || PyList_GET_SIZE(held) != 1
+        || !PyDict_CheckExact(PyTuple_GET_ITEM(kit, KIT_BY_ID)) || !PyType_Check(PyTuple_GET_ITEM(kit, KIT_ENTRY))
+        || !PyType_IsSubtype((PyTypeObject *)PyTuple_GET_ITEM(kit, KIT_ENTRY), &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *
+py_remember_outputs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *usage = "remember_outputs(kit, regs: tuple, held: [list], result, dyn: list)";
+    if (nargs != 5 || !remember_args_ok(args[0], args[1], args[2], usage)) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, usage);
+        }
+        return NULL;
+    }
+    if (!PyList_CheckExact(args[4])) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return NULL;
+    }
+    if (remember_outputs(&PyTuple_GET_ITEM(args[0], 0), args[1], args[3], args[4], args[2]) < 0) {
+        return NULL;
+    }
     Py_RETURN_NONE;
+}
+
+/* finish_output(recipe, kit, regs, held, d): a call's output from its dynamic outputs `d`
+ * (a list) with no Python frame, `OutInfo.result` for an entry that neither waits nor
+ * writes back: build(recipe, d), then, if `kit` is not None, remember_outputs. */
+static PyObject *
+py_finish_output(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *usage = "finish_output(recipe: tuple, kit, regs: tuple, held: [list], d: list)";
+    if (nargs != 5 || !build_args_ok(args[0], args[4], usage) || !PyList_CheckExact(args[4])
+        || (args[1] != Py_None && !remember_args_ok(args[1], args[2], args[3], usage))) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, usage);
+        }
+        return NULL;
+    }
+    PyObject *result = build_output(args[0], args[4]);
+    if (result != NULL && args[1] != Py_None
+        && remember_outputs(&PyTuple_GET_ITEM(args[1], 0), args[2], result, args[4], args[3]) < 0) {
+        Py_CLEAR(result);
+    }
+    return result;
 }
 
 /* evict(by_id, index, ref): `_flatten._evict` in C, the callback of the identity cache's
@@ -1713,6 +1796,8 @@ static PyMethodDef accel_methods[] = {
     {"evict", (PyCFunction)(void (*)(void))py_evict, METH_FASTCALL, "Drop a dead object's cache entries."},
     {"remember_outputs", (PyCFunction)(void (*)(void))py_remember_outputs, METH_FASTCALL,
      "Cache a call's returned modules and tuples by identity (OutInfo._register)."},
+    {"finish_output", (PyCFunction)(void (*)(void))py_finish_output, METH_FASTCALL,
+     "A call's output built by its recipe, its returned modules and tuples cached (OutInfo.result)."},
     {NULL, NULL, 0, NULL},
 };
 

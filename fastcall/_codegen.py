@@ -332,6 +332,14 @@ def make_builder(example: Any) -> Callable[[Sequence[Any]], Any] | None:
     return namespace["build"]
 
 
+def recipe_of(build: Any) -> tuple[Any, ...] | None:
+    """The recipe of a C builder `make_builder` made (for `_accel.finish_output`), else None."""
+    accel = _native.BUILT
+    if accel is not None and isinstance(build, functools.partial) and build.func is accel.build:
+        return build.args[0]
+    return None
+
+
 # root type -> templates, most recent first (a few structures per type).
 templates: dict[type, list[Template]] = {}
 _TEMPLATES_PER_TYPE = 4

@@ -42,7 +42,8 @@ import jax
 from . import _args, _codegen, _fast, _flatten, _guard, _native, _nnx_gate
 from ._build import Entry, StructureVaries
 from ._fast import (
-    ArgRead, FastRecord, FastSlot, GraphdefRead, NodeRead, NodesRead, StructureRecord, VariableRead, WriteBack,
+    ArgRead, FastRecord, FastSlot, GraphdefRead, NodeRead, NodesRead, PytreeShape, StructureRecord, VariableRead,
+    WriteBack,
 )
 from ._flatten import ArrayImpl
 from ._outputs import on_error
@@ -193,8 +194,8 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
 def _node_container(a: Any) -> tuple[int, Any] | None:
     """If `a` is a non-empty container of NNX objects only: how many it holds, and how
     `NodesRead` finds them again (None: a tuple's or list's items; `dict`: a dict's values,
-    keyed by `_nodes_read`; else its treedef, NNX objects as leaves: any other pytree, a
-    nested tuple, a namedtuple, a dataclass). Else None."""
+    keyed by `_nodes_read`; else a PytreeShape: any other pytree, a nested tuple, a
+    namedtuple, a dataclass). Else None."""
     t = type(a)
     if t is dict and a and all(map(_nnx_gate.is_node, a.values())):
         return len(a), dict
@@ -206,7 +207,7 @@ def _node_container(a: Any) -> tuple[int, Any] | None:
         return None
     if not objs or not all(map(_nnx_gate.is_node, objs)) or jax.tree_util.treedef_is_leaf(treedef):
         return None  # (a leaf: `a` itself is an NNX object)
-    return len(objs), treedef
+    return len(objs), PytreeShape(a, objs, treedef)
 
 
 def _nodes_read(a: Any, container: tuple[int, Any], spec_id: int, nnx_args: Any) -> NodesRead | None:
@@ -273,11 +274,11 @@ def _structure_post(entry: Entry) -> Any:
 
 def _writing_back(entry: Entry, post: Any) -> Any:
     """`post`, as a WriteBack the C path applies itself where the entry's calls only write
-    new values into the caller's Variables and raw leaves."""
+    new values into the caller's Variables and raw leaves, or write nothing back."""
     writes = entry.out.plain_writes() if entry.out is not None and not entry.varies else None
     if writes is None:
         return post
-    return WriteBack(writes, entry.out.result, post)  # type: ignore[union-attr]
+    return WriteBack(writes, entry.out.fast_result, post)  # type: ignore[union-attr]
 
 
 def _all_arrays(values: tuple[Any, ...], start: int) -> bool:

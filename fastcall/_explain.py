@@ -120,6 +120,13 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
                 f"{read.kind.__name__} of NNX objects, of types and length this function has run",
                 "its type and length (a dict: its keys) checked, each object read from its cache entry (no flatten)",
             )
+        if read.keys.level is not None:
+            return ArgumentReport(
+                name,
+                f"{read.kind.__name__} of NNX objects, of a tree structure this function has run",
+                "its top node flattened (one level: its node data compared, each child an NNX object), each object"
+                " read from its cache entry (the objects are not flattened)",
+            )
         return ArgumentReport(
             name,
             f"{read.kind.__name__} of NNX objects, of a tree structure this function has run",

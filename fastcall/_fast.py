@@ -106,8 +106,8 @@ class NodesRead(NamedTuple):
     kind: type
     elements: tuple[int, ...]  # per object, its spec
     # None: a tuple or list, its items the objects. A tuple: a dict's keys, in the order the
-    # general path read them. Else the container's treedef, NNX objects as its leaves (a
-    # nested tuple, a namedtuple, a dataclass, ...: flattened on every call).
+    # general path read them. Else a PytreeShape (a nested tuple, a namedtuple, a
+    # dataclass, ...: flattened on every call).
     keys: Any = None
 
     def objects(self, a: Any) -> Sequence[Any] | None:
@@ -127,12 +127,47 @@ class NodesRead(NamedTuple):
                 return [given[k] for k in keys]
             except KeyError:
                 return None
-        objs, treedef = jax.tree_util.tree_flatten(a, is_leaf=_nnx_gate.is_node)
+        return keys.objects(a, len(self.elements))
+
+
+def _flatten_one_level(a: Any) -> tuple[list[Any], Any] | None:
+    """jax's flatten of `a`'s top node only: (children, node data), or None (a leaf)."""
+    return jax.tree_util.default_registry.flatten_one_level(a)
+
+
+class PytreeShape:
+    """How `NodesRead` finds the NNX objects of a pytree that is not a tuple, list or dict
+    (a dataclass, a namedtuple, a nested tuple, ...): its treedef with the objects as
+    leaves, compared (`==`: static data too, as the compile key compares it) with the
+    treedef of the argument flattened down to its NNX objects. Where the objects are the
+    pytree's own children (one level: a dataclass or namedtuple of modules), jax's
+    one-level flatten says the same at a tenth of the cost: the type (checked by
+    NodesRead), the node data (`==`), and as many children, each an NNX object."""
+
+    __slots__ = ("treedef", "level")
+
+    def __init__(self, a: Any, objs: Sequence[Any], treedef: Any) -> None:
+        self.treedef = treedef
+        self.level: tuple[Any] | None = None  # (the node data,) where one level deep
         try:
-            same = treedef == keys  # (static data compared by ==, as the compile key does)
+            children, data = _flatten_one_level(a)  # type: ignore[misc]
+        except Exception:
+            return
+        if len(children) == len(objs) and all(c is o for c, o in zip(children, objs)):
+            self.level = (data,)
+
+    def objects(self, a: Any, count: int) -> Sequence[Any] | None:
+        """`a`'s NNX objects in order, if `a` has this shape and `count` of them; else None."""
+        try:
+            if self.level is not None:
+                children, data = _flatten_one_level(a)  # type: ignore[misc]
+                same = data == self.level[0] and len(children) == count and all(map(_nnx_gate.is_node, children))
+                return children if same else None
+            objs, treedef = jax.tree_util.tree_flatten(a, is_leaf=_nnx_gate.is_node)
+            same = treedef == self.treedef
         except Exception:
             return None
-        return objs if same and len(objs) == len(self.elements) else None
+        return objs if same and len(objs) == count else None
 
 
 class StructureRecord(NamedTuple):
@@ -178,14 +213,16 @@ def passed_again(mark: Any, obj: Any) -> bool:
 
 class WriteBack(NamedTuple):
     """The post-processing of a record whose calls change NNX objects only by new values
-    of their Variables (`_outputs.OutInfo.plain_writes`). The C path applies it itself:
-    the last `len(writes)` outputs are set into the leaves they name (a Variable through
-    its _raw_value slot, a RawLeaf as `_nnx.write_leaf` rebinds it), and `result` makes the
-    user's output from the others. Anything else (an output not an array, e.g. a tracer)
-    goes through `post`, as the Python copy always does (calling the record calls `post`)."""
+    of their Variables, or write nothing back (`_outputs.OutInfo.plain_writes`). The C path
+    applies it itself: the last `len(writes)` outputs are set into the leaves they name (a
+    Variable through its _raw_value slot, a RawLeaf as `_nnx.write_leaf` rebinds it), and
+    `result` makes the user's output from the others. Anything else in a write (an output
+    not an array, e.g. a tracer) goes through `post`, as the Python copy always does
+    (calling the record calls `post`)."""
 
     writes: tuple[tuple[int, int], ...]  # per new value: (NNX object ordinal, leaf index)
-    result: Callable[[list[Any]], Any]  # the user's output from the other outputs
+    # the user's output from the other outputs (`OutInfo.fast_result`: in C, where it can be)
+    result: Callable[[list[Any]], Any]
     post: Callable[[Any, Any, Any], Any]  # the general post-processing
 
     def __call__(self, out: Any, first: Any, nnx: Any) -> Any:

@@ -496,14 +496,13 @@ def remember_strongly(obj: Any, leaves: Sequence[Any], spec: Any) -> _Strong:
     return token
 
 
-def native_remember_outputs() -> Callable[..., None] | None:
-    """`_accel.remember_outputs` bound to this identity cache: `OutInfo._register`'s caching
-    done in C (the same steps as `remember` and `remember_strongly`); None where calls are
-    served in Python."""
+def native_kit() -> tuple[Any, ...] | None:
+    """What `_accel.remember_outputs` needs of this identity cache, to do `OutInfo._register`'s
+    caching in C (the same steps as `remember` and `remember_strongly`); None where calls
+    are served in Python."""
     if _native.ACCEL is None:
         return None
-    kit = (by_id, CacheEntry, _Ref, _evicts(), _Strong, operator.itemgetter(0), _fast.withdraw, ArrayImpl)
-    return functools.partial(_native.ACCEL.remember_outputs, kit)
+    return (by_id, CacheEntry, _Ref, _evicts(), _Strong, operator.itemgetter(0), _fast.withdraw, ArrayImpl)
 
 
 def forget_strong(token: _Strong) -> None:

@@ -13,15 +13,16 @@ named by argument and leaf path).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import equinox as eqx
 import jax
 
-from . import _codegen, _flatten, _nnx_gate
+from . import _codegen, _flatten, _native, _nnx_gate
 from ._errors import FastcallError, describe_arg
 from ._flatten import ARRAY_TYPES, ArrayImpl, remember
 from ._trace import Tracer
@@ -36,8 +37,8 @@ class OutInfo:
     """The output structure of one compiled entry, and what each call must do with it."""
 
     __slots__ = (
-        "mode", "treedef", "mask", "statics", "static_keys", "block", "regs", "remember", "nnx", "build", "strong",
-        "passthrough", "adapter",
+        "mode", "treedef", "mask", "statics", "static_keys", "block", "regs", "remember", "nnx", "build", "held",
+        "passthrough", "adapter", "fast_result",
     )
     treedef: Any
 
@@ -66,7 +67,11 @@ class OutInfo:
         self.nnx = nnx
         self.adapter: Any = _nnx_gate.adapter() if nnx is not None else None
         self.regs = tuple(_registrations(out, mask))
-        self.remember = _flatten.native_remember_outputs() if self.regs else None  # (see `_register`)
+        # [the tokens of the tuples the latest call cached by identity], swapped each call
+        self.held: list[list[Any]] = [[]]
+        kit = _flatten.native_kit() if self.regs else None
+        # `remember(result, dyn)`: `_register`'s caching, done in C where calls are served there
+        self.remember = None if kit is None else functools.partial(_native.ACCEL.remember_outputs, kit, self.regs, self.held)
         needs_flat = bool(self.statics or self.block or self.regs or nnx is not None)
         # Generated code that rebuilds this output structure (None: use treedef.unflatten).
         # jax rebuilds an Equinox module or eqx.nn.State by calling its Python unflatten,
@@ -76,7 +81,12 @@ class OutInfo:
         self.mode = "flat" if needs_flat or self.build is not None else "pass"
         # Nothing to do after a call: jax's output is the user's output.
         self.passthrough = self.mode == "pass"
-        self.strong: list[Any] = []  # tuples returned by the latest call, cached by identity
+        # `result`, as one C call (build by recipe, then cache by identity) where that is all
+        # it does: no wait, and a C builder
+        recipe = _codegen.recipe_of(self.build)
+        self.fast_result: Callable[[list[Any]], Any] = self.result
+        if recipe is not None and not block and (kit is not None or not self.regs):
+            self.fast_result = functools.partial(_native.ACCEL.finish_output, recipe, kit, self.regs, self.held)
 
     def same_as(self, other: OutInfo) -> bool:
         if self.static_keys is None or other.static_keys is None:
@@ -144,10 +154,15 @@ class OutInfo:
     def plain_writes(self) -> tuple[tuple[int, int], ...] | None:
         """The (NNX object ordinal, leaf index) of each leaf written back, if writing new
         values into the caller's Variables and raw leaves is all a call does to its NNX
-        objects (no structural change, no Variable replaced, no NNX object returned); else
-        None."""
+        objects (no structural change, no Variable replaced, no NNX object returned): none
+        where it has no NNX state to write back; else None. (None too where jax's output is
+        the user's output: nothing to do.)"""
         nnx = self.nnx
-        if nnx is None or self.passthrough or nnx.restructure or nnx.replaced or nnx.has_nodes:
+        if self.passthrough:
+            return None
+        if nnx is None:
+            return ()
+        if nnx.restructure or nnx.replaced or nnx.has_nodes:
             return None
         if not nnx.writes or nnx.n_written != len(nnx.writes):
             return None
@@ -157,12 +172,12 @@ class OutInfo:
         """Cache returned modules (and tuples such as optimizer states) by identity, so
         that `model, opt_state = step(model, opt_state, ...)` hits the cache next step.
         Only concrete arrays (not tracers of an outer trace) may be cached."""
+        if self.remember is not None:  # (the same, in C)
+            self.remember(result, dyn if type(dyn) is list else list(dyn))
+            return
         strong: list[Any] = []
         with _strong_lock:  # (two threads finishing calls of one program at once)
-            previous, self.strong = self.strong, strong
-        if self.remember is not None:  # (the same, in C)
-            self.remember(self.regs, result, dyn if type(dyn) is list else list(dyn), previous, strong)
-            return
+            previous, self.held[0] = self.held[0], strong
         for old in previous:
             _flatten.forget_strong(old)
         for index, start, stop, spec in self.regs:

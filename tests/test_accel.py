@@ -13,7 +13,7 @@ import pytest
 
 import fastcall
 
-from .conftest import assert_trees_equal
+from .conftest import assert_trees_equal, served
 
 
 def test_c_accelerator_is_built_and_used():
@@ -111,6 +111,14 @@ def test_c_builder_rejects_a_malformed_recipe():
             build(recipe, [jnp.ones(1)])
     with pytest.raises(TypeError):
         build([0, 0], [jnp.ones(1)])
+    finish = _native.BUILT.finish_output
+    assert finish((0, 0), None, (), [[]], [jnp.ones(1)]).shape == (1,)
+    for args in [((0, 0), None, (), [[]], (jnp.ones(1),)), ((0, 0), (1, 2), (), [[]], [jnp.ones(1)]),
+                 ((0, 0), None, (), [[]])]:
+        with pytest.raises(TypeError, match="finish_output"):
+            finish(*args)
+    with pytest.raises(SystemError, match="malformed output recipe"):
+        finish((2, 1), None, (), [[]], [jnp.ones(1)])
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
@@ -139,14 +147,23 @@ def test_returned_modules_and_tuples_are_cached_by_identity(native, monkeypatch)
     assert (entry.ref.__callback__ is _flatten._evict) != native
     held = _flatten.lookup(s1)
     assert held is not None and held.leaves[0] is s1[0] and held.ref() is s1
-    m2, s2 = step(m1, s1)
+    (m2, s2), route = served(step, m1, s1)  # (built and cached in one C call: finish_output)
+    assert route == ("c_structure" if native else "python_structure")
+    assert isinstance(entry_out(step).fast_result, functools.partial) == native
     assert_trees_equal((m2, s2), (jax.tree.map(lambda w: w * 0.25, model), (state[0] + 2, state[1] * 4)))
+    assert_trees_equal((m2, s2), eqx.filter_jit(step.__wrapped__)(m1, s1))
     assert id(s1) not in _flatten.by_id  # (forgotten: s1 is alive, so its id is its own)
     assert _flatten.lookup(s2) is not None
     oid = id(m2)
     del m1, m2
     gc.collect()
     assert oid not in _flatten.by_id  # (evicted when it died)
+
+
+def entry_out(f: Any) -> Any:
+    """The OutInfo of the one compiled entry of `f`."""
+    (entry,) = f._fastcall_state.table.values()
+    return entry.out
 
 
 class _ExceptionModule(eqx.Module, Exception):  # (a C base with its own __new__)
