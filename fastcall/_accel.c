@@ -122,6 +122,7 @@ static struct {
     PyObject *s_dict, *s_pytree_nodes; /* "__dict__", "_pytree__nodes" (a raw leaf's owner) */
     PyObject *s_var_metadata; /* "_var_metadata" (a Variable's metadata dict) */
     PyObject *s_objects;      /* "objects" (NodesRead.objects) */
+    PyObject *s_level;        /* "level" (PytreeShape.level) */
 } G;
 
 typedef struct {
@@ -544,8 +545,9 @@ read_variable(PyObject *a, PyObject *read, PyObject *values, PyObject *nnx_args)
 
 /* The NNX objects of a container argument to read, as `NodesRead.objects` gives them (a
  * new tuple: reading values may run code that changes a list or dict), or NULL: not of the
- * record's kind and size (a dict: keys; another pytree: treedef), or an error. Another
- * pytree is flattened by `NodesRead.objects` itself. */
+ * record's kind and size (a dict: keys; another pytree: its PytreeShape), or an error.
+ * Another pytree one level deep is flattened here by its `level`; a deeper one by
+ * `NodesRead.objects` itself. */
 static PyObject *
 nodes_of(PyObject *a, PyObject *read)
 {
@@ -555,7 +557,35 @@ nodes_of(PyObject *a, PyObject *read)
         return NULL;
     }
     Py_ssize_t n = PyTuple_GET_SIZE(elements);
-    if (keys != Py_None && !PyTuple_CheckExact(keys)) {
+    if (keys != Py_None && !PyTuple_CheckExact(keys)) { /* a PytreeShape */
+        PyObject *level = PyObject_GetAttr(keys, G.s_level);
+        if (level == NULL) {
+            return NULL;
+        }
+        if (PyTuple_CheckExact(level) && PyTuple_GET_SIZE(level) == 2) {
+            /* one level: (children, node data) = flatten(a), the node data equal to the
+             * record's, n children (each then read by read_node, which only an NNX object's
+             * entry passes) */
+            PyObject *got = PyObject_CallOneArg(PyTuple_GET_ITEM(level, 0), a);
+            PyObject *objs = NULL;
+            int same = got != NULL && PyTuple_Check(got) && PyTuple_GET_SIZE(got) == 2;
+            if (same) {
+                same = PyObject_RichCompareBool(PyTuple_GET_ITEM(got, 1), PyTuple_GET_ITEM(level, 1), Py_EQ);
+            }
+            if (same > 0) {
+                objs = PySequence_Tuple(PyTuple_GET_ITEM(got, 0));
+                if (objs != NULL && PyTuple_GET_SIZE(objs) != n) {
+                    Py_CLEAR(objs);
+                }
+            }
+            Py_XDECREF(got);
+            Py_DECREF(level);
+            if (objs == NULL && PyErr_Occurred() && PyErr_ExceptionMatches(PyExc_Exception)) {
+                PyErr_Clear(); /* (as the Python copy: a flatten or comparison that raises declines) */
+            }
+            return objs;
+        }
+        Py_DECREF(level);
         PyObject *found = PyObject_CallMethodOneArg(read, G.s_objects, a);
         PyObject *objs = found == NULL || found == Py_None ? NULL : PySequence_Tuple(found);
         Py_XDECREF(found);
@@ -1244,10 +1274,10 @@ py_configure(PyObject *module, PyObject *args)
     }
     /* (made once; each checked, so that a failure leaves none half made) */
     PyObject **made[] = {&G.s_spec_id, &G.s_fresh, &G.s_items, &G.s_paths, &G.s_disjoint, &G.s_static_cache,
-                         &G.s_dict, &G.s_pytree_nodes, &G.s_var_metadata, &G.s_objects};
+                         &G.s_dict, &G.s_pytree_nodes, &G.s_var_metadata, &G.s_objects, &G.s_level};
     const char *strings[] = {"spec_id", "fresh", "items", "paths", "disjoint", "tmp_static_cache", "__dict__",
-                             "_pytree__nodes", "_var_metadata", "objects"};
-    for (int i = 0; i < 10; i++) {
+                             "_pytree__nodes", "_var_metadata", "objects", "level"};
+    for (int i = 0; i < 11; i++) {
         if (*made[i] == NULL && (*made[i] = PyUnicode_InternFromString(strings[i])) == NULL) {
             for (int j = 0; j < N_RECORDS; j++) Py_DECREF(cls[j]);
             return NULL;

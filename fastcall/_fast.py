@@ -130,11 +130,6 @@ class NodesRead(NamedTuple):
         return keys.objects(a, len(self.elements))
 
 
-def _flatten_one_level(a: Any) -> tuple[list[Any], Any] | None:
-    """jax's flatten of `a`'s top node only: (children, node data), or None (a leaf)."""
-    return jax.tree_util.default_registry.flatten_one_level(a)
-
-
 class PytreeShape:
     """How `NodesRead` finds the NNX objects of a pytree that is not a tuple, list or dict
     (a dataclass, a namedtuple, a nested tuple, ...): its treedef with the objects as
@@ -142,26 +137,32 @@ class PytreeShape:
     treedef of the argument flattened down to its NNX objects. Where the objects are the
     pytree's own children (one level: a dataclass or namedtuple of modules), jax's
     one-level flatten says the same at a tenth of the cost: the type (checked by
-    NodesRead), the node data (`==`), and as many children, each an NNX object."""
+    NodesRead), the node data (`==`), and as many children, each an NNX object. (The C
+    structure path reads `level` itself, and leaves the NNX check to its reading of each
+    object, which only an NNX object's cache entry passes.)"""
 
     __slots__ = ("treedef", "level")
 
     def __init__(self, a: Any, objs: Sequence[Any], treedef: Any) -> None:
         self.treedef = treedef
-        self.level: tuple[Any] | None = None  # (the node data,) where one level deep
+        # (jax's one-level flatten: a -> (children, node data) or None, the node data) where
+        # one level deep; else None
+        self.level: tuple[Callable[[Any], Any], Any] | None = None
+        flatten = jax.tree_util.default_registry.flatten_one_level
         try:
-            children, data = _flatten_one_level(a)  # type: ignore[misc]
+            children, data = flatten(a)
         except Exception:
             return
         if len(children) == len(objs) and all(c is o for c, o in zip(children, objs)):
-            self.level = (data,)
+            self.level = (flatten, data)
 
     def objects(self, a: Any, count: int) -> Sequence[Any] | None:
         """`a`'s NNX objects in order, if `a` has this shape and `count` of them; else None."""
         try:
             if self.level is not None:
-                children, data = _flatten_one_level(a)  # type: ignore[misc]
-                same = data == self.level[0] and len(children) == count and all(map(_nnx_gate.is_node, children))
+                flatten, data = self.level
+                children, now = flatten(a)
+                same = now == data and len(children) == count and all(map(_nnx_gate.is_node, children))
                 return children if same else None
             objs, treedef = jax.tree_util.tree_flatten(a, is_leaf=_nnx_gate.is_node)
             same = treedef == self.treedef
