@@ -123,6 +123,7 @@ static struct {
     PyObject *s_var_metadata; /* "_var_metadata" (a Variable's metadata dict) */
     PyObject *s_objects;      /* "objects" (NodesRead.objects) */
     PyObject *s_level;        /* "level" (PytreeShape.level) */
+    PyObject *s_mapping;      /* "_mapping" (flax's HashableMapping's dict) */
 } G;
 
 typedef struct {
@@ -696,7 +697,18 @@ write_raw_leaf(PyObject *leaf, PyObject *value)
     if (PyDict_CheckExact(held) && (PyObject *)Py_TYPE(value) == G.array_type) {
         PyObject *old = PyDict_GetItemWithError(held, name); /* borrowed */
         if (old != NULL && (PyObject *)Py_TYPE(old) == G.array_type) {
-            PyObject *data = PyObject_GetItem(nodes, name); /* (a mapping: `.get(name) is True`) */
+            /* (a mapping: `.get(name) is True`; flax's HashableMapping read through the dict
+             * its __getitem__ reads, with no Python frame) */
+            PyObject *mapping = strcmp(Py_TYPE(nodes)->tp_name, "HashableMapping") == 0
+                                    ? PyObject_GetAttr(nodes, G.s_mapping) : NULL;
+            PyObject *data = NULL;
+            if (mapping != NULL && PyDict_CheckExact(mapping)) {
+                data = Py_XNewRef(PyDict_GetItemWithError(mapping, name));
+            } else {
+                PyErr_Clear(); /* (no such dict: ask the mapping) */
+                data = PyObject_GetItem(nodes, name);
+            }
+            Py_XDECREF(mapping);
             if (data == NULL && PyErr_ExceptionMatches(PyExc_KeyError)) {
                 PyErr_Clear();
             }
@@ -1274,10 +1286,10 @@ py_configure(PyObject *module, PyObject *args)
     }
     /* (made once; each checked, so that a failure leaves none half made) */
     PyObject **made[] = {&G.s_spec_id, &G.s_fresh, &G.s_items, &G.s_paths, &G.s_disjoint, &G.s_static_cache,
-                         &G.s_dict, &G.s_pytree_nodes, &G.s_var_metadata, &G.s_objects, &G.s_level};
+                         &G.s_dict, &G.s_pytree_nodes, &G.s_var_metadata, &G.s_objects, &G.s_level, &G.s_mapping};
     const char *strings[] = {"spec_id", "fresh", "items", "paths", "disjoint", "tmp_static_cache", "__dict__",
-                             "_pytree__nodes", "_var_metadata", "objects", "level"};
-    for (int i = 0; i < 11; i++) {
+                             "_pytree__nodes", "_var_metadata", "objects", "level", "_mapping"};
+    for (int i = 0; i < 12; i++) {
         if (*made[i] == NULL && (*made[i] = PyUnicode_InternFromString(strings[i])) == NULL) {
             for (int j = 0; j < N_RECORDS; j++) Py_DECREF(cls[j]);
             return NULL;
