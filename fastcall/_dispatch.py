@@ -367,9 +367,12 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
                     else:  # NNX: the Variables' current values, read through the slot
                         values = [*map(read_value, variables), *args[1:]]
                     # (tracers inside an nnx transform: the general path steps aside; a
-                    # pending nnx.cached_partial cache: the general path consumes it)
+                    # pending nnx.cached_partial cache: the general path consumes it; a JAX
+                    # trace running: the general path runs the call inline in it, as nnx.jit
+                    # does, since state changed inside must stay in that trace)
                     if variables is not None and (
                         (variables and type(values[0]) is not ArrayImpl) or static_cache_pending()
+                        or currently_jitting()
                     ):
                         call = None
             structure = call is None

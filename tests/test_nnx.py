@@ -546,7 +546,7 @@ def test_inside_nnx_transforms():
     assert_trees_equal(nnx.jit(f)(m, x), g(m, x))
 
 
-def test_closed_over_mutation_under_outer_jit_is_an_error():
+def test_closed_over_mutation_under_outer_jit_is_an_error(hot_path):
     c = BNDrop(nnx.Rngs(0))
     f = fastcall.jit(forward)
     x = jnp.ones((2, 4))  # concrete: no argument of f is a tracer
@@ -554,9 +554,11 @@ def test_closed_over_mutation_under_outer_jit_is_an_error():
     # refuses to mutate an object created outside that trace.
     with pytest.raises(Exception, match="trace level"):
         jax.jit(lambda: f(c, x))()
-    f(c, x)  # (now served by the fast path: the compiled call's new values are tracers)
-    with pytest.raises(fastcall.FastcallError, match="written back"):
+    f(c, x)
+    before = f.stats().paths[FAST_PATH[hot_path]]
+    with pytest.raises(Exception, match="trace level"):  # (the fast path steps aside too)
         jax.jit(lambda: f(c, x))()
+    assert f.stats().paths[FAST_PATH[hot_path]] == before
     with pytest.raises(Exception, match="trace level") as info:
         jax.jit(lambda x: f(c, x))(jnp.ones((2, 4)))
     chained, e = [], info.value
@@ -568,11 +570,11 @@ def test_closed_over_mutation_under_outer_jit_is_an_error():
 
 @pytest.mark.parametrize("probe", [True, False], ids=["probe", "no_probe"])
 @pytest.mark.parametrize("transform", ["jit", "vmap", "grad"])
-def test_structure_path_steps_aside_under_an_outer_trace(transform, probe, hot_path):
-    # Every argument concrete, yet a trace is running: the structure path must notice (its
-    # C copy reads jax's trace state directly, _trace.TOP_LEVEL_PROBE, or calls
-    # currently_jitting where no probe was found) and leave the call to the general path,
-    # which runs it inline in the outer trace.
+def test_nnx_calls_step_aside_under_an_outer_trace(transform, probe, hot_path):
+    # Every argument concrete, yet a trace is running: the fast and structure paths must
+    # notice (in C by reading jax's trace state directly, _trace.TOP_LEVEL_PROBE, or by
+    # calling currently_jitting where no probe was found) and leave the call to the general
+    # path, which runs it inline in the outer trace.
     from fastcall import _dispatch
 
     if probe:
@@ -593,16 +595,19 @@ def structure_call_under(transform: str, hot_path: str) -> None:
     pair = (nnx.Linear(3, 3, rngs=nnx.Rngs(0)), nnx.Linear(3, 3, rngs=nnx.Rngs(1)))
     f = fastcall.jit(lambda v, x: v[...] * x)
     g = fastcall.jit(lambda p, x: p[1](p[0](x)))
+    h = fastcall.jit(lambda m, x: m(x))  # (a module passed directly: the fast path)
     x = jnp.ones(3)
     for _ in range(2):
-        f(v, x), g(pair, x)
+        f(v, x), g(pair, x), h(pair[0], x)
     assert served(f, v, x)[1] == STRUCTURE_PATH[hot_path]
     assert served(g, pair, x)[1] == STRUCTURE_PATH[hot_path]
-    expected = (v[...] * x).sum() + pair[1](pair[0](x)).sum()
-    before = f.stats().paths[STRUCTURE_PATH[hot_path]], g.stats().paths[STRUCTURE_PATH[hot_path]]
+    assert served(h, pair[0], x)[1] == FAST_PATH[hot_path]
+    expected = (v[...] * x).sum() + pair[1](pair[0](x)).sum() + pair[0](x).sum()
+    before = (f.stats().paths[STRUCTURE_PATH[hot_path]], g.stats().paths[STRUCTURE_PATH[hot_path]],
+              h.stats().paths[FAST_PATH[hot_path]])
 
     def inner(s):
-        return s * (f(v, x).sum() + g(pair, x).sum())
+        return s * (f(v, x).sum() + g(pair, x).sum() + h(pair[0], x).sum())
 
     if transform == "jit":
         out = jax.jit(inner)(1.0)
@@ -611,7 +616,8 @@ def structure_call_under(transform: str, hot_path: str) -> None:
     else:
         out = jax.grad(inner)(1.0)
     np.testing.assert_allclose(out, expected, rtol=1e-6)
-    assert (f.stats().paths[STRUCTURE_PATH[hot_path]], g.stats().paths[STRUCTURE_PATH[hot_path]]) == before
+    assert (f.stats().paths[STRUCTURE_PATH[hot_path]], g.stats().paths[STRUCTURE_PATH[hot_path]],
+            h.stats().paths[FAST_PATH[hot_path]]) == before
 
 
 def test_the_trace_check_reads_jax_state_directly_on_supported_jax():
