@@ -71,7 +71,9 @@ class OutInfo:
         self.held: list[list[Any]] = [[]]
         kit = _flatten.native_kit() if self.regs else None
         # `remember(result, dyn)`: `_register`'s caching, done in C where calls are served there
-        self.remember = None if kit is None else functools.partial(_native.ACCEL.remember_outputs, kit, self.regs, self.held)
+        self.remember = (
+            None if kit is None else functools.partial(_native.ACCEL.remember_outputs, kit, self.regs, self.held)
+        )
         needs_flat = bool(self.statics or self.block or self.regs or nnx is not None)
         # Generated code that rebuilds this output structure (None: use treedef.unflatten).
         # jax rebuilds an Equinox module or eqx.nn.State by calling its Python unflatten,
