@@ -1578,11 +1578,13 @@ py_build(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  * with `_flatten.remember` and `remember_strongly`) in C. Swaps `held[0]` (the tuples the
  * entry's previous call cached strongly, as `_Strong` tokens) for a new list `strong`;
  * forgets each previous token whose entry is still its own; then for each (index, start,
- * stop, spec) of `regs` whose first leaf dyn[start] is an ArrayImpl, caches `item` (`result`, or result[index]) by identity with the leaves
- * dyn[start:stop]: a tuple strongly (a `_Strong` token, appended to `strong`), anything
- * else by a `_Ref` weak reference whose callback `evict` drops the entry when it dies (not
- * weakly referenceable: not cached); an entry it replaces is withdrawn from the fast index.
- * `kit` = (by_id, CacheEntry, _Ref, evict, _Strong, itemgetter(0), withdraw, ArrayImpl). */
+ * stop, spec) of `regs` whose first leaf dyn[start] is an ArrayImpl, caches `item`
+ * (`result`, or result[index]) by identity with the leaves dyn[start:stop]: a tuple
+ * strongly (a `_Strong` token, appended to `strong`), anything else by a `_Ref` weak
+ * reference whose callback `evict` drops the entry when it dies (not weakly referenceable:
+ * not cached); an entry it replaces is withdrawn from the fast index. If another call
+ * swapped `held[0]` meanwhile, forgets `strong`'s tokens too (that call forgot only those
+ * there when it swapped). `kit` = (by_id, CacheEntry, _Ref, evict, _Strong, itemgetter(0), withdraw, ArrayImpl). */
 enum { KIT_BY_ID, KIT_ENTRY, KIT_REF, KIT_EVICT, KIT_STRONG, KIT_GETTER, KIT_WITHDRAW, KIT_ARRAY, KIT_SIZE };
 
 static PyObject *G_s_oid, *G_s_id; /* "oid", "id": made at import */
@@ -1671,25 +1673,15 @@ done:
     return res;
 }
 
-/* The steps of remember_outputs once its arguments are checked: 0, or -1 on error. */
+/* `forget_strong` for each token of the list `tokens`: 0, or -1 on error. */
 static int
-remember_outputs(PyObject *const *kit, PyObject *regs, PyObject *result, PyObject *dyn, PyObject *held)
+forget_tokens(PyObject *by_id, PyObject *tokens)
 {
-    /* held[0] swapped for a new list first (under the GIL: no other call interleaves) */
-    PyObject *strong = PyList_New(0);
-    if (strong == NULL) {
-        return -1;
-    }
-    PyObject *previous = Py_NewRef(PyList_GET_ITEM(held, 0));
-    Py_INCREF(strong); /* (ours, and held's: code run by the steps below may swap it again) */
-    PyList_SetItem(held, 0, strong);
-    int res = -1;
-    PyObject *by_id = kit[KIT_BY_ID];
-    for (Py_ssize_t j = 0; PyList_Check(previous) && j < PyList_GET_SIZE(previous); j++) { /* `forget_strong` */
-        PyObject *token = PyList_GET_ITEM(previous, j);
+    for (Py_ssize_t j = 0; PyList_Check(tokens) && j < PyList_GET_SIZE(tokens); j++) { /* `forget_strong` */
+        PyObject *token = PyList_GET_ITEM(tokens, j);
         PyObject *oid = PyObject_GetAttr(token, G_s_oid);
         if (oid == NULL) {
-            goto done;
+            return -1;
         }
         PyObject *entry = PyDict_GetItemWithError(by_id, oid); /* borrowed */
         int failed = entry == NULL && PyErr_Occurred();
@@ -1699,8 +1691,29 @@ remember_outputs(PyObject *const *kit, PyObject *regs, PyObject *result, PyObjec
         }
         Py_DECREF(oid);
         if (failed) {
-            goto done;
+            return -1;
         }
+    }
+    return 0;
+}
+
+/* The steps of remember_outputs once its arguments are checked: 0, or -1 on error. */
+static int
+remember_outputs(PyObject *const *kit, PyObject *regs, PyObject *result, PyObject *dyn, PyObject *held)
+{
+    /* held[0] swapped for a new list first (the swap itself atomic under the GIL; code run
+     * by the steps below may let another call of the entry swap it again: see the end) */
+    PyObject *strong = PyList_New(0);
+    if (strong == NULL) {
+        return -1;
+    }
+    PyObject *previous = Py_NewRef(PyList_GET_ITEM(held, 0));
+    Py_INCREF(strong); /* (ours, and held's) */
+    PyList_SetItem(held, 0, strong);
+    int res = -1;
+    PyObject *by_id = kit[KIT_BY_ID];
+    if (forget_tokens(by_id, previous) < 0) {
+        goto done;
     }
     for (Py_ssize_t r = 0; r < PyTuple_GET_SIZE(regs); r++) {
         PyObject *reg = PyTuple_GET_ITEM(regs, r);
@@ -1731,6 +1744,11 @@ remember_outputs(PyObject *const *kit, PyObject *regs, PyObject *result, PyObjec
         }
     }
     res = 0;
+    /* another call swapped held[0] meanwhile (code run above let it in): it forgot what
+     * `strong` held then, not what was added since; nobody else will, so forget it here */
+    if (PyList_GET_SIZE(held) != 1 || PyList_GET_ITEM(held, 0) != strong) {
+        res = forget_tokens(by_id, strong);
+    }
 done:
     Py_DECREF(previous);
     Py_DECREF(strong);

@@ -98,8 +98,8 @@ class GraphdefRead(NamedTuple):
 class NodesRead(NamedTuple):
     """How the structure path reads a container of NNX objects (`f((model, optimizer),
     batch)`, `f({"encoder": e, "decoder": d}, x)`, a dataclass of them): of this type, and of
-    this length (a tuple or list), these keys (a dict) or this tree structure (any other
-    pytree), each object read as NodeRead reads it, with the spec given here; the
+    this length (a tuple or list), these keys (a dict) or this shape (any other pytree: a
+    PytreeShape), each object read as NodeRead reads it, with the spec given here; the
     container then has spec `spec_id`."""
 
     spec_id: int
@@ -112,8 +112,8 @@ class NodesRead(NamedTuple):
 
     def objects(self, a: Any) -> Sequence[Any] | None:
         """The NNX objects of `a` to read, in order, if it is of this kind and size (a dict:
-        with these keys; another pytree: of this treedef); else None. (The C structure
-        path's copy does the same, and calls this for another pytree.)"""
+        with these keys; another pytree: of this PytreeShape); else None. (The C structure
+        path's copy does the same, and calls this for a pytree more than one level deep.)"""
         given: Any = a  # (mypy narrows `a` by the type check below)
         if type(a) is not self.kind:
             return None

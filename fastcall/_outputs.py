@@ -190,6 +190,11 @@ class OutInfo:
                 strong.append(_flatten.remember_strongly(item, dyn[start:stop], spec))
             else:
                 remember(item, dyn[start:stop], spec)
+        if self.held[0] is not strong:
+            # (another call swapped it meanwhile: it forgot what `strong` held then, not what
+            # was added since; nobody else will)
+            for token in strong:
+                _flatten.forget_strong(token)
 
 
 _strong_lock = threading.Lock()

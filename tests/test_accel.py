@@ -220,3 +220,48 @@ def test_an_output_class_with_a_data_descriptor_field_is_not_built_by_recipe(nat
     theirs = eqx.filter_jit(lambda x: _DescribedModule(x * 2))(jnp.ones(1))
     assert type(ours) is _DescribedModule and list(ours.__dict__) == list(theirs.__dict__)
     assert_trees_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+def test_a_call_finishing_inside_another_leaves_one_tuple_cached(native, monkeypatch):
+    """Each compiled entry keeps the tuples its latest call returned cached by identity
+    (strongly) and forgets the previous call's. If another call of the entry finishes while
+    one is registering its outputs (another thread, or code run by the registration), the
+    one that swapped first must forget what it cached after the other's swap: else that
+    tuple, say an optimizer state, stays cached, and alive, for good."""
+    from fastcall import _flatten, _native
+
+    if native and _native.BUILT is None:
+        pytest.skip("not built")
+    monkeypatch.setattr(_native, "ACCEL", _native.BUILT if native else None)
+
+    @fastcall.jit
+    def step(m, s):
+        return jax.tree.map(lambda w: w * 0.5, m), (s[0] + 1, s[1] * 2)
+
+    model = eqx.nn.Linear(2, 2, key=jax.random.PRNGKey(0))
+    step(model, (jnp.zeros(2), jnp.ones(1)))
+    out = entry_out(step)
+    outer_dyn = [model.weight, model.bias, jnp.zeros(2), jnp.ones(1)]
+    inner_dyn = [model.weight * 2, model.bias * 2, jnp.ones(2), jnp.zeros(1)]
+    inner: list[Any] = []
+
+    def finish_another() -> None:
+        if not inner:  # (once: at the first tuple the outer call caches)
+            inner.append(None)
+            inner[0] = out.result(list(inner_dyn))
+
+    if native:
+        class Reentrant(_flatten._Strong):
+            def __init__(self, *args: Any) -> None:
+                finish_another()
+
+        kit = list(_flatten.native_kit())
+        kit[4] = Reentrant  # (the class of the strong tokens: KIT_STRONG)
+        out.remember = functools.partial(_native.BUILT.remember_outputs, tuple(kit), out.regs, out.held)
+    else:
+        real = _flatten.remember_strongly
+        monkeypatch.setattr(_flatten, "remember_strongly", lambda *a: (finish_another(), real(*a))[1])
+    outer = out.result(list(outer_dyn))
+    assert inner[0] is not None and id(inner[0][1]) in _flatten.by_id  # the latest call's tuple: cached
+    assert id(outer[1]) not in _flatten.by_id  # the other's: forgotten
