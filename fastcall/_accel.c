@@ -1116,11 +1116,14 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
         }
         int pending = 0;
         if ((nvars > 0 && (PyObject *)Py_TYPE(stack[0]) != G.array_type)
-            || (pending = no_static_cache_pending()) != 1 || (pending = at_top_level()) != 1) {
+            || (pending = no_static_cache_pending()) != 1
+            || (PyTuple_GET_ITEM(record, REC_POST) != Py_None && (pending = at_top_level()) != 1)) {
             /* tracers (inside an nnx transform) or another kind of value; or nnx.cached_partial's
-             * cache pending (the general path consumes it); or a JAX trace running (the
-             * general path runs the call inline in it, as nnx.jit does: state changed inside
-             * must stay in that trace) */
+             * cache pending (the general path consumes it); or a JAX trace running and a call
+             * that may change state (the general path runs it inline in that trace, as nnx.jit
+             * does: state changed inside must stay in it; a call with nothing to do after it
+             * changes nothing, and its compiled function, nested in the trace, gives what
+             * running it inline gives) */
             for (Py_ssize_t i = 0; i < filled; i++) Py_DECREF(stack[i]);
             filled = 0;
             out = pending < 0 ? NULL : fw_fallback(self, args, nargsf, kwnames);

@@ -368,11 +368,13 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
                         values = [*map(read_value, variables), *args[1:]]
                     # (tracers inside an nnx transform: the general path steps aside; a
                     # pending nnx.cached_partial cache: the general path consumes it; a JAX
-                    # trace running: the general path runs the call inline in it, as nnx.jit
-                    # does, since state changed inside must stay in that trace)
+                    # trace running and a call that may change state: the general path runs
+                    # it inline in that trace, as nnx.jit does, since state changed inside
+                    # must stay in it; as the C copy says, a call with nothing to do after it
+                    # changes nothing)
                     if variables is not None and (
                         (variables and type(values[0]) is not ArrayImpl) or static_cache_pending()
-                        or currently_jitting()
+                        or (post is not None and currently_jitting())
                     ):
                         call = None
             structure = call is None
