@@ -1776,14 +1776,10 @@ static PyObject *
 py_remember_outputs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     const char *usage = "remember_outputs(kit, regs: tuple, held: [list], result, dyn: list)";
-    if (nargs != 5 || !remember_args_ok(args[0], args[1], args[2], usage)) {
+    if (nargs != 5 || !PyList_CheckExact(args[4]) || !remember_args_ok(args[0], args[1], args[2], usage)) {
         if (!PyErr_Occurred()) {
             PyErr_SetString(PyExc_TypeError, usage);
         }
-        return NULL;
-    }
-    if (!PyList_CheckExact(args[4])) {
-        PyErr_SetString(PyExc_TypeError, usage);
         return NULL;
     }
     if (remember_outputs(&PyTuple_GET_ITEM(args[0], 0), args[1], args[3], args[4], args[2]) < 0) {
