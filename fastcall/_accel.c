@@ -145,10 +145,71 @@ fw_fallback(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *k
     return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
 }
 
+/* A dict's version tag (PEP 509): changed by every write that changes what the dict
+ * holds, and never shared by two states of one dict. Deprecated since 3.12 and gone in
+ * 3.14; where it is not there (or the build is free-threaded), guards compare in full. */
+#if PY_VERSION_HEX < 0x030E0000 && !defined(Py_GIL_DISABLED)
+#define HAVE_DICT_VERSION 1
+static inline unsigned long long
+dict_version(PyObject *d)
+{
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+    return (unsigned long long)((PyDictObject *)d)->ma_version_tag;
+#pragma GCC diagnostic pop
+}
+#endif
+
+/* Whether the dict `c` holds exactly `expected` (keys and values interleaved, in order),
+ * compared by identity; with `stamp` (a one-element list: the version `c` had when this
+ * last found it so, or None) first: an unchanged version means unchanged contents, and a
+ * full comparison that holds stamps the version it held at. 1 holds, 0 not. */
+static int
+dict_holds(PyObject *c, PyObject *expected, PyObject *stamp)
+{
+    Py_ssize_t m = PyTuple_GET_SIZE(expected);
+    int stamped = PyList_CheckExact(stamp) && PyList_GET_SIZE(stamp) == 1;
+#ifdef HAVE_DICT_VERSION
+    unsigned long long version = dict_version(c);
+    if (stamped && PyLong_CheckExact(PyList_GET_ITEM(stamp, 0))) {
+        unsigned long long seen = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(stamp, 0));
+        if (seen == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+        } else if (seen == version) {
+            return 1;
+        }
+    }
+#endif
+    if (2 * PyDict_GET_SIZE(c) != m) {
+        return 0;
+    }
+    Py_ssize_t pos = 0, i = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(c, &pos, &k, &v)) {
+        if (i + 1 >= m || k != PyTuple_GET_ITEM(expected, i) || v != PyTuple_GET_ITEM(expected, i + 1)) {
+            return 0;
+        }
+        i += 2;
+    }
+#ifdef HAVE_DICT_VERSION
+    if (stamped) {
+        PyObject *now = PyLong_FromUnsignedLongLong(version);
+        if (now == NULL) {
+            PyErr_Clear(); /* (no stamp: the next check compares in full again) */
+        } else {
+            PyList_SetItem(stamp, 0, now); /* (steals `now`, releases the old stamp: an int or None) */
+        }
+    }
+#endif
+    return 1;
+}
+
 /* Whether every container of a guard (fastcall/_guard.py) still holds exactly the
- * objects it held when the guard was made: a tuple of (container, expected) pairs,
- * `expected` a tuple of a list's items, or of a dict's keys and values interleaved in
- * iteration order. Compared by identity only (never by ==). 1 holds, 0 not. */
+ * objects it held when the guard was made: a tuple of `Watched` (container, expected,
+ * stamp) triples, `expected` a tuple of a list's items, or of a dict's keys and values
+ * interleaved in iteration order. Compared by identity only (never by ==); a dict whose
+ * version is the one stamped when it last held is not walked again (`dict_holds`).
+ * 1 holds, 0 not. */
 static int
 guard_holds(PyObject *guard)
 {
@@ -157,12 +218,12 @@ guard_holds(PyObject *guard)
     }
     Py_ssize_t n = PyTuple_GET_SIZE(guard);
     for (Py_ssize_t g = 0; g < n; g++) {
-        PyObject *pair = PyTuple_GET_ITEM(guard, g);
-        if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2) {
+        PyObject *watched = PyTuple_GET_ITEM(guard, g);
+        if (!PyTuple_Check(watched) || PyTuple_GET_SIZE(watched) != 3) {
             return 0;
         }
-        PyObject *c = PyTuple_GET_ITEM(pair, 0);
-        PyObject *expected = PyTuple_GET_ITEM(pair, 1);
+        PyObject *c = PyTuple_GET_ITEM(watched, 0);
+        PyObject *expected = PyTuple_GET_ITEM(watched, 1);
         if (!PyTuple_CheckExact(expected)) {
             return 0;
         }
@@ -177,16 +238,8 @@ guard_holds(PyObject *guard)
                 }
             }
         } else if (PyDict_CheckExact(c)) { /* (not a subclass: an OrderedDict keeps its order apart) */
-            if (2 * PyDict_GET_SIZE(c) != m) {
+            if (!dict_holds(c, expected, PyTuple_GET_ITEM(watched, 2))) {
                 return 0;
-            }
-            Py_ssize_t pos = 0, i = 0;
-            PyObject *k, *v;
-            while (PyDict_Next(c, &pos, &k, &v)) {
-                if (i + 1 >= m || k != PyTuple_GET_ITEM(expected, i) || v != PyTuple_GET_ITEM(expected, i + 1)) {
-                    return 0;
-                }
-                i += 2;
             }
         } else {
             return 0;

@@ -106,7 +106,7 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
     if hit is not None:
         if hit.guard is None:
             return ArgumentReport(name, "cached by identity (immutable pytree)", "one identity check")
-        n = sum(len(expected) for _, expected in hit.guard)
+        n = sum(len(w.expected) for w in hit.guard)
         return ArgumentReport(
             name,
             f"cached by identity, with a guard over {len(hit.guard)} lists/dicts",

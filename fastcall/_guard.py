@@ -14,15 +14,29 @@ and values in the same order. Anything else, and the object is read afresh.
 Why identity of items is enough: every other part of the object is immutable
 or itself guarded (a nested list is in the guard too), so an unchanged set of
 items in every container means an unchanged object. What it costs: one pointer
-comparison per item of every container, in C when the extension is built.
+comparison per item of every container, in C when the extension is built. The C
+check also skips a dict whose version tag (PEP 509, which every write that changes
+a dict moves on) is the one it had when the check last found it unchanged
+(`Watched.stamp`); Python 3.14 has no such tag, and there every dict is walked.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, NamedTuple
 
-Guard = tuple[tuple[Any, tuple[Any, ...]], ...]
+
+class Watched(NamedTuple):
+    """One container a guard watches."""
+
+    container: Any  # a plain list or dict, held
+    expected: tuple[Any, ...]  # a list's items; a dict's keys and values interleaved, in order
+    # dicts: [the dict's version tag when the C check last found it holding `expected`, or
+    # None]: written only by that check (`_accel.c`, `dict_holds`); None for lists
+    stamp: list[Any] | None
+
+
+Guard = tuple[Watched, ...]
 
 
 def is_guardable(container: Any) -> bool:
@@ -34,21 +48,21 @@ def is_guardable(container: Any) -> bool:
 
 def make(containers: list[Any]) -> Guard | None:
     """A guard over these containers (each once), or None if there are none."""
-    pairs = []
+    watched = []
     seen: set[int] = set()
     for c in containers:
         if id(c) in seen:
             continue
         seen.add(id(c))
         if type(c) is list:
-            pairs.append((c, tuple(c)))
+            watched.append(Watched(c, tuple(c), None))
         else:
-            pairs.append((c, tuple(x for kv in c.items() for x in kv)))
-    return tuple(pairs) or None
+            watched.append(Watched(c, tuple(x for kv in c.items() for x in kv), [None]))
+    return tuple(watched) or None
 
 
 def _holds(guard: Guard) -> bool:
-    for c, expected in guard:
+    for c, expected, _ in guard:
         if type(c) is list:
             if len(c) != len(expected) or any(a is not b for a, b in zip(c, expected)):
                 return False

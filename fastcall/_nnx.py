@@ -1015,7 +1015,7 @@ def explain_node(obj: Any) -> tuple[str, str]:
         else:
             why = "a container in its graph that cannot be guarded, or a raw leaf fastcall cannot address"
         return f"NNX object re-read on every call ({why})", "a graph walk (nnx.jit's cost)"
-    n = sum(len(expected) for _, expected in entry.guard) if entry.guard else 0
+    n = sum(len(w.expected) for w in entry.guard) if entry.guard else 0
     checks = f", {n} list/dict item identity checks" if entry.guard else ""
     kind = "NNX object, structure cached" + (" (guarded lists/dicts)" if entry.guard else "")
     if not entry.direct:

@@ -265,3 +265,46 @@ def test_a_call_finishing_inside_another_leaves_one_tuple_cached(native, monkeyp
     outer = out.result(list(outer_dyn))
     assert inner[0] is not None and id(inner[0][1]) in _flatten.by_id  # the latest call's tuple: cached
     assert id(outer[1]) not in _flatten.by_id  # the other's: forgotten
+
+
+def test_the_c_guard_skips_an_unchanged_dict_by_its_version_and_sees_every_change():
+    """`guard_holds` in C stamps a dict's version tag when it finds the dict unchanged and
+    then skips the walk while the tag is the same; any write moves the tag, so a change is
+    still seen, and a dict changed and changed back is walked and found unchanged."""
+    import sys
+
+    from fastcall import _guard, _native
+
+    if _native.BUILT is None:
+        pytest.skip("not built")
+    a, b, c = jnp.ones(2), jnp.zeros(2), jnp.ones(3)
+    inner = {"w": a}
+    outer = {"inner": inner, "b": b}
+    guard = _guard.make([outer, inner])
+    stamp = guard[0].stamp
+    assert stamp == [None]
+
+    def both() -> bool:
+        held = _native.BUILT.guard_holds(guard)
+        assert held == _guard._holds(guard)  # the Python copy, which walks every dict
+        return held
+
+    assert both()
+    has_version = sys.version_info < (3, 14)
+    assert (type(stamp[0]) is int) == has_version
+    first = stamp[0]
+    assert both() and stamp[0] == first  # skipped: nothing changed
+    outer["b"] = c  # a value replaced
+    assert not both() and stamp[0] == first
+    outer["b"] = b  # and put back: walked, found as it was, stamped anew
+    assert both() and (stamp[0] != first) == has_version
+    inner["extra"] = a  # a key added to a nested dict
+    assert not both()
+    del inner["extra"]
+    assert both()
+    outer.pop("b")
+    outer["b"] = b  # the same items in the same order again
+    assert both()
+    del outer["b"], outer["inner"]
+    outer["b"], outer["inner"] = b, inner  # the same items, another order
+    assert not both()
