@@ -1461,95 +1461,207 @@ static PyTypeObject FastWrapperType = {
  *                   module: what its own unflatten does; object's constructor is called
  *                   directly, so the recipe is never written for a class object.__new__
  *                   refuses, nor for one where a field name is a data descriptor)
- * and leaves exactly one value. */
+ * and leaves exactly one value. `compile_recipe` checks a recipe once and decodes it into
+ * a `Program` (in a capsule), which is what calls run: no instruction is decoded or
+ * checked per call, and a LEAF index only against the outputs' count, once. */
 enum { OP_LEAF, OP_CONST, OP_TUPLE, OP_LIST, OP_DICT, OP_NTUPLE, OP_OBJECT };
 static PyObject *G_empty_tuple; /* (): made at import */
 
-static PyObject *
-build_output(PyObject *recipe, PyObject *d)
+typedef struct {
+    int op;
+    Py_ssize_t n;     /* LEAF: the index; TUPLE, LIST, NTUPLE: the count; DICT, OBJECT: len(keys) */
+    PyObject *value;  /* CONST: the value; NTUPLE, OBJECT: the class (borrowed from the recipe) */
+    PyObject *keys;   /* DICT, OBJECT: the keys (borrowed from the recipe) */
+} Instr;
+
+typedef struct {
+    PyObject *recipe;  /* held: owns every object the instructions borrow */
+    Py_ssize_t n_code;
+    Py_ssize_t depth;  /* the most values on the stack at once */
+    Py_ssize_t n_leaves; /* 1 + the largest LEAF index: d must hold at least this many */
+    Instr code[];
+} Program;
+
+static const char *PROGRAM_NAME = "fastcall._accel.Program";
+
+static void
+program_free(PyObject *capsule)
 {
-    Py_ssize_t n_ops = PyTuple_GET_SIZE(recipe), n_d = PySequence_Fast_GET_SIZE(d);
-    PyObject **items_d = PySequence_Fast_ITEMS(d);
-    /* (every instruction takes at least two slots, so the stack never holds more) */
-    PyObject **stack = PyMem_Malloc(sizeof(PyObject *) * (size_t)(n_ops / 2 + 1));
-    if (stack == NULL) {
+    Program *prog = PyCapsule_GetPointer(capsule, PROGRAM_NAME);
+    if (prog != NULL) {
+        Py_XDECREF(prog->recipe);
+        PyMem_Free(prog);
+    }
+}
+
+static PyObject *
+malformed_at(Py_ssize_t pc)
+{
+    PyErr_Format(PyExc_SystemError, "fastcall: malformed output recipe at instruction %zd", pc);
+    return NULL;
+}
+
+/* The recipe tuple checked and decoded into a Program capsule; SystemError if malformed. */
+static PyObject *
+compile_recipe(PyObject *recipe)
+{
+    Py_ssize_t n_ops = PyTuple_GET_SIZE(recipe);
+    /* (every instruction takes at least two slots) */
+    Program *prog = PyMem_Malloc(sizeof(Program) + sizeof(Instr) * (size_t)(n_ops / 2 + 1));
+    if (prog == NULL) {
         return PyErr_NoMemory();
     }
-    Py_ssize_t top = 0, pc = 0;
-    PyObject *result = NULL;
-#define ARG(k) (pc + (k) < n_ops ? PyTuple_GET_ITEM(recipe, pc + (k)) : NULL)
+    prog->n_code = prog->depth = prog->n_leaves = 0;
+    Py_ssize_t pc = 0, top = 0;
     while (pc < n_ops) {
         long op = PyLong_AsLong(PyTuple_GET_ITEM(recipe, pc));
-        PyObject *a1 = ARG(1), *a2 = ARG(2), *made = NULL;
-        Py_ssize_t n = -1;
-        if (op == -1 && PyErr_Occurred()) {
-            goto done;
-        }
-        if (a1 == NULL) {
+        PyObject *a1 = pc + 1 < n_ops ? PyTuple_GET_ITEM(recipe, pc + 1) : NULL;
+        PyObject *a2 = pc + 2 < n_ops ? PyTuple_GET_ITEM(recipe, pc + 2) : NULL;
+        Instr *in = &prog->code[prog->n_code];
+        in->op = (int)op;
+        in->n = 0;
+        in->value = in->keys = NULL;
+        if ((op == -1 && PyErr_Occurred()) || a1 == NULL) {
             goto malformed;
         }
         switch (op) {
         case OP_LEAF:
-            n = PyLong_AsSsize_t(a1);
-            if (n < 0 || n >= n_d) {
+            in->n = PyLong_AsSsize_t(a1);
+            if (in->n < 0) {
                 goto malformed;
             }
-            made = Py_NewRef(items_d[n]);
+            if (in->n >= prog->n_leaves) {
+                prog->n_leaves = in->n + 1;
+            }
             pc += 2;
             break;
         case OP_CONST:
-            made = Py_NewRef(a1);
+            in->value = a1;
             pc += 2;
             break;
         case OP_TUPLE:
         case OP_LIST:
-            n = PyLong_AsSsize_t(a1);
-            if (n < 0 || n > top) {
+            in->n = PyLong_AsSsize_t(a1);
+            pc += 2;
+            break;
+        case OP_DICT:
+            if (!PyTuple_CheckExact(a1)) {
                 goto malformed;
             }
-            made = op == OP_TUPLE ? PyTuple_New(n) : PyList_New(n);
+            in->keys = a1;
+            in->n = PyTuple_GET_SIZE(a1);
+            pc += 2;
+            break;
+        case OP_NTUPLE:
+            in->n = a2 == NULL ? -1 : PyLong_AsSsize_t(a2);
+            if (!PyType_Check(a1) || !PyType_IsSubtype((PyTypeObject *)a1, &PyTuple_Type)) {
+                goto malformed;
+            }
+            in->value = a1;
+            pc += 3;
+            break;
+        case OP_OBJECT:
+            if (a2 == NULL || !PyType_Check(a1) || !PyTuple_CheckExact(a2)) {
+                goto malformed;
+            }
+            in->value = a1;
+            in->keys = a2;
+            in->n = PyTuple_GET_SIZE(a2);
+            pc += 3;
+            break;
+        default:
+            goto malformed;
+        }
+        if (op != OP_LEAF && op != OP_CONST && (in->n < 0 || in->n > top)) {
+            goto malformed;
+        }
+        top += (op == OP_LEAF || op == OP_CONST) ? 1 : 1 - in->n;
+        if (top > prog->depth) {
+            prog->depth = top;
+        }
+        prog->n_code++;
+    }
+    if (top != 1) {
+        goto malformed;
+    }
+    Py_INCREF(recipe);
+    prog->recipe = recipe;
+    PyObject *capsule = PyCapsule_New(prog, PROGRAM_NAME, program_free);
+    if (capsule == NULL) {
+        Py_DECREF(recipe);
+        PyMem_Free(prog);
+    }
+    return capsule;
+malformed:
+    PyErr_Clear();
+    PyMem_Free(prog);
+    return malformed_at(pc);
+}
+
+/* Run a Program on `d` (a list or tuple): the output, a new reference; NULL on error. */
+static PyObject *
+run_program(Program *prog, PyObject *d)
+{
+    Py_ssize_t n_d = PySequence_Fast_GET_SIZE(d);
+    if (n_d < prog->n_leaves) {
+        return malformed_at(0); /* (a LEAF past the outputs: not this entry's recipe) */
+    }
+    PyObject **items_d = PySequence_Fast_ITEMS(d);
+    PyObject *small[32];
+    PyObject **stack = prog->depth <= 32 ? small : PyMem_Malloc(sizeof(PyObject *) * (size_t)prog->depth);
+    if (stack == NULL) {
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t top = 0;
+    PyObject *result = NULL;
+    for (Py_ssize_t i = 0; i < prog->n_code; i++) {
+        const Instr *in = &prog->code[i];
+        Py_ssize_t n = in->n;
+        PyObject *made = NULL;
+        switch (in->op) {
+        case OP_LEAF:
+            made = Py_NewRef(items_d[n]);
+            break;
+        case OP_CONST:
+            made = Py_NewRef(in->value);
+            break;
+        case OP_TUPLE:
+        case OP_LIST:
+            made = in->op == OP_TUPLE ? PyTuple_New(n) : PyList_New(n);
             if (made == NULL) {
                 goto done;
             }
             top -= n;
             for (Py_ssize_t j = 0; j < n; j++) { /* (references moved from the stack) */
-                if (op == OP_TUPLE) {
+                if (in->op == OP_TUPLE) {
                     PyTuple_SET_ITEM(made, j, stack[top + j]);
                 } else {
                     PyList_SET_ITEM(made, j, stack[top + j]);
                 }
             }
-            pc += 2;
             break;
-        case OP_DICT:
         case OP_OBJECT: {
-            PyObject *keys = op == OP_DICT ? a1 : a2;
-            if (keys == NULL || !PyTuple_CheckExact(keys) || PyTuple_GET_SIZE(keys) > top
-                || (op == OP_OBJECT && !PyType_Check(a1))) {
-                goto malformed;
-            }
-            n = PyTuple_GET_SIZE(keys);
+            /* field by field, as object.__setattr__ (what Equinox's unflatten does): the
+             * values go into the instance's own storage, with no dict made */
+            made = PyBaseObject_Type.tp_new((PyTypeObject *)in->value, G_empty_tuple, NULL);
+            int failed = made == NULL;
             top -= n;
-            if (op == OP_OBJECT) {
-                /* field by field, as object.__setattr__ (what Equinox's unflatten does): the
-                 * values go into the instance's own storage, with no dict made */
-                made = PyBaseObject_Type.tp_new((PyTypeObject *)a1, G_empty_tuple, NULL);
-                int failed = made == NULL;
-                for (Py_ssize_t j = 0; j < n; j++) {
-                    failed = failed || PyObject_GenericSetAttr(made, PyTuple_GET_ITEM(keys, j), stack[top + j]) < 0;
-                    Py_DECREF(stack[top + j]);
-                }
-                if (failed) {
-                    Py_XDECREF(made);
-                    goto done;
-                }
-                pc += 3;
-                break;
+            for (Py_ssize_t j = 0; j < n; j++) {
+                failed = failed || PyObject_GenericSetAttr(made, PyTuple_GET_ITEM(in->keys, j), stack[top + j]) < 0;
+                Py_DECREF(stack[top + j]);
             }
+            if (failed) {
+                Py_XDECREF(made);
+                goto done;
+            }
+            break;
+        }
+        case OP_DICT: {
             PyObject *dict = PyDict_New();
             int failed = dict == NULL;
+            top -= n;
             for (Py_ssize_t j = 0; j < n; j++) {
-                failed = failed || PyDict_SetItem(dict, PyTuple_GET_ITEM(keys, j), stack[top + j]) < 0;
+                failed = failed || PyDict_SetItem(dict, PyTuple_GET_ITEM(in->keys, j), stack[top + j]) < 0;
                 Py_DECREF(stack[top + j]);
             }
             if (failed) {
@@ -1557,14 +1669,9 @@ build_output(PyObject *recipe, PyObject *d)
                 goto done;
             }
             made = dict;
-            pc += 2;
             break;
         }
         case OP_NTUPLE: {
-            n = a2 == NULL ? -1 : PyLong_AsSsize_t(a2);
-            if (n < 0 || n > top || !PyType_Check(a1) || !PyType_IsSubtype((PyTypeObject *)a1, &PyTuple_Type)) {
-                goto malformed;
-            }
             PyObject *items = PyTuple_New(n);
             if (items == NULL) {
                 goto done;
@@ -1578,41 +1685,57 @@ build_output(PyObject *recipe, PyObject *d)
             if (one == NULL) {
                 goto done;
             }
-            made = PyTuple_Type.tp_new((PyTypeObject *)a1, one, NULL);
+            made = PyTuple_Type.tp_new((PyTypeObject *)in->value, one, NULL);
             Py_DECREF(one);
             if (made == NULL) {
                 goto done;
             }
-            pc += 3;
             break;
         }
-        default:
-            goto malformed;
         }
         stack[top++] = made;
     }
-#undef ARG
-    if (top != 1) {
-        goto malformed;
-    }
-    result = stack[--top];
-    goto done;
-malformed:
-    if (!PyErr_Occurred()) {
-        PyErr_Format(PyExc_SystemError, "fastcall: malformed output recipe at instruction %zd", pc);
-    }
+    result = stack[--top]; /* (compile_recipe checked that exactly one value is left) */
 done:
     while (top > 0) {
         Py_DECREF(stack[--top]);
     }
-    PyMem_Free(stack);
+    if (stack != small) {
+        PyMem_Free(stack);
+    }
+    return result;
+}
+
+/* The Program of `recipe` (a Program capsule, or a recipe tuple, compiled into `*owned`,
+ * which the caller releases); NULL with an error if neither or malformed. */
+static Program *
+program_of(PyObject *recipe, PyObject **owned)
+{
+    *owned = NULL;
+    if (PyTuple_CheckExact(recipe)) {
+        recipe = *owned = compile_recipe(recipe);
+        if (recipe == NULL) {
+            return NULL;
+        }
+    }
+    return PyCapsule_GetPointer(recipe, PROGRAM_NAME);
+}
+
+static PyObject *
+build_output(PyObject *recipe, PyObject *d)
+{
+    PyObject *owned;
+    Program *prog = program_of(recipe, &owned);
+    PyObject *result = prog == NULL ? NULL : run_program(prog, d);
+    Py_XDECREF(owned);
     return result;
 }
 
 static int
 build_args_ok(PyObject *recipe, PyObject *d, const char *usage)
 {
-    if (!PyTuple_CheckExact(recipe) || !(PyList_CheckExact(d) || PyTuple_CheckExact(d))) {
+    if (!(PyTuple_CheckExact(recipe) || PyCapsule_IsValid(recipe, PROGRAM_NAME))
+        || !(PyList_CheckExact(d) || PyTuple_CheckExact(d))) {
         PyErr_SetString(PyExc_TypeError, usage);
         return 0;
     }
@@ -1620,9 +1743,19 @@ build_args_ok(PyObject *recipe, PyObject *d, const char *usage)
 }
 
 static PyObject *
+py_compile_recipe(PyObject *module, PyObject *recipe)
+{
+    if (!PyTuple_CheckExact(recipe)) {
+        PyErr_SetString(PyExc_TypeError, "compile_recipe(recipe: tuple)");
+        return NULL;
+    }
+    return compile_recipe(recipe);
+}
+
+static PyObject *
 py_build(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    const char *usage = "build(recipe: tuple, d: list or tuple)";
+    const char *usage = "build(recipe: tuple or compiled, d: list or tuple)";
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, usage);
         return NULL;
@@ -1847,7 +1980,7 @@ py_remember_outputs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 py_finish_output(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    const char *usage = "finish_output(recipe: tuple, kit, regs: tuple, held: [list], d: list)";
+    const char *usage = "finish_output(recipe: tuple or compiled, kit, regs: tuple, held: [list], d: list)";
     if (nargs != 5 || !build_args_ok(args[0], args[4], usage) || !PyList_CheckExact(args[4])
         || (args[1] != Py_None && !remember_args_ok(args[1], args[2], args[3], usage))) {
         if (!PyErr_Occurred()) {
@@ -1907,6 +2040,7 @@ static PyMethodDef accel_methods[] = {
     {"guard_holds", py_guard_holds, METH_O, "Whether a guard's containers are unchanged (see _guard.py)."},
     {"configure", py_configure, METH_VARARGS, "Set the tables and record classes every FastWrapper reads."},
     {"build", (PyCFunction)(void (*)(void))py_build, METH_FASTCALL, "An output rebuilt from a call's dynamic outputs by its recipe."},
+    {"compile_recipe", py_compile_recipe, METH_O, "An output recipe checked and decoded once, for build and finish_output."},
     {"evict", (PyCFunction)(void (*)(void))py_evict, METH_FASTCALL, "Drop a dead object's cache entries."},
     {"remember_outputs", (PyCFunction)(void (*)(void))py_remember_outputs, METH_FASTCALL,
      "Cache a call's returned modules and tuples by identity (OutInfo._register)."},

@@ -321,7 +321,8 @@ def make_builder(example: Any) -> Callable[[Sequence[Any]], Any] | None:
     except (_NoTemplate, RecursionError):
         return None
     if _native.ACCEL is not None:
-        return functools.partial(_native.ACCEL.build, tuple(gen.recipe))
+        # (checked and decoded once: each call runs the decoded program)
+        return functools.partial(_native.ACCEL.build, _native.ACCEL.compile_recipe(tuple(gen.recipe)))
     namespace: dict[str, Any] = dict(gen.consts)
     namespace.update(_tnew=tuple.__new__, _new=object.__new__, _setattr=object.__setattr__)
     lines = "".join(f"    {stmt}\n" for stmt in gen.stmts)
@@ -332,8 +333,9 @@ def make_builder(example: Any) -> Callable[[Sequence[Any]], Any] | None:
     return namespace["build"]
 
 
-def recipe_of(build: Any) -> tuple[Any, ...] | None:
-    """The recipe of a C builder `make_builder` made (for `_accel.finish_output`), else None."""
+def recipe_of(build: Any) -> Any:
+    """The compiled recipe of a C builder `make_builder` made (for `_accel.finish_output`),
+    else None."""
     accel = _native.BUILT
     if accel is not None and isinstance(build, functools.partial) and build.func is accel.build:
         return build.args[0]

@@ -119,6 +119,23 @@ def test_c_builder_rejects_a_malformed_recipe():
             finish(*args)
     with pytest.raises(SystemError, match="malformed output recipe"):
         finish((2, 1), None, (), [[]], [jnp.ones(1)])
+    # Compiled once (what calls run): checked then, and a LEAF against the outputs' count
+    compile_recipe = _native.BUILT.compile_recipe
+    for recipe in [(2, 1), (1, 1, 1, 2), (9, 0), (0,), (), (0, -1), (2, "x"), (6, int, ("x",)), (5, list, 0)]:
+        with pytest.raises(SystemError, match="malformed output recipe"):
+            compile_recipe(recipe)
+    program = compile_recipe((0, 5))
+    with pytest.raises(SystemError, match="malformed output recipe"):
+        build(program, [jnp.ones(1)])
+    with pytest.raises(TypeError, match="compile_recipe"):
+        compile_recipe([0, 0])
+    # more values on the stack than the builder keeps on its own (a tuple of 40 leaves)
+    leaves = [jnp.full(1, i) for i in range(40)]
+    wide = tuple(x for i in range(40) for x in (0, i)) + (2, 40)
+    for recipe in (wide, compile_recipe(wide)):
+        built = build(recipe, leaves)
+        assert type(built) is tuple and all(a is b for a, b in zip(built, leaves))
+    assert finish(compile_recipe((0, 0, 0, 0, 3, 2)), None, (), [[]], leaves[:1])[1] is leaves[0]
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
