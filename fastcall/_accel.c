@@ -145,9 +145,13 @@ fw_fallback(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *k
     return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
 }
 
-/* A dict's version tag (PEP 509): changed by every write that changes what the dict
- * holds, and never shared by two states of one dict. Deprecated since 3.12 and gone in
- * 3.14; where it is not there (or the build is free-threaded), guards compare in full. */
+/* A dict's version tag (PEP 509): changed by every dict operation that changes what the
+ * dict holds, and never shared by two states of one dict. Not by every write, though: an
+ * object's attribute dict (`vars(obj)`) may share its values with the object (3.13), and an
+ * attribute set on the object writes there without a new tag; so the tag is trusted only
+ * for a dict with a combined table (`ma_values` NULL), which nothing else shares.
+ * Deprecated since 3.12 and gone in 3.14; where it is not there (or the build is
+ * free-threaded), guards compare in full. */
 #if PY_VERSION_HEX < 0x030E0000 && !defined(Py_GIL_DISABLED)
 #define HAVE_DICT_VERSION 1
 static inline unsigned long long
@@ -170,6 +174,7 @@ dict_holds(PyObject *c, PyObject *expected, PyObject *stamp)
     Py_ssize_t m = PyTuple_GET_SIZE(expected);
     int stamped = PyList_CheckExact(stamp) && PyList_GET_SIZE(stamp) == 1;
 #ifdef HAVE_DICT_VERSION
+    stamped = stamped && ((PyDictObject *)c)->ma_values == NULL; /* (see dict_version) */
     unsigned long long version = dict_version(c);
     if (stamped && PyLong_CheckExact(PyList_GET_ITEM(stamp, 0))) {
         unsigned long long seen = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(stamp, 0));
@@ -1466,6 +1471,7 @@ static PyTypeObject FastWrapperType = {
  * checked per call, and a LEAF index only against the outputs' count, once. */
 enum { OP_LEAF, OP_CONST, OP_TUPLE, OP_LIST, OP_DICT, OP_NTUPLE, OP_OBJECT };
 static PyObject *G_empty_tuple; /* (): made at import */
+static PyObject *G_s_fields;    /* "_fields": made at import */
 
 typedef struct {
     int op;
@@ -1527,7 +1533,7 @@ compile_recipe(PyObject *recipe)
         switch (op) {
         case OP_LEAF:
             in->n = PyLong_AsSsize_t(a1);
-            if (in->n < 0) {
+            if (in->n < 0 || in->n == PY_SSIZE_T_MAX) { /* (n_leaves is n + 1) */
                 goto malformed;
             }
             if (in->n >= prog->n_leaves) {
@@ -1554,7 +1560,10 @@ compile_recipe(PyObject *recipe)
             break;
         case OP_NTUPLE:
             in->n = a2 == NULL ? -1 : PyLong_AsSsize_t(a2);
-            if (!PyType_Check(a1) || !PyType_IsSubtype((PyTypeObject *)a1, &PyTuple_Type)) {
+            /* (a namedtuple, as the recipe is written for: not another tuple type, such as a
+             * struct sequence, which tuple.__new__ cannot make) */
+            if (!PyType_Check(a1) || !PyType_IsSubtype((PyTypeObject *)a1, &PyTuple_Type)
+                || !PyObject_HasAttr(a1, G_s_fields)) {
                 goto malformed;
             }
             in->value = a1;
@@ -2064,6 +2073,9 @@ PyInit__accel(void)
         return NULL;
     }
     if (G_empty_tuple == NULL && (G_empty_tuple = PyTuple_New(0)) == NULL) {
+        return NULL;
+    }
+    if (G_s_fields == NULL && (G_s_fields = PyUnicode_InternFromString("_fields")) == NULL) {
         return NULL;
     }
     if (G_s_oid == NULL && (G_s_oid = PyUnicode_InternFromString("oid")) == NULL) {

@@ -15,9 +15,11 @@ Why identity of items is enough: every other part of the object is immutable
 or itself guarded (a nested list is in the guard too), so an unchanged set of
 items in every container means an unchanged object. What it costs: one pointer
 comparison per item of every container, in C when the extension is built. The C
-check also skips a dict whose version tag (PEP 509, which every write that changes
-a dict moves on) is the one it had when the check last found it unchanged
-(`Watched.stamp`); Python 3.14 has no such tag, and there every dict is walked.
+check also skips a dict whose version tag (PEP 509, which every dict operation that
+changes it moves on) is the one it had when the check last found it unchanged
+(`Watched.stamp`), for a dict that keeps its own values only: an object's attribute
+dict may share them with the object (Python 3.13), which writes an attribute there
+without a new tag. Python 3.14 has no such tag, and there every dict is walked.
 """
 
 from __future__ import annotations

@@ -325,3 +325,24 @@ def test_the_c_guard_skips_an_unchanged_dict_by_its_version_and_sees_every_chang
     del outer["b"], outer["inner"]
     outer["b"], outer["inner"] = b, inner  # the same items, another order
     assert not both()
+
+    # An object's attribute dict (an eqx.nn.State's, an nnx.State's are guarded): on 3.13 it
+    # shares its values with the object, and setting an attribute writes there without a new
+    # version tag; the check must see it all the same.
+    class Box:
+        pass
+
+    box = Box()
+    box.a, box.b = a, b
+    guard = _guard.make([vars(box)])
+    assert both() and both()
+    box.a = c
+    assert not both()
+    box.a = a
+    assert both() and both()
+    box.extra = c
+    assert not both()
+    del box.extra
+    assert both()
+    del box.b
+    assert not both()
