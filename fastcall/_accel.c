@@ -1649,35 +1649,25 @@ run_program(Program *prog, PyObject *d)
                 }
             }
             break;
-        case OP_OBJECT: {
-            /* field by field, as object.__setattr__ (what Equinox's unflatten does): the
-             * values go into the instance's own storage, with no dict made */
-            made = PyBaseObject_Type.tp_new((PyTypeObject *)in->value, G_empty_tuple, NULL);
+        case OP_OBJECT:
+        case OP_DICT: {
+            /* an object field by field, as object.__setattr__ (what Equinox's unflatten
+             * does): the values go into the instance's own storage, with no dict made */
+            int object = in->op == OP_OBJECT;
+            made = object ? PyBaseObject_Type.tp_new((PyTypeObject *)in->value, G_empty_tuple, NULL) : PyDict_New();
             int failed = made == NULL;
             top -= n;
             for (Py_ssize_t j = 0; j < n; j++) {
-                failed = failed || PyObject_GenericSetAttr(made, PyTuple_GET_ITEM(in->keys, j), stack[top + j]) < 0;
+                PyObject *key = PyTuple_GET_ITEM(in->keys, j);
+                failed = failed
+                         || (object ? PyObject_GenericSetAttr(made, key, stack[top + j])
+                                    : PyDict_SetItem(made, key, stack[top + j])) < 0;
                 Py_DECREF(stack[top + j]);
             }
             if (failed) {
                 Py_XDECREF(made);
                 goto done;
             }
-            break;
-        }
-        case OP_DICT: {
-            PyObject *dict = PyDict_New();
-            int failed = dict == NULL;
-            top -= n;
-            for (Py_ssize_t j = 0; j < n; j++) {
-                failed = failed || PyDict_SetItem(dict, PyTuple_GET_ITEM(in->keys, j), stack[top + j]) < 0;
-                Py_DECREF(stack[top + j]);
-            }
-            if (failed) {
-                Py_XDECREF(dict);
-                goto done;
-            }
-            made = dict;
             break;
         }
         case OP_NTUPLE: {
