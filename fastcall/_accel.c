@@ -21,8 +21,9 @@
  * call's only NNX object (`VariableRead`), if of the recorded type and metadata: its
  * value; a GraphDef (`GraphdefRead`)
  * if `GRAPHDEFS` knows this very object under the expected spec, unchanged.
- * Calls with NNX objects are served only outside any JAX trace and when the
- * objects are known to share nothing (`NodeEntry.disjoint`). The call then
+ * Calls with NNX objects are served only when the objects are known to share
+ * nothing (`NodeEntry.disjoint`), and, if the call may write state back (a `post`),
+ * outside any JAX trace. The call then
  * passes those leaves in order; `post` gets the NnxArgs of the NNX objects.
  *
  * Then: for an NNX record (variables is not None), the Variables' current
@@ -124,6 +125,8 @@ static struct {
     PyObject *s_objects;      /* "objects" (NodesRead.objects) */
     PyObject *s_level;        /* "level" (PytreeShape.level) */
     PyObject *s_mapping;      /* "_mapping" (flax's HashableMapping's dict) */
+    /* NodeEntry's slot descriptors for s_spec_id .. s_disjoint, of `entry_type` (see entry_field) */
+    PyObject *entry_type, *entry_slots[5];
 } G;
 
 typedef struct {
@@ -396,13 +399,42 @@ last_mark(PyObject *a, PyObject *key, int first)
     return mark;
 }
 
+/* The graph node a RawLeaf's owner stands for (a new reference): the referent of a live
+ * weak proxy, so that each attribute read or write goes to it directly rather than through
+ * the proxy's forwarding (which does the same, one call deeper); else the owner itself (a
+ * dead proxy then raises ReferenceError when used, as before). NULL on error. */
+static PyObject *
+owner_of(PyObject *owner)
+{
+    if (PyWeakref_CheckProxy(owner)) {
+#if PY_VERSION_HEX >= 0x030D0000
+        PyObject *target;
+        if (PyWeakref_GetRef(owner, &target) < 0) {
+            return NULL;
+        }
+        if (target != NULL) {
+            return target;
+        }
+#else
+        PyObject *target = PyWeakref_GET_OBJECT(owner); /* (None once dead: a node is never None) */
+        if (target != Py_None) {
+            return Py_NewRef(target);
+        }
+#endif
+    }
+    return Py_NewRef(owner);
+}
+
 /* The current value of one leaf of an NNX record (a new reference): a Variable's through
  * the _raw_value slot descriptor `descr`, a RawLeaf(owner, name)'s through getattr. */
 static PyObject *
 leaf_value(PyObject *descr, PyObject *item)
 {
     if ((PyObject *)Py_TYPE(item) == G.raw_leaf) {
-        return PyObject_GetAttr(PyTuple_GET_ITEM(item, RAW_OWNER), PyTuple_GET_ITEM(item, RAW_NAME));
+        PyObject *owner = owner_of(PyTuple_GET_ITEM(item, RAW_OWNER));
+        PyObject *value = owner == NULL ? NULL : PyObject_GetAttr(owner, PyTuple_GET_ITEM(item, RAW_NAME));
+        Py_XDECREF(owner);
+        return value;
     }
     return Py_TYPE(descr)->tp_descr_get(descr, item, (PyObject *)Py_TYPE(item));
 }
@@ -451,18 +483,52 @@ at_top_level(void)
     return 1;
 }
 
+/* Field `i` (ENTRY_SPEC_ID ..) of a cache entry `node` (an `_nnx.NodeEntry`), a new reference:
+ * read through its slot's member descriptor, looked up once per entry type (a data
+ * descriptor: what the generic getattr returns, with no instance or type lookup per read);
+ * for a type with its own getattr, or no such slot, by getattr. */
+#define ENTRY_SPEC_ID 0
+#define ENTRY_FRESH 1
+#define ENTRY_ITEMS 2
+#define ENTRY_PATHS 3
+#define ENTRY_DISJOINT 4
+static PyObject *
+entry_field(PyObject *node, int i)
+{
+    PyObject *names[5] = {G.s_spec_id, G.s_fresh, G.s_items, G.s_paths, G.s_disjoint};
+    PyTypeObject *type = Py_TYPE(node);
+    if ((PyObject *)type != G.entry_type) {
+        int generic = type->tp_getattro == PyObject_GenericGetAttr;
+        for (int j = 0; j < 5; j++) {
+            PyObject *d = generic ? PyObject_GetAttr((PyObject *)type, names[j]) : NULL;
+            if (d != NULL && Py_TYPE(d) != &PyMemberDescr_Type) {
+                Py_CLEAR(d);
+            }
+            PyErr_Clear(); /* (none: read by getattr) */
+            Py_XSETREF(G.entry_slots[j], d);
+        }
+        Py_XSETREF(G.entry_type, Py_NewRef((PyObject *)type));
+    }
+    PyObject *d = G.entry_slots[i];
+    return d != NULL ? Py_TYPE(d)->tp_descr_get(d, node, (PyObject *)type) : PyObject_GetAttr(node, names[i]);
+}
+
 /* Append NnxArg(obj, variables, entry, ids, paths) to `nnx_args`, made as namedtuple's
  * own `_make` does (tuple.__new__), without calling its Python __new__. 0, or -1. */
 static int
 append_nnx_arg(PyObject *nnx_args, PyObject *obj, PyObject *variables, PyObject *entry, PyObject *ids,
                PyObject *paths)
 {
-    PyObject *fields = PyTuple_Pack(5, obj, variables, entry, ids, paths);
-    PyObject *packed = fields == NULL ? NULL : PyTuple_Pack(1, fields);
-    Py_XDECREF(fields);
-    PyObject *arg = packed == NULL ? NULL : PyTuple_Type.tp_new((PyTypeObject *)G.nnx_arg, packed, NULL);
-    Py_XDECREF(packed);
-    int res = arg == NULL ? -1 : PyList_Append(nnx_args, arg);
+    PyTypeObject *cls = (PyTypeObject *)G.nnx_arg;
+    PyObject *arg = cls->tp_alloc(cls, 5); /* (tuple.__new__ for a subclass allocates so, then fills) */
+    if (arg == NULL) {
+        return -1;
+    }
+    PyObject *fields[5] = {obj, variables, entry, ids, paths};
+    for (Py_ssize_t i = 0; i < 5; i++) {
+        PyTuple_SET_ITEM(arg, i, Py_NewRef(fields[i]));
+    }
+    int res = PyList_Append(nnx_args, arg);
     Py_XDECREF(arg);
     return res;
 }
@@ -500,18 +566,18 @@ read_node(PyObject *a, PyObject *spec_id, PyObject *values, PyObject *entries, P
     if (node == Py_None || (guard != Py_None && !guard_holds(guard))) {
         goto done;
     }
-    found = PyObject_GetAttr(node, G.s_spec_id);
+    found = entry_field(node, ENTRY_SPEC_ID);
     if (found == NULL || (res = PyObject_RichCompareBool(found, spec_id, Py_EQ)) <= 0) {
         res = found == NULL ? -1 : res;
         goto done;
     }
     Py_DECREF(found);
-    found = PyObject_GetAttr(node, G.s_fresh);
+    found = entry_field(node, ENTRY_FRESH);
     if (found == NULL || found != Py_False) {
         res = found == NULL ? -1 : 0;
         goto done;
     }
-    items = PyObject_GetAttr(node, G.s_items);
+    items = entry_field(node, ENTRY_ITEMS);
     if (items == NULL || !PyList_CheckExact(items)) {
         res = items == NULL ? -1 : 0;
         goto done;
@@ -540,7 +606,7 @@ read_node(PyObject *a, PyObject *spec_id, PyObject *values, PyObject *entries, P
     }
     if (nnx_args != NULL) {
         Py_DECREF(found);
-        found = PyObject_GetAttr(node, G.s_paths);
+        found = entry_field(node, ENTRY_PATHS);
         if (found == NULL || append_nnx_arg(nnx_args, a, items, node, G.empty_ids, found) < 0) {
             res = -1;
             goto done;
@@ -711,7 +777,7 @@ known_disjoint(PyObject *entries)
 {
     Py_ssize_t n = PyList_GET_SIZE(entries);
     for (Py_ssize_t i = 0; i + 1 < n; i++) {
-        PyObject *cache = PyObject_GetAttr(PyList_GET_ITEM(entries, i), G.s_disjoint);
+        PyObject *cache = entry_field(PyList_GET_ITEM(entries, i), ENTRY_DISJOINT);
         if (cache == NULL) {
             return -1;
         }
@@ -743,12 +809,13 @@ known_disjoint(PyObject *entries)
 static int
 write_raw_leaf(PyObject *leaf, PyObject *value)
 {
-    PyObject *owner = PyTuple_GET_ITEM(leaf, RAW_OWNER); /* (a weak proxy: forwards) */
+    PyObject *owner = owner_of(PyTuple_GET_ITEM(leaf, RAW_OWNER));
     PyObject *name = PyTuple_GET_ITEM(leaf, RAW_NAME);
-    PyObject *held = PyObject_GetAttr(owner, G.s_dict);
+    PyObject *held = owner != NULL ? PyObject_GetAttr(owner, G.s_dict) : NULL;
     PyObject *nodes = held != NULL ? PyObject_GetAttr(owner, G.s_pytree_nodes) : NULL;
     if (nodes == NULL) {
         Py_XDECREF(held);
+        Py_XDECREF(owner);
         return -1;
     }
     int direct = 0, res = 0;
@@ -780,6 +847,7 @@ write_raw_leaf(PyObject *leaf, PyObject *value)
     }
     Py_DECREF(held);
     Py_DECREF(nodes);
+    Py_DECREF(owner);
     return res;
 }
 
@@ -1035,16 +1103,17 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
         total += PySequence_Fast_GET_SIZE(parts[i]);
     }
     if (entries != NULL && (PyList_GET_SIZE(entries) > 0 || n_variables > 0)) {
-        /* NNX objects: not inside a JAX trace (state changed inside must stay in it), and
-         * sharing nothing (else they are read jointly; a Variable read on its own must be the
-         * call's only NNX object), and no nnx.cached_partial cache pending: the Python copy
-         * decides otherwise */
+        /* NNX objects: sharing nothing (else they are read jointly; a Variable read on its
+         * own must be the call's only NNX object), no nnx.cached_partial cache pending, and,
+         * for a call that may change state, not inside a JAX trace (state changed inside must
+         * stay in it; as in the fast path, a call with nothing to do after it changes
+         * nothing): the Python copy decides otherwise */
         Py_ssize_t n_entries = PyList_GET_SIZE(entries);
         int ok = n_variables > 0 ? n_variables == 1 && n_entries == 0 : n_entries == 1 ? 1 : known_disjoint(entries);
         if (ok == 1) {
             ok = no_static_cache_pending();
         }
-        if (ok == 1) {
+        if (ok == 1 && post != Py_None) {
             ok = at_top_level();
         }
         if (ok != 1) {
