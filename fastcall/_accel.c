@@ -21,9 +21,8 @@
  * call's only NNX object (`VariableRead`), if of the recorded type and metadata: its
  * value; a GraphDef (`GraphdefRead`)
  * if `GRAPHDEFS` knows this very object under the expected spec, unchanged.
- * Calls with NNX objects are served only when the objects are known to share
- * nothing (`NodeEntry.disjoint`), and, if the call may write state back (a `post`),
- * outside any JAX trace. The call then
+ * Calls with NNX objects are served only outside any JAX trace and when the
+ * objects are known to share nothing (`NodeEntry.disjoint`). The call then
  * passes those leaves in order; `post` gets the NnxArgs of the NNX objects.
  *
  * Then: for an NNX record (variables is not None), the Variables' current
@@ -519,16 +518,12 @@ static int
 append_nnx_arg(PyObject *nnx_args, PyObject *obj, PyObject *variables, PyObject *entry, PyObject *ids,
                PyObject *paths)
 {
-    PyTypeObject *cls = (PyTypeObject *)G.nnx_arg;
-    PyObject *arg = cls->tp_alloc(cls, 5); /* (tuple.__new__ for a subclass allocates so, then fills) */
-    if (arg == NULL) {
-        return -1;
-    }
-    PyObject *fields[5] = {obj, variables, entry, ids, paths};
-    for (Py_ssize_t i = 0; i < 5; i++) {
-        PyTuple_SET_ITEM(arg, i, Py_NewRef(fields[i]));
-    }
-    int res = PyList_Append(nnx_args, arg);
+    PyObject *fields = PyTuple_Pack(5, obj, variables, entry, ids, paths);
+    PyObject *packed = fields == NULL ? NULL : PyTuple_Pack(1, fields);
+    Py_XDECREF(fields);
+    PyObject *arg = packed == NULL ? NULL : PyTuple_Type.tp_new((PyTypeObject *)G.nnx_arg, packed, NULL);
+    Py_XDECREF(packed);
+    int res = arg == NULL ? -1 : PyList_Append(nnx_args, arg);
     Py_XDECREF(arg);
     return res;
 }
@@ -1103,17 +1098,16 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
         total += PySequence_Fast_GET_SIZE(parts[i]);
     }
     if (entries != NULL && (PyList_GET_SIZE(entries) > 0 || n_variables > 0)) {
-        /* NNX objects: sharing nothing (else they are read jointly; a Variable read on its
-         * own must be the call's only NNX object), no nnx.cached_partial cache pending, and,
-         * for a call that may change state, not inside a JAX trace (state changed inside must
-         * stay in it; as in the fast path, a call with nothing to do after it changes
-         * nothing): the Python copy decides otherwise */
+        /* NNX objects: not inside a JAX trace (state changed inside must stay in it), and
+         * sharing nothing (else they are read jointly; a Variable read on its own must be the
+         * call's only NNX object), and no nnx.cached_partial cache pending: the Python copy
+         * decides otherwise */
         Py_ssize_t n_entries = PyList_GET_SIZE(entries);
         int ok = n_variables > 0 ? n_variables == 1 && n_entries == 0 : n_entries == 1 ? 1 : known_disjoint(entries);
         if (ok == 1) {
             ok = no_static_cache_pending();
         }
-        if (ok == 1 && post != Py_None) {
+        if (ok == 1) {
             ok = at_top_level();
         }
         if (ok != 1) {

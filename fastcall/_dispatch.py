@@ -332,11 +332,8 @@ def read_arguments(known: StructureRecord, args: tuple[Any, ...]) -> tuple[list[
         if leaves is None:
             return None  # not of this structure
         values += leaves
-    if nnx_args and (
-        (known.post is not None and currently_jitting())
-        or (len(nnx_args) > 1 and _nnx_gate.adapter().overlapping(nnx_args))
-    ):
-        return None  # (inside an outer transformation, state to write back; NNX arguments sharing Variables)
+    if nnx_args and (currently_jitting() or (len(nnx_args) > 1 and _nnx_gate.adapter().overlapping(nnx_args))):
+        return None  # (inside an outer transformation; NNX arguments sharing Variables)
     last = known.last
     for i, read in enumerate(known.reads):
         if type(read) is ArgRead:
