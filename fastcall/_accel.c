@@ -12,8 +12,9 @@
  * record for type(first) with arity == len(args), and every argument reads as
  * the record says (`_dispatch.read_arguments` is the Python copy): a plain array
  * as is; any other from the identity cache (`by_id`: an entry whose ref() is the
- * argument, whose guard holds and whose spec id is the expected one) or else
- * from its structure's extractor (not None), unless it is the object last read
+ * argument, whose guard holds and whose spec id is the expected one), or as one
+ * of the objects the latest call of a recent entry returned (`latest_leaves`), or
+ * else from its structure's extractor (not None), unless it is the object last read
  * there (`last`); an NNX object (`NodeRead`; each of a tuple, list, dict or
  * other pytree of them, `NodesRead`) from its cache entry, if the fast index publishes a slot for it
  * (validated as the fast path validates one) whose entry (`FastSlot.node`) has
@@ -107,6 +108,7 @@ static const char *CACHE_FIELDS[] = {"ref", "leaves", "spec_id", "spec", "guard"
 static struct {
     PyObject *index;       /* dict: id(first) -> FastSlot (the fast index) */
     PyObject *by_id;       /* dict: id(obj) -> CacheEntry (the identity cache) */
+    PyObject *latest;      /* list: the `held` lists of the entries that returned last (see remember_outputs) */
     PyObject *graphdefs;   /* dict: id(graphdef) -> KnownGraphdef */
     PyObject *value_slot;  /* one-element list: the Variable._raw_value descriptor, or None */
     PyObject *graph_context; /* one-element list: NNX's (thread-local) graph context, or None */
@@ -344,31 +346,84 @@ by_id_of(PyObject *table, PyObject *obj)
 
 #define SMALL_STACK 64
 
+/* REG_SPEC_ID: the field of a registration (index, start, stop, spec, spec_id) compared. */
+#define REG_SPEC_ID 4
+#define REG_SIZE 5
+
+/* The leaves of `a` (a new reference to a list) if it is one of the objects the latest
+ * call of a recently run entry returned (`_flatten.latest`, whose copy this is: see
+ * remember_outputs), with spec `spec_id`; NULL without an error if not. A returned module
+ * is known by a weak reference, a returned tuple by a strong one: either way `a` itself,
+ * alive, so its id cannot have been reused. */
+static PyObject *
+latest_leaves(PyObject *a, PyObject *spec_id)
+{
+    PyObject *ring = G.latest;
+    for (Py_ssize_t i = 0; PyList_CheckExact(ring) && i < PyList_GET_SIZE(ring); i++) {
+        PyObject *held = PyList_GET_ITEM(ring, i);
+        PyObject *memo = PyList_CheckExact(held) && PyList_GET_SIZE(held) == 1 ? PyList_GET_ITEM(held, 0) : NULL;
+        if (memo == NULL || !PyTuple_CheckExact(memo) || PyTuple_GET_SIZE(memo) < 1) {
+            continue;
+        }
+        PyObject *regs = PyTuple_GET_ITEM(memo, 0);
+        Py_ssize_t n = (PyTuple_GET_SIZE(memo) - 1) / 2;
+        if (!PyTuple_CheckExact(regs) || PyTuple_GET_SIZE(regs) != n) {
+            continue;
+        }
+        Py_INCREF(memo); /* (held while read: a comparison below may run code that replaces it) */
+        PyObject *found = NULL;
+        int failed = 0;
+        for (Py_ssize_t r = 0; r < n && found == NULL && !failed; r++) {
+            PyObject *ref = PyTuple_GET_ITEM(memo, 1 + 2 * r);
+            PyObject *leaves = PyTuple_GET_ITEM(memo, 2 + 2 * r);
+            PyObject *reg = PyTuple_GET_ITEM(regs, r);
+            if (ref == Py_None || !PyList_CheckExact(leaves) || !PyTuple_CheckExact(reg)
+                || PyTuple_GET_SIZE(reg) != REG_SIZE) {
+                continue;
+            }
+            int same = PyWeakref_CheckRefExact(ref) ? ref_is(ref, a) : ref == a;
+            if (same == 1) {
+                same = PyObject_RichCompareBool(PyTuple_GET_ITEM(reg, REG_SPEC_ID), spec_id, Py_EQ);
+                found = same == 1 ? Py_NewRef(leaves) : NULL;
+            }
+            failed = same < 0;
+        }
+        Py_DECREF(memo);
+        if (found != NULL || failed) {
+            return found;
+        }
+    }
+    return NULL;
+}
+
 /* The leaves of `a` (a new reference to a tuple or list) if the identity cache holds a
- * current entry for it (key: id(a)) of spec `spec_id`; NULL without an error if not. */
+ * current entry for it (key: id(a)) of spec `spec_id`, or it is one of the latest
+ * outputs (`latest_leaves`); NULL without an error if not. */
 static PyObject *
 cached_leaves(FastWrapper *self, PyObject *a, PyObject *key, PyObject *spec_id)
 {
     PyObject *entry = PyDict_GetItemWithError(G.by_id, key); /* borrowed */
-    if (entry == NULL || !PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 5) {
-        return NULL;
-    }
-    Py_INCREF(entry); /* (calling a strong token's ref may run code) */
     PyObject *leaves = NULL;
-    int same = ref_is(PyTuple_GET_ITEM(entry, CACHE_REF), a);
-    if (same == 1) {
-        PyObject *guard = PyTuple_GET_ITEM(entry, CACHE_GUARD);
-        PyObject *found = PyTuple_GET_ITEM(entry, CACHE_LEAVES);
-        if ((guard == Py_None || guard_holds(guard))
-            && (PyTuple_CheckExact(found) || PyList_CheckExact(found))) {
-            int match = PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, CACHE_SPEC_ID), spec_id, Py_EQ);
-            if (match == 1) {
-                Py_INCREF(found);
-                leaves = found;
+    if (entry != NULL && PyTuple_Check(entry) && PyTuple_GET_SIZE(entry) == 5) {
+        Py_INCREF(entry); /* (calling a strong token's ref may run code) */
+        int same = ref_is(PyTuple_GET_ITEM(entry, CACHE_REF), a);
+        if (same == 1) {
+            PyObject *guard = PyTuple_GET_ITEM(entry, CACHE_GUARD);
+            PyObject *found = PyTuple_GET_ITEM(entry, CACHE_LEAVES);
+            if ((guard == Py_None || guard_holds(guard))
+                && (PyTuple_CheckExact(found) || PyList_CheckExact(found))) {
+                int match = PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, CACHE_SPEC_ID), spec_id, Py_EQ);
+                if (match == 1) {
+                    Py_INCREF(found);
+                    leaves = found;
+                }
             }
         }
+        Py_DECREF(entry);
     }
-    Py_DECREF(entry);
+    if (leaves == NULL && !PyErr_Occurred()) {
+        leaves = latest_leaves(a, spec_id);
+    }
     return leaves;
 }
 
@@ -1360,7 +1415,7 @@ record_class(PyObject *records, const char *name, const char **expected)
 
 #define SET_SHARED(field, value) do { PyObject *old_ = G.field; G.field = (value); Py_XDECREF(old_); } while (0)
 
-/* configure(index, by_id, graphdefs, value_slot, graph_context, array_type, varies_exc, jitting,
+/* configure(index, by_id, latest, graphdefs, value_slot, graph_context, array_type, varies_exc, jitting,
  *           top_level, records):
  * the tables and types every wrapper reads (see the struct G); `records` maps each record
  * class's name to the class, whose fields are checked against the layout read here.
@@ -1368,10 +1423,10 @@ record_class(PyObject *records, const char *name, const char **expected)
 static PyObject *
 py_configure(PyObject *module, PyObject *args)
 {
-    PyObject *index, *by_id, *graphdefs, *value_slot, *graph_context, *array_type, *varies_exc, *jitting,
+    PyObject *index, *by_id, *latest, *graphdefs, *value_slot, *graph_context, *array_type, *varies_exc, *jitting,
         *top_level, *records;
-    if (!PyArg_UnpackTuple(args, "configure", 10, 10, &index, &by_id, &graphdefs, &value_slot, &graph_context,
-                           &array_type, &varies_exc, &jitting, &top_level, &records)) {
+    if (!PyArg_UnpackTuple(args, "configure", 11, 11, &index, &by_id, &latest, &graphdefs, &value_slot,
+                           &graph_context, &array_type, &varies_exc, &jitting, &top_level, &records)) {
         return NULL;
     }
     int probe_ok = top_level == Py_None || PyTuple_CheckExact(top_level);
@@ -1392,6 +1447,10 @@ py_configure(PyObject *module, PyObject *args)
     if (!PyList_CheckExact(value_slot) || PyList_GET_SIZE(value_slot) != 1 || !PyList_CheckExact(graph_context)
         || PyList_GET_SIZE(graph_context) != 1) {
         PyErr_SetString(PyExc_TypeError, "configure: value_slot and graph_context must be one-element lists");
+        return NULL;
+    }
+    if (!PyList_CheckExact(latest)) {
+        PyErr_SetString(PyExc_TypeError, "configure: latest must be a list");
         return NULL;
     }
     enum { N_RECORDS = 13 };
@@ -1437,6 +1496,7 @@ py_configure(PyObject *module, PyObject *args)
     SET_SHARED(variable_read, cls[12]);
     Py_INCREF(index); SET_SHARED(index, index);
     Py_INCREF(by_id); SET_SHARED(by_id, by_id);
+    Py_INCREF(latest); SET_SHARED(latest, latest);
     Py_INCREF(graphdefs); SET_SHARED(graphdefs, graphdefs);
     Py_INCREF(value_slot); SET_SHARED(value_slot, value_slot);
     Py_INCREF(graph_context); SET_SHARED(graph_context, graph_context);
@@ -1825,195 +1885,109 @@ py_build(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return build_args_ok(args[0], args[1], usage) ? build_output(args[0], args[1]) : NULL;
 }
 
-/* remember_outputs(kit, regs, held, result, dyn): `OutInfo._register` (its Python copy,
- * with `_flatten.remember` and `remember_strongly`) in C. Swaps `held[0]` (the tuples the
- * entry's previous call cached strongly, as `_Strong` tokens) for a new list `strong`;
- * forgets each previous token whose entry is still its own; then for each (index, start,
- * stop, spec) of `regs` whose first leaf dyn[start] is an ArrayImpl, caches `item`
- * (`result`, or result[index]) by identity with the leaves dyn[start:stop]: a tuple
- * strongly (a `_Strong` token, appended to `strong`), anything else by a `_Ref` weak
- * reference whose callback `evict` drops the entry when it dies (not weakly referenceable:
- * not cached); an entry it replaces is withdrawn from the fast index. If another call
- * swapped `held[0]` meanwhile, forgets `strong`'s tokens too (that call forgot only those
- * there when it swapped). `kit` = (by_id, CacheEntry, _Ref, evict, _Strong, itemgetter(0), withdraw, ArrayImpl). */
-enum { KIT_BY_ID, KIT_ENTRY, KIT_REF, KIT_EVICT, KIT_STRONG, KIT_GETTER, KIT_WITHDRAW, KIT_ARRAY, KIT_SIZE };
-
-static PyObject *G_s_oid, *G_s_id; /* "oid", "id": made at import */
-
-/* CacheEntry(ref, leaves, spec_id, spec, None) as tuple.__new__ makes it (no Python frame) */
-static PyObject *
-cache_entry(PyObject *cls, PyObject *ref, PyObject *leaves, PyObject *spec)
-{
-    PyObject *spec_id = PyObject_GetAttr(spec, G_s_id);
-    if (spec_id == NULL) {
-        return NULL;
-    }
-    PyObject *fields = PyTuple_Pack(5, ref, leaves, spec_id, spec, Py_None);
-    Py_DECREF(spec_id);
-    if (fields == NULL) {
-        return NULL;
-    }
-    PyObject *one = PyTuple_Pack(1, fields);
-    Py_DECREF(fields);
-    if (one == NULL) {
-        return NULL;
-    }
-    PyObject *entry = PyTuple_Type.tp_new((PyTypeObject *)cls, one, NULL);
-    Py_DECREF(one);
-    return entry;
-}
-
-/* Cache `item` by identity (see remember_outputs); 0, or -1 on error. */
+/* remember_outputs(on_death, regs, held, result, dyn): `OutInfo._register` (whose Python
+ * copy `_flatten.note_latest` is) in C. The objects a call returns that the next call may
+ * take back (`regs`: (index, start, stop, spec, spec_id) each) are noted in one tuple, the
+ * entry's *memo*, which replaces the previous call's in `held[0]`:
+ *     (regs, ref_0, leaves_0, ref_1, leaves_1, ...)
+ * per registration, `item` (`result`, or result[index]) known by a weak reference whose
+ * callback is `on_death` if it can be weakly referenced, by itself (held strongly until the
+ * entry's next call) if it is a plain tuple, else None (not noted); leaves_r its leaves
+ * dyn[start:stop] (a list). Not noted either: a registration whose first leaf is not an
+ * ArrayImpl (a tracer of an outer trace). Then `held` goes to the front of the recent
+ * entries (`G.latest`, `latest_leaves` reads it). Nothing is allocated per returned node
+ * beyond its weak reference and its leaves: the identity cache proper (`by_id`) takes an
+ * object only when a call served in Python reads it (`_flatten.lookup`). 0, or -1. */
 static int
-remember_one(PyObject *const *kit, PyObject *item, PyObject *leaves, PyObject *spec, PyObject *strong)
+remember_outputs(PyObject *on_death, PyObject *regs, PyObject *result, PyObject *dyn, PyObject *held)
 {
-    PyObject *by_id = kit[KIT_BY_ID];
-    PyObject *oid = PyLong_FromVoidPtr(item);
-    if (oid == NULL) {
+    Py_ssize_t n = PyTuple_GET_SIZE(regs);
+    PyObject *memo = PyTuple_New(1 + 2 * n);
+    if (memo == NULL) {
         return -1;
     }
-    PyObject *ref = NULL, *entry = NULL, *old = NULL;
-    int res = -1;
-    if (PyTuple_CheckExact(item)) {
-        PyObject *held = PyTuple_Pack(1, item);
-        ref = held == NULL ? NULL : PyObject_CallFunctionObjArgs(kit[KIT_STRONG], kit[KIT_GETTER], held, NULL);
-        Py_XDECREF(held);
-    } else {
-        ref = PyObject_CallFunctionObjArgs(kit[KIT_REF], item, kit[KIT_EVICT], NULL);
-        if (ref == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
-            PyErr_Clear(); /* (cannot be weakly referenced: not cached) */
-            Py_DECREF(oid);
-            return 0;
-        }
+    PyTuple_SET_ITEM(memo, 0, Py_NewRef(regs));
+    for (Py_ssize_t j = 1; j < 1 + 2 * n; j++) {
+        PyTuple_SET_ITEM(memo, j, Py_NewRef(Py_None));
     }
-    if (ref == NULL || PyObject_SetAttr(ref, G_s_oid, oid) < 0) {
-        goto done;
-    }
-    entry = cache_entry(kit[KIT_ENTRY], ref, leaves, spec);
-    if (entry == NULL) {
-        goto done;
-    }
-    if (PyTuple_CheckExact(item)) {
-        if (PyDict_SetItem(by_id, oid, entry) < 0 || PyList_Append(strong, ref) < 0) {
-            goto done;
-        }
-    } else {
-        old = PyDict_GetItemWithError(by_id, oid);
-        if (old == NULL && PyErr_Occurred()) {
-            goto done;
-        }
-        Py_XINCREF(old);
-        if (PyDict_SetItem(by_id, oid, entry) < 0) {
-            goto done;
-        }
-        if (old != NULL && PyTuple_Check(old) && PyTuple_GET_SIZE(old) > CACHE_REF) {
-            /* (its fast records bind the old leaves) */
-            PyObject *r = PyObject_CallOneArg(kit[KIT_WITHDRAW], PyTuple_GET_ITEM(old, CACHE_REF));
-            if (r == NULL) {
-                goto done;
-            }
-            Py_DECREF(r);
-        }
-    }
-    res = 0;
-done:
-    Py_XDECREF(old);
-    Py_XDECREF(entry);
-    Py_XDECREF(ref);
-    Py_DECREF(oid);
-    return res;
-}
-
-/* `forget_strong` for each token of the list `tokens`: 0, or -1 on error. */
-static int
-forget_tokens(PyObject *by_id, PyObject *tokens)
-{
-    for (Py_ssize_t j = 0; PyList_Check(tokens) && j < PyList_GET_SIZE(tokens); j++) { /* `forget_strong` */
-        PyObject *token = PyList_GET_ITEM(tokens, j);
-        PyObject *oid = PyObject_GetAttr(token, G_s_oid);
-        if (oid == NULL) {
-            return -1;
-        }
-        PyObject *entry = PyDict_GetItemWithError(by_id, oid); /* borrowed */
-        int failed = entry == NULL && PyErr_Occurred();
-        if (!failed && entry != NULL && PyTuple_Check(entry) && PyTuple_GET_SIZE(entry) > CACHE_REF
-            && PyTuple_GET_ITEM(entry, CACHE_REF) == token) {
-            failed = PyDict_DelItem(by_id, oid) < 0;
-        }
-        Py_DECREF(oid);
-        if (failed) {
-            return -1;
-        }
-    }
-    return 0;
-}
-
-/* The steps of remember_outputs once its arguments are checked: 0, or -1 on error. */
-static int
-remember_outputs(PyObject *const *kit, PyObject *regs, PyObject *result, PyObject *dyn, PyObject *held)
-{
-    /* held[0] swapped for a new list first (the swap itself atomic under the GIL; code run
-     * by the steps below may let another call of the entry swap it again: see the end) */
-    PyObject *strong = PyList_New(0);
-    if (strong == NULL) {
-        return -1;
-    }
-    PyObject *previous = Py_NewRef(PyList_GET_ITEM(held, 0));
-    Py_INCREF(strong); /* (ours, and held's) */
-    PyList_SetItem(held, 0, strong);
-    int res = -1;
-    PyObject *by_id = kit[KIT_BY_ID];
-    if (forget_tokens(by_id, previous) < 0) {
-        goto done;
-    }
-    for (Py_ssize_t r = 0; r < PyTuple_GET_SIZE(regs); r++) {
+    for (Py_ssize_t r = 0; r < n; r++) {
         PyObject *reg = PyTuple_GET_ITEM(regs, r);
-        if (!PyTuple_Check(reg) || PyTuple_GET_SIZE(reg) != 4) {
-            PyErr_SetString(PyExc_TypeError, "remember_outputs: a registration is (index, start, stop, spec)");
-            goto done;
+        if (!PyTuple_Check(reg) || PyTuple_GET_SIZE(reg) != REG_SIZE) {
+            PyErr_SetString(PyExc_TypeError, "remember_outputs: a registration is (index, start, stop, spec, spec_id)");
+            goto failed;
         }
         PyObject *index = PyTuple_GET_ITEM(reg, 0);
         Py_ssize_t start = PyLong_AsSsize_t(PyTuple_GET_ITEM(reg, 1));
         Py_ssize_t stop = PyLong_AsSsize_t(PyTuple_GET_ITEM(reg, 2));
         if (PyErr_Occurred()) {
-            goto done;
+            goto failed;
         }
         if (start < 0 || start >= stop || stop > PyList_GET_SIZE(dyn)) {
             PyErr_SetString(PyExc_IndexError, "remember_outputs: leaves out of range");
-            goto done;
+            goto failed;
         }
-        if ((PyObject *)Py_TYPE(PyList_GET_ITEM(dyn, start)) != kit[KIT_ARRAY]) {
+        if ((PyObject *)Py_TYPE(PyList_GET_ITEM(dyn, start)) != G.array_type) {
             continue; /* (a tracer of an outer trace: never cached) */
         }
         PyObject *item = index == Py_None ? Py_NewRef(result) : PyObject_GetItem(result, index);
-        PyObject *leaves = item == NULL ? NULL : PyList_GetSlice(dyn, start, stop);
-        int failed = leaves == NULL || remember_one(kit, item, leaves, PyTuple_GET_ITEM(reg, 3), strong) < 0;
-        Py_XDECREF(leaves);
-        Py_XDECREF(item);
-        if (failed) {
-            goto done;
+        if (item == NULL) {
+            goto failed;
         }
+        PyObject *ref = PyTuple_CheckExact(item) ? Py_NewRef(item) : PyWeakref_NewRef(item, on_death);
+        Py_DECREF(item);
+        if (ref == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_TypeError)) {
+                goto failed;
+            }
+            PyErr_Clear(); /* (cannot be weakly referenced: not noted) */
+            continue;
+        }
+        PyObject *leaves = PyList_GetSlice(dyn, start, stop);
+        if (leaves == NULL) {
+            Py_DECREF(ref);
+            goto failed;
+        }
+        Py_DECREF(Py_None); /* (the two Nones they replace) */
+        Py_DECREF(Py_None);
+        PyTuple_SET_ITEM(memo, 1 + 2 * r, ref);
+        PyTuple_SET_ITEM(memo, 2 + 2 * r, leaves);
     }
-    res = 0;
-    /* another call swapped held[0] meanwhile (code run above let it in): it forgot what
-     * `strong` held then, not what was added since; nobody else will, so forget it here */
-    if (PyList_GET_SIZE(held) != 1 || PyList_GET_ITEM(held, 0) != strong) {
-        res = forget_tokens(by_id, strong);
+    /* The swap (atomic under the GIL); the previous memo and whatever falls off the recent
+     * entries are released after both tables are consistent (releasing may run code). */
+    PyObject *previous = Py_NewRef(PyList_GET_ITEM(held, 0));
+    PyList_SetItem(held, 0, memo); /* (steals memo) */
+    PyObject *dropped = NULL;
+    PyObject *ring = G.latest;
+    if (PyList_CheckExact(ring) && PyList_GET_SIZE(ring) > 0 && PyList_GET_ITEM(ring, 0) != held) {
+        /* `held` to the front, the others one place back (the last falls off, unless it is
+         * `held`'s old place) */
+        Py_ssize_t k = PyList_GET_SIZE(ring);
+        Py_ssize_t at = k - 1;
+        for (Py_ssize_t i = 1; i < k; i++) {
+            if (PyList_GET_ITEM(ring, i) == held) {
+                at = i;
+                break;
+            }
+        }
+        PyObject **items = ((PyListObject *)ring)->ob_item;
+        dropped = items[at];
+        memmove(&items[1], &items[0], (size_t)at * sizeof(PyObject *));
+        items[0] = Py_NewRef(held);
     }
-done:
+    Py_XDECREF(dropped);
     Py_DECREF(previous);
-    Py_DECREF(strong);
-    return res;
+    return 0;
+failed:
+    Py_DECREF(memo);
+    return -1;
 }
 
-/* Whether (kit, regs, held) are as remember_outputs reads them; else TypeError `usage`. */
+/* Whether (on_death, regs, held) are as remember_outputs reads them; else TypeError `usage`. */
 static int
-remember_args_ok(PyObject *kit, PyObject *regs, PyObject *held, const char *usage)
+remember_args_ok(PyObject *on_death, PyObject *regs, PyObject *held, const char *usage)
 {
-    if (!PyTuple_CheckExact(kit) || PyTuple_GET_SIZE(kit) != KIT_SIZE || !PyTuple_CheckExact(regs)
-        || !PyList_CheckExact(held) || PyList_GET_SIZE(held) != 1
-        || !PyDict_CheckExact(PyTuple_GET_ITEM(kit, KIT_BY_ID)) || !PyType_Check(PyTuple_GET_ITEM(kit, KIT_ENTRY))
-        || !PyType_IsSubtype((PyTypeObject *)PyTuple_GET_ITEM(kit, KIT_ENTRY), &PyTuple_Type)) {
+    if (!PyCallable_Check(on_death) || !PyTuple_CheckExact(regs) || !PyList_CheckExact(held)
+        || PyList_GET_SIZE(held) != 1) {
         PyErr_SetString(PyExc_TypeError, usage);
         return 0;
     }
@@ -2023,26 +1997,26 @@ remember_args_ok(PyObject *kit, PyObject *regs, PyObject *held, const char *usag
 static PyObject *
 py_remember_outputs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    const char *usage = "remember_outputs(kit, regs: tuple, held: [list], result, dyn: list)";
+    const char *usage = "remember_outputs(on_death, regs: tuple, held: [memo], result, dyn: list)";
     if (nargs != 5 || !PyList_CheckExact(args[4]) || !remember_args_ok(args[0], args[1], args[2], usage)) {
         if (!PyErr_Occurred()) {
             PyErr_SetString(PyExc_TypeError, usage);
         }
         return NULL;
     }
-    if (remember_outputs(&PyTuple_GET_ITEM(args[0], 0), args[1], args[3], args[4], args[2]) < 0) {
+    if (remember_outputs(args[0], args[1], args[3], args[4], args[2]) < 0) {
         return NULL;
     }
     Py_RETURN_NONE;
 }
 
-/* finish_output(recipe, kit, regs, held, d): a call's output from its dynamic outputs `d`
- * (a list) with no Python frame, `OutInfo.result` for an entry that neither waits nor
- * writes back: build(recipe, d), then, if `kit` is not None, remember_outputs. */
+/* finish_output(recipe, on_death, regs, held, d): a call's output from its dynamic outputs
+ * `d` (a list) with no Python frame, `OutInfo.result` for an entry that neither waits nor
+ * writes back: build(recipe, d), then, if `on_death` is not None, remember_outputs. */
 static PyObject *
 py_finish_output(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    const char *usage = "finish_output(recipe: tuple or compiled, kit, regs: tuple, held: [list], d: list)";
+    const char *usage = "finish_output(recipe: tuple or compiled, on_death, regs: tuple, held: [memo], d: list)";
     if (nargs != 5 || !build_args_ok(args[0], args[4], usage) || !PyList_CheckExact(args[4])
         || (args[1] != Py_None && !remember_args_ok(args[1], args[2], args[3], usage))) {
         if (!PyErr_Occurred()) {
@@ -2051,12 +2025,13 @@ py_finish_output(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *result = build_output(args[0], args[4]);
-    if (result != NULL && args[1] != Py_None
-        && remember_outputs(&PyTuple_GET_ITEM(args[1], 0), args[2], result, args[4], args[3]) < 0) {
+    if (result != NULL && args[1] != Py_None && remember_outputs(args[1], args[2], result, args[4], args[3]) < 0) {
         Py_CLEAR(result);
     }
     return result;
 }
+
+static PyObject *G_s_oid; /* "oid": made at import */
 
 /* evict(by_id, index, ref): `_flatten._evict` in C, the callback of the identity cache's
  * weak references: when an object dies (before its id can be reused), drop its identity
@@ -2105,9 +2080,9 @@ static PyMethodDef accel_methods[] = {
     {"compile_recipe", py_compile_recipe, METH_O, "An output recipe checked and decoded once, for build and finish_output."},
     {"evict", (PyCFunction)(void (*)(void))py_evict, METH_FASTCALL, "Drop a dead object's cache entries."},
     {"remember_outputs", (PyCFunction)(void (*)(void))py_remember_outputs, METH_FASTCALL,
-     "Cache a call's returned modules and tuples by identity (OutInfo._register)."},
+     "Note the modules and tuples a call returned, for the next call (OutInfo._register)."},
     {"finish_output", (PyCFunction)(void (*)(void))py_finish_output, METH_FASTCALL,
-     "A call's output built by its recipe, its returned modules and tuples cached (OutInfo.result)."},
+     "A call's output built by its recipe, its returned modules and tuples noted (OutInfo.result)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -2132,9 +2107,6 @@ PyInit__accel(void)
         return NULL;
     }
     if (G_s_oid == NULL && (G_s_oid = PyUnicode_InternFromString("oid")) == NULL) {
-        return NULL;
-    }
-    if (G_s_id == NULL && (G_s_id = PyUnicode_InternFromString("id")) == NULL) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&accel_module);

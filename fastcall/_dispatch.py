@@ -58,7 +58,7 @@ def configure_accel() -> None:
         GraphdefRead, _fast.KnownGraphdef, _fast.NnxArg, WriteBack, _fast.RawLeaf,
     )
     _native.BUILT.configure(
-        _fast.INDEX, _flatten.by_id, _fast.GRAPHDEFS, _fast.VALUE_SLOT, _fast.GRAPH_CONTEXT, ArrayImpl,
+        _fast.INDEX, _flatten.by_id, _flatten.LATEST, _fast.GRAPHDEFS, _fast.VALUE_SLOT, _fast.GRAPH_CONTEXT, ArrayImpl,
         StructureVaries, currently_jitting, TOP_LEVEL_PROBE,
         {cls.__name__: cls for cls in records},
     )

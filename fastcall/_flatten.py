@@ -13,6 +13,11 @@ split once per structure and once per object:
   immutable structures (Equinox modules, tuples of them). An entry is used
   only if `entry.ref() is obj`, so a reused `id` never matches, and it is
   evicted by the weakref's callback when the object dies.
+* the latest outputs (`LATEST`, `note_latest`): the modules and tuples the
+  latest call of each recently run compiled entry returned, with their leaves,
+  so that `model = step(model, ...)` finds them next step without an identity
+  cache entry being made for each (`lookup` makes one when a call served in
+  Python reads one).
 
 For a new object of a structure seen before, `_codegen` generates code that
 extracts its leaves faster than `jax.tree_util.tree_flatten`.
@@ -299,7 +304,7 @@ def flatten_generic(value: Any, arg_name: str, trace_scalars: bool = False) -> t
 class CacheEntry(NamedTuple):
     """What the identity cache knows about one object."""
 
-    ref: Callable[[], Any]  # a weakref (or, for `remember_strongly`, a strong token)
+    ref: Callable[[], Any]  # a weakref (or, for a container `hold` holds, a strong token)
     leaves: Sequence[Any]  # the object's dynamic leaves
     spec_id: int
     spec: Any  # held: keeps the interned Spec (and so its id) alive while cached
@@ -307,13 +312,23 @@ class CacheEntry(NamedTuple):
 
 
 def lookup(obj: Any) -> CacheEntry | None:
-    """The identity cache's entry for `obj` if it is current (the one place that decides)."""
+    """The identity cache's entry for `obj` if it is current (the one place that decides).
+    An object the latest call of a recent entry returned (`latest`) is taken into the cache
+    here (a module by weak reference; a tuple is given an entry held only by the caller)."""
     hit = by_id.get(id(obj))
-    if hit is None or hit.ref() is not obj:
+    if hit is not None and hit.ref() is obj:
+        if hit.guard is not None and not _guard.holds(hit.guard):
+            return None  # a list or dict inside changed in place: read afresh
+        return hit
+    found = latest(obj)
+    if found is None:
         return None
-    if hit.guard is not None and not _guard.holds(hit.guard):
-        return None  # a list or dict inside changed in place: read afresh
-    return hit
+    leaves, spec = found
+    if type(obj) is tuple:
+        return CacheEntry(_Strong(operator.itemgetter(0), (obj,)), leaves, spec.id, spec)
+    remember(obj, leaves, spec)
+    hit = by_id.get(id(obj))
+    return hit if hit is not None and hit.ref() is obj else None
 
 
 class _Ref(weakref.ref):
@@ -485,24 +500,72 @@ def release_held(box: list[Any]) -> None:
         release(token)
 
 
-def remember_strongly(obj: Any, leaves: Sequence[Any], spec: Any) -> _Strong:
-    """Cache a non-weakrefable immutable object (a tuple such as an optax state) by
-    identity, holding it alive so that its id cannot be reused while cached. The
-    caller must `forget_strong` the returned token soon (fastcall keeps only the
-    outputs of the latest call of each compiled entry)."""
-    token = _Strong(operator.itemgetter(0), (obj,))
-    token.oid = id(obj)
-    by_id[token.oid] = CacheEntry(token, leaves, spec.id, spec)
-    return token
+# The latest outputs. Each compiled entry that returns modules or tuples keeps a one-item
+# list `held`: held[0] is its latest call's *memo* (or None),
+#     (regs, ref_0, leaves_0, ref_1, leaves_1, ...)
+# per registration (index, start, stop, spec, spec_id) of `OutInfo.regs`: the returned object
+# known by a weak reference (a module: released when it dies, by `forget_latest`) or by
+# itself (a tuple, which cannot be weakly referenced: held until the entry's next call), or
+# None (not noted); and its leaves. `LATEST` lists the `held` of the entries that returned
+# most recently, newest first. A lookup compares live objects by identity (`ref() is obj`,
+# or `ref is obj`), so a reused id never matches. `_accel.remember_outputs` and
+# `_accel.latest_leaves` are the C copies of `note_latest` and `latest`.
+LATEST_SIZE = 8
+LATEST: list[Any] = [None] * LATEST_SIZE
+_latest_lock = threading.Lock()
 
 
-def native_kit() -> tuple[Any, ...] | None:
-    """What `_accel.remember_outputs` needs of this identity cache, to do `OutInfo._register`'s
-    caching in C (the same steps as `remember` and `remember_strongly`); None where calls
-    are served in Python."""
-    if _native.ACCEL is None:
-        return None
-    return (by_id, CacheEntry, _Ref, _evicts(), _Strong, operator.itemgetter(0), _fast.withdraw, ArrayImpl)
+def note_latest(held: list[Any], regs: Sequence[Any], result: Any, dyn: Sequence[Any], on_death: Any) -> None:
+    """Note the objects a call returned (`OutInfo._register`): see LATEST. Only concrete
+    arrays (not tracers of an outer trace) are noted."""
+    memo: list[Any] = [tuple(regs)]
+    for index, start, stop, _spec, _spec_id in regs:
+        ref: Any = None
+        leaves = None
+        if type(dyn[start]) is ArrayImpl:
+            item = result if index is None else result[index]
+            if type(item) is tuple:
+                ref = item
+            else:
+                try:
+                    ref = weakref.ref(item, on_death)
+                except TypeError:
+                    pass  # (cannot be weakly referenced: not noted)
+            if ref is not None:
+                leaves = list(dyn[start:stop])
+        memo += (ref, leaves)
+    dropped = None
+    with _latest_lock:  # (two threads finishing calls at once)
+        previous, held[0] = held[0], tuple(memo)
+        if LATEST[0] is not held:
+            at = next((i for i in range(1, LATEST_SIZE) if LATEST[i] is held), LATEST_SIZE - 1)
+            dropped = LATEST[at]
+            LATEST[1 : at + 1] = LATEST[:at]
+            LATEST[0] = held
+    del previous, dropped  # (released outside the lock: releasing may run code)
+
+
+def latest(obj: Any) -> tuple[Sequence[Any], Any] | None:
+    """(leaves, spec) of `obj` if the latest call of a recent entry returned it: see LATEST."""
+    for held in list(LATEST):
+        memo = held[0] if held is not None else None
+        if memo is None:
+            continue
+        for r, reg in enumerate(memo[0]):
+            ref = memo[1 + 2 * r]
+            if ref is not None and (ref is obj if type(ref) is tuple else ref() is obj):
+                return memo[2 + 2 * r], reg[3]
+    return None
+
+
+def forget_latest(held: list[Any], ref: Any) -> None:
+    """A returned module died: drop the memo that knew it (and so its leaves), if current.
+    (The weak references' callback, bound to its entry's `held`. Not under the lock: it
+    runs wherever the module dies; a memo noted meanwhile and dropped here costs the next
+    call a read, never a wrong one.)"""
+    memo = held[0]
+    if memo is not None and any(x is ref for x in memo[1::2]):
+        held[0] = None
 
 
 def forget_strong(token: _Strong) -> None:
@@ -513,6 +576,13 @@ def forget_strong(token: _Strong) -> None:
 
 def clear() -> None:
     by_id.clear()
+    with _latest_lock:
+        memos = [held[0] for held in LATEST if held is not None]
+        for held in LATEST:
+            if held is not None:
+                held[0] = None
+        LATEST[:] = [None] * LATEST_SIZE
+    del memos  # (released outside the lock)
     _seen_once.clear()
     with _intern_lock:
         _spec_ids.clear()

@@ -4,7 +4,7 @@ Decided at trace time, per compiled entry, and recorded in an `OutInfo`:
 whether jax's own output tree already is the user's output ("pass": arrays in
 standard containers, rebuilt by jax in C++), or fastcall must merge static
 leaves back, rebuild modules, wait for `eqx.error_if` checks, write NNX state
-back and register returned modules for the next call ("flat").
+back and note returned modules and tuples for the next call ("flat").
 
 Also here: what happens when running a compiled function raises (an
 `eqx.error_if` failure becomes `eqx.EquinoxRuntimeError`, a deleted array is
@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import threading
 from typing import Any, Callable, Sequence
 
 import equinox as eqx
@@ -24,7 +23,7 @@ import jax
 
 from . import _codegen, _flatten, _native, _nnx_gate
 from ._errors import FastcallError, describe_arg
-from ._flatten import ARRAY_TYPES, ArrayImpl, remember
+from ._flatten import ARRAY_TYPES, ArrayImpl
 from ._trace import Tracer
 
 try:
@@ -38,7 +37,7 @@ class OutInfo:
 
     __slots__ = (
         "mode", "treedef", "mask", "statics", "static_keys", "block", "regs", "remember", "nnx", "build", "held",
-        "passthrough", "adapter", "fast_result",
+        "passthrough", "adapter", "fast_result", "on_death",
     )
     treedef: Any
 
@@ -67,12 +66,16 @@ class OutInfo:
         self.nnx = nnx
         self.adapter: Any = _nnx_gate.adapter() if nnx is not None else None
         self.regs = tuple(_registrations(out, mask))
-        # [the tokens of the tuples the latest call cached by identity], swapped each call
-        self.held: list[list[Any]] = [[]]
-        kit = _flatten.native_kit() if self.regs else None
-        # `remember(result, dyn)`: `_register`'s caching, done in C where calls are served there
+        # [the latest call's memo of what it returned], replaced each call (`_flatten.LATEST`)
+        self.held: list[Any] = [None]
+        # (the callback of the memo's weak references: a returned module died)
+        self.on_death = functools.partial(_flatten.forget_latest, self.held)
+        accel = _native.ACCEL if self.regs else None
+        # `remember(result, dyn)`: `_register`'s noting, done in C where calls are served there
         self.remember = (
-            None if kit is None else functools.partial(_native.ACCEL.remember_outputs, kit, self.regs, self.held)
+            None
+            if accel is None
+            else functools.partial(accel.remember_outputs, self.on_death, self.regs, self.held)
         )
         needs_flat = bool(self.statics or self.block or self.regs or nnx is not None)
         # Generated code that rebuilds this output structure (None: use treedef.unflatten).
@@ -87,8 +90,9 @@ class OutInfo:
         # it does: no wait, and a C builder
         recipe = _codegen.recipe_of(self.build)
         self.fast_result: Callable[[list[Any]], Any] = self.result
-        if recipe is not None and not block and (kit is not None or not self.regs):
-            self.fast_result = functools.partial(_native.ACCEL.finish_output, recipe, kit, self.regs, self.held)
+        if recipe is not None and not block and (accel is not None or not self.regs):
+            on_death = self.on_death if self.regs else None
+            self.fast_result = functools.partial(_native.ACCEL.finish_output, recipe, on_death, self.regs, self.held)
 
     def same_as(self, other: OutInfo) -> bool:
         if self.static_keys is None or other.static_keys is None:
@@ -171,33 +175,20 @@ class OutInfo:
         return nnx.writes
 
     def _register(self, result: Any, dyn: Sequence[Any]) -> None:
-        """Cache returned modules (and tuples such as optimizer states) by identity, so
-        that `model, opt_state = step(model, opt_state, ...)` hits the cache next step.
-        Only concrete arrays (not tracers of an outer trace) may be cached."""
+        """Note returned modules (and tuples such as optimizer states) with their leaves,
+        so that `model, opt_state = step(model, opt_state, ...)` finds them next step
+        (`_flatten.note_latest`, or its C copy)."""
         if self.remember is not None:  # (the same, in C)
             self.remember(result, dyn if type(dyn) is list else list(dyn))
             return
-        strong: list[Any] = []
-        with _strong_lock:  # (two threads finishing calls of one program at once)
-            previous, self.held[0] = self.held[0], strong
-        for old in previous:
-            _flatten.forget_strong(old)
-        for index, start, stop, spec in self.regs:
-            if type(dyn[start]) is not ArrayImpl:
-                continue
-            item = result if index is None else result[index]
-            if type(item) is tuple:
-                strong.append(_flatten.remember_strongly(item, dyn[start:stop], spec))
-            else:
-                remember(item, dyn[start:stop], spec)
-        if self.held[0] is not strong:
-            # (another call swapped it meanwhile: it forgot what `strong` held then, not what
-            # was added since; nobody else will)
-            for token in strong:
-                _flatten.forget_strong(token)
+        _flatten.note_latest(self.held, self.regs, result, dyn, self.on_death)
 
-
-_strong_lock = threading.Lock()
+    def __del__(self) -> None:
+        # (the memo's weak references hold `on_death`, which holds `held`: a cycle, broken
+        # here so that the latest outputs' leaves go with the entry)
+        held = getattr(self, "held", None)
+        if held is not None:
+            held[0] = None
 
 
 def _has_python_nodes(treedef: Any) -> bool:
@@ -230,7 +221,7 @@ def _registrations(out: Any, mask: tuple[bool, ...]):
             except FastcallError:
                 spec = None
             if spec is not None and spec.cacheable and spec.rule_free:
-                yield (index, pos, pos + n_dyn, spec)  # (interned: compares by identity)
+                yield (index, pos, pos + n_dyn, spec, spec.id)  # (interned: compares by identity)
         pos += n_dyn
 
 

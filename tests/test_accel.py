@@ -139,11 +139,14 @@ def test_c_builder_rejects_a_malformed_recipe():
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
-def test_returned_modules_and_tuples_are_cached_by_identity(native, monkeypatch):
-    """`model, opt_state = step(model, opt_state)`: the returned module is cached by weak
-    reference (dropped when it dies), the returned tuple strongly until the next call of
-    the entry; the same in C (`remember_outputs`, `evict`) and in Python."""
+def test_returned_modules_and_tuples_are_noted_for_the_next_call(native, monkeypatch):
+    """`model, opt_state = step(model, opt_state)`: the entry notes what its latest call
+    returned (the module by weak reference, the tuple strongly, each with its leaves) in
+    one memo, which the next call's memo replaces; the next call reads them from it, with
+    nothing made per returned object; the same in C (`remember_outputs`, `latest_leaves`)
+    and in Python (`note_latest`, `latest`)."""
     import gc
+    import weakref
 
     from fastcall import _flatten, _native
 
@@ -158,23 +161,78 @@ def test_returned_modules_and_tuples_are_cached_by_identity(native, monkeypatch)
         return jax.tree.map(lambda w: w * 0.5, m), (s[0] + 1, s[1] * 2)
 
     m1, s1 = step(model, state)
-    entry = _flatten.lookup(m1)
-    assert entry is not None and list(entry.leaves) == [m1.weight, m1.bias]
-    assert all(a is b for a, b in zip(entry.leaves, (m1.weight, m1.bias)))
-    assert (entry.ref.__callback__ is _flatten._evict) != native
-    held = _flatten.lookup(s1)
-    assert held is not None and held.leaves[0] is s1[0] and held.ref() is s1
-    (m2, s2), route = served(step, m1, s1)  # (built and cached in one C call: finish_output)
+    leaves, spec = _flatten.latest(m1)
+    assert all(a is b for a, b in zip(leaves, (m1.weight, m1.bias), strict=True))
+    leaves, _ = _flatten.latest(s1)
+    assert leaves[0] is s1[0] and leaves[1] is s1[1]
+    assert id(m1) not in _flatten.by_id and id(s1) not in _flatten.by_id
+    out = entry_out(step)
+    assert out.held[0] is not None and _flatten.LATEST[0] is out.held
+    (m2, s2), route = served(step, m1, s1)  # (built and noted in one C call: finish_output)
     assert route == ("c_structure" if native else "python_structure")
-    assert isinstance(entry_out(step).fast_result, functools.partial) == native
+    assert isinstance(out.fast_result, functools.partial) == native
     assert_trees_equal((m2, s2), (jax.tree.map(lambda w: w * 0.25, model), (state[0] + 2, state[1] * 4)))
     assert_trees_equal((m2, s2), eqx.filter_jit(step.__wrapped__)(m1, s1))
-    assert id(s1) not in _flatten.by_id  # (forgotten: s1 is alive, so its id is its own)
-    assert _flatten.lookup(s2) is not None
-    oid = id(m2)
-    del m1, m2
+    assert _flatten.latest(m1) is None and _flatten.latest(s1) is None  # (the newer memo replaced it)
+    assert _flatten.latest(m2) is not None and _flatten.latest(s2) is not None
+    assert [h for h in _flatten.LATEST if h is out.held] == [out.held]  # (once, at the front)
+    # A call served in Python takes a noted module into the identity cache (a tuple is
+    # given an entry of its own, held by no table).
+    hit = _flatten.lookup(m2)
+    assert hit is not None and _flatten.by_id[id(m2)] is hit and hit.ref() is m2
+    assert _flatten.lookup(s2).ref() is s2 and id(s2) not in _flatten.by_id
+    # A returned module that dies takes its memo (and so the leaves it held) with it.
+    (m3, s3) = step(m2, s2)
+    weight = weakref.ref(m3.weight)
+    del m3
     gc.collect()
-    assert oid not in _flatten.by_id  # (evicted when it died)
+    assert out.held[0] is None and weight() is None
+    assert _flatten.latest(s3) is None
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+def test_a_call_finishing_while_the_previous_memo_is_released_leaves_one_memo(native, monkeypatch):
+    """Releasing an entry's previous memo may run code (an object's __del__) that finishes
+    another call of the entry. The memo left is a complete one of a finished call, which
+    reads back exactly its own objects; the other call's tuple is not kept."""
+    import gc
+    import weakref
+
+    from fastcall import _flatten, _native
+
+    if native and _native.BUILT is None:
+        pytest.skip("not built")
+    monkeypatch.setattr(_native, "ACCEL", _native.BUILT if native else None)
+    hooks: list[Any] = []
+
+    class Dying(eqx.Module):
+        w: jax.Array
+
+        def __del__(self) -> None:
+            while hooks:
+                hooks.pop()()
+
+    @fastcall.jit
+    def step(s):
+        return ((Dying(s[0].w * 2), s[1] + 1),)  # (the inner tuple: noted, held strongly)
+
+    (first,) = step((Dying(jnp.ones(2)), jnp.zeros(1)))
+    out = entry_out(step)
+    inner: list[Any] = []
+    hooks.append(lambda: inner.append(out.result([jnp.full(2, 7.0), jnp.full(1, 7.0)])[0]))
+    del first  # (the memo still holds it: released when the next call is noted)
+    assert not inner
+    (second,) = out.result([jnp.full(2, 3.0), jnp.full(1, 3.0)])
+    assert len(inner) == 1 and not hooks  # (the inner call finished inside the outer one)
+    noted = [x for x in (inner[0], second) if _flatten.latest(x) is not None]
+    assert len(noted) == 1
+    leaves, _ = _flatten.latest(noted[0])
+    assert leaves[0] is noted[0][0].w and leaves[1] is noted[0][1]
+    other = second if noted[0] is inner[0] else inner[0]
+    kept = weakref.ref(other[1])
+    del other, second, inner[:]
+    gc.collect()
+    assert kept() is None  # (not held by any memo)
 
 
 def entry_out(f: Any) -> Any:
@@ -237,51 +295,6 @@ def test_an_output_class_with_a_data_descriptor_field_is_not_built_by_recipe(nat
     theirs = eqx.filter_jit(lambda x: _DescribedModule(x * 2))(jnp.ones(1))
     assert type(ours) is _DescribedModule and list(ours.__dict__) == list(theirs.__dict__)
     assert_trees_equal(ours, theirs)
-
-
-@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
-def test_a_call_finishing_inside_another_leaves_one_tuple_cached(native, monkeypatch):
-    """Each compiled entry keeps the tuples its latest call returned cached by identity
-    (strongly) and forgets the previous call's. If another call of the entry finishes while
-    one is registering its outputs (another thread, or code run by the registration), the
-    one that swapped first must forget what it cached after the other's swap: else that
-    tuple, say an optimizer state, stays cached, and alive, for good."""
-    from fastcall import _flatten, _native
-
-    if native and _native.BUILT is None:
-        pytest.skip("not built")
-    monkeypatch.setattr(_native, "ACCEL", _native.BUILT if native else None)
-
-    @fastcall.jit
-    def step(m, s):
-        return jax.tree.map(lambda w: w * 0.5, m), (s[0] + 1, s[1] * 2)
-
-    model = eqx.nn.Linear(2, 2, key=jax.random.PRNGKey(0))
-    step(model, (jnp.zeros(2), jnp.ones(1)))
-    out = entry_out(step)
-    outer_dyn = [model.weight, model.bias, jnp.zeros(2), jnp.ones(1)]
-    inner_dyn = [model.weight * 2, model.bias * 2, jnp.ones(2), jnp.zeros(1)]
-    inner: list[Any] = []
-
-    def finish_another() -> None:
-        if not inner:  # (once: at the first tuple the outer call caches)
-            inner.append(None)
-            inner[0] = out.result(list(inner_dyn))
-
-    if native:
-        class Reentrant(_flatten._Strong):
-            def __init__(self, *args: Any) -> None:
-                finish_another()
-
-        kit = list(_flatten.native_kit())
-        kit[4] = Reentrant  # (the class of the strong tokens: KIT_STRONG)
-        out.remember = functools.partial(_native.BUILT.remember_outputs, tuple(kit), out.regs, out.held)
-    else:
-        real = _flatten.remember_strongly
-        monkeypatch.setattr(_flatten, "remember_strongly", lambda *a: (finish_another(), real(*a))[1])
-    outer = out.result(list(outer_dyn))
-    assert inner[0] is not None and id(inner[0][1]) in _flatten.by_id  # the latest call's tuple: cached
-    assert id(outer[1]) not in _flatten.by_id  # the other's: forgotten
 
 
 def test_the_c_guard_skips_an_unchanged_dict_by_its_version_and_sees_every_change():
