@@ -359,6 +359,11 @@ static PyObject *
 latest_leaves(PyObject *a, PyObject *spec_id)
 {
     PyObject *ring = G.latest;
+    if (a == Py_None || ring == NULL) {
+        /* (None is never noted, and before 3.13 a weak reference reads as None from the
+         * moment its object dies until its callback drops the memo) */
+        return NULL;
+    }
     for (Py_ssize_t i = 0; PyList_CheckExact(ring) && i < PyList_GET_SIZE(ring); i++) {
         PyObject *held = PyList_GET_ITEM(ring, i);
         PyObject *memo = PyList_CheckExact(held) && PyList_GET_SIZE(held) == 1 ? PyList_GET_ITEM(held, 0) : NULL;
@@ -1958,7 +1963,7 @@ remember_outputs(PyObject *on_death, PyObject *regs, PyObject *result, PyObject 
     PyList_SetItem(held, 0, memo); /* (steals memo) */
     PyObject *dropped = NULL;
     PyObject *ring = G.latest;
-    if (PyList_CheckExact(ring) && PyList_GET_SIZE(ring) > 0 && PyList_GET_ITEM(ring, 0) != held) {
+    if (ring != NULL && PyList_CheckExact(ring) && PyList_GET_SIZE(ring) > 0 && PyList_GET_ITEM(ring, 0) != held) {
         /* `held` to the front, the others one place back (the last falls off, unless it is
          * `held`'s old place) */
         Py_ssize_t k = PyList_GET_SIZE(ring);

@@ -534,19 +534,26 @@ def note_latest(held: list[Any], regs: Sequence[Any], result: Any, dyn: Sequence
             if ref is not None:
                 leaves = list(dyn[start:stop])
         memo += (ref, leaves)
+    new = tuple(memo)
     dropped = None
+    # (nothing is made or released under the lock: either may run code that calls back here)
     with _latest_lock:  # (two threads finishing calls at once)
-        previous, held[0] = held[0], tuple(memo)
+        previous, held[0] = held[0], new
         if LATEST[0] is not held:
             at = next((i for i in range(1, LATEST_SIZE) if LATEST[i] is held), LATEST_SIZE - 1)
             dropped = LATEST[at]
-            LATEST[1 : at + 1] = LATEST[:at]
+            for i in range(at, 0, -1):
+                LATEST[i] = LATEST[i - 1]
             LATEST[0] = held
-    del previous, dropped  # (released outside the lock: releasing may run code)
+    del previous, dropped
 
 
 def latest(obj: Any) -> tuple[Sequence[Any], Any] | None:
-    """(leaves, spec) of `obj` if the latest call of a recent entry returned it: see LATEST."""
+    """(leaves, spec) of `obj` if the latest call of a recent entry returned it: see LATEST.
+    (None is never noted; a dead module's weak reference reads as None until its callback
+    has dropped the memo.)"""
+    if obj is None:
+        return None
     for held in list(LATEST):
         memo = held[0] if held is not None else None
         if memo is None:

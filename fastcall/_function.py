@@ -165,10 +165,14 @@ class FunctionState:
 
     def clear(self) -> None:
         with self.lock:
+            # (the latest outputs each entry noted: released after the lock, as releasing
+            # may run code)
+            memos = [entry.out.take_memo() for entry in self.table.values() if entry.out is not None]
             self.table.clear()
             self.forget_records()
             _flatten.release_held(self.held_box)
             self.last_first = None
+        del memos
 
     # ---- stats ----
 

@@ -183,6 +183,11 @@ class OutInfo:
             return
         _flatten.note_latest(self.held, self.regs, result, dyn, self.on_death)
 
+    def take_memo(self) -> Any:
+        """Stop noting the latest call's outputs: the memo, for the caller to release."""
+        memo, self.held[0] = self.held[0], None
+        return memo
+
     def __del__(self) -> None:
         # (the memo's weak references hold `on_death`, which holds `held`: a cycle, broken
         # here so that the latest outputs' leaves go with the entry)

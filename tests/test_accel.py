@@ -235,6 +235,58 @@ def test_a_call_finishing_while_the_previous_memo_is_released_leaves_one_memo(na
     assert kept() is None  # (not held by any memo)
 
 
+class _Held(eqx.Module):
+    w: jax.Array
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+def test_none_is_never_read_as_a_returned_module_that_is_dying(native, monkeypatch):
+    """Before Python 3.13 a weak reference reads as None from the moment its object dies
+    until the callbacks have run: a noted module dying must never be taken for a `None`
+    argument in that window (here, code run by another callback of the same death)."""
+    import weakref
+
+    from fastcall import _native
+
+    if native and _native.BUILT is None:
+        pytest.skip("not built")
+    monkeypatch.setattr(_native, "ACCEL", _native.BUILT if native else None)
+    step = fastcall.jit(lambda a: _Held(a * 2))
+    g = fastcall.jit(lambda model, other: model.w if other is None else model.w + other.w * 100)
+    m = _Held(jnp.ones(2))
+    for _ in range(3):  # (a structure record reading a _Held at position 1)
+        g(m, _Held(jnp.ones(2)))
+    out = step(jnp.ones(2))
+    results: list[Any] = []
+    probe = weakref.ref(out, lambda _: results.append(served(g, m, None)))
+    del out
+    assert probe() is None and len(results) == 1
+    y, route = results[0]
+    assert route == "general"  # (a new structure: nothing noted is read for None)
+    assert_trees_equal(y, m.w)
+
+
+def test_clear_caches_releases_every_noted_output():
+    """Returned tuples are held by their function's memo until its next call, whether or
+    not the function is still among the recently returned; `clear_caches` releases all."""
+    import gc
+    import weakref
+
+    def make(i: int) -> Any:
+        return fastcall.jit(lambda x: ((x + i, x * i),))
+
+    fs = [make(i) for i in range(12)]  # (more than LATEST holds)
+    outs = [f(jnp.ones(2)) for f in fs]
+    kept = [weakref.ref(out[0][0]) for out in outs]
+    infos = [entry_out(f) for f in fs]  # (entries something else still holds: jax's caches may)
+    del outs
+    gc.collect()
+    assert all(r() is not None for r in kept)
+    fastcall.clear_caches()
+    gc.collect()
+    assert all(r() is None for r in kept) and all(info.held[0] is None for info in infos)
+
+
 def entry_out(f: Any) -> Any:
     """The OutInfo of the one compiled entry of `f`."""
     (entry,) = f._fastcall_state.table.values()
