@@ -191,9 +191,8 @@ class OutInfo:
     def __del__(self) -> None:
         # (the memo's weak references hold `on_death`, which holds `held`: a cycle, broken
         # here so that the latest outputs' leaves go with the entry)
-        held = getattr(self, "held", None)
-        if held is not None:
-            held[0] = None
+        if hasattr(self, "held"):
+            self.take_memo()
 
 
 def _has_python_nodes(treedef: Any) -> bool:
