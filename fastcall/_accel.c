@@ -126,6 +126,9 @@ static struct {
     PyObject *s_objects;      /* "objects" (NodesRead.objects) */
     PyObject *s_level;        /* "level" (PytreeShape.level) */
     PyObject *s_mapping;      /* "_mapping" (flax's HashableMapping's dict) */
+    /* the graph context's dict for the thread whose id is `context_thread` (see no_static_cache_pending) */
+    PyObject *context_of, *context_dict;
+    uint64_t context_thread;
     /* NodeEntry's slot descriptors for s_spec_id .. s_disjoint, of `entry_type` (see entry_field) */
     PyObject *entry_type, *entry_slots[5];
 } G;
@@ -139,6 +142,7 @@ typedef struct {
     PyObject *on_error;    /* on_error(exception, args): re-raises it, made clearer */
     Py_ssize_t calls;      /* calls served here (JitStats.paths["c_fast"]) */
     Py_ssize_t structure_calls; /* calls served by the structure path (paths["c_structure"]) */
+    int serves_nested;     /* FunctionState.serves_nested: a read-only call may run nested in a trace */
     PyObject *dict;
     PyObject *weakreflist;
 } FastWrapper;
@@ -508,6 +512,32 @@ no_static_cache_pending(void)
     if (context == Py_None) {
         return 1;
     }
+#ifndef Py_GIL_DISABLED
+    /* The context is a threading.local: a getattr finds the calling thread's own dict
+     * first, which costs more than the rest of this check. That dict (what `__dict__` gives
+     * in that thread) is kept for the thread last seen, known by its thread state's id,
+     * which no other thread ever gets, and read directly; a name not in it is read by
+     * getattr (the class default). */
+    uint64_t thread = PyThreadState_GetID(PyThreadState_Get());
+    if (G.context_dict == NULL || G.context_of != context || G.context_thread != thread) {
+        PyObject *d = PyObject_GetAttr(context, G.s_dict);
+        if (d == NULL) {
+            return -1;
+        }
+        Py_XSETREF(G.context_dict, d);
+        Py_XSETREF(G.context_of, Py_NewRef(context));
+        G.context_thread = thread;
+    }
+    if (PyDict_CheckExact(G.context_dict)) {
+        PyObject *found = PyDict_GetItemWithError(G.context_dict, G.s_static_cache); /* borrowed */
+        if (found != NULL) {
+            return found == Py_None;
+        }
+        if (PyErr_Occurred()) {
+            return -1;
+        }
+    }
+#endif
     PyObject *cache = PyObject_GetAttr(context, G.s_static_cache);
     if (cache == NULL) {
         return -1;
@@ -1158,16 +1188,17 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
         total += PySequence_Fast_GET_SIZE(parts[i]);
     }
     if (entries != NULL && (PyList_GET_SIZE(entries) > 0 || n_variables > 0)) {
-        /* NNX objects: not inside a JAX trace (state changed inside must stay in it), and
-         * sharing nothing (else they are read jointly; a Variable read on its own must be the
-         * call's only NNX object), and no nnx.cached_partial cache pending: the Python copy
+        /* NNX objects: sharing nothing (else they are read jointly; a Variable read on its
+         * own must be the call's only NNX object), no nnx.cached_partial cache pending, and,
+         * for a call that may change state or that jax treats otherwise nested, not inside a
+         * JAX trace (as the fast path; see FunctionState.serves_nested): the Python copy
          * decides otherwise */
         Py_ssize_t n_entries = PyList_GET_SIZE(entries);
         int ok = n_variables > 0 ? n_variables == 1 && n_entries == 0 : n_entries == 1 ? 1 : known_disjoint(entries);
         if (ok == 1) {
             ok = no_static_cache_pending();
         }
-        if (ok == 1) {
+        if (ok == 1 && (post != Py_None || !self->serves_nested)) {
             ok = at_top_level();
         }
         if (ok != 1) {
@@ -1298,13 +1329,13 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
         int pending = 0;
         if ((nvars > 0 && (PyObject *)Py_TYPE(stack[0]) != G.array_type)
             || (pending = no_static_cache_pending()) != 1
-            || (PyTuple_GET_ITEM(record, REC_POST) != Py_None && (pending = at_top_level()) != 1)) {
+            || ((PyTuple_GET_ITEM(record, REC_POST) != Py_None || !self->serves_nested)
+                && (pending = at_top_level()) != 1)) {
             /* tracers (inside an nnx transform) or another kind of value; or nnx.cached_partial's
              * cache pending (the general path consumes it); or a JAX trace running and a call
-             * that may change state (the general path runs it inline in that trace, as nnx.jit
-             * does: state changed inside must stay in it; a call with nothing to do after it
-             * changes nothing, and its compiled function, nested in the trace, gives what
-             * running it inline gives) */
+             * that may change state, or that jax would treat otherwise nested (the general path
+             * runs it inline in that trace, as nnx.jit does: state changed inside must stay in
+             * it; see FunctionState.serves_nested) */
             for (Py_ssize_t i = 0; i < filled; i++) Py_DECREF(stack[i]);
             filled = 0;
             out = pending < 0 ? NULL : fw_fallback(self, args, nargsf, kwnames);
@@ -1512,16 +1543,20 @@ py_configure(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* FastWrapper(fallback, state, structures, on_error), once `configure` has run. */
+/* FastWrapper(fallback, state, structures, on_error, serves_nested), once `configure` has run. */
 static PyObject *
 fw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    PyObject *fallback, *state, *structures, *on_error;
+    PyObject *fallback, *state, *structures, *on_error, *serves_nested;
     if (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) {
         PyErr_SetString(PyExc_TypeError, "FastWrapper takes positional arguments only");
         return NULL;
     }
-    if (!PyArg_UnpackTuple(args, "FastWrapper", 4, 4, &fallback, &state, &structures, &on_error)) {
+    if (!PyArg_UnpackTuple(args, "FastWrapper", 5, 5, &fallback, &state, &structures, &on_error, &serves_nested)) {
+        return NULL;
+    }
+    int nests = PyObject_IsTrue(serves_nested);
+    if (nests < 0) {
         return NULL;
     }
     if (G.index == NULL) {
@@ -1543,6 +1578,7 @@ fw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     Py_INCREF(on_error); self->on_error = on_error;
     self->calls = 0;
     self->structure_calls = 0;
+    self->serves_nested = nests;
     self->dict = NULL;
     self->weakreflist = NULL;
     return (PyObject *)self;

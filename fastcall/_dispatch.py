@@ -288,7 +288,7 @@ def _all_arrays(values: tuple[Any, ...], start: int) -> bool:
     return True
 
 
-def read_arguments(known: StructureRecord, args: tuple[Any, ...]) -> tuple[list[Any], list[Any]] | None:
+def read_arguments(known: StructureRecord, args: tuple[Any, ...], serves_nested: bool) -> tuple[list[Any], list[Any]] | None:
     """The structure path's reading of a call's arguments (`_fast.StructureRecord`): their
     leaves, in order, and the NnxArgs of its NNX arguments; None if the record does not
     serve this call."""
@@ -332,8 +332,11 @@ def read_arguments(known: StructureRecord, args: tuple[Any, ...]) -> tuple[list[
         if leaves is None:
             return None  # not of this structure
         values += leaves
-    if nnx_args and (currently_jitting() or (len(nnx_args) > 1 and _nnx_gate.adapter().overlapping(nnx_args))):
-        return None  # (inside an outer transformation; NNX arguments sharing Variables)
+    if nnx_args and (
+        ((known.post is not None or not serves_nested) and currently_jitting())
+        or (len(nnx_args) > 1 and _nnx_gate.adapter().overlapping(nnx_args))
+    ):
+        return None  # (as the fast path: see FunctionState.serves_nested; NNX arguments sharing Variables)
     last = known.last
     for i, read in enumerate(known.reads):
         if type(read) is ArgRead:
@@ -350,6 +353,7 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
     counts = state.counts
     resolve_call = _args.resolve_call
     fast_ok = not (state.static_argnums or state.static_argnames)
+    serves_nested = state.serves_nested
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         # ---- 1. the fast path: f(first, *arrays) with a record for `first`; else the
@@ -368,20 +372,20 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
                         values = [*map(read_value, variables), *args[1:]]
                     # (tracers inside an nnx transform: the general path steps aside; a
                     # pending nnx.cached_partial cache: the general path consumes it; a JAX
-                    # trace running and a call that may change state: the general path runs
-                    # it inline in that trace, as nnx.jit does, since state changed inside
-                    # must stay in it; as the C copy says, a call with nothing to do after it
-                    # changes nothing)
+                    # trace running and a call that may change state, or that jax treats
+                    # otherwise nested: the general path runs it inline in that trace, as
+                    # nnx.jit does, since state changed inside must stay in it; see
+                    # FunctionState.serves_nested)
                     if variables is not None and (
                         (variables and type(values[0]) is not ArrayImpl) or static_cache_pending()
-                        or (post is not None and currently_jitting())
+                        or ((post is not None or not serves_nested) and currently_jitting())
                     ):
                         call = None
             structure = call is None
             if structure:
                 known = structures_get(type(first))
                 if known is not None and known.arity == len(args):
-                    read = read_arguments(known, args)
+                    read = read_arguments(known, args, serves_nested)
                     if read is not None:
                         values, variables = read
                         call, post = known.call, known.post
@@ -419,7 +423,9 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
     if _native.ACCEL is None:
         return wrapper
     # The same fast path in C (see _accel.c); every other call falls back to `wrapper`.
-    public = _native.ACCEL.FastWrapper(wrapper, state, state.structures, functools.partial(_c_error, state))
+    public = _native.ACCEL.FastWrapper(
+        wrapper, state, state.structures, functools.partial(_c_error, state), state.serves_nested
+    )
     functools.update_wrapper(public, user_fun)
     state.c_wrappers.add(public)
     return public

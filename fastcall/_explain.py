@@ -63,7 +63,7 @@ def _structure_serves(state: Any, known: Any, args: tuple[Any, ...]) -> bool:
     """Whether the structure path would serve the call (read as it reads, changing nothing)."""
     if state.static_argnums or state.static_argnames or known.arity != len(args):
         return False
-    return read_arguments(known._replace(last=list(known.last)), args) is not None
+    return read_arguments(known._replace(last=list(known.last)), args, state.serves_nested) is not None
 
 
 def _why_not_fast(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:

@@ -70,6 +70,16 @@ class FunctionState:
         self.static_argnames = frozenset(options.static_argnames)
         self.donate_argnums = self._argnums(options.donate_argnums, options.donate_argnames)
         self.donate_argnames = frozenset(options.donate_argnames)
+        # Whether a call with nothing to write back, made while a JAX trace runs (every
+        # argument concrete: the model closed over by the outer function), may be served by
+        # calling its compiled function nested in that trace instead of running it inline,
+        # as the general path does for NNX objects. Nested, it gives what inline gives,
+        # except where jax treats a nested jit otherwise: it refuses compiler_options there,
+        # and under eager grad/vmap it consumes donated inputs. The fast and structure paths
+        # (C and Python) check the trace unless this holds.
+        self.serves_nested = options.compiler_options is None and not (
+            options.donate != "none" or self.donate_argnums or self.donate_argnames
+        )
         self.c_wrappers: weakref.WeakSet[Any] = weakref.WeakSet()  # (their call counts)
         # The structure path (`_fast.StructureRecord`): type of the first argument -> record.
         self.structures: dict[type, Any] = {}

@@ -570,55 +570,81 @@ def test_closed_over_mutation_under_outer_jit_is_an_error(hot_path):
 
 @pytest.mark.parametrize("probe", [True, False], ids=["probe", "no_probe"])
 @pytest.mark.parametrize("transform", ["jit", "vmap", "grad"])
-def test_nnx_calls_step_aside_under_an_outer_trace(transform, probe, hot_path):
-    # Every argument concrete, yet a trace is running: the structure path (and the fast path,
-    # for a call that may change state) must notice (in C by reading jax's trace state directly, _trace.TOP_LEVEL_PROBE, or by
-    # calling currently_jitting where no probe was found) and leave the call to the general
-    # path, which runs it inline in the outer trace.
+def test_nnx_calls_under_an_outer_trace(transform, probe, hot_path):
+    # Every argument concrete, yet a trace is running: a call that may change state, or
+    # that jax treats otherwise when nested (compiler_options, donation), must notice (in C
+    # by reading jax's trace state directly, _trace.TOP_LEVEL_PROBE, or by calling
+    # currently_jitting where no probe was found) and leave the call to the general path,
+    # which runs it inline in the outer trace; a read-only call may be served, its
+    # compiled function nested in the trace (which gives what running it inline gives).
     from fastcall import _dispatch
 
     if probe:
-        return structure_call_under(transform, hot_path)
+        return calls_under(transform, hot_path)
     if hot_path == "python":
         pytest.skip("the probe is read by the C path only")
     try:
         _dispatch.TOP_LEVEL_PROBE, saved = None, _dispatch.TOP_LEVEL_PROBE
         _dispatch.configure_accel()
-        structure_call_under(transform, hot_path)
+        calls_under(transform, hot_path)
     finally:
         _dispatch.TOP_LEVEL_PROBE = saved
         _dispatch.configure_accel()
 
 
-def structure_call_under(transform: str, hot_path: str) -> None:
+def bump_first(p, x):
+    p[0].bias[...] = p[0].bias[...] + 1.0
+    return p[1](x)
+
+
+def calls_under(transform: str, hot_path: str) -> None:
     v = nnx.Param(jnp.arange(3.0))
     pair = (nnx.Linear(3, 3, rngs=nnx.Rngs(0)), nnx.Linear(3, 3, rngs=nnx.Rngs(1)))
     f = fastcall.jit(lambda v, x: v[...] * x)
     g = fastcall.jit(lambda p, x: p[1](p[0](x)))
-    # (a module passed directly, read only: the fast path may serve it here, its compiled
-    # function nested in the trace, which gives what running it inline gives; one that
-    # changes state steps aside: test_closed_over_mutation_under_outer_jit_is_an_error)
     h = fastcall.jit(lambda m, x: m(x))
+    w = fastcall.jit(bump_first)  # changes state: steps aside (see test_closed_over_mutation_under_outer_jit_is_an_error)
+    # read only, but nested jax would refuse the option, or consume the donated input
+    options = fastcall.jit(lambda m, x: m(x), compiler_options={"xla_cpu_enable_fast_math": False})
+    donating = fastcall.jit(lambda p, x: p[1](p[0](x)), donate_argnums=1)
     x = jnp.ones(3)
     for _ in range(2):
-        f(v, x), g(pair, x), h(pair[0], x)
+        f(v, x), g(pair, x), h(pair[0], x), w(pair, x), options(pair[0], x), donating(pair, jnp.ones(3))
     assert served(f, v, x)[1] == STRUCTURE_PATH[hot_path]
     assert served(g, pair, x)[1] == STRUCTURE_PATH[hot_path]
     assert served(h, pair[0], x)[1] == FAST_PATH[hot_path]
+    assert served(w, pair, x)[1] == STRUCTURE_PATH[hot_path]
+    assert served(options, pair[0], x)[1] == FAST_PATH[hot_path]
+    assert served(donating, pair, jnp.ones(3))[1] == STRUCTURE_PATH[hot_path]
     expected = (v[...] * x).sum() + pair[1](pair[0](x)).sum() + pair[0](x).sum()
-    before = f.stats().paths[STRUCTURE_PATH[hot_path]], g.stats().paths[STRUCTURE_PATH[hot_path]]
+    counts = lambda: (f.stats().paths, g.stats().paths, h.stats().paths)  # noqa: E731
+    before = counts()
 
     def inner(s):
         return s * (f(v, x).sum() + g(pair, x).sum() + h(pair[0], x).sum())
 
-    if transform == "jit":
-        out = jax.jit(inner)(1.0)
-    elif transform == "vmap":
-        out = jax.vmap(inner)(jnp.ones(2))[1]
-    else:
-        out = jax.grad(inner)(1.0)
-    np.testing.assert_allclose(out, expected, rtol=1e-6)
-    assert (f.stats().paths[STRUCTURE_PATH[hot_path]], g.stats().paths[STRUCTURE_PATH[hot_path]]) == before
+    def run(fn):
+        if transform == "jit":
+            return jax.jit(fn)(1.0)
+        if transform == "vmap":
+            return jax.vmap(fn)(jnp.ones(2))[1]
+        return jax.grad(fn)(1.0)
+
+    np.testing.assert_allclose(run(inner), expected, rtol=1e-6)
+    after = counts()
+    for got, was, path in zip(after, before, [STRUCTURE_PATH, STRUCTURE_PATH, FAST_PATH]):
+        assert got[path[hot_path]] == was[path[hot_path]] + 1 and got["general"] == was["general"]
+    bias, paths = pair[0].bias[...], w.stats().paths
+    with pytest.raises(Exception, match="trace level"):
+        run(lambda s: s * w(pair, x).sum())
+    assert w.stats().paths == paths
+    np.testing.assert_array_equal(pair[0].bias[...], bias)
+    # run inline (what the general path does), neither refused nor consuming the input
+    paths, kept = (options.stats().paths, donating.stats().paths), jnp.ones(3)
+    np.testing.assert_allclose(run(lambda s: s * options(pair[0], x).sum()), pair[0](x).sum(), rtol=1e-6)
+    np.testing.assert_allclose(run(lambda s: s * donating(pair, kept).sum()), pair[1](pair[0](x)).sum(), rtol=1e-6)
+    assert not kept.is_deleted()
+    assert (options.stats().paths, donating.stats().paths) == paths
 
 
 def test_the_trace_check_reads_jax_state_directly_on_supported_jax():
@@ -924,6 +950,42 @@ def test_cached_partial_is_consumed_whatever_the_arguments(hot_path):
     for g in (lambda v, x: v[...] + x, lambda a, b: a + b):
         args = (bias, x) if g.__code__.co_varnames[0] == "v" else (x, x)
         assert_trees_equal(nnx.cached_partial(fastcall.jit(g))(*args), nnx.cached_partial(nnx.jit(g))(*args))
+    assert nnx.graphlib.GRAPH_CONTEXT.tmp_static_cache is None
+
+
+def test_cached_partial_pending_in_one_thread_is_seen_there_only(hot_path):
+    """NNX's graph context is thread-local, and the C check reads the calling thread's own
+    dict of it (kept for the thread last seen): a cache pending in one thread leaves that
+    thread's call to the general path, while the other thread's calls stay fast."""
+    import threading
+
+    m, x = nnx.Linear(2, 2, rngs=nnx.Rngs(0)), jnp.ones(2)
+    f = fastcall.jit(lambda m, x: m(x))
+    expected = m(x)
+    f(m, x), f(m, x)
+    results = []
+
+    def in_thread(partial_first: bool):
+        try:
+            for use_partial in (partial_first, not partial_first, partial_first):
+                g = nnx.cached_partial(f) if use_partial else f
+                out, path = served(g, m, x)
+                results.append((use_partial, path, out))
+        except Exception as err:  # (flax raises if the pending cache was not consumed)
+            results.append(err)
+
+    for partial_first in (True, False):
+        # this thread's calls seen last, then the other's; then the other's seen last
+        assert served(f, m, x)[1] == FAST_PATH[hot_path]
+        t = threading.Thread(target=in_thread, args=(partial_first,))
+        t.start()
+        t.join()
+        out, path = served(nnx.cached_partial(f), m, x)
+        results.append((True, path, out))
+    assert len(results) == 8, results
+    for use_partial, path, out in results:
+        assert path == ("general" if use_partial else FAST_PATH[hot_path])
+        assert_trees_equal(out, expected)
     assert nnx.graphlib.GRAPH_CONTEXT.tmp_static_cache is None
 
 
