@@ -126,8 +126,9 @@ static struct {
     PyObject *s_objects;      /* "objects" (NodesRead.objects) */
     PyObject *s_level;        /* "level" (PytreeShape.level) */
     PyObject *s_mapping;      /* "_mapping" (flax's HashableMapping's dict) */
-    /* the graph context's dict for the thread whose id is `context_thread` (see no_static_cache_pending) */
-    PyObject *context_of, *context_dict;
+    /* the graph context's dict for the thread whose id is `context_thread`, and the type
+     * `_thread._local` (see no_static_cache_pending) */
+    PyObject *context_of, *context_dict, *thread_local_type;
     uint64_t context_thread;
     /* NodeEntry's slot descriptors for s_spec_id .. s_disjoint, of `entry_type` (see entry_field) */
     PyObject *entry_type, *entry_slots[5];
@@ -514,27 +515,39 @@ no_static_cache_pending(void)
     }
 #ifndef Py_GIL_DISABLED
     /* The context is a threading.local: a getattr finds the calling thread's own dict
-     * first, which costs more than the rest of this check. That dict (what `__dict__` gives
-     * in that thread) is kept for the thread last seen, known by its thread state's id,
-     * which no other thread ever gets, and read directly; a name not in it is read by
-     * getattr (the class default). */
-    uint64_t thread = PyThreadState_GetID(PyThreadState_Get());
-    if (G.context_dict == NULL || G.context_of != context || G.context_thread != thread) {
-        PyObject *d = PyObject_GetAttr(context, G.s_dict);
-        if (d == NULL) {
-            return -1;
+     * first, which costs more than the rest of this check. For the C implementation
+     * (`_thread._local`: one dict per thread state, which a thread's greenlets share), that
+     * dict (what `__dict__` gives there) is kept for the thread state last seen, known by
+     * its id (no other thread state of this interpreter gets it), and read directly; a name
+     * not in it is read by getattr (the class default). Another implementation (gevent's
+     * local, one dict per greenlet) is read by getattr. */
+    if (G.thread_local_type != NULL && PyObject_TypeCheck(context, (PyTypeObject *)G.thread_local_type)) {
+        uint64_t thread = PyThreadState_GetID(PyThreadState_Get());
+        PyObject *d;
+        if (G.context_dict != NULL && G.context_of == context && G.context_thread == thread) {
+            d = Py_NewRef(G.context_dict);
+        } else {
+            d = PyObject_GetAttr(context, G.s_dict);
+            if (d == NULL) {
+                return -1;
+            }
+            /* (all three set before the old ones are released, which may run code that
+             * enters here from another thread) */
+            PyObject *old_dict = G.context_dict, *old_of = G.context_of;
+            G.context_dict = Py_NewRef(d);
+            G.context_of = Py_NewRef(context);
+            G.context_thread = thread;
+            Py_XDECREF(old_dict);
+            Py_XDECREF(old_of);
         }
-        Py_XSETREF(G.context_dict, d);
-        Py_XSETREF(G.context_of, Py_NewRef(context));
-        G.context_thread = thread;
-    }
-    if (PyDict_CheckExact(G.context_dict)) {
-        PyObject *found = PyDict_GetItemWithError(G.context_dict, G.s_static_cache); /* borrowed */
-        if (found != NULL) {
-            return found == Py_None;
+        int pending = -2; /* (not known from the dict) */
+        if (PyDict_CheckExact(d)) {
+            PyObject *found = PyDict_GetItemWithError(d, G.s_static_cache); /* borrowed */
+            pending = found != NULL ? found != Py_None : PyErr_Occurred() ? -1 : -2;
         }
-        if (PyErr_Occurred()) {
-            return -1;
+        Py_DECREF(d);
+        if (pending != -2) {
+            return pending == -1 ? -1 : !pending;
         }
     }
 #endif
@@ -1334,8 +1347,8 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
             /* tracers (inside an nnx transform) or another kind of value; or nnx.cached_partial's
              * cache pending (the general path consumes it); or a JAX trace running and a call
              * that may change state, or that jax would treat otherwise nested (the general path
-             * runs it inline in that trace, as nnx.jit does: state changed inside must stay in
-             * it; see FunctionState.serves_nested) */
+             * runs it inline in that trace: state changed inside must stay in it; see
+             * FunctionState.serves_nested) */
             for (Py_ssize_t i = 0; i < filled; i++) Py_DECREF(stack[i]);
             filled = 0;
             out = pending < 0 ? NULL : fw_fallback(self, args, nargsf, kwnames);
@@ -1520,6 +1533,15 @@ py_configure(PyObject *module, PyObject *args)
         for (int j = 0; j < N_RECORDS; j++) Py_DECREF(cls[j]);
         return NULL;
     }
+    if (G.thread_local_type == NULL) {
+        PyObject *thread_module = PyImport_ImportModule("_thread");
+        G.thread_local_type = thread_module == NULL ? NULL : PyObject_GetAttrString(thread_module, "_local");
+        Py_XDECREF(thread_module);
+        if (G.thread_local_type != NULL && !PyType_Check(G.thread_local_type)) {
+            Py_CLEAR(G.thread_local_type);
+        }
+        PyErr_Clear(); /* (none: the graph context is read by getattr) */
+    }
     for (int j = 0; j < 4; j++) Py_DECREF(cls[j]); /* (checked only: read by position) */
     SET_SHARED(arg_read, cls[4]);
     SET_SHARED(node_read, cls[5]);
@@ -1555,8 +1577,8 @@ fw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     if (!PyArg_UnpackTuple(args, "FastWrapper", 5, 5, &fallback, &state, &structures, &on_error, &serves_nested)) {
         return NULL;
     }
-    int nests = PyObject_IsTrue(serves_nested);
-    if (nests < 0) {
+    int nested = PyObject_IsTrue(serves_nested);
+    if (nested < 0) {
         return NULL;
     }
     if (G.index == NULL) {
@@ -1578,7 +1600,7 @@ fw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     Py_INCREF(on_error); self->on_error = on_error;
     self->calls = 0;
     self->structure_calls = 0;
-    self->serves_nested = nests;
+    self->serves_nested = nested;
     self->dict = NULL;
     self->weakreflist = NULL;
     return (PyObject *)self;

@@ -373,9 +373,8 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
                     # (tracers inside an nnx transform: the general path steps aside; a
                     # pending nnx.cached_partial cache: the general path consumes it; a JAX
                     # trace running and a call that may change state, or that jax treats
-                    # otherwise nested: the general path runs it inline in that trace, as
-                    # nnx.jit does, since state changed inside must stay in it; see
-                    # FunctionState.serves_nested)
+                    # otherwise nested: the general path runs it inline in that trace, since
+                    # state changed inside must stay in it; see FunctionState.serves_nested)
                     if variables is not None and (
                         (variables and type(values[0]) is not ArrayImpl) or static_cache_pending()
                         or ((post is not None or not serves_nested) and currently_jitting())

@@ -16,7 +16,7 @@ from typing import Any, Iterator, NamedTuple
 from . import _build, _fast, _flatten, _nnx_gate, _stats
 from ._build import Entry
 from ._flatten import Spec
-from ._options import JitOptions
+from ._options import UNSPECIFIED, JitOptions
 
 # Bounds on what fastcall keeps (documented in README "Guarantees and limits").
 MAX_SIGNATURES = 1024  # static signatures (compiled entries) per wrapped function
@@ -70,15 +70,22 @@ class FunctionState:
         self.static_argnames = frozenset(options.static_argnames)
         self.donate_argnums = self._argnums(options.donate_argnums, options.donate_argnames)
         self.donate_argnames = frozenset(options.donate_argnames)
-        # Whether a call with nothing to write back, made while a JAX trace runs (every
-        # argument concrete: the model closed over by the outer function), may be served by
-        # calling its compiled function nested in that trace instead of running it inline,
-        # as the general path does for NNX objects. Nested, it gives what inline gives,
-        # except where jax treats a nested jit otherwise: it refuses compiler_options there,
-        # and under eager grad/vmap it consumes donated inputs. The fast and structure paths
-        # (C and Python) check the trace unless this holds.
-        self.serves_nested = options.compiler_options is None and not (
-            options.donate != "none" or self.donate_argnums or self.donate_argnames
+        # Whether a call with NNX objects and nothing to write back, made while a JAX trace
+        # runs but served without a tracer in sight (the model closed over by the outer
+        # function), may be served by calling its compiled function nested in that trace
+        # instead of running inline, as the general path runs such calls. Nested, it gives
+        # what inline gives, except where jax treats a nested jit otherwise: it refuses
+        # compiler_options there, places a jit with a device, backend or shardings of its own
+        # apart from the outer computation, and under eager grad/vmap consumes donated
+        # inputs. The fast and structure paths (C and Python) check the trace for NNX calls
+        # unless this holds. (Calls without NNX objects never check: they never run inline.)
+        self.serves_nested = (
+            options.compiler_options is None
+            and (options.device, options.backend) == (None, None)
+            and options.in_shardings is UNSPECIFIED
+            and options.out_shardings is UNSPECIFIED
+            and options.donate == "none"
+            and not (self.donate_argnums or self.donate_argnames)
         )
         self.c_wrappers: weakref.WeakSet[Any] = weakref.WeakSet()  # (their call counts)
         # The structure path (`_fast.StructureRecord`): type of the first argument -> record.

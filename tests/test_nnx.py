@@ -568,6 +568,7 @@ def test_closed_over_mutation_under_outer_jit_is_an_error(hot_path):
     assert "_StepAside" not in chained  # no internal exception in the user's traceback
 
 
+@pytest.mark.filterwarnings("ignore:backend and device argument on jit is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("probe", [True, False], ids=["probe", "no_probe"])
 @pytest.mark.parametrize("transform", ["jit", "vmap", "grad"])
 def test_nnx_calls_under_an_outer_trace(transform, probe, hot_path):
@@ -604,12 +605,23 @@ def calls_under(transform: str, hot_path: str) -> None:
     g = fastcall.jit(lambda p, x: p[1](p[0](x)))
     h = fastcall.jit(lambda m, x: m(x))
     w = fastcall.jit(bump_first)  # changes state: steps aside (see test_closed_over_mutation_under_outer_jit_is_an_error)
-    # read only, but nested jax would refuse the option, or consume the donated input
+    # read only, but nested jax would refuse the option, place the call apart, or consume the
+    # donated input
     options = fastcall.jit(lambda m, x: m(x), compiler_options={"xla_cpu_enable_fast_math": False})
     donating = fastcall.jit(lambda p, x: p[1](p[0](x)), donate_argnums=1)
+    device = jax.devices()[0]
+    placed = [
+        fastcall.jit(lambda m, x: m(x), device=device),
+        fastcall.jit(lambda m, x: m(x), backend=device.platform),
+        fastcall.jit(lambda m, x: m(x), out_shardings=jax.sharding.SingleDeviceSharding(device)),
+        fastcall.jit(lambda m, x: m(x), in_shardings=(None, jax.sharding.SingleDeviceSharding(device))),
+    ]
     x = jnp.ones(3)
     for _ in range(2):
         f(v, x), g(pair, x), h(pair[0], x), w(pair, x), options(pair[0], x), donating(pair, jnp.ones(3))
+        for p in placed:
+            p(pair[0], x)
+    assert all(served(p, pair[0], x)[1] == FAST_PATH[hot_path] for p in placed)
     assert served(f, v, x)[1] == STRUCTURE_PATH[hot_path]
     assert served(g, pair, x)[1] == STRUCTURE_PATH[hot_path]
     assert served(h, pair[0], x)[1] == FAST_PATH[hot_path]
@@ -645,6 +657,10 @@ def calls_under(transform: str, hot_path: str) -> None:
     np.testing.assert_allclose(run(lambda s: s * donating(pair, kept).sum()), pair[1](pair[0](x)).sum(), rtol=1e-6)
     assert not kept.is_deleted()
     assert (options.stats().paths, donating.stats().paths) == paths
+    for p in placed:
+        paths = p.stats().paths
+        np.testing.assert_allclose(run(lambda s, p=p: s * p(pair[0], x).sum()), pair[0](x).sum(), rtol=1e-6)
+        assert p.stats().paths == paths
 
 
 def test_the_trace_check_reads_jax_state_directly_on_supported_jax():
@@ -987,6 +1003,77 @@ def test_cached_partial_pending_in_one_thread_is_seen_there_only(hot_path):
         assert path == ("general" if use_partial else FAST_PATH[hot_path])
         assert_trees_equal(out, expected)
     assert nnx.graphlib.GRAPH_CONTEXT.tmp_static_cache is None
+
+
+def test_cached_partial_pending_seen_after_a_refresh_that_ran_another_thread(hot_path):
+    """Keeping a new thread's dict of the graph context releases the one kept before, which
+    may run code (here a finalizer that lets another thread call meanwhile): what is kept
+    afterwards must still be the calling thread's own dict."""
+    import threading
+
+    m, x = nnx.Linear(2, 2, rngs=nnx.Rngs(0)), jnp.ones(2)
+    f = fastcall.jit(lambda m, x: m(x))
+    f(m, x), f(m, x)
+    expected, errors = m(x), []
+
+    def call_fast():
+        try:
+            assert_trees_equal(f(m, x), expected)
+        except Exception as err:
+            errors.append(err)
+
+    class CallsFromAnotherThread:
+        def __del__(self):
+            t = threading.Thread(target=call_fast)
+            t.start()
+            t.join()
+
+    def leave_a_finalizer():  # (this thread's dict dies with it, but for the one kept)
+        nnx.graphlib.GRAPH_CONTEXT.finalized_later = CallsFromAnotherThread()
+        call_fast()
+
+    t = threading.Thread(target=leave_a_finalizer)
+    t.start()
+    t.join()
+    assert_trees_equal(f(m, x), expected)  # (the kept dict released here: another thread calls)
+    out, path = served(nnx.cached_partial(f), m, x)
+    assert path == "general" and not errors
+    assert_trees_equal(out, expected)
+    assert nnx.graphlib.GRAPH_CONTEXT.tmp_static_cache is None
+
+
+def test_a_graph_context_of_another_local_type_is_read_by_getattr(hot_path):
+    """Only `_thread._local`'s dict is one per thread: another implementation (gevent's
+    local: one dict per greenlet, all on one thread) is read by getattr every call."""
+    from fastcall import _fast
+
+    class PerTask:  # (a context whose `__dict__` and attributes follow the current task)
+        task = "a"
+        dicts = {"a": {"tmp_static_cache": None}, "b": {"tmp_static_cache": None}}
+
+        @property
+        def __dict__(self):
+            return PerTask.dicts[PerTask.task]
+
+        def __getattr__(self, name):
+            return PerTask.dicts[PerTask.task][name]
+
+        def __setattr__(self, name, value):
+            PerTask.dicts[PerTask.task][name] = value
+
+    m, x = nnx.Linear(2, 2, rngs=nnx.Rngs(0)), jnp.ones(2)
+    f = fastcall.jit(lambda m, x: m(x))
+    f(m, x), f(m, x)
+    saved, _fast.GRAPH_CONTEXT[0] = _fast.GRAPH_CONTEXT[0], PerTask()
+    try:
+        assert served(f, m, x)[1] == FAST_PATH[hot_path]  # (task a's nothing pending)
+        PerTask.task = "b"
+        PerTask.dicts["b"]["tmp_static_cache"] = {}  # (task b's cache pending)
+        out, path = served(f, m, x)
+        assert path == "general" and PerTask.dicts["b"]["tmp_static_cache"] is None  # consumed
+        assert_trees_equal(out, m(x))
+    finally:
+        _fast.GRAPH_CONTEXT[0] = saved
 
 
 def test_bound_method_of_an_nnx_object_is_refused_as_nnx_jit_refuses_it():
