@@ -505,17 +505,20 @@ def _write_back_jit(graphdef: Any, treedef: Any, fn: Callable[..., Any]) -> tupl
     return jax.jit(flat), changed
 
 
-def _write_back_floor(objects: Any, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+def _write_back_floor(
+    objects: Any, fn: Callable[..., Any], *args: Any, fresh: Callable[[], tuple[Any, ...]] | None = None
+) -> Callable[[], Any]:
     """The floor for a step that writes NNX state back: jax.jit on the flat state leaves of
     `objects` (split together, so shared Variables stay shared), only the changed leaves
-    returned and rebound by hand, as `optimizer_step`'s floor does. `fn(objects, *args)`."""
+    returned and rebound by hand, as `optimizer_step`'s floor does. `fn(objects, *args)`;
+    with `fresh`, `fn(objects, *fresh())`, its arrays made anew for each call."""
     graphdef, state = nnx.split(objects)
     leaves, treedef = jax.tree_util.tree_flatten(state)
     f, changed = _write_back_jit(graphdef, treedef, fn)
     current = list(leaves)
 
     def run():
-        out = f(*current, *args)
+        out = f(*current, *(args if fresh is None else fresh()))
         for i, v in zip(changed, out[1:]):
             current[i] = v
         return out[0], lambda: list(current)
@@ -805,11 +808,19 @@ def _is_raw_param(path: tuple, value: Any) -> bool:
     return path[-1] in ("w", "b")
 
 
-def raw_counter_step(name: str, description: str, hidden: int, batch: int) -> Workload:
+def raw_counter_step(name: str, description: str, hidden: int, batch: int, numpy_batch: bool = False) -> Workload:
     """toy example 07's `train_step(model, optimizer, x, y)`: raw-array parameters updated
-    by `nnx.Optimizer(..., wrt=<path filter>)` (sgd), the raw `count` incremented."""
+    by `nnx.Optimizer(..., wrt=<path filter>)` (sgd), the raw `count` incremented. With
+    `numpy_batch`, as the example is written: `train_step(model, optimizer, batch)`, the
+    batch a new tuple of NumPy arrays drawn from a NumPy dataset by indexing on every step
+    (the same rows each step, so every variant sees the same data)."""
     x = jnp.linspace(0.0, 1.0, batch)[:, None]
     y = 0.8 * x**2 + 0.1
+    data_x, data_y = np.asarray(x), np.asarray(y)
+    rows = np.arange(batch)
+
+    def draw() -> tuple[Any, Any]:
+        return data_x[rows], data_y[rows]  # (new arrays, as the example's dataset draws)
 
     def build():
         model = RawCounterMLP(1, hidden, 1, nnx.Rngs(0))
@@ -823,14 +834,25 @@ def raw_counter_step(name: str, description: str, hidden: int, batch: int) -> Wo
         optimizer.update(model, grads)
         return loss
 
+    def batch_step(model, optimizer, batch):
+        return step(model, optimizer, *batch)
+
     def variant(wrap: Callable[[Any], Any]):
         def make():
             model, opt = build()
-            f = wrap(step)
             getter = lambda: _state_leaves(model) + _state_leaves(opt)  # noqa: E731
+            if numpy_batch:
+                g = wrap(batch_step)
+                return lambda: (g(model, opt, draw()), getter)
+            f = wrap(step)
             return lambda: (f(model, opt, x, y), getter)
 
         return make
+
+    def make_floor():
+        if numpy_batch:  # (the batch's arrays passed as two flat arguments)
+            return _write_back_floor(build(), lambda mo, x, y: step(*mo, x, y), fresh=draw)
+        return _write_back_floor(build(), lambda mo, x, y: step(*mo, x, y), x, y)
 
     # nnx.jit(graph=False) is no peer: tree mode writes back Variables only, so the
     # rebound raw arrays (parameters, count) keep their old values
@@ -838,8 +860,9 @@ def raw_counter_step(name: str, description: str, hidden: int, batch: int) -> Wo
         name,
         description,
         variant,
-        lambda: _write_back_floor(build(), lambda mo, x, y: step(*mo, x, y), x, y),
-        "jax.jit on flat state leaves, changed leaves (raw arrays included) returned and rebound",
+        make_floor,
+        "jax.jit on flat state leaves (and the batch's arrays), changed leaves (raw arrays included) returned and"
+        " rebound",
     )
 
 
@@ -938,6 +961,13 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
             "toy 07 train step: raw-array params (sgd via nnx.Optimizer, path filter), self.count += 1",
             32,
             32,
+        ),
+        "nnx_raw_counter_np": lambda: raw_counter_step(
+            "nnx_raw_counter_np",
+            "nnx_raw_counter as toy 07 calls it: train_step(model, optimizer, batch), a new tuple of NumPy arrays",
+            32,
+            32,
+            numpy_batch=True,
         ),
     }
     if not quick:  # compute-bound sizes: what share of a step the overhead is

@@ -5,12 +5,13 @@
  *
  *   f(first, *arrays)  where  INDEX[id(first)] is a FastSlot whose ref() is
  *   first and whose guard (if any) holds, slot.records[state] is a FastRecord
- *   with arity == len(args), and every other argument is exactly a jax ArrayImpl.
+ *   with arity == len(args), and every other argument is a plain leaf: exactly a
+ *   jax ArrayImpl, or of another type in the wrapper's `plain` (FunctionState.plain_leaves).
  *
  * Any call that does not meet those conditions tries the structure path
  * (`StructureRecord`): `structures` (the function's `state.structures`) has a
  * record for type(first) with arity == len(args), and every argument reads as
- * the record says (`_dispatch.read_arguments` is the Python copy): a plain array
+ * the record says (`_dispatch.read_arguments` is the Python copy): a plain leaf
  * as is; any other from the identity cache (`by_id`: an entry whose ref() is the
  * argument, whose guard holds and whose spec id is the expected one), or as one
  * of the objects the latest call of a recent entry returned (`latest_leaves`), or
@@ -144,6 +145,7 @@ typedef struct {
     Py_ssize_t calls;      /* calls served here (JitStats.paths["c_fast"]) */
     Py_ssize_t structure_calls; /* calls served by the structure path (paths["c_structure"]) */
     int serves_nested;     /* FunctionState.serves_nested: a read-only call may run nested in a trace */
+    PyObject *plain;       /* frozenset: FunctionState.plain_leaves, types passed to jax.jit as they are */
     PyObject *dict;
     PyObject *weakreflist;
 } FastWrapper;
@@ -152,6 +154,15 @@ static PyObject *
 fw_fallback(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+}
+
+/* Whether `a` is passed to jax.jit as it is (a jax array, the common case, checked first):
+ * 1, 0, or error (-1). (`_dispatch._all_plain` is the Python copy.) */
+static inline int
+is_plain(FastWrapper *self, PyObject *a)
+{
+    PyObject *t = (PyObject *)Py_TYPE(a);
+    return t == G.array_type ? 1 : PySet_Contains(self->plain, t);
 }
 
 /* A dict's version tag (PEP 509): changed by every dict operation that changes what the
@@ -1078,8 +1089,9 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
     for (Py_ssize_t i = 0; i < nargs; i++) { /* (cheap checks first) */
         PyObject *read = PyTuple_GET_ITEM(reads, i);
         if (read == Py_None) {
-            if ((PyObject *)Py_TYPE(args[i]) != G.array_type) {
-                return fw_fallback(self, args, nargsf, kwnames);
+            int plain = is_plain(self, args[i]);
+            if (plain != 1) {
+                return plain < 0 ? NULL : fw_fallback(self, args, nargsf, kwnames);
             }
             continue;
         }
@@ -1310,8 +1322,9 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
         return (arity == -1 && PyErr_Occurred()) ? NULL : fw_structure(self, args, nargsf, kwnames);
     }
     for (Py_ssize_t i = 1; i < nargs; i++) {
-        if ((PyObject *)Py_TYPE(args[i]) != G.array_type) {
-            return fw_structure(self, args, nargsf, kwnames);
+        int plain = is_plain(self, args[i]);
+        if (plain != 1) {
+            return plain < 0 ? NULL : fw_structure(self, args, nargsf, kwnames);
         }
     }
     PyObject *variables = PyTuple_GET_ITEM(record, REC_VARIABLES);
@@ -1399,6 +1412,7 @@ fw_traverse(PyObject *op, visitproc visit, void *arg)
     Py_VISIT(self->structures);
     Py_VISIT(self->state);
     Py_VISIT(self->on_error);
+    Py_VISIT(self->plain);
     Py_VISIT(self->dict);
     return 0;
 }
@@ -1411,6 +1425,7 @@ fw_clear(PyObject *op)
     Py_CLEAR(self->structures);
     Py_CLEAR(self->state);
     Py_CLEAR(self->on_error);
+    Py_CLEAR(self->plain);
     Py_CLEAR(self->dict);
     return 0;
 }
@@ -1565,16 +1580,17 @@ py_configure(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* FastWrapper(fallback, state, structures, on_error, serves_nested), once `configure` has run. */
+/* FastWrapper(fallback, state, structures, on_error, serves_nested, plain), once `configure` has run. */
 static PyObject *
 fw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    PyObject *fallback, *state, *structures, *on_error, *serves_nested;
+    PyObject *fallback, *state, *structures, *on_error, *serves_nested, *plain;
     if (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) {
         PyErr_SetString(PyExc_TypeError, "FastWrapper takes positional arguments only");
         return NULL;
     }
-    if (!PyArg_UnpackTuple(args, "FastWrapper", 5, 5, &fallback, &state, &structures, &on_error, &serves_nested)) {
+    if (!PyArg_UnpackTuple(args, "FastWrapper", 6, 6, &fallback, &state, &structures, &on_error, &serves_nested,
+                           &plain)) {
         return NULL;
     }
     int nested = PyObject_IsTrue(serves_nested);
@@ -1589,6 +1605,10 @@ fw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         PyErr_SetString(PyExc_TypeError, "FastWrapper: structures must be a dict");
         return NULL;
     }
+    if (!PyFrozenSet_CheckExact(plain)) {
+        PyErr_SetString(PyExc_TypeError, "FastWrapper: plain must be a frozenset");
+        return NULL;
+    }
     FastWrapper *self = (FastWrapper *)type->tp_alloc(type, 0);
     if (self == NULL) {
         return NULL;
@@ -1598,6 +1618,7 @@ fw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     Py_INCREF(structures); self->structures = structures;
     Py_INCREF(state); self->state = state;
     Py_INCREF(on_error); self->on_error = on_error;
+    Py_INCREF(plain); self->plain = plain;
     self->calls = 0;
     self->structure_calls = 0;
     self->serves_nested = nested;

@@ -22,7 +22,7 @@ import equinox as eqx
 import jax
 
 from . import _native
-from ._flatten import ARRAY_TYPES, ArrayImpl, Spec, static_equal
+from ._flatten import ARRAY_TYPES, PLAIN_ARRAY_TYPES, ArrayImpl, Spec, static_equal
 
 
 class _NoTemplate(Exception):
@@ -42,7 +42,9 @@ class _CodeGen:
     soon as anything differs from the structure it was generated for: a node
     of another type, a container of another length, an Equinox module with
     other attributes, a static value that is not the same (by identity, then
-    by exact equality), or a leaf that is not a concrete jax array.
+    by exact equality), or a leaf that is not a concrete array (`PLAIN_ARRAY_TYPES`:
+    a jax array, a NumPy array, a typed PRNG key; which of them, at each leaf, may
+    change from object to object, as jax.jit's own call takes any of them).
     """
 
     def __init__(self) -> None:
@@ -75,7 +77,7 @@ class _CodeGen:
         if self.nodes > _MAX_TEMPLATE_NODES:
             raise _NoTemplate
         t = type(value)
-        if t is ArrayImpl:
+        if t in PLAIN_ARRAY_TYPES:
             v = self.var()
             self.emit(f"{v} = {expr}")
             self.arrays.append(v)
@@ -140,7 +142,7 @@ class _CodeGen:
         # A leaf, unless some other pytree node type: those are not specialised.
         if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
             if isinstance(value, ARRAY_TYPES):
-                raise _NoTemplate  # NumPy arrays and tracers: generic path
+                raise _NoTemplate  # tracers, NumPy scalars, array subclasses: generic path
             self.statics([(expr, value)])
             return
         raise _NoTemplate
@@ -158,7 +160,8 @@ class _CodeGen:
 
     def finish(self) -> str:
         if self.arrays:
-            check = " or ".join(f"type({a}) is not _ArrayImpl" for a in self.arrays)
+            # (a jax array, the common leaf, costs one identity test)
+            check = " or ".join(f"(type({a}) is not _ArrayImpl and type({a}) not in _PLAIN)" for a in self.arrays)
             self.emit(f"if {check}: return None")
         self.emit(f"return ({', '.join(self.arrays)}{',' if self.arrays else ''})")
         return "\n".join(self.lines)
@@ -187,7 +190,9 @@ class Template:
             f"{body}\n"
         )
         namespace: dict[str, Any] = dict(gen.consts)
-        namespace.update(_ArrayImpl=ArrayImpl, _static_equal=static_equal, _getattr=object.__getattribute__)
+        namespace.update(
+            _ArrayImpl=ArrayImpl, _PLAIN=PLAIN_ARRAY_TYPES, _static_equal=static_equal, _getattr=object.__getattribute__
+        )
         exec(compile(self.source, f"<fastcall template {spec.id}>", "exec"), namespace)
         self.spec = spec
         self.extract: Callable[[Any], tuple[Any, ...] | None] = namespace["_extract"]

@@ -5,9 +5,10 @@ whole route of a call:
 
 1. The fast path. `f(first, *arrays)` where `first` has a `FastRecord` for
    this function in the fast index (`_fast.INDEX`) and every other argument
-   is a plain jax array: one dict lookup, one weakref check (and, for an
+   is a plain leaf (a jax array, usually; `FunctionState.plain_leaves`): one
+   dict lookup, one weakref check (and, for an
    object holding lists or dicts, its guard: `_guard`), one type check per
-   array, then the jax.jit C++ fast path. Nothing is flattened or keyed.
+   argument, then the jax.jit C++ fast path. Nothing is flattened or keyed.
    The C extension (`_accel.c`) serves exactly this case, reading the same
    records; this Python copy serves it when the C one is not built or is
    disabled (`FASTCALL_DISABLE_ACCEL=1`).
@@ -91,7 +92,7 @@ def run(state: Any, entry: Entry, resolved: Any, executable: Any = None) -> Any:
 
 def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry: Entry) -> None:
     """After a general call: let later calls of this shape take the fast path, if the
-    call was `f(first, *plain arrays)` with `first` a cached Equinox/pytree object or an
+    call was `f(first, *plain leaves)` with `first` a cached Equinox/pytree object or an
     NNX object whose structure is cached, and the compiled entry's outputs are fixed;
     and let later calls with arguments of these structures take the structure path.
     The one eligibility rule for both (Python and C)."""
@@ -99,7 +100,7 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
     # Records are per state, which equal functions carrying other arrays share.
     if fun_leaves or resolved.kwargs or not args or entry.varies or entry.out is None:
         return
-    fast_shape = all(k == 0 for k in resolved.key[1:])  # every other argument a plain array
+    fast_shape = all(k == 0 for k in resolved.key[1:])  # every other argument a plain leaf
     first = args[0]
     node = resolved.nnx_args[0].entry if len(resolved.nnx_args) == 1 and resolved.nnx_args[0].obj is first else None
     if fast_shape and node is not None:
@@ -142,8 +143,8 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
     nnx_args = iter(resolved.nnx_args)
     for a, spec_id in zip(args, resolved.key):
         if spec_id == 0:
-            if type(a) is not ArrayImpl:
-                return  # (a traced Python scalar)
+            if type(a) not in state.plain_leaves:
+                return  # (a tracer of an outer trace, a NumPy scalar: resolved every call)
             reads.append(None)
             continue
         if len(resolved.nnx_args) == 1 and resolved.nnx_args[0].obj is a and resolved.nnx_args[0].entry is None:
@@ -281,22 +282,28 @@ def _writing_back(entry: Entry, post: Any) -> Any:
     return WriteBack(writes, entry.out.fast_result, post)  # type: ignore[union-attr]
 
 
-def _all_arrays(values: tuple[Any, ...], start: int) -> bool:
+def _all_plain(values: tuple[Any, ...], start: int, plain: frozenset[type]) -> bool:
+    """Whether every value from `start` on is passed to jax.jit as it is (`plain`:
+    FunctionState.plain_leaves; a jax array, the common case, is checked first)."""
     for i in range(start, len(values)):
-        if type(values[i]) is not ArrayImpl:
+        t = type(values[i])
+        if t is not ArrayImpl and t not in plain:
             return False
     return True
 
 
-def read_arguments(known: StructureRecord, args: tuple[Any, ...], serves_nested: bool) -> tuple[list[Any], list[Any]] | None:
+def read_arguments(
+    known: StructureRecord, args: tuple[Any, ...], serves_nested: bool, plain: frozenset[type]
+) -> tuple[list[Any], list[Any]] | None:
     """The structure path's reading of a call's arguments (`_fast.StructureRecord`): their
     leaves, in order, and the NnxArgs of its NNX arguments; None if the record does not
-    serve this call."""
+    serve this call. (`serves_nested`, `plain`: the function's, see FunctionState.)"""
     values: list[Any] = []
     nnx_args: list[Any] = []
     for i, (a, read) in enumerate(zip(args, known.reads)):
         if read is None:
-            if type(a) is not ArrayImpl:
+            t = type(a)
+            if t is not ArrayImpl and t not in plain:
                 return None
             values.append(a)
             continue
@@ -354,6 +361,7 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
     resolve_call = _args.resolve_call
     fast_ok = not (state.static_argnums or state.static_argnames)
     serves_nested = state.serves_nested
+    plain = state.plain_leaves
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         # ---- 1. the fast path: f(first, *arrays) with a record for `first`; else the
@@ -364,7 +372,7 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
             slot = index_get(id(first))
             if slot is not None and slot.ref() is first and (slot.guard is None or guard_holds(slot.guard)):
                 record = slot.records.get(state)
-                if record is not None and record.arity == len(args) and _all_arrays(args, 1):
+                if record is not None and record.arity == len(args) and _all_plain(args, 1, plain):
                     arity, call, variables, post = record
                     if variables is None:
                         values: Any = [*args[1:]]
@@ -384,7 +392,7 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
             if structure:
                 known = structures_get(type(first))
                 if known is not None and known.arity == len(args):
-                    read = read_arguments(known, args, serves_nested)
+                    read = read_arguments(known, args, serves_nested, plain)
                     if read is not None:
                         values, variables = read
                         call, post = known.call, known.post
@@ -423,7 +431,7 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
         return wrapper
     # The same fast path in C (see _accel.c); every other call falls back to `wrapper`.
     public = _native.ACCEL.FastWrapper(
-        wrapper, state, state.structures, functools.partial(_c_error, state), state.serves_nested
+        wrapper, state, state.structures, functools.partial(_c_error, state), state.serves_nested, plain
     )
     functools.update_wrapper(public, user_fun)
     state.c_wrappers.add(public)

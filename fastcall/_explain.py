@@ -13,9 +13,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from . import _fast, _flatten, _guard, _nnx_gate
+import numpy as np
+
+from . import _codegen, _fast, _flatten, _guard, _nnx_gate
 from ._dispatch import read_arguments
-from ._flatten import ArrayImpl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +64,7 @@ def _structure_serves(state: Any, known: Any, args: tuple[Any, ...]) -> bool:
     """Whether the structure path would serve the call (read as it reads, changing nothing)."""
     if state.static_argnums or state.static_argnames or known.arity != len(args):
         return False
-    return read_arguments(known._replace(last=list(known.last)), args, state.serves_nested) is not None
+    return read_arguments(known._replace(last=list(known.last)), args, state.serves_nested, state.plain_leaves) is not None
 
 
 def _why_not_fast(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
@@ -75,9 +76,9 @@ def _why_not_fast(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         reasons.append(f"keyword arguments ({', '.join(sorted(kwargs))}): the fast path takes positional ones")
     if not args:
         return reasons + ["no positional argument to key the fast path on"]
-    others = [state.arg_name(i) for i, a in enumerate(args[1:], 1) if type(a) is not ArrayImpl]
+    others = [state.arg_name(i) for i, a in enumerate(args[1:], 1) if type(a) not in state.plain_leaves]
     if others:
-        reasons.append(f"{', '.join(others)}: not a plain jax array (the fast path is f(obj, *arrays))")
+        reasons.append(f"{', '.join(others)}: not an array or traced scalar (the fast path is f(obj, *arrays))")
     slot = _fast.INDEX.get(id(args[0]))
     first = state.arg_name(0)
     if slot is None or slot.ref() is not args[0]:
@@ -94,7 +95,9 @@ def _why_not_fast(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 
 
 def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> ArgumentReport:
-    if type(value) is ArrayImpl:
+    if type(value) is np.ndarray:
+        return ArgumentReport(name, "NumPy array", "passed as is (jax copies it to the device on every call)")
+    if type(value) in _flatten.PLAIN_ARRAY_TYPES:
         return ArgumentReport(name, "jax array", "passed as is")
     if type(value) in _flatten.PY_SCALARS:
         if state.options.trace_scalars:
@@ -149,6 +152,9 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
             "a new object of a structure this function has run",
             "its leaves read by the structure's generated code (cached by identity if passed again)",
         )
+    # (how the general path reads it: by the structure's generated extractor, if it has one)
+    templated = any(t.spec.id == spec.id and t.extract(value) is not None for t in _codegen.templates.get(type(value), ()))
+    every_call = "read by its structure's generated code every call" if templated else "flattened every call"
     if not type(value).__weakrefoffset__:
         if first and (spec.cacheable or spec.guardable) and type(value) in (list, dict):
             return ArgumentReport(
@@ -156,13 +162,7 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
                 f"top-level {type(value).__name__}, not yet held",
                 "held for the fast path once passed first in two consecutive calls",
             )
-        return ArgumentReport(
-            name, f"{type(value).__name__} (cannot be weakly referenced)", "flattened (generated code) every call"
-        )
+        return ArgumentReport(name, f"{type(value).__name__} (cannot be weakly referenced)", every_call)
     if spec.cacheable or spec.guardable:
         return ArgumentReport(name, "not cached yet (seen for the first time)", "cached after its first calls")
-    return ArgumentReport(
-        name,
-        "holds a pytree node that can change in place and cannot be guarded",
-        "flattened (generated code) every call",
-    )
+    return ArgumentReport(name, "holds a pytree node that can change in place and cannot be guarded", every_call)

@@ -1,7 +1,9 @@
 """The fast index: what the fast path (in C, or in Python) serves a call from.
 
 A call `f(first, *arrays)` whose first argument is an object seen before, and
-whose other arguments are plain jax arrays, is served without flattening,
+whose other arguments are plain leaves (jax arrays; NumPy arrays and typed PRNG
+keys; under `fastcall.jit`'s rule Python scalars: what jax.jit takes as it is,
+`FunctionState.plain_leaves`), is served without flattening,
 keying or looking up anything but one dict entry. The records it reads are
 defined here, once; `_dispatch` unpacks them by name and `_accel.c` reads them
 through named index constants, checked against these field names when a C
@@ -18,7 +20,7 @@ A slot is withdrawn the moment its object dies or (NNX) its structure changes.
 A call the fast index does not serve may still be one the function has run
 with arguments of the same structures: the structure path. The function's
 `state.structures[type(first)]` is a `StructureRecord` saying how to read each
-positional argument: a plain jax array as is; any other argument from the
+positional argument: a plain leaf as is; any other argument from the
 identity cache (`_flatten.by_id`, when the cached object is of the expected
 structure), or else by its structure's generated extractor (`_codegen.Template`),
 which reads a new object's leaves and checks everything else about it, or
@@ -175,7 +177,7 @@ class StructureRecord(NamedTuple):
     """How to serve a call whose arguments have the structures of one the function ran."""
 
     arity: int  # the number of positional arguments the call must have
-    # per positional argument; None: a plain jax array
+    # per positional argument; None: a plain leaf (FunctionState.plain_leaves)
     reads: tuple[ArgRead | NodeRead | NodesRead | VariableRead | GraphdefRead | None, ...]
     call: Callable[..., Any]  # the compiled function
     # post(out, first, the NnxArgs of the call's NNX arguments or None); None: out is the
@@ -184,7 +186,7 @@ class StructureRecord(NamedTuple):
     # Per positional argument, a mark of the object last read there (`last_mark`). An
     # object extracted again is left to the general path, which caches it by identity
     # (then it is read from the identity cache). With `fast_shape` (every other argument
-    # a plain array), the first argument passed again is too: the general path gives it a
+    # a plain leaf), the first argument passed again is too: the general path gives it a
     # fast record.
     last: list[Any]
     fast_shape: bool

@@ -26,6 +26,7 @@ extracts its leaves faster than `jax.tree_util.tree_flatten`.
 from __future__ import annotations
 
 import functools
+import importlib
 import itertools
 import operator
 import threading
@@ -49,6 +50,17 @@ try:
 except ImportError:  # pragma: no cover - another jax layout
     ArrayImpl = type(jnp.zeros(()))
 ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
+_KEY_ARRAY: tuple[type, ...] = ()
+for _module in ("jax._src.random.prng", "jax._src.prng"):  # (the typed PRNG key array)
+    try:
+        _KEY_ARRAY = (importlib.import_module(_module).PRNGKeyArray,)
+        break
+    except (ImportError, AttributeError):  # pragma: no cover - another jax layout
+        pass
+# Arrays the fast and structure paths pass to jax.jit as they are, checked by exact type
+# (jax's own call path takes each; none is a tracer, and none is cached: a NumPy array
+# changed in place is read afresh by jax on every call, as jax.jit reads it).
+PLAIN_ARRAY_TYPES = frozenset((ArrayImpl, np.ndarray, *_KEY_ARRAY))
 
 
 def is_array(x: Any) -> bool:
@@ -60,6 +72,14 @@ def is_array(x: Any) -> bool:
 # (weakly typed) under `jax.jit`/`nnx.jit`'s (`fastcall.jit`), except inside an Equinox
 # module, whose own rule (array fields traced, every other field static) always holds.
 PY_SCALARS = (bool, int, float, complex)
+
+
+def plain_leaf_types(trace_scalars: bool) -> frozenset[type]:
+    """The types of argument a call passes to jax.jit as they are, under one rule: the plain
+    arrays, and under `fastcall.jit`'s rule (`trace_scalars`) the Python scalars, traced
+    (weakly typed) as jax.jit traces them. Exact types: a subclass is resolved as any other
+    argument."""
+    return (PLAIN_ARRAY_TYPES | frozenset(PY_SCALARS)) if trace_scalars else PLAIN_ARRAY_TYPES
 
 
 def is_traced_leaf(x: Any, trace_scalars: bool) -> bool:

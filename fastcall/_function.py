@@ -87,6 +87,9 @@ class FunctionState:
             and options.donate == "none"
             and not (self.donate_argnums or self.donate_argnames)
         )
+        # The arguments the fast and structure paths pass to jax.jit as they are, where a call
+        # of this function passed a plain leaf (its spec id 0): `_flatten.plain_leaf_types`.
+        self.plain_leaves = _flatten.plain_leaf_types(options.trace_scalars)
         self.c_wrappers: weakref.WeakSet[Any] = weakref.WeakSet()  # (their call counts)
         # The structure path (`_fast.StructureRecord`): type of the first argument -> record.
         self.structures: dict[type, Any] = {}

@@ -1020,7 +1020,8 @@ def explain_node(obj: Any) -> tuple[str, str]:
     kind = "NNX object, structure cached" + (" (guarded lists/dicts)" if entry.guard else "")
     if not entry.direct:
         kind += "; raw arrays inside plain lists/dicts keep it on the general path"
-    return kind, f"{len(entry.items)} leaf values read{checks}"
+    n_leaves = len(entry.items)
+    return kind, f"{n_leaves} leaf value{'' if n_leaves == 1 else 's'} read{checks}"
 
 
 def describe_node(obj: Any) -> tuple[Any, list[tuple[str, Any]]]:

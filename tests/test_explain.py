@@ -5,6 +5,7 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -43,7 +44,8 @@ def _scenarios():
     yield "nnx module", lambda: nnx.Linear(4, 4, rngs=nnx.Rngs(0)), (X,), {}
     yield "nnx mutable static", WithConfig, (X,), {}
     yield "keyword argument", lambda: nnx.Linear(4, 4, rngs=nnx.Rngs(0)), (), {"x": X}
-    yield "scalar second argument", lambda: {"w": jnp.ones(4)}, (2.0,), {}
+    yield "scalar second argument", lambda: {"w": jnp.ones(4)}, (2.0,), {}  # (traced: passed as is)
+    yield "numpy second argument", lambda: {"w": jnp.ones(4)}, (np.ones(4, np.float32),), {}
 
 
 def _call(m, x):
@@ -65,7 +67,7 @@ def test_explain_names_the_route_the_call_takes(name, make, rest, kwargs, hot_pa
         assert ROUTE[route] == report.route, (name, str(report))
         assert bool(report.reasons) == (report.route == "general")
         assert [a.name for a in report.arguments] == ["m", *(["x"] if rest else []), *kwargs]
-    if name in ("keyword argument", "scalar second argument", "nnx mutable static"):
+    if name in ("keyword argument", "nnx mutable static"):
         assert report.route == "general"
     elif new:
         assert report.route == "structure"

@@ -4,7 +4,7 @@ generated code instead of the general path's resolution, in C and in Python.
 
 Each test checks the result against the eager call and the peer, and the route that
 served the call; anything that differs from the structure the record was made for
-(another static value, another list length, a NumPy leaf, a tracer) must decline to
+(another static value, another list length, a NumPy scalar leaf, a tracer) must decline to
 the general path and still give the right answer."""
 
 from __future__ import annotations
@@ -68,9 +68,9 @@ def test_new_objects_of_a_known_structure_take_the_structure_path(hot_path):
     [
         lambda: ListNet(jax.random.PRNGKey(9), n=3),  # another list length
         lambda: ListNet(jax.random.PRNGKey(9), scale=2.0),  # another static value
-        lambda: eqx.tree_at(lambda m: m.layers[0].bias, ListNet(jax.random.PRNGKey(9)), np.ones(4, np.float32)),
+        lambda: eqx.tree_at(lambda m: m.layers[0].bias, ListNet(jax.random.PRNGKey(9)), np.float32(1.0)),
     ],
-    ids=["list length", "static value", "numpy leaf"],
+    ids=["list length", "static value", "numpy scalar leaf"],
 )
 def test_anything_else_declines_to_the_general_path(other, hot_path):
     f, peer = fastcall.jit(_call), eqx.filter_jit(_call)
@@ -612,3 +612,115 @@ def test_a_variable_on_its_own_takes_the_structure_path(hot_path):
         with pytest.raises(errors.TraceContextError, match="different trace level"):  # (NNX's own error)
             jax.jit(lambda: fn(n.l1.bias, XB))()
     assert not isinstance(ours.l1.bias[...], jax.core.Tracer)
+
+
+# --------------------------------------------------------------------------
+# Plain leaves: what jax.jit takes as it is (a NumPy array, a typed PRNG key, under
+# fastcall.jit's rule a Python scalar) is read as is by the fast and structure paths,
+# wherever a call passed an array, as jax.jit's own call reads it
+
+
+def _scaled(m, x, s):
+    return m(x) * s
+
+
+def test_numpy_arrays_keys_and_scalars_beside_a_model_take_the_fast_path(hot_path):
+    f, peer = fastcall.jit(_scaled), eqx.filter_jit(_scaled)
+    m = _models(1)[0]
+    calls = [
+        (X, jnp.float32(2.0)),
+        (np.arange(4.0, dtype=np.float32), jnp.float32(3.0)),  # a NumPy array where an array was
+        (X, 4.0),  # a Python float where an array was: traced (weakly typed), as jax.jit does
+        (np.arange(4.0, dtype=np.float32) - 1, 5.0),
+        (X + 1, 6),
+    ]
+    for _ in range(3):  # (a fast record is made for an object's second use)
+        f(m, X, jnp.float32(1.0))
+    routes = []
+    for x, s in calls:
+        for _ in range(2):  # (the first call of a new leaf kind lets jax trace for it)
+            y, route = served(f, m, x, s)
+            assert_trees_equal(y, m(jnp.asarray(x)) * s)
+            assert_trees_equal(y, peer(m, x, jnp.asarray(s)))
+        routes.append(route)
+    assert routes == [FAST_PATH[hot_path]] * len(calls)
+    with pytest.raises(TypeError):  # (a NumPy array of objects: refused as jax.jit refuses it)
+        f(m, np.array([object()] * 4), 1.0)
+    y, route = served(f, m, X, 1.0)  # the wrapper keeps working
+    assert route == FAST_PATH[hot_path]
+
+
+def test_a_typed_key_takes_the_fast_path(hot_path):
+    def noisy(m, x, key):
+        return m(x + jax.random.normal(key, x.shape))
+
+    f = fastcall.jit(noisy)
+    m = _models(1)[0]
+    for i in range(3):
+        key = jax.random.key(i)
+        y, route = served(f, m, X, key)
+        assert_trees_equal(y, noisy(m, X, key))
+    assert route == FAST_PATH[hot_path]
+    assert f.stats().compiles == 1
+
+
+def test_python_scalars_stay_static_under_filter_jit(hot_path):
+    """eqx.filter_jit's rule: a Python scalar is part of the compile key, never read as a
+    plain leaf, so each value compiles for it and none is served from another's record."""
+    f, peer = fastcall.filter_jit(_scaled), eqx.filter_jit(_scaled)
+    m = _models(1)[0]
+    for s in (2.0, 3.0, 2.0, 3.0):
+        y = f(m, X, s)
+        assert_trees_equal(y, peer(m, X, s))
+        assert_trees_equal(y, m(X) * s)
+    assert f.stats().compiles == 2
+
+
+def test_a_numpy_leaf_in_a_new_object_takes_the_structure_path(hot_path):
+    f, peer = fastcall.jit(_call), eqx.filter_jit(_call)
+    for m in _models(2):
+        f(m, X)
+    m = eqx.tree_at(lambda m: m.layers[0].bias, _models(3)[2], np.ones(4, np.float32))
+    y, route = served(f, m, X)
+    assert route == STRUCTURE_PATH[hot_path]
+    assert_trees_equal(y, m(X))
+    assert_trees_equal(y, peer(m, X))
+    assert f.stats().compiles == 1
+
+
+@pytest.mark.parametrize("kind", ["tuple", "list"])
+def test_a_new_numpy_batch_each_step_beside_nnx_arguments(kind, hot_path):
+    """flax's toy example 07: `train_step(model, optimizer, (x, y))` with a new batch of
+    NumPy arrays each step (NumPy indexing of a NumPy dataset)."""
+
+    def step(model, optimizer, batch):
+        return _train_step(model, optimizer, *batch)
+
+    (m, opt), (ref_m, ref_opt) = _pair(), _pair()
+    f, peer = fastcall.jit(step), nnx.jit(step)
+    make = tuple if kind == "tuple" else list
+    data = np.random.default_rng(0).normal(size=(10, 2, 4)).astype(np.float32)
+    routes = []
+    for i in range(4):
+        batch = make((data[i], data[i + 1]))
+        loss, route = served(f, m, opt, batch)
+        routes.append(route)
+        assert_trees_equal(loss, peer(ref_m, ref_opt, make((data[i], data[i + 1]))))
+        assert_trees_equal(state_of(m), state_of(ref_m))
+        assert_trees_equal(state_of(opt), state_of(ref_opt))
+    assert routes == ["general"] + [STRUCTURE_PATH[hot_path]] * 3
+    assert f.stats().compiles == 1
+
+
+def test_a_numpy_array_changed_in_place_is_read_afresh(hot_path):
+    """A NumPy array is never cached as a value: the same batch tuple passed again after
+    its array was written in place gives the new result (jax reads the array each call)."""
+    f = fastcall.jit(_call)
+    m = _models(1)[0]
+    x = np.arange(4.0, dtype=np.float32)
+    batch_call = fastcall.jit(lambda m, b: m(b[0]) + b[1])
+    batch = (x, np.ones(4, np.float32))
+    for _ in range(3):
+        assert_trees_equal(f(m, x), m(jnp.asarray(x)))
+        assert_trees_equal(batch_call(m, batch), m(jnp.asarray(x)) + 1)
+        x[:] = x * 2 - 1  # in place
