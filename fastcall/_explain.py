@@ -103,6 +103,12 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
         if state.options.trace_scalars:
             return ArgumentReport(name, "Python scalar, traced (weakly typed)", "passed as is")
         return ArgumentReport(name, "Python scalar, static (part of the compile key)", "hashed")
+    if _flatten.is_traced_leaf(value, state.options.trace_scalars):  # (a NumPy scalar, an array subclass)
+        return ArgumentReport(
+            name,
+            f"{type(value).__name__}, a leaf not of a type the fast paths pass as is",
+            "passed to jax.jit as a leaf, by the general path on every call",
+        )
     if _nnx_gate.is_node(value) or (_nnx_gate.reads_as_node(value) and _nnx_gate.adapter().cached(value)):
         return ArgumentReport(name, *_nnx_gate.adapter().explain_node(value))
     hit = _flatten.lookup(value)

@@ -57,10 +57,15 @@ for _module in ("jax._src.random.prng", "jax._src.prng"):  # (the typed PRNG key
         break
     except (ImportError, AttributeError):  # pragma: no cover - another jax layout
         pass
-# Arrays the fast and structure paths pass to jax.jit as they are, checked by exact type
-# (jax's own call path takes each; none is a tracer, and none is cached: a NumPy array
-# changed in place is read afresh by jax on every call, as jax.jit reads it).
-PLAIN_ARRAY_TYPES = frozenset((ArrayImpl, np.ndarray, *_KEY_ARRAY))
+_NUMPY_SCALARS = (
+    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+    np.float16, np.float32, np.float64, np.complex64, np.complex128,
+)
+# Arrays (and NumPy scalars) the fast and structure paths pass to jax.jit as they are,
+# checked by exact type: jax's own call path takes each, both scalar rules trace each, none
+# is a tracer, and none is cached (a NumPy array changed in place is read afresh by jax on
+# every call, as jax.jit reads it).
+PLAIN_ARRAY_TYPES = frozenset((ArrayImpl, np.ndarray, *_KEY_ARRAY, *_NUMPY_SCALARS))
 
 
 def is_array(x: Any) -> bool:
@@ -478,8 +483,10 @@ def _probe(x: Any) -> Any:
 def hold(state: Any, obj: Any, leaves: Sequence[Any], spec: Any) -> CacheEntry | None:
     """For a top-level list or dict passed first to the function of `state`: its identity
     cache entry, held strongly, if it was also passed first in the function's previous call
-    with the very same leaves; else None (and it is noted for the next call)."""
-    if spec.kind != "tree" or not (spec.guardable or spec.cacheable):
+    with the very same leaves; else None (and it is noted for the next call). Not one whose
+    Python scalars the two scalar rules read differently (`rule_free`): the identity cache is
+    shared by the functions of both, as everywhere else it caches."""
+    if spec.kind != "tree" or not (spec.guardable or spec.cacheable) or not spec.rule_free:
         return None
     last = state.last_first
     if last is None or last.oid != id(obj) or last.spec_id != spec.id or len(last.probes) != len(leaves) or any(

@@ -384,6 +384,33 @@ def test_a_held_params_dict_is_released_for_the_next_one():
     assert id(b) not in _flatten.by_id
 
 
+@pytest.mark.parametrize("first", ["jit", "filter_jit"])
+def test_a_params_dict_with_a_python_scalar_is_read_by_each_function_under_its_rule(first):
+    """`{"w": ..., "lr": 0.5}` passed first to functions of both scalar rules: fastcall.jit
+    traces `lr` (as jax.jit), fastcall.filter_jit keeps it static (as eqx.filter_jit). The
+    identity cache both share must not hand one function's reading to the other."""
+
+    def traced(d, x):
+        return d["w"] * x * d["lr"]
+
+    def static(d, x):  # (a Python branch on lr: works only if lr is static)
+        return d["w"] * x * (2.0 if d["lr"] > 0 else 3.0)
+
+    d, x = {"w": jnp.ones(2), "lr": 0.5}, jnp.ones(2)
+    jf, ef = fastcall.jit(traced), fastcall.filter_jit(static)
+    calls = [lambda: jf(d, x), lambda: ef(d, x)]
+    for call in calls if first == "jit" else calls[::-1]:
+        for _ in range(3):
+            call()
+    assert_trees_equal(jf(d, x), jax.jit(traced)(d, x))
+    assert_trees_equal(ef(d, x), eqx.filter_jit(static)(d, x))
+    for lr in (0.25, 0.125):  # traced under jax.jit's rule: one compile for every value
+        d = {"w": jnp.ones(2), "lr": lr}
+        for _ in range(3):
+            assert_trees_equal(jf(d, x), traced(d, x))
+    assert jf.stats().compiles == 1
+
+
 def test_eqx_state_in_a_partial_is_guarded(hot_path):
     class Net(eqx.Module):
         linear: eqx.nn.Linear

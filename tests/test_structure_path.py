@@ -4,8 +4,8 @@ generated code instead of the general path's resolution, in C and in Python.
 
 Each test checks the result against the eager call and the peer, and the route that
 served the call; anything that differs from the structure the record was made for
-(another static value, another list length, a NumPy scalar leaf, a tracer) must decline to
-the general path and still give the right answer."""
+(another static value, another list length, a Python scalar where an array was, a tracer)
+must decline to the general path and still give the right answer."""
 
 from __future__ import annotations
 
@@ -68,9 +68,9 @@ def test_new_objects_of_a_known_structure_take_the_structure_path(hot_path):
     [
         lambda: ListNet(jax.random.PRNGKey(9), n=3),  # another list length
         lambda: ListNet(jax.random.PRNGKey(9), scale=2.0),  # another static value
-        lambda: eqx.tree_at(lambda m: m.layers[0].bias, ListNet(jax.random.PRNGKey(9)), np.float32(1.0)),
+        lambda: eqx.tree_at(lambda m: m.layers[0].bias, ListNet(jax.random.PRNGKey(9)), 1.0),  # (static in a module)
     ],
-    ids=["list length", "static value", "numpy scalar leaf"],
+    ids=["list length", "static value", "python scalar leaf"],
 )
 def test_anything_else_declines_to_the_general_path(other, hot_path):
     f, peer = fastcall.jit(_call), eqx.filter_jit(_call)
@@ -633,6 +633,7 @@ def test_numpy_arrays_keys_and_scalars_beside_a_model_take_the_fast_path(hot_pat
         (X, 4.0),  # a Python float where an array was: traced (weakly typed), as jax.jit does
         (np.arange(4.0, dtype=np.float32) - 1, 5.0),
         (X + 1, 6),
+        (X, np.float32(7.0)),  # a NumPy scalar
     ]
     for _ in range(3):  # (a fast record is made for an object's second use)
         f(m, X, jnp.float32(1.0))
