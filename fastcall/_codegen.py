@@ -43,7 +43,7 @@ class _CodeGen:
     of another type, a container of another length, an Equinox module with
     other attributes, a static value that is not the same (by identity, then
     by exact equality), or a leaf that is not a concrete array (`PLAIN_ARRAY_TYPES`:
-    a jax array, a NumPy array, a typed PRNG key; which of them, at each leaf, may
+    a jax array, a NumPy array or scalar, a typed PRNG key; which of them, at each leaf, may
     change from object to object, as jax.jit's own call takes any of them).
     """
 
@@ -142,7 +142,7 @@ class _CodeGen:
         # A leaf, unless some other pytree node type: those are not specialised.
         if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
             if isinstance(value, ARRAY_TYPES):
-                raise _NoTemplate  # tracers, NumPy scalars, array subclasses: generic path
+                raise _NoTemplate  # tracers, array subclasses: generic path
             self.statics([(expr, value)])
             return
         raise _NoTemplate

@@ -144,7 +144,7 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
     for a, spec_id in zip(args, resolved.key):
         if spec_id == 0:
             if type(a) not in state.plain_leaves:
-                return  # (a tracer of an outer trace, a NumPy scalar: resolved every call)
+                return  # (a tracer of an outer trace, an array subclass: resolved every call)
             reads.append(None)
             continue
         if len(resolved.nnx_args) == 1 and resolved.nnx_args[0].obj is a and resolved.nnx_args[0].entry is None:

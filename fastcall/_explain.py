@@ -95,15 +95,16 @@ def _why_not_fast(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 
 
 def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> ArgumentReport:
-    if type(value) is np.ndarray:
-        return ArgumentReport(name, "NumPy array", "passed as is (jax copies it to the device on every call)")
+    if type(value) is np.ndarray or (type(value) in _flatten.PLAIN_ARRAY_TYPES and isinstance(value, np.generic)):
+        kind = "NumPy array" if type(value) is np.ndarray else "NumPy scalar"
+        return ArgumentReport(name, kind, "passed as is (jax copies it to the device on every call)")
     if type(value) in _flatten.PLAIN_ARRAY_TYPES:
         return ArgumentReport(name, "jax array", "passed as is")
     if type(value) in _flatten.PY_SCALARS:
         if state.options.trace_scalars:
             return ArgumentReport(name, "Python scalar, traced (weakly typed)", "passed as is")
         return ArgumentReport(name, "Python scalar, static (part of the compile key)", "hashed")
-    if _flatten.is_traced_leaf(value, state.options.trace_scalars):  # (a NumPy scalar, an array subclass)
+    if _flatten.is_traced_leaf(value, state.options.trace_scalars):  # (an array subclass, a tracer)
         return ArgumentReport(
             name,
             f"{type(value).__name__}, a leaf not of a type the fast paths pass as is",

@@ -1,8 +1,8 @@
 """The fast index: what the fast path (in C, or in Python) serves a call from.
 
 A call `f(first, *arrays)` whose first argument is an object seen before, and
-whose other arguments are plain leaves (jax arrays; NumPy arrays and typed PRNG
-keys; under `fastcall.jit`'s rule Python scalars: what jax.jit takes as it is,
+whose other arguments are plain leaves (jax arrays; NumPy arrays and scalars,
+typed PRNG keys; under `fastcall.jit`'s rule Python scalars: what jax.jit takes as it is,
 `FunctionState.plain_leaves`), is served without flattening,
 keying or looking up anything but one dict entry. The records it reads are
 defined here, once; `_dispatch` unpacks them by name and `_accel.c` reads them
