@@ -98,6 +98,18 @@ static const char *WRITE_BACK_FIELDS[] = {"writes", "result", "post", NULL};
 #define RAW_OWNER 0
 #define RAW_NAME 1
 static const char *RAW_LEAF_FIELDS[] = {"owner", "name", NULL};
+/* Registration(index, start, stop, spec, spec_id, guarded): an output an entry's memo notes
+ * (fastcall/_flatten.py); a memo is (regs, ref_0, leaves_0, guard_0, ref_1, ...) */
+#define REG_INDEX 0
+#define REG_START 1
+#define REG_STOP 2
+#define REG_SPEC_ID 4
+#define REG_GUARDED 5
+#define REG_SIZE 6
+#define MEMO_STRIDE 3
+static const char *REGISTRATION_FIELDS[] = {"index", "start", "stop", "spec", "spec_id", "guarded", NULL};
+/* Watched(container, expected, stamp): one container a guard watches (fastcall/_guard.py) */
+static const char *WATCHED_FIELDS[] = {"container", "expected", "stamp", NULL};
 /* CacheEntry(ref, leaves, spec_id, spec, guard): the identity cache's (fastcall/_flatten.py) */
 #define CACHE_REF 0
 #define CACHE_LEAVES 1
@@ -118,7 +130,7 @@ static struct {
     PyObject *jitting;     /* currently_jitting(): whether a JAX trace is running */
     PyObject *top_level;   /* _trace.TOP_LEVEL_PROBE: (holder, name, value) triples, or None */
     PyObject *arg_read, *node_read, *nodes_read, *variable_read, *graphdef_read, *nnx_arg, *write_back,
-        *raw_leaf; /* record classes */
+        *raw_leaf, *watched; /* record classes */
     PyObject *empty_ids;   /* frozenset(): NnxArg.ids of an object read from its entry */
     PyObject *s_spec_id, *s_fresh, *s_items, *s_paths, *s_disjoint; /* NodeEntry attributes */
     PyObject *s_static_cache; /* "tmp_static_cache" */
@@ -127,6 +139,7 @@ static struct {
     PyObject *s_objects;      /* "objects" (NodesRead.objects) */
     PyObject *s_level;        /* "level" (PytreeShape.level) */
     PyObject *s_mapping;      /* "_mapping" (flax's HashableMapping's dict) */
+    PyObject *s_state;        /* "_state" (an eqx.nn.State's dict of values) */
     /* the graph context's dict for the thread whose id is `context_thread`, and the type
      * `_thread._local` (see no_static_cache_pending) */
     PyObject *context_of, *context_dict, *thread_local_type;
@@ -362,15 +375,11 @@ by_id_of(PyObject *table, PyObject *obj)
 
 #define SMALL_STACK 64
 
-/* REG_SPEC_ID: the field of a registration (index, start, stop, spec, spec_id) compared. */
-#define REG_SPEC_ID 4
-#define REG_SIZE 5
-
 /* The leaves of `a` (a new reference to a list) if it is one of the objects the latest
  * call of a recently run entry returned (`_flatten.latest`, whose copy this is: see
- * remember_outputs), with spec `spec_id`; NULL without an error if not. A returned module
- * is known by a weak reference, a returned tuple by a strong one: either way `a` itself,
- * alive, so its id cannot have been reused. */
+ * remember_outputs), with spec `spec_id`, and its guard (a State's) holds; NULL without an
+ * error if not. A returned module or State is known by a weak reference, a returned tuple
+ * by a strong one: either way `a` itself, alive, so its id cannot have been reused. */
 static PyObject *
 latest_leaves(PyObject *a, PyObject *spec_id)
 {
@@ -387,30 +396,34 @@ latest_leaves(PyObject *a, PyObject *spec_id)
             continue;
         }
         PyObject *regs = PyTuple_GET_ITEM(memo, 0);
-        Py_ssize_t n = (PyTuple_GET_SIZE(memo) - 1) / 2;
+        Py_ssize_t n = (PyTuple_GET_SIZE(memo) - 1) / MEMO_STRIDE;
         if (!PyTuple_CheckExact(regs) || PyTuple_GET_SIZE(regs) != n) {
             continue;
         }
         Py_INCREF(memo); /* (held while read: a comparison below may run code that replaces it) */
         PyObject *found = NULL;
-        int failed = 0;
-        for (Py_ssize_t r = 0; r < n && found == NULL && !failed; r++) {
-            PyObject *ref = PyTuple_GET_ITEM(memo, 1 + 2 * r);
-            PyObject *leaves = PyTuple_GET_ITEM(memo, 2 + 2 * r);
+        int failed = 0, seen = 0;
+        for (Py_ssize_t r = 0; r < n && !seen && !failed; r++) {
+            PyObject *ref = PyTuple_GET_ITEM(memo, 1 + MEMO_STRIDE * r);
+            PyObject *leaves = PyTuple_GET_ITEM(memo, 2 + MEMO_STRIDE * r);
+            PyObject *guard = PyTuple_GET_ITEM(memo, 3 + MEMO_STRIDE * r);
             PyObject *reg = PyTuple_GET_ITEM(regs, r);
-            if (ref == Py_None || !PyList_CheckExact(leaves) || !PyTuple_CheckExact(reg)
+            if (ref == Py_None || !PyList_CheckExact(leaves) || !PyTuple_Check(reg)
                 || PyTuple_GET_SIZE(reg) != REG_SIZE) {
                 continue;
             }
             int same = PyWeakref_CheckRefExact(ref) ? ref_is(ref, a) : ref == a;
             if (same == 1) {
-                same = PyObject_RichCompareBool(PyTuple_GET_ITEM(reg, REG_SPEC_ID), spec_id, Py_EQ);
-                found = same == 1 ? Py_NewRef(leaves) : NULL;
+                seen = 1; /* (a changed one is read afresh, as `latest`) */
+                if (guard == Py_None || guard_holds(guard)) {
+                    same = PyObject_RichCompareBool(PyTuple_GET_ITEM(reg, REG_SPEC_ID), spec_id, Py_EQ);
+                    found = same == 1 ? Py_NewRef(leaves) : NULL;
+                }
             }
             failed = same < 0;
         }
         Py_DECREF(memo);
-        if (found != NULL || failed) {
+        if (seen || failed) {
             return found;
         }
     }
@@ -1517,15 +1530,15 @@ py_configure(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "configure: latest must be a list");
         return NULL;
     }
-    enum { N_RECORDS = 13 };
+    enum { N_RECORDS = 15 };
     PyObject *cls[N_RECORDS];
     const char *names[N_RECORDS] = {"FastSlot", "FastRecord", "StructureRecord", "CacheEntry", "ArgRead",
                                     "NodeRead", "NodesRead", "GraphdefRead", "KnownGraphdef", "NnxArg",
-                                    "WriteBack", "RawLeaf", "VariableRead"};
+                                    "WriteBack", "RawLeaf", "VariableRead", "Registration", "Watched"};
     const char **layouts[N_RECORDS] = {SLOT_FIELDS, RECORD_FIELDS, STRUCTURE_FIELDS, CACHE_FIELDS,
                                        READ_FIELDS, NODE_READ_FIELDS, NODES_READ_FIELDS, NODE_READ_FIELDS,
                                        KNOWN_GRAPHDEF_FIELDS, NNX_ARG_FIELDS, WRITE_BACK_FIELDS, RAW_LEAF_FIELDS,
-                                       VARIABLE_READ_FIELDS};
+                                       VARIABLE_READ_FIELDS, REGISTRATION_FIELDS, WATCHED_FIELDS};
     for (int i = 0; i < N_RECORDS; i++) {
         cls[i] = record_class(records, names[i], layouts[i]);
         if (cls[i] == NULL) {
@@ -1535,10 +1548,11 @@ py_configure(PyObject *module, PyObject *args)
     }
     /* (made once; each checked, so that a failure leaves none half made) */
     PyObject **made[] = {&G.s_spec_id, &G.s_fresh, &G.s_items, &G.s_paths, &G.s_disjoint, &G.s_static_cache,
-                         &G.s_dict, &G.s_pytree_nodes, &G.s_var_metadata, &G.s_objects, &G.s_level, &G.s_mapping};
+                         &G.s_dict, &G.s_pytree_nodes, &G.s_var_metadata, &G.s_objects, &G.s_level, &G.s_mapping,
+                         &G.s_state};
     const char *strings[] = {"spec_id", "fresh", "items", "paths", "disjoint", "tmp_static_cache", "__dict__",
-                             "_pytree__nodes", "_var_metadata", "objects", "level", "_mapping"};
-    for (int i = 0; i < 12; i++) {
+                             "_pytree__nodes", "_var_metadata", "objects", "level", "_mapping", "_state"};
+    for (int i = 0; i < 13; i++) {
         if (*made[i] == NULL && (*made[i] = PyUnicode_InternFromString(strings[i])) == NULL) {
             for (int j = 0; j < N_RECORDS; j++) Py_DECREF(cls[j]);
             return NULL;
@@ -1567,6 +1581,8 @@ py_configure(PyObject *module, PyObject *args)
     SET_SHARED(write_back, cls[10]);
     SET_SHARED(raw_leaf, cls[11]);
     SET_SHARED(variable_read, cls[12]);
+    Py_DECREF(cls[13]); /* (checked only: read by position) */
+    SET_SHARED(watched, cls[14]);
     Py_INCREF(index); SET_SHARED(index, index);
     Py_INCREF(by_id); SET_SHARED(by_id, by_id);
     Py_INCREF(latest); SET_SHARED(latest, latest);
@@ -1969,40 +1985,103 @@ py_build(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return build_args_ok(args[0], args[1], usage) ? build_output(args[0], args[1]) : NULL;
 }
 
+/* A `Watched` record (fastcall/_guard.py) of the dict `d` as it holds now: (d, its keys
+ * and values interleaved, [None]) (a new reference), or NULL on error. */
+static PyObject *
+watch_dict(PyObject *d)
+{
+    Py_ssize_t n = PyDict_GET_SIZE(d);
+    PyObject *expected = PyTuple_New(2 * n);
+    PyObject *stamp = PyList_New(1);
+    PyObject *fields = NULL, *watched = NULL;
+    if (expected != NULL && stamp != NULL) {
+        Py_ssize_t pos = 0, i = 0;
+        PyObject *k, *v;
+        while (i < 2 * n && PyDict_Next(d, &pos, &k, &v)) { /* (no code runs here: `d` holds still) */
+            PyTuple_SET_ITEM(expected, i++, Py_NewRef(k));
+            PyTuple_SET_ITEM(expected, i++, Py_NewRef(v));
+        }
+        PyList_SET_ITEM(stamp, 0, Py_NewRef(Py_None));
+        fields = PyTuple_Pack(3, d, expected, stamp);
+    }
+    if (fields != NULL) {
+        /* Watched(*fields), as a NamedTuple's own __new__ makes it: tuple.__new__(Watched, fields) */
+        PyObject *args = PyTuple_Pack(1, fields);
+        watched = args == NULL ? NULL : PyTuple_Type.tp_new((PyTypeObject *)G.watched, args, NULL);
+        Py_XDECREF(args);
+    }
+    Py_XDECREF(expected);
+    Py_XDECREF(stamp);
+    Py_XDECREF(fields);
+    return watched;
+}
+
+/* The guard of a returned eqx.nn.State `item` (`_flatten.state_containers`): its attribute
+ * dict and its `_state` dict, each as it holds now (a new reference); None if either is
+ * not a plain dict (not noted); NULL on error. */
+static PyObject *
+state_guard(PyObject *item)
+{
+    if (G.watched == NULL || G.s_state == NULL) {
+        return Py_NewRef(Py_None); /* (not configured: nothing is read from the memo either) */
+    }
+    PyObject *attrs = PyObject_GenericGetDict(item, NULL);
+    if (attrs == NULL) {
+        return NULL;
+    }
+    PyObject *inner = PyDict_CheckExact(attrs) ? PyDict_GetItemWithError(attrs, G.s_state) : NULL; /* borrowed */
+    PyObject *guard = NULL;
+    if (inner != NULL && PyDict_CheckExact(inner)) {
+        Py_INCREF(inner);
+        PyObject *outer_watched = watch_dict(attrs);
+        PyObject *inner_watched = outer_watched == NULL ? NULL : watch_dict(inner);
+        guard = inner_watched == NULL ? NULL : PyTuple_Pack(2, outer_watched, inner_watched);
+        Py_XDECREF(outer_watched);
+        Py_XDECREF(inner_watched);
+        Py_DECREF(inner);
+    } else if (!PyErr_Occurred()) {
+        guard = Py_NewRef(Py_None);
+    }
+    Py_DECREF(attrs);
+    return guard;
+}
+
 /* remember_outputs(on_death, regs, held, result, dyn): `OutInfo._register` (whose Python
  * copy `_flatten.note_latest` is) in C. The objects a call returns that the next call may
- * take back (`regs`: (index, start, stop, spec, spec_id) each) are noted in one tuple, the
- * entry's *memo*, which replaces the previous call's in `held[0]`:
- *     (regs, ref_0, leaves_0, ref_1, leaves_1, ...)
+ * take back (`regs`: a `Registration` each) are noted in one tuple, the entry's *memo*,
+ * which replaces the previous call's in `held[0]`:
+ *     (regs, ref_0, leaves_0, guard_0, ref_1, leaves_1, guard_1, ...)
  * per registration, `item` (`result`, or result[index]) known by a weak reference whose
  * callback is `on_death` if it can be weakly referenced, by itself (held strongly until the
  * entry's next call) if it is a plain tuple, else None (not noted); leaves_r its leaves
- * dyn[start:stop] (a list). Not noted either: a registration whose first leaf is not an
- * ArrayImpl (a tracer of an outer trace). Then `held` goes to the front of the recent
- * entries (`G.latest`, `latest_leaves` reads it). Nothing is allocated per returned node
- * beyond its weak reference and its leaves: the identity cache proper (`by_id`) takes an
- * object only when a call served in Python reads it (`_flatten.lookup`). 0, or -1. */
+ * dyn[start:stop] (a list); guard_r, for a `guarded` registration (an eqx.nn.State), a
+ * guard over its dicts (`state_guard`; a State whose dicts are not plain is not noted),
+ * else None. Not noted either: a registration whose first leaf is not an ArrayImpl (a
+ * tracer of an outer trace). Then `held` goes to the front of the recent entries
+ * (`G.latest`, `latest_leaves` reads it). Nothing is allocated per returned node beyond
+ * its weak reference, its leaves and a State's guard: the identity cache proper (`by_id`)
+ * takes an object only when a call served in Python reads it (`_flatten.lookup`). 0, or -1. */
 static int
 remember_outputs(PyObject *on_death, PyObject *regs, PyObject *result, PyObject *dyn, PyObject *held)
 {
     Py_ssize_t n = PyTuple_GET_SIZE(regs);
-    PyObject *memo = PyTuple_New(1 + 2 * n);
+    PyObject *memo = PyTuple_New(1 + MEMO_STRIDE * n);
     if (memo == NULL) {
         return -1;
     }
     PyTuple_SET_ITEM(memo, 0, Py_NewRef(regs));
-    for (Py_ssize_t j = 1; j < 1 + 2 * n; j++) {
+    for (Py_ssize_t j = 1; j < 1 + MEMO_STRIDE * n; j++) {
         PyTuple_SET_ITEM(memo, j, Py_NewRef(Py_None));
     }
     for (Py_ssize_t r = 0; r < n; r++) {
         PyObject *reg = PyTuple_GET_ITEM(regs, r);
         if (!PyTuple_Check(reg) || PyTuple_GET_SIZE(reg) != REG_SIZE) {
-            PyErr_SetString(PyExc_TypeError, "remember_outputs: a registration is (index, start, stop, spec, spec_id)");
+            PyErr_SetString(PyExc_TypeError, "remember_outputs: a registration is a Registration");
             goto failed;
         }
-        PyObject *index = PyTuple_GET_ITEM(reg, 0);
-        Py_ssize_t start = PyLong_AsSsize_t(PyTuple_GET_ITEM(reg, 1));
-        Py_ssize_t stop = PyLong_AsSsize_t(PyTuple_GET_ITEM(reg, 2));
+        PyObject *index = PyTuple_GET_ITEM(reg, REG_INDEX);
+        Py_ssize_t start = PyLong_AsSsize_t(PyTuple_GET_ITEM(reg, REG_START));
+        Py_ssize_t stop = PyLong_AsSsize_t(PyTuple_GET_ITEM(reg, REG_STOP));
         if (PyErr_Occurred()) {
             goto failed;
         }
@@ -2017,9 +2096,20 @@ remember_outputs(PyObject *on_death, PyObject *regs, PyObject *result, PyObject 
         if (item == NULL) {
             goto failed;
         }
+        PyObject *guard = PyTuple_GET_ITEM(reg, REG_GUARDED) == Py_True ? state_guard(item) : Py_NewRef(Py_None);
+        if (guard == NULL) {
+            Py_DECREF(item);
+            goto failed;
+        }
+        if (guard == Py_None && PyTuple_GET_ITEM(reg, REG_GUARDED) == Py_True) {
+            Py_DECREF(guard);
+            Py_DECREF(item);
+            continue; /* (a State whose dicts are not plain: not noted) */
+        }
         PyObject *ref = PyTuple_CheckExact(item) ? Py_NewRef(item) : PyWeakref_NewRef(item, on_death);
         Py_DECREF(item);
         if (ref == NULL) {
+            Py_DECREF(guard);
             if (!PyErr_ExceptionMatches(PyExc_TypeError)) {
                 goto failed;
             }
@@ -2029,12 +2119,15 @@ remember_outputs(PyObject *on_death, PyObject *regs, PyObject *result, PyObject 
         PyObject *leaves = PyList_GetSlice(dyn, start, stop);
         if (leaves == NULL) {
             Py_DECREF(ref);
+            Py_DECREF(guard);
             goto failed;
         }
-        Py_DECREF(Py_None); /* (the two Nones they replace) */
+        Py_DECREF(Py_None); /* (the three Nones they replace) */
         Py_DECREF(Py_None);
-        PyTuple_SET_ITEM(memo, 1 + 2 * r, ref);
-        PyTuple_SET_ITEM(memo, 2 + 2 * r, leaves);
+        Py_DECREF(Py_None);
+        PyTuple_SET_ITEM(memo, 1 + MEMO_STRIDE * r, ref);
+        PyTuple_SET_ITEM(memo, 2 + MEMO_STRIDE * r, leaves);
+        PyTuple_SET_ITEM(memo, 3 + MEMO_STRIDE * r, guard);
     }
     /* The swap (atomic under the GIL); the previous memo and whatever falls off the recent
      * entries are released after both tables are consistent (releasing may run code). */

@@ -22,14 +22,11 @@ import equinox as eqx
 import jax
 
 from . import _native
-from ._flatten import ARRAY_TYPES, PLAIN_ARRAY_TYPES, ArrayImpl, Spec, static_equal
+from ._flatten import ARRAY_TYPES, PLAIN_ARRAY_TYPES, STATE_TYPE, ArrayImpl, Spec, static_equal
 
 
 class _NoTemplate(Exception):
     pass
-
-
-_STATE_TYPE = eqx.nn.State
 
 
 _MAX_TEMPLATE_NODES = 4096
@@ -120,7 +117,7 @@ class _CodeGen:
                     self.walk(f"{v}[{f.name!r}]", d[f.name])
             self.statics(statics)
             return
-        if t is _STATE_TYPE:  # eqx.nn.State: its children are its `_state` dict's values
+        if t is STATE_TYPE:  # eqx.nn.State: its children are its `_state` dict's values
             d = value.__dict__.get("_state")
             if type(d) is not dict or len(value.__dict__) != 1:
                 raise _NoTemplate  # (an invalidated State holds a sentinel: tree_flatten raises)
@@ -262,7 +259,7 @@ class _BuilderGen:
             items = [self.expr(v) for v in value]
             self.recipe += (_NTUPLE, t, len(items))
             return f"_tnew({self._name(t)}, (" + "".join(i + ", " for i in items) + "))"
-        if t is _STATE_TYPE:  # (as its tree_unflatten builds it)
+        if t is STATE_TYPE:  # (as its tree_unflatten builds it)
             d = value.__dict__.get("_state")
             if type(d) is not dict or len(value.__dict__) != 1:
                 raise _NoTemplate

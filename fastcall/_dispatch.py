@@ -56,7 +56,8 @@ def configure_accel() -> None:
     each record's fields against the layout it reads)."""
     records = (
         FastSlot, FastRecord, StructureRecord, _flatten.CacheEntry, ArgRead, NodeRead, NodesRead, VariableRead,
-        GraphdefRead, _fast.KnownGraphdef, _fast.NnxArg, WriteBack, _fast.RawLeaf,
+        GraphdefRead, _fast.KnownGraphdef, _fast.NnxArg, WriteBack, _fast.RawLeaf, _flatten.Registration,
+        _guard.Watched,
     )
     _native.BUILT.configure(
         _fast.INDEX, _flatten.by_id, _flatten.LATEST, _fast.GRAPHDEFS, _fast.VALUE_SLOT, _fast.GRAPH_CONTEXT, ArrayImpl,

@@ -13,8 +13,9 @@ split once per structure and once per object:
   immutable structures (Equinox modules, tuples of them). An entry is used
   only if `entry.ref() is obj`, so a reused `id` never matches, and it is
   evicted by the weakref's callback when the object dies.
-* the latest outputs (`LATEST`, `note_latest`): the modules and tuples the
-  latest call of each recently run compiled entry returned, with their leaves,
+* the latest outputs (`LATEST`, `note_latest`): the modules, tuples and
+  eqx.nn.States (under a guard) the latest call of each recently run compiled
+  entry returned, with their leaves,
   so that `model = step(model, ...)` finds them next step without an identity
   cache entry being made for each (`lookup` makes one when a call served in
   Python reads one).
@@ -162,8 +163,27 @@ def _treedef_is_immutable(treedef: Any) -> bool:
 
 # eqx.nn.State is not an Equinox module: its children are the values of its `_state`
 # dict, which `.set` replaces in place (invalidating the old State). A guard watches both
-# its attribute dict and that dict (`_guard_of`).
-_STATE_TYPE = eqx.nn.State
+# its attribute dict and that dict (`state_containers`).
+STATE_TYPE = eqx.nn.State
+
+
+def state_containers(state: Any) -> list[Any]:
+    """The dicts a guard watches for an eqx.nn.State: its attribute dict (`.set` rebinds
+    `_state` there) and its `_state` dict (what it flattens to). (`_accel.c`'s
+    `state_guard` makes the same guard.)"""
+    d = vars(state)
+    return [d, d.get("_state")]
+
+
+def guards_as_state(spec: Any) -> bool:
+    """Whether objects of `spec` are eqx.nn.States holding no list or dict below their
+    `_state` dict: a guard over `state_containers` alone then covers every change."""
+    node_data = spec.treedef.node_data() if spec.kind == "tree" else None
+    return (
+        node_data is not None
+        and node_data[0] is STATE_TYPE
+        and all(_treedef_is_immutable(c) for c in spec.treedef.children())
+    )
 
 
 def _treedef_is_guardable(treedef: Any) -> bool:
@@ -173,7 +193,7 @@ def _treedef_is_guardable(treedef: Any) -> bool:
         _node_is_immutable(node_data[0])
         or node_data[0] is list
         or node_data[0] is dict
-        or node_data[0] is _STATE_TYPE
+        or node_data[0] is STATE_TYPE
     ):
         return False
     return all(_treedef_is_guardable(c) for c in treedef.children())
@@ -348,10 +368,10 @@ def lookup(obj: Any) -> CacheEntry | None:
     found = latest(obj)
     if found is None:
         return None
-    leaves, spec = found
+    leaves, spec, guard = found
     if type(obj) is tuple:
         return CacheEntry(_Strong(operator.itemgetter(0), (obj,)), leaves, spec.id, spec)
-    remember(obj, leaves, spec)
+    remember(obj, leaves, spec, guard)
     hit = by_id.get(id(obj))
     return hit if hit is not None and hit.ref() is obj else None
 
@@ -441,8 +461,8 @@ def _guard_of(obj: Any, leaves: Sequence[Any], spec: Any) -> Any:
     def collect(x: Any) -> bool:
         if type(x) is list or isinstance(x, dict):
             containers.append(x)
-        elif type(x) is _STATE_TYPE:
-            containers.extend((vars(x), vars(x).get("_state")))
+        elif type(x) is STATE_TYPE:
+            containers.extend(state_containers(x))
         return False
 
     again, treedef = tree_flatten(obj, is_leaf=collect)
@@ -527,30 +547,44 @@ def release_held(box: list[Any]) -> None:
         release(token)
 
 
-# The latest outputs. Each compiled entry that returns modules or tuples keeps a one-item
-# list `held`: held[0] is its latest call's *memo* (or None),
-#     (regs, ref_0, leaves_0, ref_1, leaves_1, ...)
-# per registration (index, start, stop, spec, spec_id) of `OutInfo.regs`: the returned object
-# known by a weak reference (a module: released when it dies, by `forget_latest`) or by
-# itself (a tuple, which cannot be weakly referenced: held until the entry's next call), or
-# None (not noted); and its leaves. `LATEST` lists the `held` of the entries that returned
-# most recently, newest first. A lookup compares live objects by identity (`ref() is obj`,
-# or `ref is obj`), so a reused id never matches. `_accel.remember_outputs` and
-# `_accel.latest_leaves` are the C copies of `note_latest` and `latest`.
+# The latest outputs. Each compiled entry that returns modules, tuples or eqx.nn.States
+# keeps a one-item list `held`: held[0] is its latest call's *memo* (or None),
+#     (regs, ref_0, leaves_0, guard_0, ref_1, leaves_1, guard_1, ...)
+# per `Registration` of `OutInfo.regs`: the returned object known by a weak reference (a
+# module or State: released when it dies, by `forget_latest`) or by itself (a tuple, which
+# cannot be weakly referenced: held until the entry's next call), or None (not noted); its
+# leaves; and, for a State (`Registration.guarded`), a guard over its dicts, which may
+# change in place (`state_containers`; else None). `LATEST` lists the `held` of the entries
+# that returned most recently, newest first. A lookup compares live objects by identity
+# (`ref() is obj`, or `ref is obj`), so a reused id never matches, and takes a guarded one
+# only while its guard holds. `_accel.remember_outputs` and `_accel.latest_leaves` are the
+# C copies of `note_latest` and `latest`.
 LATEST_SIZE = 8
 LATEST: list[Any] = [None] * LATEST_SIZE
 _latest_lock = threading.Lock()
+MEMO_STRIDE = 3  # (ref, leaves, guard) per registration
 
 
-def note_latest(held: list[Any], regs: Sequence[Any], result: Any, dyn: Sequence[Any], on_death: Any) -> None:
+class Registration(NamedTuple):
+    """One object an entry's output holds that its memo notes (`OutInfo.regs`)."""
+
+    index: int | None  # its place in the output tuple (None: the output itself)
+    start: int  # its leaves: the dynamic outputs [start, stop)
+    stop: int
+    spec: Any
+    spec_id: int  # (interned: compares by identity)
+    guarded: bool  # an eqx.nn.State: noted with a guard over its dicts (`guards_as_state`)
+
+
+def note_latest(held: list[Any], regs: Sequence[Registration], result: Any, dyn: Sequence[Any], on_death: Any) -> None:
     """Note the objects a call returned (`OutInfo._register`): see LATEST. Only concrete
     arrays (not tracers of an outer trace) are noted."""
     memo: list[Any] = [tuple(regs)]
-    for index, start, stop, _spec, _spec_id in regs:
+    for reg in regs:
         ref: Any = None
-        leaves = None
-        if type(dyn[start]) is ArrayImpl:
-            item = result if index is None else result[index]
+        leaves = guard = None
+        if type(dyn[reg.start]) is ArrayImpl:
+            item = result if reg.index is None else result[reg.index]
             if type(item) is tuple:
                 ref = item
             else:
@@ -558,9 +592,14 @@ def note_latest(held: list[Any], regs: Sequence[Any], result: Any, dyn: Sequence
                     ref = weakref.ref(item, on_death)
                 except TypeError:
                     pass  # (cannot be weakly referenced: not noted)
+            if ref is not None and reg.guarded:
+                containers = state_containers(item)
+                guard = _guard.make(containers) if all(map(_guard.is_guardable, containers)) else None
+                if guard is None:
+                    ref = None
             if ref is not None:
-                leaves = list(dyn[start:stop])
-        memo += (ref, leaves)
+                leaves = list(dyn[reg.start : reg.stop])
+        memo += (ref, leaves, guard)
     new = tuple(memo)
     dropped = None
     # (nothing is made or released under the lock: either may run code that calls back here)
@@ -575,10 +614,10 @@ def note_latest(held: list[Any], regs: Sequence[Any], result: Any, dyn: Sequence
     del previous, dropped
 
 
-def latest(obj: Any) -> tuple[Sequence[Any], Any] | None:
-    """(leaves, spec) of `obj` if the latest call of a recent entry returned it: see LATEST.
-    (None is never noted; a dead module's weak reference reads as None until its callback
-    has dropped the memo.)"""
+def latest(obj: Any) -> tuple[Sequence[Any], Any, Any] | None:
+    """(leaves, spec, guard) of `obj` if the latest call of a recent entry returned it and
+    its guard (if any) holds: see LATEST. (None is never noted; a dead module's weak
+    reference reads as None until its callback has dropped the memo.)"""
     if obj is None:
         return None
     for held in list(LATEST):
@@ -586,9 +625,11 @@ def latest(obj: Any) -> tuple[Sequence[Any], Any] | None:
         if memo is None:
             continue
         for r, reg in enumerate(memo[0]):
-            ref = memo[1 + 2 * r]
+            ref, leaves, guard = memo[1 + MEMO_STRIDE * r : 1 + MEMO_STRIDE * (r + 1)]
             if ref is not None and (ref is obj if type(ref) is tuple else ref() is obj):
-                return memo[2 + 2 * r], reg[3]
+                if guard is not None and not _guard.holds(guard):
+                    return None  # (changed in place since it was returned: read afresh)
+                return leaves, reg.spec, guard
     return None
 
 
@@ -598,7 +639,7 @@ def forget_latest(held: list[Any], ref: Any) -> None:
     runs wherever the module dies; a memo noted meanwhile and dropped here costs the next
     call a read, never a wrong one.)"""
     memo = held[0]
-    if memo is not None and any(x is ref for x in memo[1::2]):
+    if memo is not None and any(x is ref for x in memo[1::MEMO_STRIDE]):
         held[0] = None
 
 

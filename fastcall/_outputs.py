@@ -207,9 +207,9 @@ def _has_python_nodes(treedef: Any) -> bool:
 
 
 def _registrations(out: Any, mask: tuple[bool, ...]):
-    """(index, start, stop, spec) for each Equinox module or immutable tuple returned
-    at top level (as the output, or as an element of an output tuple)."""
-    if isinstance(out, eqx.Module):
+    """A `_flatten.Registration` for each Equinox module, immutable tuple or eqx.nn.State
+    returned at top level (as the output, or as an element of an output tuple)."""
+    if isinstance(out, eqx.Module) or type(out) is _flatten.STATE_TYPE:
         candidates: list[tuple[int | None, Any]] = [(None, out)]
     elif type(out) is tuple:
         candidates = list(enumerate(out))
@@ -219,13 +219,16 @@ def _registrations(out: Any, mask: tuple[bool, ...]):
     for index, item in candidates:
         leaves = jax.tree_util.tree_leaves(item)
         n_dyn = sum(isinstance(x, ARRAY_TYPES) for x in leaves)
-        if (isinstance(item, eqx.Module) or type(item) is tuple) and n_dyn:
+        if (isinstance(item, eqx.Module) or type(item) in (tuple, _flatten.STATE_TYPE)) and n_dyn:
             try:
                 spec, _ = _flatten.flatten_generic(item, "output")
             except FastcallError:
                 spec = None
-            if spec is not None and spec.cacheable and spec.rule_free:
-                yield (index, pos, pos + n_dyn, spec, spec.id)  # (interned: compares by identity)
+            if spec is not None and spec.rule_free:
+                if spec.cacheable:
+                    yield _flatten.Registration(index, pos, pos + n_dyn, spec, spec.id, False)
+                elif _flatten.guards_as_state(spec):
+                    yield _flatten.Registration(index, pos, pos + n_dyn, spec, spec.id, True)
         pos += n_dyn
 
 

@@ -161,9 +161,9 @@ def test_returned_modules_and_tuples_are_noted_for_the_next_call(native, monkeyp
         return jax.tree.map(lambda w: w * 0.5, m), (s[0] + 1, s[1] * 2)
 
     m1, s1 = step(model, state)
-    leaves, spec = _flatten.latest(m1)
-    assert all(a is b for a, b in zip(leaves, (m1.weight, m1.bias), strict=True))
-    leaves, _ = _flatten.latest(s1)
+    leaves, spec, guard = _flatten.latest(m1)
+    assert all(a is b for a, b in zip(leaves, (m1.weight, m1.bias), strict=True)) and guard is None
+    leaves, _, _ = _flatten.latest(s1)
     assert leaves[0] is s1[0] and leaves[1] is s1[1]
     assert id(m1) not in _flatten.by_id and id(s1) not in _flatten.by_id
     out = entry_out(step)
@@ -226,7 +226,7 @@ def test_a_call_finishing_while_the_previous_memo_is_released_leaves_one_memo(na
     assert len(inner) == 1 and not hooks  # (the inner call finished inside the outer one)
     noted = [x for x in (inner[0], second) if _flatten.latest(x) is not None]
     assert len(noted) == 1
-    leaves, _ = _flatten.latest(noted[0])
+    leaves, _, _ = _flatten.latest(noted[0])
     assert leaves[0] is noted[0][0].w and leaves[1] is noted[0][1]
     other = second if noted[0] is inner[0] else inner[0]
     kept = weakref.ref(other[1])

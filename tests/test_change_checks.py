@@ -16,7 +16,9 @@ import pytest
 from flax import nnx
 
 import fastcall
-from .conftest import assert_trees_equal, served, state_of
+from fastcall import _codegen
+
+from .conftest import STRUCTURE_PATH, assert_trees_equal, served, state_of
 
 
 class Net(nnx.Module):
@@ -447,6 +449,63 @@ def test_eqx_state_in_a_partial_is_guarded(hot_path):
     state.set(index, state.get(index))  # invalidates `state` in place: eqx raises on its use
     with pytest.raises(ValueError):
         f(partial, x)
+
+
+class _StatefulNet(eqx.Module):
+    linear: eqx.nn.Linear
+    norm: eqx.nn.BatchNorm
+
+    def __init__(self, key):
+        self.linear = eqx.nn.Linear(4, 4, key=key)
+        self.norm = eqx.nn.BatchNorm(4, axis_name="batch", mode="batch")
+
+    def __call__(self, x, state):
+        return jax.vmap(self.norm, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(jax.vmap(self.linear)(x), state)
+
+
+def _stateful_call(m, s, x):
+    return m(x, s)
+
+
+def test_a_returned_eqx_state_is_read_back_from_the_memo_under_a_guard(hot_path):
+    """`y, state = f(model, state, x)` (Equinox's stateful pattern): the State a call
+    returns is noted with a guard over its dicts, and the next call reads it from the memo
+    (no generated code runs); a State changed in place after it was returned (its `_state`
+    dict written, or invalidated by `.set`) is read afresh, as Equinox reads it."""
+    from fastcall import _flatten
+
+    model, state = eqx.nn.make_with_state(_StatefulNet)(jax.random.PRNGKey(0))
+    f, peer = fastcall.filter_jit(_stateful_call), eqx.filter_jit(_stateful_call)
+    x = jnp.arange(12.0).reshape(3, 4)
+    s, ref = state, state
+    for i in range(4):
+        (y, s), route = served(f, model, s, x * (i + 1))
+        y_ref, ref = peer(model, ref, x * (i + 1))
+        assert_trees_equal((y, s), (y_ref, ref))
+        assert route == ("general" if i == 0 else STRUCTURE_PATH[hot_path])
+        found = _flatten.latest(s)  # (noted, with a guard, for the next call)
+        assert found is not None and found[2] is not None
+    assert f.stats().compiles == 1
+    extracted = []
+    for tmpl in _codegen.templates.get(eqx.nn.State, []):  # (no generated code read it)
+        original = tmpl.extract
+        tmpl.extract = lambda obj, original=original: extracted.append(obj) or original(obj)
+    (y, s2), route = served(f, model, s, x)
+    assert route == STRUCTURE_PATH[hot_path] and not extracted
+    assert_trees_equal((y, s2), eqx.filter_jit(_stateful_call)(model, s, x))
+    # A value written into the returned State's dict in place: seen.
+    index = model.norm.batch_state_index
+    s2._state[index.marker] = jax.tree_util.tree_map(lambda a: a + 1.0, s2._state[index.marker])
+    assert_trees_equal(f(model, s2, x), _stateful_call(model, s2, x))
+    assert _flatten.latest(s2) is None
+    # `.set` invalidates the State it is called on: using it again raises, as in Equinox.
+    (y, s3) = f(model, s2, x)
+    s4 = s3.set(index, s3.get(index))
+    with pytest.raises(ValueError):
+        _stateful_call(model, s3, x)
+    with pytest.raises(ValueError):
+        f(model, s3, x)
+    assert_trees_equal(f(model, s4, x), _stateful_call(model, s4, x))
 
 
 # --------------------------------------------------------------------------

@@ -194,7 +194,7 @@ def test_returned_optimizer_state_tuple_is_reused_next_step(mlp):
     for _ in range(4):
         m, s = step(m, s, jnp.ones(4))
         rm, rs = eqx.filter_jit(step.__wrapped__)(rm, rs, jnp.ones(4))
-        leaves, _ = _flatten.latest(s)  # noted for the next step, with its leaves
+        leaves, _, _ = _flatten.latest(s)  # noted for the next step, with its leaves
         assert all(a is b for a, b in zip(leaves, jax.tree_util.tree_leaves(s), strict=True))
     assert_trees_equal(m, rm)
     assert_trees_equal(s, rs)
