@@ -98,18 +98,18 @@ static const char *WRITE_BACK_FIELDS[] = {"writes", "result", "post", NULL};
 #define RAW_OWNER 0
 #define RAW_NAME 1
 static const char *RAW_LEAF_FIELDS[] = {"owner", "name", NULL};
-/* Registration(index, start, stop, spec, spec_id, guarded): an output an entry's memo notes
+/* Registration(position, start, stop, spec, spec_id, guarded): an output an entry's memo notes
  * (fastcall/_flatten.py); a memo is (regs, ref_0, leaves_0, guard_0, ref_1, ...) */
-#define REG_INDEX 0
+#define REG_POSITION 0
 #define REG_START 1
 #define REG_STOP 2
 #define REG_SPEC_ID 4
 #define REG_GUARDED 5
 #define REG_SIZE 6
 #define MEMO_STRIDE 3
-static const char *REGISTRATION_FIELDS[] = {"index", "start", "stop", "spec", "spec_id", "guarded", NULL};
+static const char *REGISTRATION_FIELDS[] = {"position", "start", "stop", "spec", "spec_id", "guarded", NULL};
 /* Watched(container, expected, stamp): one container a guard watches (fastcall/_guard.py) */
-static const char *WATCHED_FIELDS[] = {"container", "expected", "stamp", NULL};
+static const char *WATCHED_FIELDS[] = {"container", "expected", "stamp", "owner", NULL};
 /* CacheEntry(ref, leaves, spec_id, spec, guard): the identity cache's (fastcall/_flatten.py) */
 #define CACHE_REF 0
 #define CACHE_LEAVES 1
@@ -242,12 +242,45 @@ dict_holds(PyObject *c, PyObject *expected, PyObject *stamp)
     return 1;
 }
 
+/* Whether `c` is still the attribute dict of the object that the weak reference `owner`
+ * refers to, alive (`obj.__dict__ = {...}` gives the object another): 1, or 0. */
+static int
+owns_dict(PyObject *owner, PyObject *c)
+{
+    if (!PyWeakref_CheckRef(owner)) {
+        return 0;
+    }
+    PyObject *obj;
+#if PY_VERSION_HEX >= 0x030D0000
+    if (PyWeakref_GetRef(owner, &obj) <= 0) {
+        PyErr_Clear();
+        return 0;
+    }
+#else
+    obj = PyWeakref_GET_OBJECT(owner);
+    if (obj == Py_None) {
+        return 0;
+    }
+    Py_INCREF(obj);
+#endif
+    PyObject *d = PyObject_GenericGetDict(obj, NULL); /* (the object's own dict: no code runs) */
+    Py_DECREF(obj);
+    if (d == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int same = d == c;
+    Py_DECREF(d);
+    return same;
+}
+
 /* Whether every container of a guard (fastcall/_guard.py) still holds exactly the
  * objects it held when the guard was made: a tuple of `Watched` (container, expected,
- * stamp) triples, `expected` a tuple of a list's items, or of a dict's keys and values
- * interleaved in iteration order. Compared by identity only (never by ==); a dict whose
- * version is the one stamped when it last held is not walked again (`dict_holds`).
- * 1 holds, 0 not. */
+ * stamp, owner), `expected` a tuple of a list's items, or of a dict's keys and values
+ * interleaved in iteration order, and an object's attribute dict still the object's
+ * (`owner`, a weak reference to it, or None). Compared by identity only (never by ==); a
+ * dict whose version is the one stamped when it last held is not walked again
+ * (`dict_holds`). 1 holds, 0 not. */
 static int
 guard_holds(PyObject *guard)
 {
@@ -257,12 +290,13 @@ guard_holds(PyObject *guard)
     Py_ssize_t n = PyTuple_GET_SIZE(guard);
     for (Py_ssize_t g = 0; g < n; g++) {
         PyObject *watched = PyTuple_GET_ITEM(guard, g);
-        if (!PyTuple_Check(watched) || PyTuple_GET_SIZE(watched) != 3) {
+        if (!PyTuple_Check(watched) || PyTuple_GET_SIZE(watched) != 4) {
             return 0;
         }
         PyObject *c = PyTuple_GET_ITEM(watched, 0);
         PyObject *expected = PyTuple_GET_ITEM(watched, 1);
-        if (!PyTuple_CheckExact(expected)) {
+        PyObject *owner = PyTuple_GET_ITEM(watched, 3);
+        if (!PyTuple_CheckExact(expected) || (owner != Py_None && !owns_dict(owner, c))) {
             return 0;
         }
         Py_ssize_t m = PyTuple_GET_SIZE(expected);
@@ -1546,6 +1580,11 @@ py_configure(PyObject *module, PyObject *args)
             return NULL;
         }
     }
+    if (!PyType_IsSubtype((PyTypeObject *)cls[14], &PyTuple_Type)) { /* (made by tuple.__new__: watch_dict) */
+        PyErr_SetString(PyExc_TypeError, "configure: Watched must be a tuple subclass");
+        for (int j = 0; j < N_RECORDS; j++) Py_DECREF(cls[j]);
+        return NULL;
+    }
     /* (made once; each checked, so that a failure leaves none half made) */
     PyObject **made[] = {&G.s_spec_id, &G.s_fresh, &G.s_items, &G.s_paths, &G.s_disjoint, &G.s_static_cache,
                          &G.s_dict, &G.s_pytree_nodes, &G.s_var_metadata, &G.s_objects, &G.s_level, &G.s_mapping,
@@ -1986,9 +2025,9 @@ py_build(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 }
 
 /* A `Watched` record (fastcall/_guard.py) of the dict `d` as it holds now: (d, its keys
- * and values interleaved, [None]) (a new reference), or NULL on error. */
+ * and values interleaved, [None], owner) (a new reference), or NULL on error. */
 static PyObject *
-watch_dict(PyObject *d)
+watch_dict(PyObject *d, PyObject *owner)
 {
     Py_ssize_t n = PyDict_GET_SIZE(d);
     PyObject *expected = PyTuple_New(2 * n);
@@ -1997,12 +2036,16 @@ watch_dict(PyObject *d)
     if (expected != NULL && stamp != NULL) {
         Py_ssize_t pos = 0, i = 0;
         PyObject *k, *v;
-        while (i < 2 * n && PyDict_Next(d, &pos, &k, &v)) { /* (no code runs here: `d` holds still) */
+        while (i < 2 * n && PyDict_Next(d, &pos, &k, &v)) {
             PyTuple_SET_ITEM(expected, i++, Py_NewRef(k));
             PyTuple_SET_ITEM(expected, i++, Py_NewRef(v));
         }
         PyList_SET_ITEM(stamp, 0, Py_NewRef(Py_None));
-        fields = PyTuple_Pack(3, d, expected, stamp);
+        if (i == 2 * n && PyDict_GET_SIZE(d) == n) { /* (the allocations above may have run a finalizer) */
+            fields = PyTuple_Pack(4, d, expected, stamp, owner);
+        } else if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_RuntimeError, "fastcall: a dict changed while it was read");
+        }
     }
     if (fields != NULL) {
         /* Watched(*fields), as a NamedTuple's own __new__ makes it: tuple.__new__(Watched, fields) */
@@ -2017,8 +2060,8 @@ watch_dict(PyObject *d)
 }
 
 /* The guard of a returned eqx.nn.State `item` (`_flatten.state_containers`): its attribute
- * dict and its `_state` dict, each as it holds now (a new reference); None if either is
- * not a plain dict (not noted); NULL on error. */
+ * dict (owned by `item`) and its `_state` dict, each as it holds now (a new reference);
+ * None if either is not a plain dict (not noted); NULL on error. */
 static PyObject *
 state_guard(PyObject *item)
 {
@@ -2033,9 +2076,11 @@ state_guard(PyObject *item)
     PyObject *guard = NULL;
     if (inner != NULL && PyDict_CheckExact(inner)) {
         Py_INCREF(inner);
-        PyObject *outer_watched = watch_dict(attrs);
-        PyObject *inner_watched = outer_watched == NULL ? NULL : watch_dict(inner);
+        PyObject *owner = PyWeakref_NewRef(item, NULL);
+        PyObject *outer_watched = owner == NULL ? NULL : watch_dict(attrs, owner);
+        PyObject *inner_watched = outer_watched == NULL ? NULL : watch_dict(inner, Py_None);
         guard = inner_watched == NULL ? NULL : PyTuple_Pack(2, outer_watched, inner_watched);
+        Py_XDECREF(owner);
         Py_XDECREF(outer_watched);
         Py_XDECREF(inner_watched);
         Py_DECREF(inner);
@@ -2051,7 +2096,7 @@ state_guard(PyObject *item)
  * take back (`regs`: a `Registration` each) are noted in one tuple, the entry's *memo*,
  * which replaces the previous call's in `held[0]`:
  *     (regs, ref_0, leaves_0, guard_0, ref_1, leaves_1, guard_1, ...)
- * per registration, `item` (`result`, or result[index]) known by a weak reference whose
+ * per registration, `item` (`result`, or result[position]) known by a weak reference whose
  * callback is `on_death` if it can be weakly referenced, by itself (held strongly until the
  * entry's next call) if it is a plain tuple, else None (not noted); leaves_r its leaves
  * dyn[start:stop] (a list); guard_r, for a `guarded` registration (an eqx.nn.State), a
@@ -2079,7 +2124,7 @@ remember_outputs(PyObject *on_death, PyObject *regs, PyObject *result, PyObject 
             PyErr_SetString(PyExc_TypeError, "remember_outputs: a registration is a Registration");
             goto failed;
         }
-        PyObject *index = PyTuple_GET_ITEM(reg, REG_INDEX);
+        PyObject *position = PyTuple_GET_ITEM(reg, REG_POSITION);
         Py_ssize_t start = PyLong_AsSsize_t(PyTuple_GET_ITEM(reg, REG_START));
         Py_ssize_t stop = PyLong_AsSsize_t(PyTuple_GET_ITEM(reg, REG_STOP));
         if (PyErr_Occurred()) {
@@ -2092,7 +2137,7 @@ remember_outputs(PyObject *on_death, PyObject *regs, PyObject *result, PyObject 
         if ((PyObject *)Py_TYPE(PyList_GET_ITEM(dyn, start)) != G.array_type) {
             continue; /* (a tracer of an outer trace: never cached) */
         }
-        PyObject *item = index == Py_None ? Py_NewRef(result) : PyObject_GetItem(result, index);
+        PyObject *item = position == Py_None ? Py_NewRef(result) : PyObject_GetItem(result, position);
         if (item == NULL) {
             goto failed;
         }

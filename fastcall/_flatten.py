@@ -171,8 +171,7 @@ def state_containers(state: Any) -> list[Any]:
     """The dicts a guard watches for an eqx.nn.State: its attribute dict (`.set` rebinds
     `_state` there) and its `_state` dict (what it flattens to). (`_accel.c`'s
     `state_guard` makes the same guard.)"""
-    d = vars(state)
-    return [d, d.get("_state")]
+    return [_guard.Attributes(state), vars(state).get("_state")]
 
 
 def guards_as_state(spec: Any) -> bool:
@@ -568,7 +567,7 @@ MEMO_STRIDE = 3  # (ref, leaves, guard) per registration
 class Registration(NamedTuple):
     """One object an entry's output holds that its memo notes (`OutInfo.regs`)."""
 
-    index: int | None  # its place in the output tuple (None: the output itself)
+    position: int | None  # its place in the output tuple (None: the output itself)
     start: int  # its leaves: the dynamic outputs [start, stop)
     stop: int
     spec: Any
@@ -584,7 +583,7 @@ def note_latest(held: list[Any], regs: Sequence[Registration], result: Any, dyn:
         ref: Any = None
         leaves = guard = None
         if type(dyn[reg.start]) is ArrayImpl:
-            item = result if reg.index is None else result[reg.index]
+            item = result if reg.position is None else result[reg.position]
             if type(item) is tuple:
                 ref = item
             else:

@@ -20,11 +20,17 @@ changes it moves on) is the one it had when the check last found it unchanged
 (`Watched.stamp`), for a dict that keeps its own values only: an object's attribute
 dict may share them with the object (Python 3.13), which writes an attribute there
 without a new tag. Python 3.14 has no such tag, and there every dict is walked.
+
+An object's attribute dict (an `eqx.nn.State`'s, an `nnx.State`'s: `Attributes`) is
+watched with its owner, by weak reference: `obj.__dict__ = {...}` gives the object
+another dict and leaves the watched one as it was, so the guard also checks that
+the dict is still the owner's.
 """
 
 from __future__ import annotations
 
 import importlib
+import weakref
 from typing import Any, NamedTuple
 
 
@@ -36,35 +42,55 @@ class Watched(NamedTuple):
     # dicts: [the dict's version tag when the C check last found it holding `expected`, or
     # None]: written only by that check (`_accel.c`, `dict_holds`); None for lists
     stamp: list[Any] | None
+    # an object's attribute dict: a weak reference to the object, whose `__dict__` the
+    # container must still be; else None
+    owner: Any
+
+
+class Attributes(NamedTuple):
+    """An object's attribute dict, as a container to watch (`make`)."""
+
+    obj: Any
 
 
 Guard = tuple[Watched, ...]
 
 
 def is_guardable(container: Any) -> bool:
-    """Whether a guard can watch this container: a plain list or dict. (Not an OrderedDict,
-    whose order, which jax flattens by, is kept apart from its storage: `move_to_end`
-    changes it without changing what the C check walks.)"""
+    """Whether a guard can watch this container: a plain list or dict, or the attribute dict
+    of an object that can be weakly referenced. (Not an OrderedDict, whose order, which jax
+    flattens by, is kept apart from its storage: `move_to_end` changes it without changing
+    what the C check walks.)"""
+    if type(container) is Attributes:
+        obj = container.obj
+        return type(getattr(obj, "__dict__", None)) is dict and bool(type(obj).__weakrefoffset__)
     return type(container) is list or type(container) is dict
 
 
 def make(containers: list[Any]) -> Guard | None:
-    """A guard over these containers (each once), or None if there are none."""
+    """A guard over these containers (each once; each `is_guardable`), or None if there are none."""
     watched = []
     seen: set[int] = set()
     for c in containers:
+        owner = None
+        if type(c) is Attributes:
+            owner, c = weakref.ref(c.obj), vars(c.obj)
         if id(c) in seen:
             continue
         seen.add(id(c))
         if type(c) is list:
-            watched.append(Watched(c, tuple(c), None))
+            watched.append(Watched(c, tuple(c), None, owner))
         else:
-            watched.append(Watched(c, tuple(x for kv in c.items() for x in kv), [None]))
+            watched.append(Watched(c, tuple(x for kv in c.items() for x in kv), [None], owner))
     return tuple(watched) or None
 
 
 def _holds(guard: Guard) -> bool:
-    for c, expected, _ in guard:
+    for c, expected, _, owner in guard:
+        if owner is not None:
+            obj = owner()
+            if obj is None or getattr(obj, "__dict__", None) is not c:
+                return False
         if type(c) is list:
             if len(c) != len(expected) or any(a is not b for a, b in zip(c, expected)):
                 return False

@@ -375,7 +375,9 @@ def _graph_nodes(node: Any) -> tuple[list[Any], list[Any] | None]:
         if _is_node(sub):
             seen[id(sub)] = sub
         elif type(sub) is nnx.State:  # (an optimizer's state: its attributes and its dict)
-            containers += [vars(sub), sub.raw_mapping]
+            attributes = _guard.Attributes(sub)
+            containers += [attributes, sub.raw_mapping]
+            guardable = guardable and _guard.is_guardable(attributes) and _guard.is_guardable(sub.raw_mapping)
         elif _is_container(sub):
             containers.append(sub)
             guardable = guardable and _guard.is_guardable(sub)

@@ -399,7 +399,8 @@ def test_the_c_guard_skips_an_unchanged_dict_by_its_version_and_sees_every_chang
 
     box = Box()
     box.a, box.b = a, b
-    guard = _guard.make([vars(box)])
+    guard = _guard.make([_guard.Attributes(box)])
+    assert guard[0].container is vars(box) and guard[0].owner() is box
     assert both() and both()
     box.a = c
     assert not both()
@@ -409,5 +410,14 @@ def test_the_c_guard_skips_an_unchanged_dict_by_its_version_and_sees_every_chang
     assert not both()
     del box.extra
     assert both()
+    # A new attribute dict (`obj.__dict__ = {...}`) leaves the watched one as it was: the
+    # guard sees that it is no longer the object's.
+    watched = vars(box)
+    box.__dict__ = {"a": c, "b": b}
+    assert not both()
+    box.__dict__ = watched
+    assert both()
     del box.b
     assert not both()
+    del box
+    assert not both()  # (its owner is gone)

@@ -506,6 +506,18 @@ def test_a_returned_eqx_state_is_read_back_from_the_memo_under_a_guard(hot_path)
     with pytest.raises(ValueError):
         f(model, s3, x)
     assert_trees_equal(f(model, s4, x), _stateful_call(model, s4, x))
+    # A new attribute dict for the returned State (`state.__dict__ = {...}`): seen too.
+    (y, s5) = f(model, s4, x)
+    s5.__dict__ = {"_state": {k: jax.tree_util.tree_map(lambda a: a * 2.0, v) for k, v in s5._state.items()}}
+    assert_trees_equal(f(model, s5, x), _stateful_call(model, s5, x))
+    # And for a State the identity cache holds (passed again to a function returning none).
+    g = fastcall.filter_jit(lambda m, s, x: m(x, s)[0])
+    for _ in range(3):
+        g(model, s5, x)
+    _, route = served(g, model, s5, x)
+    assert route != "general"
+    s5.__dict__ = {"_state": {k: jax.tree_util.tree_map(lambda a: a + 3.0, v) for k, v in s5._state.items()}}
+    assert_trees_equal(g(model, s5, x), _stateful_call(model, s5, x)[0])
 
 
 # --------------------------------------------------------------------------

@@ -153,7 +153,8 @@ def test_c_wrapper_checks_the_record_layout():
     if _native.BUILT is None:
         pytest.skip("the C accelerator is not built")
     records = ["FastSlot", "FastRecord", "StructureRecord", "CacheEntry", "ArgRead", "NodeRead", "NodesRead",
-               "GraphdefRead", "KnownGraphdef", "NnxArg", "WriteBack", "RawLeaf", "VariableRead"]
+               "GraphdefRead", "KnownGraphdef", "NnxArg", "WriteBack", "RawLeaf", "VariableRead", "Registration",
+               "Watched"]
     real = _native.BUILT.configure
     calls = []
     try:
