@@ -547,15 +547,47 @@ owner_of(PyObject *owner)
     return Py_NewRef(owner);
 }
 
+/* The attribute `name` of `obj` (a new reference): from `attrs`, its attribute dict, where
+ * it is there, else by getattr (NULL with an exception if neither has it). For an NNX
+ * object's own attributes (a raw leaf, `_pytree__nodes`, a HashableMapping's `_mapping`),
+ * which no data descriptor of its class shadows, the same as getattr, without the walk of
+ * its class's attributes. */
+static PyObject *
+own_attr(PyObject *obj, PyObject *attrs, PyObject *name)
+{
+    PyObject *value = attrs != NULL && PyDict_CheckExact(attrs) ? PyDict_GetItemWithError(attrs, name) : NULL;
+    if (value != NULL) {
+        return Py_NewRef(value);
+    }
+    return PyErr_Occurred() ? NULL : PyObject_GetAttr(obj, name);
+}
+
+/* `obj`'s attribute dict (a new reference), or NULL without an exception if it has none. */
+static PyObject *
+attribute_dict(PyObject *obj)
+{
+    PyObject *attrs = PyObject_GenericGetDict(obj, NULL);
+    if (attrs == NULL) {
+        PyErr_Clear(); /* (read by getattr instead: `own_attr`) */
+    }
+    return attrs;
+}
+
 /* The current value of one leaf of an NNX record (a new reference): a Variable's through
- * the _raw_value slot descriptor `descr`, a RawLeaf(owner, name)'s through getattr. */
+ * the _raw_value slot descriptor `descr`, a RawLeaf(owner, name)'s as getattr reads it
+ * (`own_attr`; `_nnx.read_leaf` is the Python copy). */
 static PyObject *
 leaf_value(PyObject *descr, PyObject *item)
 {
     if ((PyObject *)Py_TYPE(item) == G.raw_leaf) {
         PyObject *owner = owner_of(PyTuple_GET_ITEM(item, RAW_OWNER));
-        PyObject *value = owner == NULL ? NULL : PyObject_GetAttr(owner, PyTuple_GET_ITEM(item, RAW_NAME));
-        Py_XDECREF(owner);
+        if (owner == NULL) {
+            return NULL;
+        }
+        PyObject *attrs = attribute_dict(owner);
+        PyObject *value = own_attr(owner, attrs, PyTuple_GET_ITEM(item, RAW_NAME));
+        Py_XDECREF(attrs);
+        Py_DECREF(owner);
         return value;
     }
     return Py_TYPE(descr)->tp_descr_get(descr, item, (PyObject *)Py_TYPE(item));
@@ -967,8 +999,8 @@ write_raw_leaf(PyObject *leaf, PyObject *value)
 {
     PyObject *owner = owner_of(PyTuple_GET_ITEM(leaf, RAW_OWNER));
     PyObject *name = PyTuple_GET_ITEM(leaf, RAW_NAME);
-    PyObject *held = owner != NULL ? PyObject_GetAttr(owner, G.s_dict) : NULL;
-    PyObject *nodes = held != NULL ? PyObject_GetAttr(owner, G.s_pytree_nodes) : NULL;
+    PyObject *held = owner != NULL ? PyObject_GenericGetDict(owner, NULL) : NULL; /* (owner.__dict__) */
+    PyObject *nodes = held != NULL ? own_attr(owner, held, G.s_pytree_nodes) : NULL;
     if (nodes == NULL) {
         Py_XDECREF(held);
         Py_XDECREF(owner);
@@ -980,8 +1012,10 @@ write_raw_leaf(PyObject *leaf, PyObject *value)
         if (old != NULL && (PyObject *)Py_TYPE(old) == G.array_type) {
             /* (a mapping: `.get(name) is True`; flax's HashableMapping read through the dict
              * its __getitem__ reads, with no Python frame) */
-            PyObject *mapping = strcmp(Py_TYPE(nodes)->tp_name, "HashableMapping") == 0
-                                    ? PyObject_GetAttr(nodes, G.s_mapping) : NULL;
+            PyObject *nodes_attrs = strcmp(Py_TYPE(nodes)->tp_name, "HashableMapping") == 0 ? attribute_dict(nodes)
+                                                                                             : NULL;
+            PyObject *mapping = nodes_attrs != NULL ? own_attr(nodes, nodes_attrs, G.s_mapping) : NULL;
+            Py_XDECREF(nodes_attrs);
             PyObject *data = NULL;
             if (mapping != NULL && PyDict_CheckExact(mapping)) {
                 data = Py_XNewRef(PyDict_GetItemWithError(mapping, name));
