@@ -413,19 +413,20 @@ def test_a_params_dict_with_a_python_scalar_is_read_by_each_function_under_its_r
     assert jf.stats().compiles == 1
 
 
+class _NormNet(eqx.Module):
+    linear: eqx.nn.Linear
+    norm: eqx.nn.BatchNorm
+
+    def __init__(self, key):
+        self.linear = eqx.nn.Linear(4, 4, key=key)
+        self.norm = eqx.nn.BatchNorm(4, axis_name="batch", mode="batch")
+
+    def __call__(self, x, state):
+        return self.norm(self.linear(x), state)
+
+
 def test_eqx_state_in_a_partial_is_guarded(hot_path):
-    class Net(eqx.Module):
-        linear: eqx.nn.Linear
-        norm: eqx.nn.BatchNorm
-
-        def __init__(self, key):
-            self.linear = eqx.nn.Linear(4, 4, key=key)
-            self.norm = eqx.nn.BatchNorm(4, axis_name="batch", mode="batch")
-
-        def __call__(self, x, state):
-            return self.norm(self.linear(x), state)
-
-    model, state = eqx.nn.make_with_state(Net)(jax.random.PRNGKey(0))
+    model, state = eqx.nn.make_with_state(_NormNet)(jax.random.PRNGKey(0))
     model = eqx.nn.inference_mode(model)
     partial = eqx.Partial(model, state=state)
     x = jnp.ones(4)
@@ -451,20 +452,9 @@ def test_eqx_state_in_a_partial_is_guarded(hot_path):
         f(partial, x)
 
 
-class _StatefulNet(eqx.Module):
-    linear: eqx.nn.Linear
-    norm: eqx.nn.BatchNorm
-
-    def __init__(self, key):
-        self.linear = eqx.nn.Linear(4, 4, key=key)
-        self.norm = eqx.nn.BatchNorm(4, axis_name="batch", mode="batch")
-
-    def __call__(self, x, state):
-        return jax.vmap(self.norm, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(jax.vmap(self.linear)(x), state)
-
-
 def _stateful_call(m, s, x):
-    return m(x, s)
+    """Equinox's stateful example: the batch mapped, the state shared."""
+    return jax.vmap(m, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, s)
 
 
 def test_a_returned_eqx_state_is_read_back_from_the_memo_under_a_guard(hot_path):
@@ -474,7 +464,7 @@ def test_a_returned_eqx_state_is_read_back_from_the_memo_under_a_guard(hot_path)
     dict written, or invalidated by `.set`) is read afresh, as Equinox reads it."""
     from fastcall import _flatten
 
-    model, state = eqx.nn.make_with_state(_StatefulNet)(jax.random.PRNGKey(0))
+    model, state = eqx.nn.make_with_state(_NormNet)(jax.random.PRNGKey(0))
     f, peer = fastcall.filter_jit(_stateful_call), eqx.filter_jit(_stateful_call)
     x = jnp.arange(12.0).reshape(3, 4)
     s, ref = state, state
@@ -511,7 +501,7 @@ def test_a_returned_eqx_state_is_read_back_from_the_memo_under_a_guard(hot_path)
     s5.__dict__ = {"_state": {k: jax.tree_util.tree_map(lambda a: a * 2.0, v) for k, v in s5._state.items()}}
     assert_trees_equal(f(model, s5, x), _stateful_call(model, s5, x))
     # And for a State the identity cache holds (passed again to a function returning none).
-    g = fastcall.filter_jit(lambda m, s, x: m(x, s)[0])
+    g = fastcall.filter_jit(lambda m, s, x: _stateful_call(m, s, x)[0])
     for _ in range(3):
         g(model, s5, x)
     _, route = served(g, model, s5, x)
