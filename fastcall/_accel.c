@@ -548,10 +548,10 @@ owner_of(PyObject *owner)
 }
 
 /* The attribute `name` of `obj` (a new reference): from `attrs`, its attribute dict, where
- * it is there, else by getattr (NULL with an exception if neither has it). For an NNX
- * object's own attributes (a raw leaf, `_pytree__nodes`, a HashableMapping's `_mapping`),
- * which no data descriptor of its class shadows, the same as getattr, without the walk of
- * its class's attributes. */
+ * it is there, else by getattr (NULL with an exception if neither has it): an NNX object's
+ * own attribute as NNX's graph flatten reads it (`vars(obj)`: a raw leaf, `_pytree__nodes`,
+ * a HashableMapping's `_mapping`), without getattr's walk of its class's attributes.
+ * (`_fast.read_raw` reads a raw leaf the same way.) */
 static PyObject *
 own_attr(PyObject *obj, PyObject *attrs, PyObject *name)
 {
@@ -575,7 +575,7 @@ attribute_dict(PyObject *obj)
 
 /* The current value of one leaf of an NNX record (a new reference): a Variable's through
  * the _raw_value slot descriptor `descr`, a RawLeaf(owner, name)'s as getattr reads it
- * (`own_attr`; `_nnx.read_leaf` is the Python copy). */
+ * (`own_attr`; `_fast.read_raw` is the Python copy). */
 static PyObject *
 leaf_value(PyObject *descr, PyObject *item)
 {
@@ -999,7 +999,10 @@ write_raw_leaf(PyObject *leaf, PyObject *value)
 {
     PyObject *owner = owner_of(PyTuple_GET_ITEM(leaf, RAW_OWNER));
     PyObject *name = PyTuple_GET_ITEM(leaf, RAW_NAME);
-    PyObject *held = owner != NULL ? PyObject_GenericGetDict(owner, NULL) : NULL; /* (owner.__dict__) */
+    PyObject *held = owner != NULL ? attribute_dict(owner) : NULL;
+    if (held == NULL && owner != NULL) {
+        held = PyObject_GetAttr(owner, G.s_dict); /* (its error: a dead owner's ReferenceError) */
+    }
     PyObject *nodes = held != NULL ? own_attr(owner, held, G.s_pytree_nodes) : NULL;
     if (nodes == NULL) {
         Py_XDECREF(held);

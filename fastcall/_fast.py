@@ -270,7 +270,7 @@ def known_graphdef(graphdef: Any) -> int | None:
 class RawLeaf(NamedTuple):
     """A leaf of an NNX graph held directly as an attribute of a graph node (a raw array
     attribute, `self.pos = nnx.data(jnp.arange(n))`; an item of an nnx.List), read at
-    call time as `getattr(owner, name)` (`owner` is a weak proxy: a cache entry holding
+    call time as NNX reads it (`read_raw`; `owner` is a weak proxy: a cache entry holding
     it keeps nothing alive). Rebinding it goes through the node's hooked `__setattr__`,
     so the cached structure stays trustworthy."""
 
@@ -279,7 +279,7 @@ class RawLeaf(NamedTuple):
 
 
 # NNX records pass their leaves' current values: each Variable's read through its
-# `_raw_value` slot, each RawLeaf's through getattr. The slot descriptor is put in this
+# `_raw_value` slot, each RawLeaf's by `read_raw`. The slot descriptor is put in this
 # one-element cell by the NNX adapter when it loads (C wrappers built before that read
 # it from here); NNX records exist only after it loaded and verified the slot.
 VALUE_SLOT: list[Any] = [None]
@@ -312,10 +312,23 @@ def consume_static_cache() -> None:
         context.tmp_static_cache = None
 
 
+_ABSENT = object()  # (a raw leaf not in its owner's attribute dict)
+
+
+def read_raw(leaf: RawLeaf) -> Any:
+    """A raw leaf's current value as NNX's graph flatten reads it: from its owner's
+    attribute dict (`vars(owner)`), by getattr where it is not there. (They differ only
+    where a property of the class shadows the attribute. `_accel.c`'s `own_attr` reads the
+    same.)"""
+    owner, name = leaf.owner, leaf.name
+    value = owner.__dict__.get(name, _ABSENT)
+    return getattr(owner, name) if value is _ABSENT else value
+
+
 def read_value(item: Any) -> Any:
     """The current value of one leaf of an NNX record (a Variable or a RawLeaf)."""
     if type(item) is RawLeaf:
-        return getattr(item.owner, item.name)
+        return read_raw(item)
     return _raw_value(item)
 
 

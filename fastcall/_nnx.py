@@ -164,7 +164,7 @@ def read_leaf(item: Any) -> Any:
     """The current value of one leaf of a cached graph."""
     t = type(item)
     if t is RawLeaf:
-        return getattr(item.owner, item.name)
+        return _fast.read_raw(item)
     if t is RawItem:
         return item.container[item.key]
     if t is _Unreadable:

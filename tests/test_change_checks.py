@@ -183,6 +183,39 @@ def test_raw_array_rebound_outside_is_seen(rebind, hot_path):
     assert int(m.count) == int(ref.count)
 
 
+class _Shadowed(nnx.Module):
+    """A raw array whose class property reads it other than as stored (NNX's flatten
+    reads the stored value, `vars(obj)`)."""
+
+    scale = [1.0]  # (the property's factor, changed by the test)
+
+    def __init__(self) -> None:
+        self.w = nnx.data(jnp.ones(3))
+
+    @property
+    def w(self):
+        return self.__dict__["w"] * self.scale[0]
+
+    @w.setter
+    def w(self, value):
+        self.__dict__["w"] = value
+
+    def __call__(self, x):
+        return self.w + x
+
+
+def test_a_raw_leaf_shadowed_by_a_property_is_read_as_nnx_reads_it(hot_path, monkeypatch):
+    monkeypatch.setattr(_Shadowed, "scale", [1.0])
+    m, ref = _Shadowed(), _Shadowed()
+    f, peer = fastcall.jit(_call), nnx.jit(_call)
+    x = jnp.zeros(3)
+    for scale in (1.0, 1.0, 2.0, 2.0):
+        _Shadowed.scale[0] = scale
+        y, route = served(f, m, x)
+        assert_trees_equal(y, peer(ref, x))
+    assert route != "general"
+
+
 def test_raw_leaf_written_back_through_a_joint_read():
     # the same module twice in one argument: read afresh, jointly, each call
     m, ref = WithRaw(nnx.Rngs(0)), WithRaw(nnx.Rngs(0))
