@@ -190,7 +190,7 @@ class _Shadowed(nnx.Module):
     scale = [1.0]  # (the property's factor, changed by the test)
 
     def __init__(self) -> None:
-        self.w = nnx.data(jnp.ones(3))
+        self.w = jnp.ones(3)  # (an array: data by default)
 
     @property
     def w(self):
