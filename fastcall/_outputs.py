@@ -224,11 +224,9 @@ def _registrations(out: Any, mask: tuple[bool, ...]):
                 spec, _ = _flatten.flatten_generic(item, "output")
             except FastcallError:
                 spec = None
-            if spec is not None and spec.rule_free:
-                if spec.cacheable:
-                    yield _flatten.Registration(index, pos, pos + n_dyn, spec, spec.id, False)
-                elif _flatten.guards_as_state(spec):
-                    yield _flatten.Registration(index, pos, pos + n_dyn, spec, spec.id, True)
+            if spec is not None and spec.rule_free and (spec.cacheable or _flatten.guards_as_state(spec)):
+                guarded = not spec.cacheable  # (a State: its dicts can change in place)
+                yield _flatten.Registration(index, pos, pos + n_dyn, spec, spec.id, guarded)
         pos += n_dyn
 
 
