@@ -80,7 +80,8 @@ static const char *NODES_READ_FIELDS[] = {"spec_id", "kind", "elements", "keys",
 /* VariableRead(spec_id, kind, metadata) */
 #define VARIABLE_KIND 1
 #define VARIABLE_METADATA 2
-static const char *VARIABLE_READ_FIELDS[] = {"spec_id", "kind", "metadata", NULL};
+#define VARIABLE_METADATA_SLOT 3
+static const char *VARIABLE_READ_FIELDS[] = {"spec_id", "kind", "metadata", "metadata_slot", NULL};
 /* KnownGraphdef(graphdef, snapshot, spec_id, spec) */
 #define KNOWN_GRAPHDEF 0
 #define KNOWN_SNAPSHOT 1
@@ -144,39 +145,12 @@ static struct {
      * `_thread._local` (see no_static_cache_pending) */
     PyObject *context_of, *context_dict, *thread_local_type;
     uint64_t context_thread;
+    /* what context_dict said (whether the static cache is pending), and its version tag then */
+    unsigned long long context_version;
+    int context_pending;
     /* NodeEntry's slot descriptors for s_spec_id .. s_disjoint, of `entry_type` (see entry_field) */
     PyObject *entry_type, *entry_slots[5];
 } G;
-
-typedef struct {
-    PyObject_HEAD
-    vectorcallfunc vectorcall;
-    PyObject *fallback;    /* the Python wrapper: handles every other case */
-    PyObject *structures;  /* dict: type(first) -> StructureRecord (this function's) */
-    PyObject *state;       /* key of this wrapped function in slot.records */
-    PyObject *on_error;    /* on_error(exception, args): re-raises it, made clearer */
-    Py_ssize_t calls;      /* calls served here (JitStats.paths["c_fast"]) */
-    Py_ssize_t structure_calls; /* calls served by the structure path (paths["c_structure"]) */
-    int serves_nested;     /* FunctionState.serves_nested: a read-only call may run nested in a trace */
-    PyObject *plain;       /* frozenset: FunctionState.plain_leaves, types passed to jax.jit as they are */
-    PyObject *dict;
-    PyObject *weakreflist;
-} FastWrapper;
-
-static PyObject *
-fw_fallback(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
-{
-    return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
-}
-
-/* Whether `a` is passed to jax.jit as it is (a jax array, the common case, checked first):
- * 1, 0, or error (-1). (`_dispatch._all_plain` is the Python copy.) */
-static inline int
-is_plain(FastWrapper *self, PyObject *a)
-{
-    PyObject *t = (PyObject *)Py_TYPE(a);
-    return t == G.array_type ? 1 : PySet_Contains(self->plain, t);
-}
 
 /* A dict's version tag (PEP 509): changed by every dict operation that changes what the
  * dict holds, and never shared by two states of one dict. Not by every write, though: an
@@ -196,6 +170,71 @@ dict_version(PyObject *d)
 #pragma GCC diagnostic pop
 }
 #endif
+
+#define MEMO_ARGS 4
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *fallback;    /* the Python wrapper: handles every other case */
+    PyObject *structures;  /* dict: type(first) -> StructureRecord (this function's) */
+    PyObject *state;       /* key of this wrapped function in slot.records */
+    PyObject *on_error;    /* on_error(exception, args): re-raises it, made clearer */
+    Py_ssize_t calls;      /* calls served here (JitStats.paths["c_fast"]) */
+    Py_ssize_t structure_calls; /* calls served by the structure path (paths["c_structure"]) */
+    int serves_nested;     /* FunctionState.serves_nested: a read-only call may run nested in a trace */
+    PyObject *plain;       /* frozenset: FunctionState.plain_leaves, types passed to jax.jit as they are */
+    PyObject *dict;
+    PyObject *weakreflist;
+#ifdef HAVE_DICT_VERSION
+    /* The last call's fast-index lookups (see slot_of), per argument position up to
+     * MEMO_ARGS: the argument's address (compared, never dereferenced), its slot in G.index
+     * or NULL (borrowed: G.index holds it), and G.index's version tag then */
+    const void *memo_arg[MEMO_ARGS];
+    PyObject *memo_slot[MEMO_ARGS];
+    unsigned long long memo_index_version[MEMO_ARGS];
+    /* and the record it found for this function in the slot's records (borrowed: the records
+     * dict holds it), with that dict's version tag then */
+    PyObject *memo_record;
+    unsigned long long memo_records_version;
+    /* the VariableRead (strong: its address is not reused while remembered) whose expected
+     * metadata a Variable's metadata dict was last found equal to, and that dict's version
+     * tag then (see metadata_matches) */
+    PyObject *memo_read;
+    unsigned long long memo_metadata_version;
+    /* the structure record last found for a first argument's type (borrowed: `structures`
+     * holds it), and that dict's version tag then (see structure_of) */
+    const void *memo_type;
+    PyObject *memo_structure;
+    unsigned long long memo_structures_version;
+#endif
+} FastWrapper;
+
+/* Code a served call never runs is marked cold: the compiler lays it out apart from the
+ * code that serves calls, which is then denser. It matters: a call's cost here is mostly
+ * instruction and data cache misses (jax's dispatch, in between, evicts this code), more
+ * than the instructions themselves. */
+#if defined(__GNUC__) || defined(__clang__)
+#define COLD __attribute__((cold, noinline))
+#else
+#define COLD
+#endif
+
+COLD static PyObject *
+fw_fallback(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+}
+
+/* Whether `a` is passed to jax.jit as it is (a jax array, the common case, checked first):
+ * 1, 0, or error (-1). (`_dispatch._all_plain` is the Python copy.) */
+static inline int
+is_plain(FastWrapper *self, PyObject *a)
+{
+    PyObject *t = (PyObject *)Py_TYPE(a);
+    return t == G.array_type ? 1 : PySet_Contains(self->plain, t);
+}
+
 
 /* Whether the dict `c` holds exactly `expected` (keys and values interleaved, in order),
  * compared by identity; with `stamp` (a one-element list: the version `c` had when this
@@ -327,11 +366,15 @@ py_guard_holds(PyObject *module, PyObject *guard)
 }
 
 /* Whether the weak reference `ref` refers to `obj` (1), not (0), or error (-1).
- * (A strong token, for a top-level list or dict held by `_flatten.hold`, is called.) */
+ * (A strong token, `_flatten._Strong`, for a top-level list or dict `_flatten.hold`
+ * holds, holds its object first; anything else that is not a weakref is called.) */
 static int
 ref_is(PyObject *ref, PyObject *obj)
 {
     if (!PyWeakref_Check(ref)) {
+        if (PyTuple_Check(ref) && PyTuple_GET_SIZE(ref) == 2) {
+            return PyTuple_GET_ITEM(ref, 0) == obj;
+        }
         PyObject *target = PyObject_CallNoArgs(ref);
         if (target == NULL) {
             return -1;
@@ -356,7 +399,7 @@ ref_is(PyObject *ref, PyObject *obj)
 /* After a failed call of the compiled function: retry through the fallback for
  * StructureVaries (the call is then counted there, not here); otherwise hand the
  * exception to on_error, which re-raises it (translated where it can). */
-static PyObject *
+COLD static PyObject *
 fw_failed(FastWrapper *self, Py_ssize_t *counter, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     if (PyErr_ExceptionMatches(G.varies_exc)) {
@@ -408,6 +451,84 @@ by_id_of(PyObject *table, PyObject *obj)
 }
 
 #define SMALL_STACK 64
+
+/* `G.index[id(a)]` (borrowed), or NULL: not there, or an error (check PyErr_Occurred), for
+ * the argument at `position`. A wrapper remembers its last lookup per position (the first
+ * MEMO_ARGS; -1: an object inside an argument, not remembered), so that a loop calling it
+ * with the same objects makes no id and no dict lookup (both cost more in a call than
+ * their few instructions: their code and data are out of the CPU's caches after jax's
+ * dispatch). What it remembers holds while G.index's version tag is unchanged: every
+ * insertion, replacement and removal gives it a new one, and tags are never reused (not by
+ * another dict either). So a slot remembered is still there, alive (G.index holds it), and
+ * an id remembered absent is still absent. The address is only compared: a new object at
+ * a dead one's address has the dead one's slot only until its death evicts it (a change of
+ * G.index), and the slot's weak reference is checked anyway. (G.index is a plain dict: a
+ * combined table, whose tag changes with every write; see dict_version.) */
+static PyObject *
+slot_of(FastWrapper *self, PyObject *a, Py_ssize_t position)
+{
+#ifdef HAVE_DICT_VERSION
+    int remembered = position >= 0 && position < MEMO_ARGS;
+    unsigned long long version = dict_version(G.index);
+    if (remembered && self->memo_arg[position] == (const void *)a && self->memo_index_version[position] == version) {
+        return self->memo_slot[position];
+    }
+#endif
+    PyObject *slot = by_id_of(G.index, a);
+#ifdef HAVE_DICT_VERSION
+    if (remembered && (slot != NULL || !PyErr_Occurred())) {
+        self->memo_arg[position] = a;
+        self->memo_slot[position] = slot;
+        self->memo_index_version[position] = version;
+    }
+#endif
+    return slot;
+}
+
+/* `records[self.state]` (borrowed; NULL: not there, or an error), remembered as slot_of
+ * remembers: a records dict with an unchanged tag is the same dict, holding the same record
+ * (tags are unique), so the record is alive. */
+static PyObject *
+record_of(FastWrapper *self, PyObject *records)
+{
+#ifdef HAVE_DICT_VERSION
+    unsigned long long version = dict_version(records);
+    if (self->memo_records_version == version) {
+        return self->memo_record;
+    }
+#endif
+    PyObject *record = PyDict_GetItemWithError(records, self->state);
+#ifdef HAVE_DICT_VERSION
+    if (record != NULL) {
+        self->memo_record = record;
+        self->memo_records_version = version;
+    }
+#endif
+    return record;
+}
+
+
+/* `self.structures[kind]` (borrowed; NULL: not there, or an error), remembered as record_of
+ * remembers. */
+static PyObject *
+structure_of(FastWrapper *self, PyObject *kind)
+{
+#ifdef HAVE_DICT_VERSION
+    unsigned long long version = dict_version(self->structures);
+    if (self->memo_type == (const void *)kind && self->memo_structures_version == version) {
+        return self->memo_structure;
+    }
+#endif
+    PyObject *record = PyDict_GetItemWithError(self->structures, kind);
+#ifdef HAVE_DICT_VERSION
+    if (record != NULL) {
+        self->memo_type = kind;
+        self->memo_structure = record;
+        self->memo_structures_version = version;
+    }
+#endif
+    return record;
+}
 
 /* The leaves of `a` (a new reference to a list) if it is one of the objects the latest
  * call of a recently run entry returned (`_flatten.latest`, whose copy this is: see
@@ -610,30 +731,45 @@ no_static_cache_pending(void)
      * dict (what `__dict__` gives there) is kept for the thread state last seen, known by
      * its id (no other thread state of this interpreter gets it), and read directly; a name
      * not in it is read by getattr (the class default). Another implementation (gevent's
-     * local, one dict per greenlet) is read by getattr. */
-    if (G.thread_local_type != NULL && PyObject_TypeCheck(context, (PyTypeObject *)G.thread_local_type)) {
-        uint64_t thread = PyThreadState_GetID(PyThreadState_Get());
-        PyObject *d;
-        if (G.context_dict != NULL && G.context_of == context && G.context_thread == thread) {
-            d = Py_NewRef(G.context_dict);
-        } else {
-            d = PyObject_GetAttr(context, G.s_dict);
-            if (d == NULL) {
-                return -1;
-            }
-            /* (all three set before the old ones are released, which may run code that
-             * enters here from another thread) */
-            PyObject *old_dict = G.context_dict, *old_of = G.context_of;
-            G.context_dict = Py_NewRef(d);
-            G.context_of = Py_NewRef(context);
-            G.context_thread = thread;
-            Py_XDECREF(old_dict);
-            Py_XDECREF(old_of);
+     * local, one dict per greenlet) is read by getattr. What the kept dict said is kept
+     * too, with its version tag then: unchanged, it says the same (see dict_version). */
+    uint64_t thread = PyThreadState_GetID(PyThreadState_Get());
+    PyObject *d = NULL;
+    if (G.context_dict != NULL && G.context_of == context && G.context_thread == thread) {
+        d = Py_NewRef(G.context_dict); /* (the context's type was checked when it was kept) */
+    } else if (G.thread_local_type != NULL && PyObject_TypeCheck(context, (PyTypeObject *)G.thread_local_type)) {
+        d = PyObject_GetAttr(context, G.s_dict);
+        if (d == NULL) {
+            return -1;
         }
+        /* (all set before the old ones are released, which may run code that enters here
+         * from another thread) */
+        PyObject *old_dict = G.context_dict, *old_of = G.context_of;
+        G.context_dict = Py_NewRef(d);
+        G.context_of = Py_NewRef(context);
+        G.context_thread = thread;
+        G.context_version = 0; /* (nothing known of this dict yet: no tag is 0) */
+        Py_XDECREF(old_dict);
+        Py_XDECREF(old_of);
+    }
+    if (d != NULL) {
         int pending = -2; /* (not known from the dict) */
         if (PyDict_CheckExact(d)) {
+#ifdef HAVE_DICT_VERSION
+            int trusted = ((PyDictObject *)d)->ma_values == NULL && d == G.context_dict;
+            if (trusted && G.context_version == dict_version(d)) {
+                Py_DECREF(d);
+                return !G.context_pending;
+            }
+#endif
             PyObject *found = PyDict_GetItemWithError(d, G.s_static_cache); /* borrowed */
             pending = found != NULL ? found != Py_None : PyErr_Occurred() ? -1 : -2;
+#ifdef HAVE_DICT_VERSION
+            if (trusted && pending >= 0) {
+                G.context_version = dict_version(d);
+                G.context_pending = pending;
+            }
+#endif
         }
         Py_DECREF(d);
         if (pending != -2) {
@@ -727,15 +863,17 @@ append_nnx_arg(PyObject *nnx_args, PyObject *obj, PyObject *variables, PyObject 
  * has had its values checked for tracers (not `fresh`), append its leaves' current values
  * to `values`, its entry to `entries` and, if `nnx_args` is not NULL, its NnxArg; then 1.
  * 0 if not (the first value not an array included: the Python copy decides), -1 on error.
- * (On 0 or -1 the call is not served here, so nothing appended needs undoing.) */
+ * (On 0 or -1 the call is not served here, so nothing appended needs undoing.) `position`
+ * is the argument's, or -1 for an object inside one (see slot_of). */
 static int
-read_node(PyObject *a, PyObject *spec_id, PyObject *values, PyObject *entries, PyObject *nnx_args)
+read_node(FastWrapper *self, PyObject *a, Py_ssize_t position, PyObject *spec_id, PyObject *values, PyObject *entries,
+          PyObject *nnx_args)
 {
     PyObject *descr = PyList_GET_ITEM(G.value_slot, 0);
     if (descr == Py_None) {
         return 0;
     }
-    PyObject *slot = by_id_of(G.index, a); /* borrowed */
+    PyObject *slot = slot_of(self, a, position); /* borrowed */
     if (slot == NULL) {
         return PyErr_Occurred() ? -1 : 0;
     }
@@ -808,21 +946,53 @@ done:
     return res;
 }
 
+/* Whether the Variable `a`'s metadata equals `read`'s copy (1), not (0), or error (-1),
+ * read through the slot `read` names. A dict whose version tag is the one it had when last
+ * found equal to this read's copy is in that same state (tags are never reused), so a
+ * loop passing one Variable compares once. (Trusted only for a combined table: see
+ * dict_version.) */
+static int
+metadata_matches(FastWrapper *self, PyObject *a, PyObject *read)
+{
+    PyObject *slot = PyTuple_GET_ITEM(read, VARIABLE_METADATA_SLOT);
+    descrgetfunc get = Py_TYPE(slot)->tp_descr_get;
+    PyObject *metadata = get == NULL ? NULL : get(slot, a, (PyObject *)Py_TYPE(a));
+    if (metadata == NULL) {
+        if (get == NULL) {
+            PyErr_SetString(PyExc_TypeError, "fastcall: VariableRead.metadata_slot is not a descriptor");
+        }
+        return -1;
+    }
+#ifdef HAVE_DICT_VERSION
+    int trusted = PyDict_CheckExact(metadata) && ((PyDictObject *)metadata)->ma_values == NULL;
+    if (trusted && self->memo_read == read && self->memo_metadata_version == dict_version(metadata)) {
+        Py_DECREF(metadata);
+        return 1;
+    }
+#endif
+    int res = PyObject_RichCompareBool(metadata, PyTuple_GET_ITEM(read, VARIABLE_METADATA), Py_EQ);
+#ifdef HAVE_DICT_VERSION
+    if (res == 1 && trusted) {
+        Py_XSETREF(self->memo_read, Py_NewRef(read));
+        self->memo_metadata_version = dict_version(metadata);
+    }
+#endif
+    Py_DECREF(metadata);
+    return res;
+}
+
 /* The structure path's reading of a Variable passed on its own (`VariableRead`;
  * `_nnx.read_variable_again` is the Python copy): if `a` is of the record's type, with
  * metadata equal to the record's copy and a jax array as value, append that value to
  * `values` and, if `nnx_args` is not NULL, its NnxArg; then 1. 0 if not, -1 on error. */
 static int
-read_variable(PyObject *a, PyObject *read, PyObject *values, PyObject *nnx_args)
+read_variable(FastWrapper *self, PyObject *a, PyObject *read, PyObject *values, PyObject *nnx_args)
 {
     PyObject *descr = PyList_GET_ITEM(G.value_slot, 0);
     if (descr == Py_None || (PyObject *)Py_TYPE(a) != PyTuple_GET_ITEM(read, VARIABLE_KIND)) {
         return 0;
     }
-    PyObject *metadata = PyObject_GetAttr(a, G.s_var_metadata);
-    int res = metadata == NULL ? -1
-                               : PyObject_RichCompareBool(metadata, PyTuple_GET_ITEM(read, VARIABLE_METADATA), Py_EQ);
-    Py_XDECREF(metadata);
+    int res = metadata_matches(self, a, read);
     if (res <= 0) {
         if (res < 0 && PyErr_ExceptionMatches(PyExc_Exception)) {
             PyErr_Clear(); /* (as the Python copy: metadata that cannot be compared declines) */
@@ -1153,7 +1323,7 @@ static PyObject *
 fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    PyObject *record = PyDict_GetItemWithError(self->structures, (PyObject *)Py_TYPE(args[0])); /* borrowed */
+    PyObject *record = structure_of(self, (PyObject *)Py_TYPE(args[0])); /* borrowed */
     if (record == NULL) {
         return PyErr_Occurred() ? NULL : fw_fallback(self, args, nargsf, kwnames);
     }
@@ -1180,7 +1350,7 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
             continue;
         }
         PyObject *kind = (PyObject *)Py_TYPE(read);
-        Py_ssize_t size = kind == G.arg_read ? 2 : kind == G.nodes_read ? 4 : kind == G.variable_read ? 3 : 1;
+        Py_ssize_t size = kind == G.arg_read ? 2 : kind == G.nodes_read ? 4 : kind == G.variable_read ? 4 : 1;
         if ((kind != G.arg_read && kind != G.node_read && kind != G.nodes_read && kind != G.variable_read
              && kind != G.graphdef_read)
             || PyTuple_GET_SIZE(read) != size) {
@@ -1238,16 +1408,16 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
                     }
                 }
                 if (kind == G.node_read) {
-                    got = read_node(a, PyTuple_GET_ITEM(read, NODE_SPEC_ID), parts[i], entries, nnx_args);
+                    got = read_node(self, a, i, PyTuple_GET_ITEM(read, NODE_SPEC_ID), parts[i], entries, nnx_args);
                 } else if (kind == G.variable_read) {
-                    got = read_variable(a, read, parts[i], nnx_args);
+                    got = read_variable(self, a, read, parts[i], nnx_args);
                     n_variables++;
                 } else {
                     PyObject *elements = PyTuple_GET_ITEM(read, NODES_ELEMENTS);
                     PyObject *objs = nodes_of(a, read);
                     got = objs != NULL;
                     for (Py_ssize_t j = 0; got == 1 && j < PyTuple_GET_SIZE(elements); j++) {
-                        got = read_node(PyTuple_GET_ITEM(objs, j), PyTuple_GET_ITEM(elements, j), parts[i],
+                        got = read_node(self, PyTuple_GET_ITEM(objs, j), -1, PyTuple_GET_ITEM(elements, j), parts[i],
                                         entries, nnx_args);
                     }
                     Py_XDECREF(objs);
@@ -1375,7 +1545,7 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
         return fw_fallback(self, args, nargsf, kwnames);
     }
     PyObject *first = args[0];
-    PyObject *slot = by_id_of(G.index, first); /* borrowed */
+    PyObject *slot = slot_of(self, first, 0); /* borrowed */
     if (slot == NULL) {
         return PyErr_Occurred() ? NULL : fw_structure(self, args, nargsf, kwnames);
     }
@@ -1394,7 +1564,7 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
     if (!PyDict_CheckExact(records)) {
         return fw_structure(self, args, nargsf, kwnames);
     }
-    PyObject *record = PyDict_GetItemWithError(records, self->state); /* borrowed */
+    PyObject *record = record_of(self, records); /* borrowed */
     if (record == NULL) {
         return PyErr_Occurred() ? NULL : fw_structure(self, args, nargsf, kwnames);
     }
@@ -1498,6 +1668,9 @@ fw_traverse(PyObject *op, visitproc visit, void *arg)
     Py_VISIT(self->on_error);
     Py_VISIT(self->plain);
     Py_VISIT(self->dict);
+#ifdef HAVE_DICT_VERSION
+    Py_VISIT(self->memo_read);
+#endif
     return 0;
 }
 
@@ -1511,6 +1684,9 @@ fw_clear(PyObject *op)
     Py_CLEAR(self->on_error);
     Py_CLEAR(self->plain);
     Py_CLEAR(self->dict);
+#ifdef HAVE_DICT_VERSION
+    Py_CLEAR(self->memo_read);
+#endif
     return 0;
 }
 

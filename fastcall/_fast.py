@@ -88,6 +88,9 @@ class VariableRead(NamedTuple):
     spec_id: int
     kind: type
     metadata: dict[str, Any]  # a copy, of hashable values
+    # the `_var_metadata` slot descriptor `kind` has (Variable's own, found at record time):
+    # what getattr reads, read without the class lookup
+    metadata_slot: Any
 
 
 class GraphdefRead(NamedTuple):

@@ -369,7 +369,7 @@ def lookup(obj: Any) -> CacheEntry | None:
         return None
     leaves, spec, guard = found
     if type(obj) is tuple:
-        return CacheEntry(_Strong(operator.itemgetter(0), (obj,)), leaves, spec.id, spec)
+        return CacheEntry(_Strong(obj), leaves, spec.id, spec)
     remember(obj, leaves, spec, guard)
     hit = by_id.get(id(obj))
     return hit if hit is not None and hit.ref() is obj else None
@@ -380,10 +380,26 @@ class _Ref(weakref.ref):
     oid: int
 
 
-class _Strong(functools.partial):
-    """A strong stand-in for a weakref: calling it returns the object it holds."""
+class _Strong(tuple):
+    """A strong stand-in for a weakref, `(obj, id(obj))`: calling it returns the object it
+    holds, `.oid` is that object's id (as a `_Ref`'s). The C paths read item 0 directly
+    (`_accel.ref_is`). Compared and hashed by identity, as a weakref to an unhashable
+    object would be."""
 
-    oid: int
+    __slots__ = ()
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__
+
+    def __new__(cls, obj: Any) -> "_Strong":
+        return tuple.__new__(cls, (obj, id(obj)))
+
+    def __call__(self) -> Any:
+        return self[0]
+
+    @property
+    def oid(self) -> int:
+        return self[1]
 
 
 by_id: dict[int, CacheEntry] = {}
@@ -496,7 +512,7 @@ def _probe(x: Any) -> Any:
     try:
         return weakref.ref(x)
     except TypeError:
-        return _Strong(operator.itemgetter(0), (x,))
+        return _Strong(x)
 
 
 def hold(state: Any, obj: Any, leaves: Sequence[Any], spec: Any) -> CacheEntry | None:
@@ -518,8 +534,7 @@ def hold(state: Any, obj: Any, leaves: Sequence[Any], spec: Any) -> CacheEntry |
         guard = _guard_of(obj, leaves, spec)
         if guard is None:
             return None
-        token = _Strong(operator.itemgetter(0), (obj,))
-        token.oid = id(obj)
+        token = _Strong(obj)
         entry = CacheEntry(token, tuple(leaves), spec.id, spec, guard or None)
         old = by_id.get(token.oid)
         by_id[token.oid] = entry

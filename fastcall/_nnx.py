@@ -776,13 +776,15 @@ def variable_read(arg: NnxArg, spec_id: int) -> _fast.VariableRead | None:
     spec = _variable_specs.get(key)
     if spec is None or spec.id != spec_id:
         return None
+    if METADATA_SLOT is None or inspect.getattr_static(type(v), "_var_metadata", None) is not METADATA_SLOT:
+        return None  # (a subclass that redefines it: not read through the slot)
     metadata = dict(key[1])  # (a copy, as taken now)
     try:
         if _var_metadata(v) != metadata:
             return None
     except Exception:
         return None
-    return _fast.VariableRead(spec_id, type(v), metadata)
+    return _fast.VariableRead(spec_id, type(v), metadata, METADATA_SLOT)
 
 
 def read_variable_again(v: Any, read: _fast.VariableRead, values: list[Any], nnx_args: list[NnxArg]) -> bool:
@@ -795,7 +797,7 @@ def read_variable_again(v: Any, read: _fast.VariableRead, values: list[Any], nnx
     if type(value) is not ArrayImpl:
         return False  # (a tracer: inside an NNX transform)
     try:
-        if _var_metadata(v) != read.metadata:
+        if read.metadata_slot.__get__(v) != read.metadata:
             return False
     except Exception:
         return False
@@ -804,8 +806,12 @@ def read_variable_again(v: Any, read: _fast.VariableRead, values: list[Any], nnx
     return True
 
 
-# A Variable's metadata dict itself (the C structure path reads the same attribute).
+# A Variable's metadata dict itself; the structure path reads it through the slot (a
+# `VariableRead` is made only where the slot is what getattr finds; else there is none).
 _var_metadata = operator.attrgetter("_var_metadata")
+METADATA_SLOT: Any = inspect.getattr_static(Variable, "_var_metadata", None)
+if type(METADATA_SLOT).__name__ != "member_descriptor":  # pragma: no cover - an unverified flax
+    METADATA_SLOT = None
 
 GraphDef = graphlib.GraphDef
 
