@@ -77,7 +77,7 @@ static const char *NODE_READ_FIELDS[] = {"spec_id", NULL};
 #define NODES_ELEMENTS 2
 #define NODES_KEYS 3
 static const char *NODES_READ_FIELDS[] = {"spec_id", "kind", "elements", "keys", NULL};
-/* VariableRead(spec_id, kind, metadata) */
+/* VariableRead(spec_id, kind, metadata, metadata_slot) */
 #define VARIABLE_KIND 1
 #define VARIABLE_METADATA 2
 #define VARIABLE_METADATA_SLOT 3
@@ -762,11 +762,14 @@ no_static_cache_pending(void)
                 return !G.context_pending;
             }
 #endif
+#ifdef HAVE_DICT_VERSION
+            unsigned long long version = dict_version(d); /* (before the lookup, which may run code) */
+#endif
             PyObject *found = PyDict_GetItemWithError(d, G.s_static_cache); /* borrowed */
             pending = found != NULL ? found != Py_None : PyErr_Occurred() ? -1 : -2;
 #ifdef HAVE_DICT_VERSION
-            if (trusted && pending >= 0) {
-                G.context_version = dict_version(d);
+            if (trusted && pending >= 0 && d == G.context_dict) {
+                G.context_version = version;
                 G.context_pending = pending;
             }
 #endif
@@ -946,11 +949,40 @@ done:
     return res;
 }
 
+#ifdef HAVE_DICT_VERSION
+/* Whether the dicts `d` and `expected` hold the very same values under the same str keys
+ * (1, or 0): looked up by exact str keys and compared by identity, so no user code runs. */
+static int
+same_values(PyObject *d, PyObject *expected)
+{
+    if (!PyDict_CheckExact(expected) || PyDict_GET_SIZE(d) != PyDict_GET_SIZE(expected)) {
+        return 0;
+    }
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(d, &pos, &k, &v)) {
+        if (!PyUnicode_CheckExact(k)) {
+            return 0;
+        }
+        PyObject *other = PyDict_GetItemWithError(expected, k); /* (an exact str key: no code runs) */
+        if (other != v) {
+            PyErr_Clear();
+            return 0;
+        }
+    }
+    return 1;
+}
+#endif
+
 /* Whether the Variable `a`'s metadata equals `read`'s copy (1), not (0), or error (-1),
- * read through the slot `read` names. A dict whose version tag is the one it had when last
- * found equal to this read's copy is in that same state (tags are never reused), so a
- * loop passing one Variable compares once. (Trusted only for a combined table: see
- * dict_version.) */
+ * read through the slot `read` names. When the dict holds the very objects the copy holds
+ * (the usual case: the copy was taken from this Variable, or one sharing its values), its
+ * version tag is remembered with the read: a dict with that tag again is in that same
+ * state (tags are never reused), so a loop passing one Variable compares once. Only then:
+ * a memo of an `==` between distinct objects would miss a change inside one of them, which
+ * a comparison would see. The tag is taken before the comparison (which may run code that
+ * changes the dict), and the old read is released last (which may run code that enters
+ * here). (Trusted only for a combined table: see dict_version.) */
 static int
 metadata_matches(FastWrapper *self, PyObject *a, PyObject *read)
 {
@@ -963,18 +995,22 @@ metadata_matches(FastWrapper *self, PyObject *a, PyObject *read)
         }
         return -1;
     }
+    PyObject *expected = PyTuple_GET_ITEM(read, VARIABLE_METADATA);
 #ifdef HAVE_DICT_VERSION
     int trusted = PyDict_CheckExact(metadata) && ((PyDictObject *)metadata)->ma_values == NULL;
-    if (trusted && self->memo_read == read && self->memo_metadata_version == dict_version(metadata)) {
+    unsigned long long version = trusted ? dict_version(metadata) : 0;
+    if (trusted && self->memo_read == read && self->memo_metadata_version == version) {
         Py_DECREF(metadata);
         return 1;
     }
 #endif
-    int res = PyObject_RichCompareBool(metadata, PyTuple_GET_ITEM(read, VARIABLE_METADATA), Py_EQ);
+    int res = PyObject_RichCompareBool(metadata, expected, Py_EQ);
 #ifdef HAVE_DICT_VERSION
-    if (res == 1 && trusted) {
-        Py_XSETREF(self->memo_read, Py_NewRef(read));
-        self->memo_metadata_version = dict_version(metadata);
+    if (res == 1 && trusted && dict_version(metadata) == version && same_values(metadata, expected)) {
+        PyObject *old = self->memo_read;
+        self->memo_read = Py_NewRef(read);
+        self->memo_metadata_version = version;
+        Py_XDECREF(old);
     }
 #endif
     Py_DECREF(metadata);

@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import importlib
 import itertools
-import operator
 import threading
 import weakref
 from typing import Any, Callable, NamedTuple, Sequence

@@ -614,6 +614,62 @@ def test_a_variable_on_its_own_takes_the_structure_path(hot_path):
     assert not isinstance(ours.l1.bias[...], jax.core.Tracer)
 
 
+@dataclasses.dataclass(unsafe_hash=True)
+class _Scale:
+    k: float
+
+
+def test_a_lone_variables_metadata_is_remembered_equal_only_while_it_holds_the_records_objects(hot_path):
+    """The structure path remembers a lone Variable's metadata dict as equal to its record's
+    copy (by the dict's version tag) only while the dict holds the copy's very objects.
+    Metadata equal to the copy but made of other objects is compared on every call, so a
+    change inside one of them is seen: here it selects another program, as under nnx.jit."""
+
+    def g(v, x):
+        return x * v[...] * v.scale.k
+
+    f, peer = fastcall.jit(g), nnx.jit(g)
+    x = jnp.ones(3)
+    v1, v2 = (nnx.Param(jnp.ones(3), scale=_Scale(1.0)) for _ in range(2))  # equal, distinct objects
+    routes = [served(f, v, x)[1] for v in (v1, v1, v2, v2)]
+    assert routes == ["general"] + [STRUCTURE_PATH[hot_path]] * 3
+    v2.scale.k = 3.0
+    out, route = served(f, v2, x)
+    assert route == "general"
+    assert_trees_equal(out, g(v2, x))
+    assert_trees_equal(out, peer(v2, x))
+    assert float(out[0]) == 3.0
+
+
+def test_metadata_changed_while_it_is_compared_is_not_remembered(hot_path):
+    """A metadata value whose `==` changes the dict it is compared from (user code runs in
+    the comparison): what the structure path remembers is the dict as it was compared, so
+    the next call sees the change and takes the program it selects."""
+    armed: list[Any] = []
+
+    class Odd:
+        def __hash__(self):
+            return 7
+
+        def __eq__(self, other):
+            if armed:
+                armed.pop()._var_metadata["b"] = 2.0  # (a key compared before this one)
+            return isinstance(other, Odd)
+
+    def g(v, x):
+        return x * v[...] * v.b
+
+    f = fastcall.jit(g)
+    x = jnp.ones(3)
+    v1, v2 = (nnx.Param(jnp.ones(3), b=1.0, a=Odd()) for _ in range(2))
+    f(v1, x), f(v1, x)
+    armed.append(v2)
+    f(v2, x)  # (compared equal: `b` was 1.0 when compared, and is 2.0 after)
+    out, _ = served(f, v2, x)
+    assert_trees_equal(out, g(v2, x))
+    assert float(out[0]) == 2.0
+
+
 # --------------------------------------------------------------------------
 # Plain leaves: what jax.jit takes as it is (a NumPy array, a typed PRNG key, under
 # fastcall.jit's rule a Python scalar) is read as is by the fast and structure paths,
