@@ -171,6 +171,13 @@ dict_version(PyObject *d)
 }
 #endif
 
+/* A dict lookup a wrapper remembers (see remembered). */
+typedef struct {
+    const void *key;             /* the key looked up (compared, never dereferenced) */
+    PyObject *value;             /* what was found (borrowed: the dict holds it), or NULL: absent */
+    unsigned long long version;  /* the dict's version tag then; 0: nothing remembered (no tag is 0) */
+} Lookup;
+
 #define MEMO_ARGS 4
 
 typedef struct {
@@ -186,27 +193,16 @@ typedef struct {
     PyObject *plain;       /* frozenset: FunctionState.plain_leaves, types passed to jax.jit as they are */
     PyObject *dict;
     PyObject *weakreflist;
+    /* The last call's lookups (see remembered): of the fast index per argument position up
+     * to MEMO_ARGS (slot_of), of this function's record in the first argument's slot, and of
+     * its structure record for the first argument's type */
+    Lookup memo_slot[MEMO_ARGS], memo_record, memo_structure;
 #ifdef HAVE_DICT_VERSION
-    /* The last call's fast-index lookups (see slot_of), per argument position up to
-     * MEMO_ARGS: the argument's address (compared, never dereferenced), its slot in G.index
-     * or NULL (borrowed: G.index holds it), and G.index's version tag then */
-    const void *memo_arg[MEMO_ARGS];
-    PyObject *memo_slot[MEMO_ARGS];
-    unsigned long long memo_index_version[MEMO_ARGS];
-    /* and the record it found for this function in the slot's records (borrowed: the records
-     * dict holds it), with that dict's version tag then */
-    PyObject *memo_record;
-    unsigned long long memo_records_version;
     /* the VariableRead (strong: its address is not reused while remembered) whose expected
-     * metadata a Variable's metadata dict was last found equal to, and that dict's version
+     * metadata a Variable's metadata dict was last found to hold, and that dict's version
      * tag then (see metadata_matches) */
     PyObject *memo_read;
     unsigned long long memo_metadata_version;
-    /* the structure record last found for a first argument's type (borrowed: `structures`
-     * holds it), and that dict's version tag then (see structure_of) */
-    const void *memo_type;
-    PyObject *memo_structure;
-    unsigned long long memo_structures_version;
 #endif
 } FastWrapper;
 
@@ -452,82 +448,47 @@ by_id_of(PyObject *table, PyObject *obj)
 
 #define SMALL_STACK 64
 
-/* `G.index[id(a)]` (borrowed), or NULL: not there, or an error (check PyErr_Occurred), for
- * the argument at `position`. A wrapper remembers its last lookup per position (the first
- * MEMO_ARGS; -1: an object inside an argument, not remembered), so that a loop calling it
- * with the same objects makes no id and no dict lookup (both cost more in a call than
- * their few instructions: their code and data are out of the CPU's caches after jax's
- * dispatch). What it remembers holds while G.index's version tag is unchanged: every
- * insertion, replacement and removal gives it a new one, and tags are never reused (not by
- * another dict either). So a slot remembered is still there, alive (G.index holds it), and
- * an id remembered absent is still absent. The address is only compared: a new object at
- * a dead one's address has the dead one's slot only until its death evicts it (a change of
- * G.index), and the slot's weak reference is checked anyway. (G.index is a plain dict: a
- * combined table, whose tag changes with every write; see dict_version.) */
+/* `d[key]` (or with `by_id`, `d[id(key)]`): borrowed, or NULL: not there, or an error
+ * (check PyErr_Occurred); through the lookup `m` remembers. A wrapper remembers its last
+ * lookups, so that a loop calling it with the same objects makes no id and no dict lookup
+ * (both cost more in a call than their few instructions: their code and data are out of
+ * the CPU's caches after jax's dispatch). What it remembers holds while the dict's version
+ * tag is unchanged: every insertion, replacement and removal gives it a new one, and tags
+ * are never reused (not by another dict either). So a value remembered is still there,
+ * alive (the dict holds it), and a key remembered absent is still absent. A key is only
+ * compared: a new object at a dead one's address has the dead one's fast-index slot only
+ * until its death evicts it (a change of the index), and the slot's weak reference is
+ * checked anyway. (The dicts looked up are plain dicts, combined tables, whose tag changes
+ * with every write; see dict_version.) */
+static PyObject *
+remembered(Lookup *m, PyObject *d, PyObject *key, int by_id)
+{
+#ifdef HAVE_DICT_VERSION
+    unsigned long long version = dict_version(d);
+    if (m->key == (const void *)key && m->version == version) {
+        return m->value;
+    }
+#endif
+    PyObject *value = by_id ? by_id_of(d, key) : PyDict_GetItemWithError(d, key);
+#ifdef HAVE_DICT_VERSION
+    if (value != NULL || !PyErr_Occurred()) {
+        m->key = key;
+        m->value = value;
+        m->version = version;
+    }
+#endif
+    return value;
+}
+
+/* `G.index[id(a)]` for the argument at `position` (-1: an object inside an argument, whose
+ * lookup is not remembered). */
 static PyObject *
 slot_of(FastWrapper *self, PyObject *a, Py_ssize_t position)
 {
-#ifdef HAVE_DICT_VERSION
-    int remembered = position >= 0 && position < MEMO_ARGS;
-    unsigned long long version = dict_version(G.index);
-    if (remembered && self->memo_arg[position] == (const void *)a && self->memo_index_version[position] == version) {
-        return self->memo_slot[position];
+    if (position < 0 || position >= MEMO_ARGS) {
+        return by_id_of(G.index, a);
     }
-#endif
-    PyObject *slot = by_id_of(G.index, a);
-#ifdef HAVE_DICT_VERSION
-    if (remembered && (slot != NULL || !PyErr_Occurred())) {
-        self->memo_arg[position] = a;
-        self->memo_slot[position] = slot;
-        self->memo_index_version[position] = version;
-    }
-#endif
-    return slot;
-}
-
-/* `records[self.state]` (borrowed; NULL: not there, or an error), remembered as slot_of
- * remembers: a records dict with an unchanged tag is the same dict, holding the same record
- * (tags are unique), so the record is alive. */
-static PyObject *
-record_of(FastWrapper *self, PyObject *records)
-{
-#ifdef HAVE_DICT_VERSION
-    unsigned long long version = dict_version(records);
-    if (self->memo_records_version == version) {
-        return self->memo_record;
-    }
-#endif
-    PyObject *record = PyDict_GetItemWithError(records, self->state);
-#ifdef HAVE_DICT_VERSION
-    if (record != NULL) {
-        self->memo_record = record;
-        self->memo_records_version = version;
-    }
-#endif
-    return record;
-}
-
-
-/* `self.structures[kind]` (borrowed; NULL: not there, or an error), remembered as record_of
- * remembers. */
-static PyObject *
-structure_of(FastWrapper *self, PyObject *kind)
-{
-#ifdef HAVE_DICT_VERSION
-    unsigned long long version = dict_version(self->structures);
-    if (self->memo_type == (const void *)kind && self->memo_structures_version == version) {
-        return self->memo_structure;
-    }
-#endif
-    PyObject *record = PyDict_GetItemWithError(self->structures, kind);
-#ifdef HAVE_DICT_VERSION
-    if (record != NULL) {
-        self->memo_type = kind;
-        self->memo_structure = record;
-        self->memo_structures_version = version;
-    }
-#endif
-    return record;
+    return remembered(&self->memo_slot[position], G.index, a, 1);
 }
 
 /* The leaves of `a` (a new reference to a list) if it is one of the objects the latest
@@ -1359,7 +1320,7 @@ static PyObject *
 fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    PyObject *record = structure_of(self, (PyObject *)Py_TYPE(args[0])); /* borrowed */
+    PyObject *record = remembered(&self->memo_structure, self->structures, (PyObject *)Py_TYPE(args[0]), 0); /* borrowed */
     if (record == NULL) {
         return PyErr_Occurred() ? NULL : fw_fallback(self, args, nargsf, kwnames);
     }
@@ -1600,7 +1561,7 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
     if (!PyDict_CheckExact(records)) {
         return fw_structure(self, args, nargsf, kwnames);
     }
-    PyObject *record = record_of(self, records); /* borrowed */
+    PyObject *record = remembered(&self->memo_record, records, self->state, 0); /* borrowed */
     if (record == NULL) {
         return PyErr_Occurred() ? NULL : fw_structure(self, args, nargsf, kwnames);
     }
