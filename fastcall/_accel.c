@@ -136,7 +136,6 @@ static struct {
     PyObject *s_spec_id, *s_fresh, *s_items, *s_paths, *s_disjoint; /* NodeEntry attributes */
     PyObject *s_static_cache; /* "tmp_static_cache" */
     PyObject *s_dict, *s_pytree_nodes; /* "__dict__", "_pytree__nodes" (a raw leaf's owner) */
-    PyObject *s_var_metadata; /* "_var_metadata" (a Variable's metadata dict) */
     PyObject *s_objects;      /* "objects" (NodesRead.objects) */
     PyObject *s_level;        /* "level" (PytreeShape.level) */
     PyObject *s_mapping;      /* "_mapping" (flax's HashableMapping's dict) */
@@ -230,7 +229,6 @@ is_plain(FastWrapper *self, PyObject *a)
     PyObject *t = (PyObject *)Py_TYPE(a);
     return t == G.array_type ? 1 : PySet_Contains(self->plain, t);
 }
-
 
 /* Whether the dict `c` holds exactly `expected` (keys and values interleaved, in order),
  * compared by identity; with `stamp` (a one-element list: the version `c` had when this
@@ -718,13 +716,11 @@ no_static_cache_pending(void)
         if (PyDict_CheckExact(d)) {
 #ifdef HAVE_DICT_VERSION
             int trusted = ((PyDictObject *)d)->ma_values == NULL && d == G.context_dict;
-            if (trusted && G.context_version == dict_version(d)) {
+            unsigned long long version = dict_version(d); /* (taken before the lookup, which may run code) */
+            if (trusted && G.context_version == version) {
                 Py_DECREF(d);
                 return !G.context_pending;
             }
-#endif
-#ifdef HAVE_DICT_VERSION
-            unsigned long long version = dict_version(d); /* (before the lookup, which may run code) */
 #endif
             PyObject *found = PyDict_GetItemWithError(d, G.s_static_cache); /* borrowed */
             pending = found != NULL ? found != Py_None : PyErr_Occurred() ? -1 : -2;
@@ -1320,7 +1316,8 @@ static PyObject *
 fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    PyObject *record = remembered(&self->memo_structure, self->structures, (PyObject *)Py_TYPE(args[0]), 0); /* borrowed */
+    PyObject *first_type = (PyObject *)Py_TYPE(args[0]);
+    PyObject *record = remembered(&self->memo_structure, self->structures, first_type, 0); /* borrowed */
     if (record == NULL) {
         return PyErr_Occurred() ? NULL : fw_fallback(self, args, nargsf, kwnames);
     }
@@ -1797,11 +1794,10 @@ py_configure(PyObject *module, PyObject *args)
     }
     /* (made once; each checked, so that a failure leaves none half made) */
     PyObject **made[] = {&G.s_spec_id, &G.s_fresh, &G.s_items, &G.s_paths, &G.s_disjoint, &G.s_static_cache,
-                         &G.s_dict, &G.s_pytree_nodes, &G.s_var_metadata, &G.s_objects, &G.s_level, &G.s_mapping,
-                         &G.s_state};
+                         &G.s_dict, &G.s_pytree_nodes, &G.s_objects, &G.s_level, &G.s_mapping, &G.s_state};
     const char *strings[] = {"spec_id", "fresh", "items", "paths", "disjoint", "tmp_static_cache", "__dict__",
-                             "_pytree__nodes", "_var_metadata", "objects", "level", "_mapping", "_state"};
-    for (int i = 0; i < 13; i++) {
+                             "_pytree__nodes", "objects", "level", "_mapping", "_state"};
+    for (int i = 0; i < 12; i++) {
         if (*made[i] == NULL && (*made[i] = PyUnicode_InternFromString(strings[i])) == NULL) {
             for (int j = 0; j < N_RECORDS; j++) Py_DECREF(cls[j]);
             return NULL;
