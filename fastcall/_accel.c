@@ -65,10 +65,16 @@ static const char *RECORD_FIELDS[] = {"arity", "call", "variables", "post", NULL
 #define STR_LAST 4
 #define STR_FAST_SHAPE 5
 static const char *STRUCTURE_FIELDS[] = {"arity", "reads", "call", "post", "last", "fast_shape", NULL};
-/* ArgRead(spec_id, extract) */
+/* ArgRead(spec_id, extract, sequence) */
 #define READ_SPEC_ID 0
 #define READ_EXTRACT 1
-static const char *READ_FIELDS[] = {"spec_id", "extract", NULL};
+#define READ_SEQUENCE 2
+static const char *READ_FIELDS[] = {"spec_id", "extract", "sequence", NULL};
+/* SequenceRead(kind, length, leaf_types) */
+#define SEQ_KIND 0
+#define SEQ_LENGTH 1
+#define SEQ_LEAF_TYPES 2
+static const char *SEQUENCE_READ_FIELDS[] = {"kind", "length", "leaf_types", NULL};
 /* NodeRead(spec_id), GraphdefRead(spec_id) */
 #define NODE_SPEC_ID 0
 static const char *NODE_READ_FIELDS[] = {"spec_id", NULL};
@@ -1310,6 +1316,41 @@ general:
     return result;
 }
 
+/* A tuple or list argument's leaves as its extractor reads them when its structure is a
+ * SequenceRead (`_codegen.Template.sequence`): its items as a new tuple if it is of exactly
+ * that type and length and each item's exact type is a plain array type, else None (not
+ * of this structure, as the extractor says). A list's items are copied: the compiled
+ * call may run code that changes the list while the stack borrows them. */
+static PyObject *
+sequence_leaves(PyObject *a, PyObject *sequence)
+{
+    if (!PyTuple_Check(sequence) || PyTuple_GET_SIZE(sequence) != 3) {
+        Py_RETURN_NONE;
+    }
+    PyObject *kind = PyTuple_GET_ITEM(sequence, SEQ_KIND);
+    PyObject *leaf_types = PyTuple_GET_ITEM(sequence, SEQ_LEAF_TYPES);
+    Py_ssize_t length = PyLong_AsSsize_t(PyTuple_GET_ITEM(sequence, SEQ_LENGTH));
+    if (length == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if ((PyObject *)Py_TYPE(a) != kind || (kind != (PyObject *)&PyTuple_Type && kind != (PyObject *)&PyList_Type)
+        || !PyAnySet_CheckExact(leaf_types) || PySequence_Fast_GET_SIZE(a) != length) {
+        Py_RETURN_NONE;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(a);
+    for (Py_ssize_t j = 0; j < length; j++) {
+        PyObject *t = (PyObject *)Py_TYPE(items[j]);
+        int plain = t == G.array_type ? 1 : PySet_Contains(leaf_types, t);
+        if (plain != 1) {
+            if (plain < 0) {
+                return NULL;
+            }
+            Py_RETURN_NONE;
+        }
+    }
+    return kind == (PyObject *)&PyTuple_Type ? Py_NewRef(a) : PyList_AsTuple(a);
+}
+
 /* The structure path (see the top of this file): serves the call, or hands it to the
  * fallback. */
 static PyObject *
@@ -1344,7 +1385,7 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
             continue;
         }
         PyObject *kind = (PyObject *)Py_TYPE(read);
-        Py_ssize_t size = kind == G.arg_read ? 2 : kind == G.nodes_read ? 4 : kind == G.variable_read ? 4 : 1;
+        Py_ssize_t size = kind == G.arg_read ? 3 : kind == G.nodes_read ? 4 : kind == G.variable_read ? 4 : 1;
         if ((kind != G.arg_read && kind != G.node_read && kind != G.nodes_read && kind != G.variable_read
              && kind != G.graphdef_read)
             || PyTuple_GET_SIZE(read) != size) {
@@ -1449,7 +1490,8 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
                 declined = again >= 0; /* (extracted again: the general path caches it) */
                 goto done;
             }
-            parts[i] = PyObject_CallOneArg(extract, a);
+            PyObject *sequence = PyTuple_GET_ITEM(read, READ_SEQUENCE);
+            parts[i] = sequence != Py_None ? sequence_leaves(a, sequence) : PyObject_CallOneArg(extract, a);
             if (parts[i] == NULL) {
                 goto done;
             }
@@ -1771,15 +1813,17 @@ py_configure(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "configure: latest must be a list");
         return NULL;
     }
-    enum { N_RECORDS = 15 };
+    enum { N_RECORDS = 16 };
     PyObject *cls[N_RECORDS];
     const char *names[N_RECORDS] = {"FastSlot", "FastRecord", "StructureRecord", "CacheEntry", "ArgRead",
                                     "NodeRead", "NodesRead", "GraphdefRead", "KnownGraphdef", "NnxArg",
-                                    "WriteBack", "RawLeaf", "VariableRead", "Registration", "Watched"};
+                                    "WriteBack", "RawLeaf", "VariableRead", "Registration", "Watched",
+                                    "SequenceRead"};
     const char **layouts[N_RECORDS] = {SLOT_FIELDS, RECORD_FIELDS, STRUCTURE_FIELDS, CACHE_FIELDS,
                                        READ_FIELDS, NODE_READ_FIELDS, NODES_READ_FIELDS, NODE_READ_FIELDS,
                                        KNOWN_GRAPHDEF_FIELDS, NNX_ARG_FIELDS, WRITE_BACK_FIELDS, RAW_LEAF_FIELDS,
-                                       VARIABLE_READ_FIELDS, REGISTRATION_FIELDS, WATCHED_FIELDS};
+                                       VARIABLE_READ_FIELDS, REGISTRATION_FIELDS, WATCHED_FIELDS,
+                                       SEQUENCE_READ_FIELDS};
     for (int i = 0; i < N_RECORDS; i++) {
         cls[i] = record_class(records, names[i], layouts[i]);
         if (cls[i] == NULL) {
@@ -1828,6 +1872,7 @@ py_configure(PyObject *module, PyObject *args)
     SET_SHARED(variable_read, cls[12]);
     Py_DECREF(cls[13]); /* (checked only: read by position) */
     SET_SHARED(watched, cls[14]);
+    Py_DECREF(cls[15]); /* (checked only: read by position) */
     Py_INCREF(index); SET_SHARED(index, index);
     Py_INCREF(by_id); SET_SHARED(by_id, by_id);
     Py_INCREF(latest); SET_SHARED(latest, latest);

@@ -22,6 +22,7 @@ import equinox as eqx
 import jax
 
 from . import _native
+from ._fast import SequenceRead
 from ._flatten import ARRAY_TYPES, PLAIN_ARRAY_TYPES, STATE_TYPE, ArrayImpl, Spec, static_equal
 
 
@@ -171,7 +172,7 @@ class Template:
     exactly the structure and static values of `spec`, else None.
     """
 
-    __slots__ = ("spec", "extract", "source")
+    __slots__ = ("spec", "extract", "source", "sequence")
 
     def __init__(self, spec: Spec, example: Any, dynamic: list[Any]):
         gen = _CodeGen()
@@ -197,6 +198,11 @@ class Template:
         check = self.extract(example)
         if check is None or len(check) != len(dynamic) or any(a is not b for a, b in zip(check, dynamic)):
             raise _NoTemplate
+        # A tuple or list of plain arrays only: `_inner` tests just its type, its length and
+        # each item's type, and returns its items; the C path makes that same test itself.
+        kind = type(example)
+        flat = (kind is tuple or kind is list) and all(type(v) in PLAIN_ARRAY_TYPES for v in example)
+        self.sequence = SequenceRead(kind, len(example), PLAIN_ARRAY_TYPES) if flat else None
 
 
 # Instructions of an output recipe (the stack machine `_accel.build` runs; see _accel.c).

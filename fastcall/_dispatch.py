@@ -57,7 +57,7 @@ def configure_accel() -> None:
     records = (
         FastSlot, FastRecord, StructureRecord, _flatten.CacheEntry, ArgRead, NodeRead, NodesRead, VariableRead,
         GraphdefRead, _fast.KnownGraphdef, _fast.NnxArg, WriteBack, _fast.RawLeaf, _flatten.Registration,
-        _guard.Watched,
+        _guard.Watched, _fast.SequenceRead,
     )
     _native.BUILT.configure(
         _fast.INDEX, _flatten.by_id, _flatten.LATEST, _fast.GRAPHDEFS, _fast.VALUE_SLOT, _fast.GRAPH_CONTEXT, ArrayImpl,
@@ -175,12 +175,14 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
         if _nnx_gate.is_graphdef(a):  # (the functional API's GraphDef: static, known by identity)
             reads.append(GraphdefRead(spec_id))
             continue
-        extract = next((t.extract for t in _codegen.templates.get(type(a), ()) if t.spec.id == spec_id), None)
-        if extract is None:
+        template = next((t for t in _codegen.templates.get(type(a), ()) if t.spec.id == spec_id), None)
+        if template is None:
             hit = _flatten.lookup(a)
             if hit is None or hit.spec_id != spec_id:
                 return
-        reads.append(ArgRead(spec_id, extract))
+            reads.append(ArgRead(spec_id, None, None))
+            continue
+        reads.append(ArgRead(spec_id, template.extract, template.sequence))
     if next(nnx_args, None) is not None:
         return  # (NNX objects inside another argument: read by the general path only)
     known = state.structures.get(type(args[0]))

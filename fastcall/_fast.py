@@ -63,11 +63,22 @@ class FastSlot(NamedTuple):
 INDEX: dict[int, FastSlot] = {}
 
 
+class SequenceRead(NamedTuple):
+    """A structure that is a tuple or list of plain arrays and nothing else (a batch,
+    `step(model, (x, y))`): its items are its leaves. The C path reads such an argument
+    itself, as its extractor would (`_codegen.Template.sequence`), with no Python call."""
+
+    kind: type  # tuple or list, exactly
+    length: int
+    leaf_types: frozenset[type]  # each item's exact type is one of these (_flatten.PLAIN_ARRAY_TYPES)
+
+
 class ArgRead(NamedTuple):
     """How the structure path reads one positional argument that is not a plain array."""
 
     spec_id: int  # its structure: an identity-cache entry of this spec gives its leaves ...
     extract: Callable[[Any], Any] | None  # ... or else this: its leaves (a tuple), or None
+    sequence: SequenceRead | None  # (the extractor's own test and result, when it is this simple)
 
 
 class NodeRead(NamedTuple):

@@ -769,6 +769,80 @@ def test_a_new_numpy_batch_each_step_beside_nnx_arguments(kind, hot_path):
     assert f.stats().compiles == 1
 
 
+class _Batch(NamedTuple):
+    x: Any
+    y: Any
+
+
+def _batch_step(m, batch):
+    return m(batch[0]) * sum(jax.tree_util.tree_leaves(batch[1:]), 1.0)
+
+
+@pytest.mark.parametrize("kind", [tuple, list])
+def test_a_new_batch_of_arrays_is_read_without_its_extractor(kind, hot_path):
+    """A tuple or list of plain arrays only (a batch) is read in C as its extractor reads
+    it: its items, with no Python call; the Python copy calls the extractor."""
+    from fastcall import _fast
+
+    f, peer = fastcall.jit(_batch_step), eqx.filter_jit(_batch_step)
+    m = _models(1)[0]
+    rng = np.random.default_rng(0)
+    draw = lambda: kind((rng.normal(size=4).astype(np.float32), rng.normal(size=4).astype(np.float32)))  # noqa: E731
+    for _ in range(2):  # (the model passed again: the second call caches it by identity)
+        f(m, draw())
+    record = f.stats.__self__.structures[type(m)]
+    read = record.reads[1]
+    assert read.sequence == _fast.SequenceRead(kind, 2, read.sequence.leaf_types)
+    extracted = []
+
+    def counted(a):
+        extracted.append(a)
+        return read.extract(a)
+
+    f.stats.__self__.structures[type(m)] = record._replace(reads=(record.reads[0], read._replace(extract=counted)))
+    routes = []
+    for _ in range(3):
+        batch = draw()
+        y, route = served(f, m, batch)
+        routes.append(route)
+        assert_trees_equal(y, _batch_step(m, tuple(map(jnp.asarray, batch))))
+        assert_trees_equal(y, peer(m, batch))
+    assert routes == [STRUCTURE_PATH[hot_path]] * 3
+    assert len(extracted) == (0 if hot_path == "c" else 3)
+    assert f.stats().compiles == 1
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        lambda x, y: (x,),  # another length
+        lambda x, y: (x, y, y),
+        lambda x, y: [x, y],  # a list where a tuple was
+        lambda x, y: _Batch(x, y),  # a tuple subclass
+        lambda x, y: (x, 2.0),  # a Python scalar among the arrays
+        lambda x, y: (x, (y,)),  # nested
+        lambda x, y: (x, None),
+    ],
+    ids=["shorter", "longer", "list", "namedtuple", "scalar", "nested", "none"],
+)
+def test_a_batch_of_another_structure_is_not_read_as_the_known_one(other, hot_path):
+    f, peer = fastcall.jit(_batch_step), eqx.filter_jit(_batch_step)
+    m = _models(1)[0]
+    x, y = np.arange(4.0, dtype=np.float32), np.full(4, 3.0, np.float32)
+    for _ in range(2):
+        f(m, (x, y))
+    batch = other(x, y)
+    out, route = served(f, m, batch)
+    assert route == "general"
+    assert_trees_equal(out, peer(m, batch))
+    # and the known structure is read on the structure path again (once the general path
+    # has recorded it again: one record per type of first argument)
+    f(m, (x + 2, y))
+    out, route = served(f, m, (x + 1, y))
+    assert route == STRUCTURE_PATH[hot_path]
+    assert_trees_equal(out, peer(m, (x + 1, y)))
+
+
 def test_a_numpy_array_changed_in_place_is_read_afresh(hot_path):
     """A NumPy array is never cached as a value: the same batch tuple passed again after
     its array was written in place gives the new result (jax reads the array each call)."""
