@@ -1317,10 +1317,11 @@ general:
 }
 
 /* A tuple or list argument's leaves as its extractor reads them when its structure is a
- * SequenceRead (`_codegen.Template.sequence`): its items as a new tuple if it is of exactly
+ * SequenceRead (`_codegen.Template.sequence`): its items as a tuple if it is of exactly
  * that type and length and each item's exact type is a plain array type, else None (not
- * of this structure, as the extractor says). A list's items are copied: the compiled
- * call may run code that changes the list while the stack borrows them. */
+ * of this structure, as the extractor says). A list is copied first and the copy checked:
+ * the set lookup may run code (a metaclass's __hash__) that changes the list, and the
+ * compiled call may too while the stack borrows the items. */
 static PyObject *
 sequence_leaves(PyObject *a, PyObject *sequence)
 {
@@ -1334,21 +1335,31 @@ sequence_leaves(PyObject *a, PyObject *sequence)
         return NULL;
     }
     if ((PyObject *)Py_TYPE(a) != kind || (kind != (PyObject *)&PyTuple_Type && kind != (PyObject *)&PyList_Type)
-        || !PyAnySet_CheckExact(leaf_types) || PySequence_Fast_GET_SIZE(a) != length) {
+        || !PyAnySet_CheckExact(leaf_types)) {
         Py_RETURN_NONE;
     }
-    PyObject **items = PySequence_Fast_ITEMS(a);
-    for (Py_ssize_t j = 0; j < length; j++) {
-        PyObject *t = (PyObject *)Py_TYPE(items[j]);
-        int plain = t == G.array_type ? 1 : PySet_Contains(leaf_types, t);
-        if (plain != 1) {
-            if (plain < 0) {
-                return NULL;
-            }
-            Py_RETURN_NONE;
-        }
+    PyObject *items = kind == (PyObject *)&PyTuple_Type ? Py_NewRef(a) : PyList_AsTuple(a);
+    if (items == NULL) {
+        return NULL;
     }
-    return kind == (PyObject *)&PyTuple_Type ? Py_NewRef(a) : PyList_AsTuple(a);
+    int plain = PyTuple_GET_SIZE(items) == length;
+    for (Py_ssize_t j = 0; plain == 1 && j < length; j++) {
+        PyObject *t = (PyObject *)Py_TYPE(PyTuple_GET_ITEM(items, j));
+        plain = t == G.array_type ? 1 : PySet_Contains(leaf_types, t);
+    }
+    if (plain == 1) {
+        return items;
+    }
+    Py_DECREF(items);
+    if (plain < 0) {
+        /* as the extractor: these errors of its checks say "not of this structure" */
+        if (!PyErr_ExceptionMatches(PyExc_KeyError) && !PyErr_ExceptionMatches(PyExc_AttributeError)
+            && !PyErr_ExceptionMatches(PyExc_IndexError) && !PyErr_ExceptionMatches(PyExc_TypeError)) {
+            return NULL;
+        }
+        PyErr_Clear();
+    }
+    Py_RETURN_NONE;
 }
 
 /* The structure path (see the top of this file): serves the call, or hands it to the

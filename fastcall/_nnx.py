@@ -139,8 +139,12 @@ _node_types = _nnx_gate.node_types
 
 def _is_node_fast(x: Any) -> bool:
     """`_is_node`, cached per type (the hot paths)."""
-    known = _node_types.get(type(x))
-    return _nnx_gate.is_node_type(type(x)) if known is None else known
+    t = type(x)
+    try:
+        known = _node_types.get(t)
+    except TypeError:  # (a class whose metaclass cannot be hashed: NNX registers no such class)
+        return False
+    return _nnx_gate.is_node_type(t) if known is None else known
 
 
 # --------------------------------------------------------------------------

@@ -843,6 +843,75 @@ def test_a_batch_of_another_structure_is_not_read_as_the_known_one(other, hot_pa
     assert_trees_equal(out, peer(m, (x + 1, y)))
 
 
+class _HashRunsCode(type):
+    """A metaclass whose classes' hash runs code (once armed): the lookup that checks an
+    item's type can change the batch list while it is being read."""
+
+    armed: Any = None
+
+    def __hash__(cls):
+        action, _HashRunsCode.armed = _HashRunsCode.armed, None
+        if action is not None:
+            action()
+        return hash(np.ndarray)
+
+    def __eq__(cls, other):
+        return other is np.ndarray or cls is other
+
+
+class _OddArray(np.ndarray, metaclass=_HashRunsCode):
+    pass
+
+
+@pytest.mark.parametrize("change", ["replace", "clear"])
+def test_a_batch_list_changed_while_it_is_read_gives_the_items_read(change, hot_path):
+    """The batch is read as it was when the call began: a list changed by code its type
+    test runs neither passes an item that was not checked nor reads freed memory."""
+    f, peer = fastcall.jit(_batch_step), eqx.filter_jit(_batch_step)
+    m = _models(1)[0]
+    x, y = np.arange(4.0, dtype=np.float32), np.full(4, 3.0, np.float32)
+    for i in range(2):
+        f(m, [x + i, y, y])
+    odd = np.full(4, 2.0, np.float32).view(_OddArray)
+    batch = [x, odd, y]
+    expected = peer(m, list(batch))
+    _HashRunsCode.armed = {"replace": lambda: batch.__setitem__(1, y * 100), "clear": batch.clear}[change]
+    try:
+        out, route = served(f, m, batch)
+    finally:
+        _HashRunsCode.armed = None
+    assert route == STRUCTURE_PATH[hot_path]
+    assert_trees_equal(out, expected)
+
+
+class _Unhashable(type):
+    def __eq__(cls, other):  # (no __hash__: the classes of this metaclass cannot be hashed)
+        return cls is other
+
+
+class _Tag(metaclass=_Unhashable):
+    pass
+
+
+def test_a_batch_item_whose_type_cannot_be_hashed_is_declined_as_the_extractor_declines(hot_path):
+    """An item whose type test raises (its type unhashable) means "not this structure", as
+    the extractor says: the general path reads it, and names the leaf it cannot use (it
+    hashes each static leaf with its type; eqx.filter_jit hashes the value alone and
+    accepts it)."""
+    f = fastcall.jit(_batch_step)
+    m = _models(1)[0]
+    x = np.arange(4.0, dtype=np.float32)
+    for i in range(2):
+        f(m, (x + i, x))
+    before = f.stats().paths
+    with pytest.raises(fastcall.FastcallError, match=r"argument 'batch' at leaf \[1\].*_Tag"):
+        f(m, (x, _Tag()))
+    assert f.stats().paths == before  # (declined by the structure path; refused by the general one)
+    out, route = served(f, m, (x + 1, x))
+    assert route == STRUCTURE_PATH[hot_path]
+    assert_trees_equal(out, _batch_step(m, (x + 1, x)))
+
+
 def test_a_numpy_array_changed_in_place_is_read_afresh(hot_path):
     """A NumPy array is never cached as a value: the same batch tuple passed again after
     its array was written in place gives the new result (jax reads the array each call)."""
