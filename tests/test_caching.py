@@ -250,6 +250,26 @@ def test_rebuilt_wrapper_around_equal_function_does_not_recompile(mlp):
     assert_trees_equal(grads, eqx.filter_jit(eqx.filter_grad(loss))(mlp, jnp.ones(4)))
 
 
+def test_wrappers_of_equal_functions_share_stats_and_clear_cache_and_others_share_nothing():
+    """As README says: wrappers of one function with equal options share one table, so its
+    stats and clear_cache; with other options, nothing."""
+
+    def g(x, n):
+        return x * n
+
+    a, b, other = fastcall.jit(g), fastcall.jit(g), fastcall.jit(g, static_argnums=1)
+    x = jnp.ones(2)
+    a(x, 2)
+    b(x, 2)
+    other(x, 2)
+    assert (a.stats().calls, a.stats().compiles) == (b.stats().calls, b.stats().compiles) == (2, 1)
+    assert (other.stats().calls, other.stats().compiles) == (1, 1)
+    b.clear_cache()
+    a(x, 2)
+    other(x, 2)
+    assert a.stats().compiles == 2 and other.stats().compiles == 1
+
+
 def test_wrappers_of_equal_functions_do_not_share_function_arrays():
     """eqx.Partial(loss, y) wrappers share compiled programs, never each other's y.
 
