@@ -202,6 +202,7 @@ typedef struct {
      * to MEMO_ARGS (slot_of), of this function's record in the first argument's slot, and of
      * its structure record for the first argument's type */
     Lookup memo_slot[MEMO_ARGS], memo_record, memo_structure;
+    Lookup memo_graphdef; /* (and of GRAPHDEFS, for a GraphDef argument: read_graphdef) */
 #ifdef HAVE_DICT_VERSION
     /* the VariableRead (strong: its address is not reused while remembered) whose expected
      * metadata a Variable's metadata dict was last found to hold, and that dict's version
@@ -214,11 +215,15 @@ typedef struct {
 /* Code a served call never runs is marked cold: the compiler lays it out apart from the
  * code that serves calls, which is then denser. It matters: a call's cost here is mostly
  * instruction and data cache misses (jax's dispatch, in between, evicts this code), more
- * than the instructions themselves. */
+ * than the instructions themselves. For the same reason each way the structure path reads
+ * an argument is kept out of line (ONE_KIND): a call runs the reads its arguments need, so
+ * each read's code stays together instead of spread through the path's. */
 #if defined(__GNUC__) || defined(__clang__)
 #define COLD __attribute__((cold, noinline))
+#define ONE_KIND __attribute__((noinline))
 #else
 #define COLD
+#define ONE_KIND
 #endif
 
 COLD static PyObject *
@@ -452,6 +457,71 @@ by_id_of(PyObject *table, PyObject *obj)
 
 #define SMALL_STACK 64
 
+/* Owned references a structure-path call collects (its NNX values, the cache entries it
+ * read), in a C array: on the C stack up to SMALL_STACK, then on the heap. (A Python list
+ * each call cost more than the reads it collects: its allocation, growth and release run
+ * CPython code that jax's dispatch, in between calls, evicts from the CPU's caches.) */
+typedef struct {
+    PyObject **items;
+    Py_ssize_t n, cap;
+    PyObject *small[SMALL_STACK];
+} Refs;
+
+static void
+refs_init(Refs *r)
+{
+    r->items = r->small;
+    r->n = 0;
+    r->cap = SMALL_STACK;
+}
+
+/* Append `obj`, a new reference, which this takes over (also on failure): 0, or -1 with
+ * an exception set. */
+static int
+refs_push(Refs *r, PyObject *obj)
+{
+    if (r->n == r->cap) {
+        Py_ssize_t cap = 2 * r->cap;
+        PyObject **items = PyMem_Malloc(cap * sizeof(PyObject *));
+        if (items == NULL) {
+            Py_DECREF(obj);
+            PyErr_NoMemory();
+            return -1;
+        }
+        memcpy(items, r->items, r->n * sizeof(PyObject *));
+        if (r->items != r->small) {
+            PyMem_Free(r->items);
+        }
+        r->items = items;
+        r->cap = cap;
+    }
+    r->items[r->n++] = obj;
+    return 0;
+}
+
+/* What one positional argument gives a structure-path call: nothing of its own (a plain
+ * leaf, passed as it is: `part` NULL, `n_values` -1); its leaves (`part`, a tuple or list,
+ * and `key`, its id); or, for an NNX argument, the number of values it added to the call's
+ * `values` (a GraphDef: 0). */
+typedef struct {
+    PyObject *part;
+    PyObject *key;
+    Py_ssize_t n_values;
+} ArgLeaves;
+
+/* Release every reference held (the last step of a call: releasing may run code). */
+static void
+refs_release(Refs *r)
+{
+    for (Py_ssize_t i = 0; i < r->n; i++) {
+        Py_DECREF(r->items[i]);
+    }
+    if (r->items != r->small) {
+        PyMem_Free(r->items);
+    }
+    refs_init(r);
+}
+
 /* `d[key]` (or with `by_id`, `d[id(key)]`): borrowed, or NULL: not there, or an error
  * (check PyErr_Occurred); through the lookup `m` remembers. A wrapper remembers its last
  * lookups, so that a loop calling it with the same objects makes no id and no dict lookup
@@ -553,7 +623,7 @@ latest_leaves(PyObject *a, PyObject *spec_id)
 /* The leaves of `a` (a new reference to a tuple or list) if the identity cache holds a
  * current entry for it (key: id(a)) of spec `spec_id`, or it is one of the latest
  * outputs (`latest_leaves`); NULL without an error if not. */
-static PyObject *
+ONE_KIND static PyObject *
 cached_leaves(FastWrapper *self, PyObject *a, PyObject *key, PyObject *spec_id)
 {
     PyObject *entry = PyDict_GetItemWithError(G.by_id, key); /* borrowed */
@@ -659,6 +729,36 @@ attribute_dict(PyObject *obj)
     return attrs;
 }
 
+/* What the data descriptor `descr` (of a slot, a Variable's `_raw_value` say) gets from
+ * `obj`: a new reference. A member descriptor of an object slot (no audit hook) is read
+ * where its own get would read it, when `obj` is an instance of its class and the slot is
+ * set: the same object, without two CPython calls whose code jax's dispatch, in between
+ * calls, has evicted from the CPU's caches. Otherwise (an empty slot: AttributeError) by
+ * the descriptor's get; so too in a free-threaded build, whose get reads atomically. */
+static PyObject *
+slot_get(PyObject *descr, PyObject *obj)
+{
+#ifndef Py_GIL_DISABLED
+    if (Py_TYPE(descr) == &PyMemberDescr_Type) {
+        PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+        PyTypeObject *owner = PyDescr_TYPE(descr);
+        if (member->type == T_OBJECT_EX && (member->flags & ~READONLY) == 0
+            && (Py_TYPE(obj) == owner || PyType_IsSubtype(Py_TYPE(obj), owner))) {
+            PyObject *value = *(PyObject **)((char *)obj + member->offset);
+            if (value != NULL) {
+                return Py_NewRef(value);
+            }
+        }
+    }
+#endif
+    descrgetfunc get = Py_TYPE(descr)->tp_descr_get;
+    if (get == NULL) {
+        PyErr_SetString(PyExc_TypeError, "fastcall: a record's slot descriptor is not a descriptor");
+        return NULL;
+    }
+    return get(descr, obj, (PyObject *)Py_TYPE(obj));
+}
+
 /* The current value of one leaf of an NNX record (a new reference): a Variable's through
  * the _raw_value slot descriptor `descr`, a RawLeaf(owner, name)'s as getattr reads it
  * (`own_attr`; `_fast.read_raw` is the Python copy). */
@@ -676,7 +776,7 @@ leaf_value(PyObject *descr, PyObject *item)
         Py_DECREF(owner);
         return value;
     }
-    return Py_TYPE(descr)->tp_descr_get(descr, item, (PyObject *)Py_TYPE(item));
+    return slot_get(descr, item); /* a Variable's */
 }
 
 /* Whether NNX calls are served here now: 1 yes; 0 no, while nnx.cached_partial's static
@@ -804,7 +904,7 @@ entry_field(PyObject *node, int i)
         Py_XSETREF(G.entry_type, Py_NewRef((PyObject *)type));
     }
     PyObject *d = G.entry_slots[i];
-    return d != NULL ? Py_TYPE(d)->tp_descr_get(d, node, (PyObject *)type) : PyObject_GetAttr(node, names[i]);
+    return d != NULL ? slot_get(d, node) : PyObject_GetAttr(node, names[i]);
 }
 
 /* Append NnxArg(obj, variables, entry, ids, paths) to `nnx_args`, made as namedtuple's
@@ -829,10 +929,10 @@ append_nnx_arg(PyObject *nnx_args, PyObject *obj, PyObject *variables, PyObject 
  * has had its values checked for tracers (not `fresh`), append its leaves' current values
  * to `values`, its entry to `entries` and, if `nnx_args` is not NULL, its NnxArg; then 1.
  * 0 if not (the first value not an array included: the Python copy decides), -1 on error.
- * (On 0 or -1 the call is not served here, so nothing appended needs undoing.) `position`
+ * (On 0 or -1 the call is not served here: what was appended is just released.) `position`
  * is the argument's, or -1 for an object inside one (see slot_of). */
 static int
-read_node(FastWrapper *self, PyObject *a, Py_ssize_t position, PyObject *spec_id, PyObject *values, PyObject *entries,
+read_node(FastWrapper *self, PyObject *a, Py_ssize_t position, PyObject *spec_id, Refs *values, Refs *entries,
           PyObject *nnx_args)
 {
     PyObject *descr = PyList_GET_ITEM(G.value_slot, 0);
@@ -884,15 +984,17 @@ read_node(FastWrapper *self, PyObject *a, Py_ssize_t position, PyObject *spec_id
             goto done;
         }
         /* (tracers: inside an NNX transform; the first value tells, as in the fast path) */
-        int ok = j > 0 || (PyObject *)Py_TYPE(value) == G.array_type;
-        if (!ok || PyList_Append(values, value) < 0) {
+        if (j == 0 && (PyObject *)Py_TYPE(value) != G.array_type) {
             Py_DECREF(value);
-            res = ok ? -1 : 0;
+            res = 0;
             goto done;
         }
-        Py_DECREF(value);
+        if (refs_push(values, value) < 0) {
+            res = -1;
+            goto done;
+        }
     }
-    if (PyList_Append(entries, node) < 0) {
+    if (refs_push(entries, Py_NewRef(node)) < 0) {
         res = -1;
         goto done;
     }
@@ -949,13 +1051,8 @@ same_values(PyObject *d, PyObject *expected)
 static int
 metadata_matches(FastWrapper *self, PyObject *a, PyObject *read)
 {
-    PyObject *slot = PyTuple_GET_ITEM(read, VARIABLE_METADATA_SLOT);
-    descrgetfunc get = Py_TYPE(slot)->tp_descr_get;
-    PyObject *metadata = get == NULL ? NULL : get(slot, a, (PyObject *)Py_TYPE(a));
+    PyObject *metadata = slot_get(PyTuple_GET_ITEM(read, VARIABLE_METADATA_SLOT), a);
     if (metadata == NULL) {
-        if (get == NULL) {
-            PyErr_SetString(PyExc_TypeError, "fastcall: VariableRead.metadata_slot is not a descriptor");
-        }
         return -1;
     }
     PyObject *expected = PyTuple_GET_ITEM(read, VARIABLE_METADATA);
@@ -984,8 +1081,8 @@ metadata_matches(FastWrapper *self, PyObject *a, PyObject *read)
  * `_nnx.read_variable_again` is the Python copy): if `a` is of the record's type, with
  * metadata equal to the record's copy and a jax array as value, append that value to
  * `values` and, if `nnx_args` is not NULL, its NnxArg; then 1. 0 if not, -1 on error. */
-static int
-read_variable(FastWrapper *self, PyObject *a, PyObject *read, PyObject *values, PyObject *nnx_args)
+ONE_KIND static int
+read_variable(FastWrapper *self, PyObject *a, PyObject *read, Refs *values, PyObject *nnx_args)
 {
     PyObject *descr = PyList_GET_ITEM(G.value_slot, 0);
     if (descr == Py_None || (PyObject *)Py_TYPE(a) != PyTuple_GET_ITEM(read, VARIABLE_KIND)) {
@@ -999,12 +1096,15 @@ read_variable(FastWrapper *self, PyObject *a, PyObject *read, PyObject *values, 
         }
         return res;
     }
-    PyObject *value = Py_TYPE(descr)->tp_descr_get(descr, a, (PyObject *)Py_TYPE(a));
+    PyObject *value = leaf_value(descr, a);
     if (value == NULL) {
         return -1;
     }
-    res = (PyObject *)Py_TYPE(value) != G.array_type ? 0 : PyList_Append(values, value) < 0 ? -1 : 1;
-    Py_DECREF(value); /* (a tracer: inside an NNX transform; the Python copy decides) */
+    if ((PyObject *)Py_TYPE(value) != G.array_type) {
+        Py_DECREF(value); /* (a tracer: inside an NNX transform; the Python copy decides) */
+        return 0;
+    }
+    res = refs_push(values, value) < 0 ? -1 : 1;
     if (res == 1 && nnx_args != NULL) {
         /* NnxArg(a, [a], None, frozenset({id(a)})), as `_nnx._read_variable` makes it */
         PyObject *variables = PyList_New(1);
@@ -1030,7 +1130,7 @@ read_variable(FastWrapper *self, PyObject *a, PyObject *read, PyObject *values, 
  * record's kind and size (a dict: keys; another pytree: its PytreeShape), or an error.
  * Another pytree one level deep is flattened here by its `level`; a deeper one by
  * `NodesRead.objects` itself. */
-static PyObject *
+ONE_KIND static PyObject *
 nodes_of(PyObject *a, PyObject *read)
 {
     PyObject *elements = PyTuple_GET_ITEM(read, NODES_ELEMENTS);
@@ -1105,10 +1205,10 @@ nodes_of(PyObject *a, PyObject *read)
 
 /* Whether the GraphDef argument `a` is known (`GRAPHDEFS`) as this very object under spec
  * `spec_id`, unchanged since (compared with its snapshot, if it has one): 1, 0, -1 error. */
-static int
-read_graphdef(PyObject *a, PyObject *spec_id)
+ONE_KIND static int
+read_graphdef(FastWrapper *self, PyObject *a, PyObject *spec_id)
 {
-    PyObject *known = by_id_of(G.graphdefs, a); /* borrowed */
+    PyObject *known = remembered(&self->memo_graphdef, G.graphdefs, a, 1); /* borrowed */
     if (known == NULL) {
         return PyErr_Occurred() ? -1 : 0;
     }
@@ -1129,18 +1229,18 @@ read_graphdef(PyObject *a, PyObject *spec_id)
  * nothing: each earlier entry's `disjoint` cache (`_nnx.overlapping`: id(later entry) ->
  * (weakref to it, shares nothing?)) says so for every later one. 1 yes; 0 not known so, or
  * not (the Python copy decides); -1 error. */
-static int
-known_disjoint(PyObject *entries)
+ONE_KIND static int
+known_disjoint(const Refs *entries)
 {
-    Py_ssize_t n = PyList_GET_SIZE(entries);
+    Py_ssize_t n = entries->n;
     for (Py_ssize_t i = 0; i + 1 < n; i++) {
-        PyObject *cache = entry_field(PyList_GET_ITEM(entries, i), ENTRY_DISJOINT);
+        PyObject *cache = entry_field(entries->items[i], ENTRY_DISJOINT);
         if (cache == NULL) {
             return -1;
         }
         int res = PyDict_CheckExact(cache);
         for (Py_ssize_t j = i + 1; j < n && res == 1; j++) {
-            PyObject *other = PyList_GET_ITEM(entries, j);
+            PyObject *other = entries->items[j];
             PyObject *known = by_id_of(cache, other); /* borrowed */
             if (known == NULL) {
                 res = PyErr_Occurred() ? -1 : 0;
@@ -1322,7 +1422,7 @@ general:
  * of this structure, as the extractor says). A list is copied first and the copy checked:
  * the set lookup may run code (a metaclass's __hash__) that changes the list, and the
  * compiled call may too while the stack borrows the items. */
-static PyObject *
+ONE_KIND static PyObject *
 sequence_leaves(PyObject *a, PyObject *sequence)
 {
     if (!PyTuple_Check(sequence) || PyTuple_GET_SIZE(sequence) != 3) {
@@ -1403,7 +1503,8 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
             return fw_fallback(self, args, nargsf, kwnames);
         }
     }
-    int fast_shape = PyObject_IsTrue(PyTuple_GET_ITEM(record, STR_FAST_SHAPE));
+    PyObject *fast_shape_flag = PyTuple_GET_ITEM(record, STR_FAST_SHAPE);
+    int fast_shape = fast_shape_flag == Py_True ? 1 : fast_shape_flag == Py_False ? 0 : PyObject_IsTrue(fast_shape_flag);
     if (fast_shape < 0) {
         return NULL;
     }
@@ -1412,21 +1513,26 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
     PyObject *post = PyTuple_GET_ITEM(record, STR_POST);
     PyObject *out = NULL;
     int declined = 0;
-    PyObject *entries = NULL, *nnx_args = NULL; /* (made at the first NNX object read) */
+    /* What each argument gives (see ArgLeaves); the NNX objects' values in `values`, in
+     * argument order, and their cache entries in `entries` */
+    ArgLeaves small_reads[SMALL_STACK];
+    ArgLeaves *leaves = nargs <= SMALL_STACK ? small_reads : PyMem_Calloc(nargs, sizeof(ArgLeaves));
+    Refs values, entries;
+    refs_init(&values);
+    refs_init(&entries);
+    PyObject *nnx_args = NULL; /* (made at the first NNX object read, for a `post`) */
+    int nnx_read = 0;
     Py_ssize_t n_variables = 0; /* Variables read (VariableRead): each must be the call's only NNX object */
-    PyObject *small_parts[SMALL_STACK], *small_keys[SMALL_STACK];
-    PyObject **parts = nargs <= SMALL_STACK ? small_parts : PyMem_Calloc(nargs, sizeof(PyObject *));
-    PyObject **keys = nargs <= SMALL_STACK ? small_keys : PyMem_Calloc(nargs, sizeof(PyObject *));
     PyObject *small[SMALL_STACK];
     PyObject **stack = NULL;
-    if (parts == NULL || keys == NULL) {
+    if (leaves == NULL) {
         PyErr_NoMemory();
         goto done;
     }
     for (Py_ssize_t i = 0; i < nargs; i++) {
-        parts[i] = keys[i] = NULL;
+        leaves[i] = (ArgLeaves){NULL, NULL, -1};
     }
-    /* Each non-array argument's leaves (a tuple or list), as `_dispatch.read_arguments`. */
+    /* Each non-array argument's leaves, as `_dispatch.read_arguments`. */
     Py_ssize_t total = 0;
     for (Py_ssize_t i = 0; i < nargs; i++) {
         PyObject *read = PyTuple_GET_ITEM(reads, i);
@@ -1439,32 +1545,28 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
         if (kind != G.arg_read) {
             /* an NNX object, a container of them (NodesRead), a Variable, or a GraphDef (no leaves) */
             int got = 0;
-            parts[i] = PyList_New(0);
-            if (parts[i] == NULL) {
-                goto done;
-            }
+            Py_ssize_t before = values.n;
             if (kind == G.graphdef_read) {
-                got = read_graphdef(a, PyTuple_GET_ITEM(read, NODE_SPEC_ID));
+                got = read_graphdef(self, a, PyTuple_GET_ITEM(read, NODE_SPEC_ID));
             } else {
-                if (entries == NULL) {
-                    entries = PyList_New(0);
-                    nnx_args = post == Py_None ? NULL : PyList_New(0);
-                    if (entries == NULL || (post != Py_None && nnx_args == NULL)) {
+                if (!nnx_read) {
+                    nnx_read = 1;
+                    if (post != Py_None && (nnx_args = PyList_New(0)) == NULL) {
                         goto done;
                     }
                 }
                 if (kind == G.node_read) {
-                    got = read_node(self, a, i, PyTuple_GET_ITEM(read, NODE_SPEC_ID), parts[i], entries, nnx_args);
+                    got = read_node(self, a, i, PyTuple_GET_ITEM(read, NODE_SPEC_ID), &values, &entries, nnx_args);
                 } else if (kind == G.variable_read) {
-                    got = read_variable(self, a, read, parts[i], nnx_args);
+                    got = read_variable(self, a, read, &values, nnx_args);
                     n_variables++;
                 } else {
                     PyObject *elements = PyTuple_GET_ITEM(read, NODES_ELEMENTS);
                     PyObject *objs = nodes_of(a, read);
                     got = objs != NULL;
                     for (Py_ssize_t j = 0; got == 1 && j < PyTuple_GET_SIZE(elements); j++) {
-                        got = read_node(self, PyTuple_GET_ITEM(objs, j), -1, PyTuple_GET_ITEM(elements, j), parts[i],
-                                        entries, nnx_args);
+                        got = read_node(self, PyTuple_GET_ITEM(objs, j), -1, PyTuple_GET_ITEM(elements, j), &values,
+                                        &entries, nnx_args);
                     }
                     Py_XDECREF(objs);
                     if (PyErr_Occurred()) {
@@ -1476,51 +1578,51 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
                 declined = got == 0;
                 goto done;
             }
-            total += PyList_GET_SIZE(parts[i]);
+            leaves[i].n_values = values.n - before;
+            total += leaves[i].n_values;
             continue;
         }
-        keys[i] = PyLong_FromVoidPtr(a);
-        if (keys[i] == NULL) {
+        leaves[i].key = PyLong_FromVoidPtr(a);
+        if (leaves[i].key == NULL) {
             goto done;
         }
         int again = 0;
         if (i == 0 && fast_shape) { /* passed again: the general path gives it a fast record */
-            again = was_last(last, 0, a, keys[0]);
+            again = was_last(last, 0, a, leaves[0].key);
             if (again != 0) {
                 declined = again > 0;
                 goto done;
             }
         }
-        parts[i] = cached_leaves(self, a, keys[i], PyTuple_GET_ITEM(read, READ_SPEC_ID));
-        if (parts[i] == NULL) {
+        leaves[i].part = cached_leaves(self, a, leaves[i].key, PyTuple_GET_ITEM(read, READ_SPEC_ID));
+        if (leaves[i].part == NULL) {
             if (PyErr_Occurred()) {
                 goto done;
             }
             PyObject *extract = PyTuple_GET_ITEM(read, READ_EXTRACT);
-            if (extract == Py_None || (again = was_last(last, i, a, keys[i])) != 0) {
+            if (extract == Py_None || (again = was_last(last, i, a, leaves[i].key)) != 0) {
                 declined = again >= 0; /* (extracted again: the general path caches it) */
                 goto done;
             }
             PyObject *sequence = PyTuple_GET_ITEM(read, READ_SEQUENCE);
-            parts[i] = sequence != Py_None ? sequence_leaves(a, sequence) : PyObject_CallOneArg(extract, a);
-            if (parts[i] == NULL) {
+            leaves[i].part = sequence != Py_None ? sequence_leaves(a, sequence) : PyObject_CallOneArg(extract, a);
+            if (leaves[i].part == NULL) {
                 goto done;
             }
-            if (!PyTuple_CheckExact(parts[i])) { /* None: not of this structure */
+            if (!PyTuple_CheckExact(leaves[i].part)) { /* None: not of this structure */
                 declined = 1;
                 goto done;
             }
         }
-        total += PySequence_Fast_GET_SIZE(parts[i]);
+        total += PySequence_Fast_GET_SIZE(leaves[i].part);
     }
-    if (entries != NULL && (PyList_GET_SIZE(entries) > 0 || n_variables > 0)) {
+    if (nnx_read && (entries.n > 0 || n_variables > 0)) {
         /* NNX objects: sharing nothing (else they are read jointly; a Variable read on its
          * own must be the call's only NNX object), no nnx.cached_partial cache pending, and,
          * for a call that may change state or that jax treats otherwise nested, not inside a
          * JAX trace (as the fast path; see FunctionState.serves_nested): the Python copy
          * decides otherwise */
-        Py_ssize_t n_entries = PyList_GET_SIZE(entries);
-        int ok = n_variables > 0 ? n_variables == 1 && n_entries == 0 : n_entries == 1 ? 1 : known_disjoint(entries);
+        int ok = n_variables > 0 ? n_variables == 1 && entries.n == 0 : entries.n == 1 ? 1 : known_disjoint(&entries);
         if (ok == 1) {
             ok = no_static_cache_pending();
         }
@@ -1537,21 +1639,25 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
         PyErr_NoMemory();
         goto done;
     }
-    Py_ssize_t pos = 0; /* borrowed: held by `parts` and `args` */
+    Py_ssize_t pos = 0, taken = 0; /* borrowed: held by `values`, `leaves` and `args` */
     for (Py_ssize_t i = 0; i < nargs; i++) {
-        if (parts[i] == NULL) {
+        if (leaves[i].n_values >= 0) {
+            for (Py_ssize_t j = 0; j < leaves[i].n_values; j++) {
+                stack[pos++] = values.items[taken++];
+            }
+        } else if (leaves[i].part != NULL) {
+            Py_ssize_t n = PySequence_Fast_GET_SIZE(leaves[i].part);
+            PyObject **items = PySequence_Fast_ITEMS(leaves[i].part);
+            for (Py_ssize_t j = 0; j < n; j++) {
+                stack[pos++] = items[j];
+            }
+        } else {
             stack[pos++] = args[i];
-            continue;
-        }
-        Py_ssize_t n = PySequence_Fast_GET_SIZE(parts[i]);
-        PyObject **items = PySequence_Fast_ITEMS(parts[i]);
-        for (Py_ssize_t j = 0; j < n; j++) {
-            stack[pos++] = items[j];
         }
     }
     for (Py_ssize_t i = 0; i < nargs; i++) {
-        if (keys[i] != NULL) {
-            PyObject *mark = last_mark(args[i], keys[i], i == 0 && fast_shape);
+        if (leaves[i].key != NULL) {
+            PyObject *mark = last_mark(args[i], leaves[i].key, i == 0 && fast_shape);
             if (mark == NULL || PyList_SetItem(last, i, mark) < 0) { /* (steals the new reference) */
                 goto done;
             }
@@ -1565,16 +1671,16 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
     }
     out = apply_post(post, out, args[0], nnx_args != NULL ? nnx_args : Py_None, NULL);
 done:
-    if (parts != NULL && keys != NULL) {
+    if (leaves != NULL) {
         for (Py_ssize_t i = 0; i < nargs; i++) {
-            Py_XDECREF(parts[i]);
-            Py_XDECREF(keys[i]);
+            Py_XDECREF(leaves[i].part);
+            Py_XDECREF(leaves[i].key);
         }
+        if (leaves != small_reads) PyMem_Free(leaves);
     }
-    if (parts != NULL && parts != small_parts) PyMem_Free(parts);
-    if (keys != NULL && keys != small_keys) PyMem_Free(keys);
     if (stack != NULL && stack != small) PyMem_Free(stack);
-    Py_XDECREF(entries);
+    refs_release(&values);
+    refs_release(&entries);
     Py_XDECREF(nnx_args);
     Py_DECREF(record);
     if (declined) {

@@ -358,6 +358,49 @@ def test_nnx_objects_in_a_tuple_take_the_structure_path(kind, hot_path):
     assert f.stats().compiles == 1
 
 
+class _Deep(nnx.Module):
+    def __init__(self, depth, rngs):
+        self.layers = nnx.List([nnx.Linear(4, 4, rngs=rngs) for _ in range(depth)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jnp.tanh(layer(x))
+        return x
+
+
+def _forward_split(graphdef, state, x):
+    return nnx.merge(graphdef, state)(x)
+
+
+def test_more_leaves_than_the_c_path_holds_on_its_stack(hot_path):
+    """The C path collects an NNX call's values on the C stack up to 64, then on the heap:
+    a 40-layer model (80 Params, an optimizer's 160 moments besides) read there, with its
+    state written back, and the functional API on its split state."""
+    build = lambda: (lambda m: (m, nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param)))(_Deep(40, nnx.Rngs(0)))  # noqa: E731
+    (m, opt), (ref_m, ref_opt) = build(), build()
+    f, peer = fastcall.jit(_train_step), nnx.jit(_train_step)
+    routes = []
+    for _ in range(3):
+        loss, route = served(f, m, opt, XB, YB)
+        routes.append(route)
+        assert_trees_equal(loss, peer(ref_m, ref_opt, XB, YB))
+        assert_trees_equal(state_of(m), state_of(ref_m))
+        assert_trees_equal(state_of(opt), state_of(ref_opt))
+    assert routes == ["general"] + [STRUCTURE_PATH[hot_path]] * 2
+
+    graphdef, state = nnx.split(m)
+    g, peer_g = fastcall.jit(_forward_split), nnx.jit(_forward_split)
+    want = _forward_split(graphdef, state, XB)
+    routes = []
+    for _ in range(3):
+        y, route = served(g, graphdef, state, XB)
+        routes.append(route)
+        assert_trees_equal(y, want)
+        assert_trees_equal(y, peer_g(graphdef, state, XB))
+    assert routes == ["general"] + [STRUCTURE_PATH[hot_path]] * 2
+    assert f.stats().compiles == g.stats().compiles == 1
+
+
 @pytest.mark.parametrize("kind", ["tuple", "list"])
 def test_a_batch_container_beside_nnx_arguments(kind, hot_path):
     """`step(model, optimizer, (x, y))`: a container of arrays next to NNX arguments is read
