@@ -248,7 +248,6 @@ is_plain(FastWrapper *self, PyObject *a)
 static int
 dict_holds(PyObject *c, PyObject *expected, PyObject *stamp)
 {
-    Py_ssize_t m = PyTuple_GET_SIZE(expected);
     int stamped = PyList_CheckExact(stamp) && PyList_GET_SIZE(stamp) == 1;
 #ifdef HAVE_DICT_VERSION
     stamped = stamped && ((PyDictObject *)c)->ma_values == NULL; /* (see dict_version) */
@@ -262,6 +261,10 @@ dict_holds(PyObject *c, PyObject *expected, PyObject *stamp)
         }
     }
 #endif
+    if (!PyTuple_CheckExact(expected)) {
+        return 0;
+    }
+    Py_ssize_t m = PyTuple_GET_SIZE(expected);
     if (2 * PyDict_GET_SIZE(c) != m) {
         return 0;
     }
@@ -338,16 +341,16 @@ guard_holds(PyObject *guard)
             return 0;
         }
         PyObject *c = PyTuple_GET_ITEM(watched, 0);
-        PyObject *expected = PyTuple_GET_ITEM(watched, 1);
+        PyObject *expected = PyTuple_GET_ITEM(watched, 1); /* (read only where no stamp vouches) */
         PyObject *owner = PyTuple_GET_ITEM(watched, 3);
-        if (!PyTuple_CheckExact(expected) || (owner != Py_None && !owns_dict(owner, c))) {
+        if (owner != Py_None && !owns_dict(owner, c)) {
             return 0;
         }
-        Py_ssize_t m = PyTuple_GET_SIZE(expected);
         if (PyList_CheckExact(c)) {
-            if (PyList_GET_SIZE(c) != m) {
+            if (!PyTuple_CheckExact(expected) || PyList_GET_SIZE(c) != PyTuple_GET_SIZE(expected)) {
                 return 0;
             }
+            Py_ssize_t m = PyTuple_GET_SIZE(expected);
             for (Py_ssize_t i = 0; i < m; i++) {
                 if (PyList_GET_ITEM(c, i) != PyTuple_GET_ITEM(expected, i)) {
                     return 0;
@@ -798,7 +801,7 @@ no_static_cache_pending(void)
      * not in it is read by getattr (the class default). Another implementation (gevent's
      * local, one dict per greenlet) is read by getattr. What the kept dict said is kept
      * too, with its version tag then: unchanged, it says the same (see dict_version). */
-    uint64_t thread = PyThreadState_GetID(PyThreadState_Get());
+    uint64_t thread = PyThreadState_Get()->id; /* (PyThreadState_GetID's read, without its call) */
     PyObject *d = NULL;
     if (G.context_dict != NULL && G.context_of == context && G.context_thread == thread) {
         d = Py_NewRef(G.context_dict); /* (the context's type was checked when it was kept) */
@@ -1462,6 +1465,42 @@ sequence_leaves(PyObject *a, PyObject *sequence)
     Py_RETURN_NONE;
 }
 
+/* Whether the structure record `record` (held) fits this call's arguments on the cheap
+ * checks (its arity; its reads and `last` of that length; each plain argument plain, each
+ * other read of a known kind): 1, 0 (not: the fallback serves it), -1 error. */
+static int
+structure_fits(FastWrapper *self, PyObject *record, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t arity = PyLong_AsSsize_t(PyTuple_GET_ITEM(record, STR_ARITY));
+    if (arity != nargs) {
+        return arity == -1 && PyErr_Occurred() ? -1 : 0;
+    }
+    PyObject *reads = PyTuple_GET_ITEM(record, STR_READS);
+    PyObject *last = PyTuple_GET_ITEM(record, STR_LAST);
+    if (!PyTuple_CheckExact(reads) || PyTuple_GET_SIZE(reads) != nargs || !PyList_CheckExact(last)
+        || PyList_GET_SIZE(last) != nargs) {
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        PyObject *read = PyTuple_GET_ITEM(reads, i);
+        if (read == Py_None) {
+            int plain = is_plain(self, args[i]);
+            if (plain != 1) {
+                return plain;
+            }
+            continue;
+        }
+        PyObject *kind = (PyObject *)Py_TYPE(read);
+        Py_ssize_t size = kind == G.arg_read ? 3 : kind == G.nodes_read ? 4 : kind == G.variable_read ? 4 : 1;
+        if ((kind != G.arg_read && kind != G.node_read && kind != G.nodes_read && kind != G.variable_read
+             && kind != G.graphdef_read)
+            || PyTuple_GET_SIZE(read) != size) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
 /* The structure path (see the top of this file): serves the call, or hands it to the
  * fallback. */
 static PyObject *
@@ -1476,40 +1515,20 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
     if (!PyTuple_Check(record) || PyTuple_GET_SIZE(record) != 6) {
         return fw_fallback(self, args, nargsf, kwnames);
     }
-    Py_ssize_t arity = PyLong_AsSsize_t(PyTuple_GET_ITEM(record, STR_ARITY));
-    if (arity != nargs) {
-        return (arity == -1 && PyErr_Occurred()) ? NULL : fw_fallback(self, args, nargsf, kwnames);
+    /* Hold what we use: code run from here on (a metaclass's __hash__ in a type test,
+     * another thread) may replace the record. */
+    Py_INCREF(record);
+    int fits = structure_fits(self, record, args, nargs), fast_shape = 0;
+    if (fits == 1) {
+        PyObject *flag = PyTuple_GET_ITEM(record, STR_FAST_SHAPE);
+        fast_shape = flag == Py_True ? 1 : flag == Py_False ? 0 : PyObject_IsTrue(flag);
+    }
+    if (fits != 1 || fast_shape < 0) {
+        Py_DECREF(record);
+        return fits < 0 || fast_shape < 0 ? NULL : fw_fallback(self, args, nargsf, kwnames);
     }
     PyObject *reads = PyTuple_GET_ITEM(record, STR_READS);
     PyObject *last = PyTuple_GET_ITEM(record, STR_LAST);
-    if (!PyTuple_CheckExact(reads) || PyTuple_GET_SIZE(reads) != nargs || !PyList_CheckExact(last)
-        || PyList_GET_SIZE(last) != nargs) {
-        return fw_fallback(self, args, nargsf, kwnames);
-    }
-    for (Py_ssize_t i = 0; i < nargs; i++) { /* (cheap checks first) */
-        PyObject *read = PyTuple_GET_ITEM(reads, i);
-        if (read == Py_None) {
-            int plain = is_plain(self, args[i]);
-            if (plain != 1) {
-                return plain < 0 ? NULL : fw_fallback(self, args, nargsf, kwnames);
-            }
-            continue;
-        }
-        PyObject *kind = (PyObject *)Py_TYPE(read);
-        Py_ssize_t size = kind == G.arg_read ? 3 : kind == G.nodes_read ? 4 : kind == G.variable_read ? 4 : 1;
-        if ((kind != G.arg_read && kind != G.node_read && kind != G.nodes_read && kind != G.variable_read
-             && kind != G.graphdef_read)
-            || PyTuple_GET_SIZE(read) != size) {
-            return fw_fallback(self, args, nargsf, kwnames);
-        }
-    }
-    PyObject *fast_shape_flag = PyTuple_GET_ITEM(record, STR_FAST_SHAPE);
-    int fast_shape = fast_shape_flag == Py_True ? 1 : fast_shape_flag == Py_False ? 0 : PyObject_IsTrue(fast_shape_flag);
-    if (fast_shape < 0) {
-        return NULL;
-    }
-    /* Hold what we use: another thread may replace the record during the call. */
-    Py_INCREF(record);
     PyObject *post = PyTuple_GET_ITEM(record, STR_POST);
     PyObject *out = NULL;
     int declined = 0;
@@ -1648,12 +1667,20 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
         } else if (leaves[i].part != NULL) {
             Py_ssize_t n = PySequence_Fast_GET_SIZE(leaves[i].part);
             PyObject **items = PySequence_Fast_ITEMS(leaves[i].part);
+            if (pos + n > total) { /* (a list of cached leaves changed by code run since it was counted) */
+                declined = 1;
+                goto done;
+            }
             for (Py_ssize_t j = 0; j < n; j++) {
                 stack[pos++] = items[j];
             }
         } else {
             stack[pos++] = args[i];
         }
+    }
+    if (pos != total) {
+        declined = 1;
+        goto done;
     }
     for (Py_ssize_t i = 0; i < nargs; i++) {
         if (leaves[i].key != NULL) {
