@@ -271,24 +271,32 @@ def _train_step(model, optimizer, x, y):
     return loss
 
 
-def _pair():
-    model = Net(nnx.Rngs(0))
+def _pair(model=None):
+    model = Net(nnx.Rngs(0)) if model is None else model
     return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+
+def _steps_against_the_peer(build, n):
+    """`n` training steps under fastcall.jit and nnx.jit, on twin (model, optimizer) pairs
+    from `build`, each loss and all state equal; the routes that served them, the wrapper
+    and its model."""
+    (m, opt), (ref_m, ref_opt) = build(), build()
+    f, peer = fastcall.jit(_train_step), nnx.jit(_train_step)
+    routes = []
+    for _ in range(n):
+        loss, route = served(f, m, opt, XB, YB)
+        routes.append(route)
+        assert_trees_equal(loss, peer(ref_m, ref_opt, XB, YB))
+        assert_trees_equal(state_of(m), state_of(ref_m))
+        assert_trees_equal(state_of(opt), state_of(ref_opt))
+    return routes, f, m
 
 
 XB, YB = jnp.ones((2, 4)), jnp.zeros((2, 4))
 
 
 def test_nnx_training_step_takes_the_structure_path(hot_path):
-    (m, opt), (ref_m, ref_opt) = _pair(), _pair()
-    f, peer = fastcall.jit(_train_step), nnx.jit(_train_step)
-    routes = []
-    for _ in range(4):
-        loss, route = served(f, m, opt, XB, YB)
-        routes.append(route)
-        assert_trees_equal(loss, peer(ref_m, ref_opt, XB, YB))
-        assert_trees_equal(state_of(m), state_of(ref_m))
-        assert_trees_equal(state_of(opt), state_of(ref_opt))
+    routes, f, _ = _steps_against_the_peer(_pair, 4)
     assert routes == ["general"] + [STRUCTURE_PATH[hot_path]] * 3
     assert f.stats().compiles == 1
 
@@ -376,16 +384,7 @@ def test_more_leaves_than_the_c_path_holds_on_its_stack(hot_path):
     """The C path collects an NNX call's values on the C stack up to 64, then on the heap:
     a 40-layer model (80 Params, an optimizer's 160 moments besides) read there, with its
     state written back, and the functional API on its split state."""
-    build = lambda: (lambda m: (m, nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param)))(_Deep(40, nnx.Rngs(0)))  # noqa: E731
-    (m, opt), (ref_m, ref_opt) = build(), build()
-    f, peer = fastcall.jit(_train_step), nnx.jit(_train_step)
-    routes = []
-    for _ in range(3):
-        loss, route = served(f, m, opt, XB, YB)
-        routes.append(route)
-        assert_trees_equal(loss, peer(ref_m, ref_opt, XB, YB))
-        assert_trees_equal(state_of(m), state_of(ref_m))
-        assert_trees_equal(state_of(opt), state_of(ref_opt))
+    routes, f, m = _steps_against_the_peer(lambda: _pair(_Deep(40, nnx.Rngs(0))), 3)
     assert routes == ["general"] + [STRUCTURE_PATH[hot_path]] * 2
 
     graphdef, state = nnx.split(m)
