@@ -119,6 +119,9 @@ else:  # pragma: no cover - an unverified flax without the slot: public, slower 
 # jax's mutable array reference type (`jax.new_ref`), where this jax has one: a graph
 # node to nnx.jit (traced, returned as the caller's own reference when passed in)
 _REF_TYPE = getattr(variablelib, "Ref", None)
+# What a Variable made under `nnx.var_defaults(hijax=True)` flattens to (flax >= 0.12.6):
+# refused with a clear error (its value is not read as a Variable's is)
+_HIJAX_TYPE = getattr(variablelib, "HijaxVariable", None)
 
 
 def is_node_type(t: type) -> bool:
@@ -515,12 +518,21 @@ def forget_function(state: Any) -> None:
 
 def _flatten_node(obj: Any, arg_name: str, **kwargs: Any) -> tuple[Any, Any]:
     try:
-        return graphlib.flatten(obj, with_paths=True, **kwargs)
+        graphdef, flat = graphlib.flatten(obj, with_paths=True, **kwargs)
     except Exception as err:
         raise FastcallError(
             f"fastcall.jit: {describe_arg(arg_name)} is an NNX object that could not be "
             f"flattened ({type(err).__name__}: {err})."
         ) from err
+    if _HIJAX_TYPE is not None and _HIJAX_TYPE in set(map(type, flat.leaves)):  # (a C-speed scan)
+        path = next(p for p, leaf in zip(flat.paths, flat.leaves) if type(leaf) is _HIJAX_TYPE)
+        raise FastcallError(
+            f"fastcall.jit: {describe_arg(arg_name)} holds a hijax Variable (at "
+            f"{'.'.join(map(str, path)) or 'itself'}), made under nnx.var_defaults(hijax=True); "
+            "fastcall does not support hijax Variables. Create the model with hijax=False, or "
+            "call it under jax.jit."
+        )
+    return graphdef, flat
 
 
 def _intern_graphdef(graphdef: Any, n: int, arg_name: str, joint: bool = False) -> NodeSpec:

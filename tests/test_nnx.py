@@ -1245,3 +1245,19 @@ def test_new_object_holding_an_input_is_aliasing_without_graph_updates_like_nnx_
             nnx.jit(wrap, **kwargs)(MLP(nnx.Rngs(0)))
         with pytest.raises(fastcall.FastcallError, match="Variable aliasing"):
             fastcall.jit(wrap, **kwargs)(MLP(nnx.Rngs(0)))
+
+
+@pytest.mark.skipif(_nnx._HIJAX_TYPE is None or not hasattr(nnx, "var_defaults"), reason="a flax without hijax")
+def test_a_hijax_variable_is_refused_with_an_error_naming_it():
+    """A model made under `nnx.var_defaults(hijax=True)` is refused by a FastcallError that
+    names the argument and the Variable (nnx.jit fails on it too); the wrapper keeps working."""
+    with nnx.var_defaults(hijax=True):
+        hijax = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    plain = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    x = jnp.ones((1, 2))
+    f = fastcall.jit(lambda m, x: m(x))
+    with pytest.raises(fastcall.FastcallError, match=r"argument 'm' holds a hijax Variable \(at bias\)"):
+        f(hijax, x)
+    assert_trees_equal(f(plain, x), plain(x))
+    with pytest.raises(fastcall.FastcallError, match="hijax"):
+        f(hijax, x)
