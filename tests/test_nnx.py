@@ -1251,8 +1251,11 @@ def test_new_object_holding_an_input_is_aliasing_without_graph_updates_like_nnx_
 def test_a_hijax_variable_is_refused_with_an_error_naming_it():
     """A model made under `nnx.var_defaults(hijax=True)` is refused by a FastcallError that
     names the argument and the Variable (nnx.jit fails on it too); the wrapper keeps working."""
-    with nnx.var_defaults(hijax=True):
-        hijax = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    try:
+        with nnx.var_defaults(hijax=True):
+            hijax = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    except Exception as err:  # (flax 0.12.5 on jax 0.8: its hijax needs a newer jax)
+        pytest.skip(f"this flax and jax cannot make a hijax Variable: {err}")
     plain = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
     x = jnp.ones((1, 2))
     f = fastcall.jit(lambda m, x: m(x))
