@@ -502,16 +502,6 @@ refs_push(Refs *r, PyObject *obj)
     return 0;
 }
 
-/* What one positional argument gives a structure-path call: nothing of its own (a plain
- * leaf, passed as it is: `part` NULL, `n_values` -1); its leaves (`part`, a tuple or list,
- * and `key`, its id); or, for an NNX argument, the number of values it added to the call's
- * `values` (a GraphDef: 0). */
-typedef struct {
-    PyObject *part;
-    PyObject *key;
-    Py_ssize_t n_values;
-} ArgLeaves;
-
 /* Release every reference held (the last step of a call: releasing may run code). */
 static void
 refs_release(Refs *r)
@@ -524,6 +514,16 @@ refs_release(Refs *r)
     }
     refs_init(r);
 }
+
+/* What one positional argument gives a structure-path call: nothing of its own (a plain
+ * leaf, passed as it is: `part` NULL, `n_values` -1); its leaves (`part`, a tuple or list,
+ * and `key`, its id); or, for an NNX argument, the number of values it added to the call's
+ * `values` (a GraphDef: 0). */
+typedef struct {
+    PyObject *part;
+    PyObject *key;
+    Py_ssize_t n_values;
+} ArgLeaves;
 
 /* `d[key]` (or with `by_id`, `d[id(key)]`): borrowed, or NULL: not there, or an error
  * (check PyErr_Occurred); through the lookup `m` remembers. A wrapper remembers its last
