@@ -87,7 +87,9 @@ def _why_not_fast(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         reasons.append(f"{first}: a list or dict in it changed since it was cached (re-read on this call)")
     else:
         record = slot.records.get(state)
-        if record is None:
+        if record is None and others:  # (records are made by calls the fast path can serve)
+            reasons.append(f"{first}: cached, and no record for it: one is made only by a call f({first}, *arrays)")
+        elif record is None:
             reasons.append(f"{first}: cached, but this function has no record for it yet (made after a call)")
         elif record.arity != len(args):
             reasons.append(f"{first}: its record is for {record.arity} arguments, this call has {len(args)}")

@@ -90,3 +90,24 @@ def test_explain_says_why():
     assert "mutable static attribute" in text and "route: general" in text
     text = str(f.explain(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), x=X))
     assert "keyword arguments (x)" in text
+
+
+class _SharingOptimizer(nnx.Pytree):
+    def __init__(self, params):
+        self.params = nnx.data(params)  # the model's own Param Variables
+
+
+def test_explain_promises_no_record_a_call_of_this_form_cannot_make():
+    """`step(model, optimizer, x)` with the two sharing Variables takes the general path
+    every call; the model is cached, but a fast record is only made by a call
+    `f(model, *arrays)`, and explain says that rather than "made after a call"."""
+    m = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    opt = _SharingOptimizer(nnx.variables(m, nnx.Param))
+    f = fastcall.jit(lambda m, opt, x: m(x))
+    for _ in range(3):
+        _, route = served(f, m, opt, X)
+    report = f.explain(m, opt, X)
+    assert route == "general" and report.route == "general"
+    text = str(report)
+    assert "made after a call" not in text
+    assert "one is made only by a call f(m, *arrays)" in text
