@@ -119,7 +119,7 @@ else:  # pragma: no cover - an unverified flax without the slot: public, slower 
 # jax's mutable array reference type (`jax.new_ref`), where this jax has one: a graph
 # node to nnx.jit (traced, returned as the caller's own reference when passed in)
 _REF_TYPE = getattr(variablelib, "Ref", None)
-# What a Variable made under `nnx.var_defaults(hijax=True)` flattens to (flax >= 0.12.6):
+# What a Variable made under `nnx.var_defaults(hijax=True)` flattens to (flax 0.12.5 has it):
 # refused with a clear error (its value is not read as a Variable's is)
 _HIJAX_TYPE = getattr(variablelib, "HijaxVariable", None)
 
