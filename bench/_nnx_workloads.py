@@ -487,6 +487,83 @@ def functional(name: str, description: str, width: int, depth: int) -> Workload:
     )
 
 
+class BNModel(nnx.Module):
+    """The model of flax's performance guide (docs_nnx/guides/performance.md), less the
+    first layer's bias: BatchNorm cancels it, so its gradient is rounding noise, which adam
+    scales up differently in eager and compiled runs."""
+
+    def __init__(self, width: int, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(2, width, use_bias=False, rngs=rngs)
+        self.bn = nnx.BatchNorm(width, use_running_average=False, rngs=rngs)
+        self.linear_out = nnx.Linear(width, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.linear_out(nnx.relu(self.bn(self.linear(x))))
+
+
+def functional_loop(name: str, description: str, width: int, batch: int) -> Workload:
+    """The functional training loop of flax's performance guide: `loss, state =
+    step(graphdef, state, x, y)`, where `step` merges (model, optimizer), updates them and
+    returns `nnx.state((model, optimizer))`: a new nnx.State passed in every call."""
+    # (varied data: on a constant batch BatchNorm's output and the gradients are ~0)
+    x, y = jax.random.normal(jax.random.PRNGKey(0), (batch, 2)), jax.random.normal(jax.random.PRNGKey(1), (batch, 3))
+
+    def step(graphdef, state, x, y):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(lambda m: ((m(x) - y) ** 2).mean())(model)
+        optimizer.update(model, grads)
+        return loss, nnx.state((model, optimizer))
+
+    def split():
+        model = BNModel(width, nnx.Rngs(0))
+        return nnx.split((model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)))
+
+    def variant(wrap: Callable[[Any], Any]):
+        def make():
+            graphdef, state = split()
+            f = wrap(step)
+            current = [state]
+
+            def run():
+                loss, current[0] = f(graphdef, current[0], x, y)
+                return loss, lambda: jax.tree_util.tree_leaves(current[0])
+
+            return run
+
+        return make
+
+    def make_floor():
+        graphdef, state = split()
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        n = len(leaves)
+
+        def flat(*a):
+            loss, new = step(graphdef, treedef.unflatten(a[:n]), a[n], a[n + 1])
+            return loss, jax.tree_util.tree_leaves(new)
+
+        f = jax.jit(flat)
+        current = [leaves]
+
+        def run():
+            loss, current[0] = f(*current[0], x, y)
+            return loss, lambda: list(current[0])
+
+        return run
+
+    workload = _step_workload(
+        name,
+        description,
+        variant,
+        make_floor,
+        "jax.jit on the flat state leaves, all returned and rebound",
+    )
+    # The guide's own jax.jit, shown beside the peer. Not a peer of fastcall.jit here: for
+    # NNX arguments fastcall follows nnx.jit (the State passed in is updated in place);
+    # jax.jit flattens the State as a pytree and leaves it as it was.
+    workload.variants.append(Variant("jax.jit", variant(jax.jit), note="the guide's loop; not nnx.jit's semantics"))
+    return workload
+
+
 def _write_back_jit(graphdef: Any, treedef: Any, fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[int]]:
     """jax.jit of `fn(objects, *args)` taking the flat state leaves of `objects` (merged
     from `graphdef` inside) and returning `(out, *changed leaves)`; `changed` (filled at
@@ -922,6 +999,12 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
         ),
         "nnx_functional": lambda: functional(
             "nnx_functional", "functional API: f(graphdef, state, x) merges inside jit, NNX MLP w32 d3", 32, 3
+        ),
+        "nnx_functional_loop": lambda: functional_loop(
+            "nnx_functional_loop",
+            "flax guide's functional train loop: loss, state = step(graphdef, state, x, y), a new nnx.State each call",
+            64,
+            32,
         ),
         "nnx_raw_array": lambda: forward(
             "nnx_raw_array",

@@ -93,9 +93,10 @@ static const char *VARIABLE_READ_FIELDS[] = {"spec_id", "kind", "metadata", "met
 #define KNOWN_SNAPSHOT 1
 #define KNOWN_SPEC_ID 2
 static const char *KNOWN_GRAPHDEF_FIELDS[] = {"graphdef", "snapshot", "spec_id", "spec", NULL};
-/* NnxArg(obj, variables, entry, ids, paths): made here for the NNX objects read */
+/* NnxArg(obj, variables, entry, ids, paths, index): made here for the NNX objects read */
 #define NNX_ARG_VARIABLES 1
-static const char *NNX_ARG_FIELDS[] = {"obj", "variables", "entry", "ids", "paths", NULL};
+#define NNX_ARG_N_FIELDS 6
+static const char *NNX_ARG_FIELDS[] = {"obj", "variables", "entry", "ids", "paths", "index", NULL};
 /* WriteBack(writes, result, post): a record's post-processing, applied here */
 #define WB_WRITES 0
 #define WB_RESULT 1
@@ -910,13 +911,13 @@ entry_field(PyObject *node, int i)
     return d != NULL ? slot_get(d, node) : PyObject_GetAttr(node, names[i]);
 }
 
-/* Append NnxArg(obj, variables, entry, ids, paths) to `nnx_args`, made as namedtuple's
+/* Append NnxArg(obj, variables, entry, ids, paths, None) to `nnx_args`, made as namedtuple's
  * own `_make` does (tuple.__new__), without calling its Python __new__. 0, or -1. */
 static int
 append_nnx_arg(PyObject *nnx_args, PyObject *obj, PyObject *variables, PyObject *entry, PyObject *ids,
                PyObject *paths)
 {
-    PyObject *fields = PyTuple_Pack(5, obj, variables, entry, ids, paths);
+    PyObject *fields = PyTuple_Pack(NNX_ARG_N_FIELDS, obj, variables, entry, ids, paths, Py_None);
     PyObject *packed = fields == NULL ? NULL : PyTuple_Pack(1, fields);
     Py_XDECREF(fields);
     PyObject *arg = packed == NULL ? NULL : PyTuple_Type.tp_new((PyTypeObject *)G.nnx_arg, packed, NULL);
@@ -1368,8 +1369,9 @@ apply_post(PyObject *post, PyObject *out, PyObject *first, PyObject *nnx, PyObje
                 goto general;
             }
             PyObject *arg = PyList_GET_ITEM(nnx, ordinal);
-            items = PyTuple_Check(arg) && PyTuple_GET_SIZE(arg) == 5 ? PyTuple_GET_ITEM(arg, NNX_ARG_VARIABLES)
-                                                                    : NULL;
+            items = PyTuple_Check(arg) && PyTuple_GET_SIZE(arg) == NNX_ARG_N_FIELDS
+                        ? PyTuple_GET_ITEM(arg, NNX_ARG_VARIABLES)
+                        : NULL;
         } else if (ordinal != 0) {
             goto general;
         }

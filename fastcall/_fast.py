@@ -256,6 +256,9 @@ class NnxArg(NamedTuple):
     entry: Any  # its cache entry, `_nnx.NodeEntry` (None: flattened afresh for this call)
     ids: frozenset[int] = frozenset()  # (flattened afresh) ids of its nodes and Variables
     paths: Any = None  # the leaves' paths (None: the entry's)
+    # the RefMap of the flatten that read it for this call (None: read from its entry);
+    # held for this call only: it holds the object itself
+    index: Any = None
 
 
 class KnownGraphdef(NamedTuple):

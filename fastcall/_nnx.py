@@ -262,12 +262,13 @@ class NodeEntry:
     that knowledge is current."""
 
     __slots__ = ("ref", "spec_id", "spec", "items", "paths", "volatile", "guard", "direct", "stale", "fresh",
-                 "fast", "node_ids", "disjoint", "watched", "flips", "variants", "flipped", "spec_key",
+                 "provisional", "fast", "node_ids", "disjoint", "watched", "flips", "variants", "flipped", "spec_key",
                  "__weakref__")
 
     def __init__(self, ref: _Ref) -> None:
         self.ref = ref
         self.stale = False  # a hook saw a structure change: re-read on next use
+        self.provisional = False  # read once, unguarded and unwatched: stale too (see _build)
         self.spec: Any = None
         self.spec_id = -1
         self.items: list[Any] = []  # the leaves: Variables and handles of raw leaves (see `_leaf_items`)
@@ -369,26 +370,22 @@ def _is_container(x: Any) -> bool:
     return isinstance(x, (list, dict, collections.abc.MutableMapping)) and not _is_node(x)
 
 
-def _graph_nodes(node: Any) -> tuple[list[Any], list[Any] | None]:
-    """Every graph node and Variable reachable from `node` (each once), and every plain
-    list or dict in the graph (`nnx.data([...])`, an optax state's containers), which can
-    change in place without any hook: the entry's guard watches them (`_guard`). None
-    instead of that list if one cannot be guarded (another kind of mutable mapping):
-    the graph is then re-read on every call."""
-    seen: dict[int, Any] = {}
+def _watch_containers(node: Any) -> tuple[_guard.Guard | None, bool]:
+    """A guard over every plain list or dict in `node`'s graph (`nnx.data([...])`, an optax
+    state's containers), which can change in place without any hook, and whether it
+    covers them all (not so if one is another kind of mutable mapping: the graph is then
+    re-read on every call)."""
     containers: list[Any] = []
     guardable = True
     for _, sub in graphlib.iter_graph(node):
-        if _is_node(sub):
-            seen[id(sub)] = sub
-        elif type(sub) is nnx.State:  # (an optimizer's state: its attributes and its dict)
+        if type(sub) is nnx.State:  # (an optimizer's state: its attributes and its dict)
             attributes = _guard.Attributes(sub)
             containers += [attributes, sub.raw_mapping]
             guardable = guardable and _guard.is_guardable(attributes) and _guard.is_guardable(sub.raw_mapping)
         elif _is_container(sub):
             containers.append(sub)
             guardable = guardable and _guard.is_guardable(sub)
-    return list(seen.values()), containers if guardable else None
+    return (_guard.make(containers) if containers and guardable else None), guardable
 
 
 def cached(obj: Any) -> NodeEntry | None:
@@ -407,12 +404,14 @@ def cached(obj: Any) -> NodeEntry | None:
     return None
 
 
-def lookup(obj: Any, arg_name: str) -> NodeEntry:
+def lookup(obj: Any, arg_name: str) -> tuple[NodeEntry, Any]:
     """The current entry for `obj`: the cached one if its structure is known to be
-    unchanged, else re-read. The one place that decides whether an entry is usable."""
+    unchanged, else re-read. The one place that decides whether an entry is usable. With
+    it, the RefMap of the flatten that re-read it (None: not re-read here), which indexes
+    the object's nodes and Variables as the call reads them (`_Link` reuses it)."""
     found = cached(obj)
     if found is not None:
-        return found
+        return found, None
     entry = by_id.get(id(obj))
     if entry is not None and entry.ref() is obj and not entry.stale:
         if entry.flipped:
@@ -421,15 +420,16 @@ def lookup(obj: Any, arg_name: str) -> NodeEntry:
                 return _build(obj, arg_name, entry)
         if not entry.volatile:
             if entry.guard is None or _guard.holds(entry.guard):
-                return entry
+                return entry, None
             return _build(obj, arg_name, entry)  # a list or dict in the graph changed in place
         # Mutable containers in the graph (or unverified hooks): re-read the graph;
         # reuse the entry if its structure is unchanged.
-        graphdef, flat = _flatten_node(obj, arg_name)
+        refmap = graphlib.RefMap()
+        graphdef, flat = _flatten_node(obj, arg_name, ref_index=refmap)
         if graphdef == entry.spec.graphdef:
             entry.items = _leaf_items(obj, flat)[0]
             entry.paths = list(flat.paths)
-            return entry
+            return entry, refmap
     return _build(obj, arg_name, entry)
 
 
@@ -453,7 +453,7 @@ def _switch_variant(obj: Any, arg_name: str, entry: NodeEntry) -> NodeEntry:
         # list or dict in the graph changed in place (the guard holds; such a change has
         # no hook).
         unchanged = entry.guard is None or _guard.holds(entry.guard)
-    new = _build(obj, arg_name, entry)
+    new = _build(obj, arg_name, entry)[0]
     with _variant_lock:
         if (
             unchanged
@@ -612,7 +612,8 @@ def _freeze(x: Any) -> Any:
     raise TypeError(f"unhashable type: {t.__name__!r}")
 
 
-def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
+def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> tuple[NodeEntry, Any]:
+    """A new entry for `obj` (replacing `old`), and the RefMap of the flatten that read it."""
     if old is not None:
         _fast.withdraw(old.ref)
         _unwatch(old)
@@ -623,25 +624,37 @@ def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
     # (what the hooks watch). Any hooked change made meanwhile (another thread) bumps the
     # generation: the entry is then marked stale, re-read on its next use.
     generation = _generation[0]
+    guard = None
+    guardable = True
+    seen_before = old is not None and old.ref() is obj
+    # Plain lists or dicts in the graph (which change in place without a hook) are watched
+    # by a guard, whose snapshot must be taken before the leaves are read. Where the last
+    # read had them, they are watched first.
+    walked = old is not None and seen_before and old.spec is not None and old.spec.has_containers
+    if walked:
+        guard, guardable = _watch_containers(obj)
     refmap = graphlib.RefMap()
     graphdef, flat = _flatten_node(obj, arg_name, ref_index=refmap)
     spec = _intern_graphdef(graphdef, len(flat.leaves), arg_name)
-    guard = None
-    guardable = True
-    if spec.has_containers:  # plain lists or dicts in the graph: walk it for them
-        _, containers = _graph_nodes(obj)
-        guardable = containers is not None
-        guard = _guard.make(containers) if containers else None
-        # (the guard's snapshot must go with the leaves read: read them again after it)
+    if not spec.has_containers:
+        guard, guardable = None, True
+    elif not seen_before:
+        # The first sight of the object: the walk is worth it only for an object passed
+        # again (not for the new nnx.State of a functional loop, read once). Read once
+        # here, and marked stale: its next use builds the guarded entry.
+        entry.provisional = entry.stale = True
+    elif not walked:  # (new in the graph since the last read: watch them, read again)
+        guard, guardable = _watch_containers(obj)
         refmap = graphlib.RefMap()
         again, flat = _flatten_node(obj, arg_name, ref_index=refmap)
         if again != graphdef:
             entry.stale = True
     entry.watched = [id(n) for n in refmap.keys()]
     entry.node_ids = frozenset(entry.watched)
-    with _watch_lock:
-        for oid in entry.watched:
-            _watchers.setdefault(oid, []).append(entry)
+    if not entry.provisional:  # (a provisional entry is re-read anyway: nothing to watch)
+        with _watch_lock:
+            for oid in entry.watched:
+                _watchers.setdefault(oid, []).append(entry)
     entry.items, readable = _leaf_items(obj, flat)
     entry.paths = list(flat.paths)
     entry.spec, entry.spec_id = spec, spec.id
@@ -661,7 +674,7 @@ def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> NodeEntry:
     by_id[ref.oid] = entry
     if entry.direct and not entry.stale:
         _fast.publish(ref, entry.fast, entry.guard, entry)
-    return entry
+    return entry, refmap
 
 
 def clear() -> None:
@@ -723,9 +736,9 @@ def _read_node(obj: Any, leaves: list[Any], arg_name: str, nnx_args: list[NnxArg
             raise StepAside
         leaves += values
         ids = frozenset() if joint is not None else frozenset(map(id, refmap))
-        nnx_args.append(NnxArg(obj, items, None, ids, list(flat.paths)))
+        nnx_args.append(NnxArg(obj, items, None, ids, list(flat.paths), refmap))
         return _intern_graphdef(graphdef, len(items), arg_name, joint=joint is not None)
-    entry = lookup(obj, arg_name)
+    entry, index = lookup(obj, arg_name)
     values = entry.values()
     # Inside nnx.grad/vmap/scan the module is a copy holding tracers: run inline.
     # Variables of a module created outside cannot receive tracers (NNX forbids it),
@@ -735,7 +748,7 @@ def _read_node(obj: Any, leaves: list[Any], arg_name: str, nnx_args: list[NnxArg
         if contains_tracer(values):
             raise StepAside
     leaves += values
-    nnx_args.append(NnxArg(obj, entry.items, entry, paths=entry.paths))
+    nnx_args.append(NnxArg(obj, entry.items, entry, paths=entry.paths, index=index))
     return entry.spec
 
 
@@ -1029,6 +1042,11 @@ def explain_node(obj: Any) -> tuple[str, str]:
     entry = by_id.get(id(obj))
     if entry is None or entry.ref() is not obj:
         return "NNX object, not read yet", "read on its first call"
+    if entry.provisional:
+        return (
+            "NNX object read once, holding plain lists or dicts",
+            "read again on its next call, watched from then on (an object passed once is not walked for them)",
+        )
     if entry.stale:
         return "NNX object whose structure changed", "re-read on its next call, then cached again"
     if entry.volatile:
@@ -1078,16 +1096,19 @@ def _may_hold_container(node_def: Any) -> bool:
     t = getattr(node_def, "type", None)
     if t is nnx.State:
         return True  # (its dict can change in place: `state["kernel"] = ...`)
-    if not isinstance(t, type) or is_node_type(t):
-        return False
+    if not isinstance(t, type) or is_node_type(t) or t is tuple or t is type(None):
+        return False  # (a tuple's items are nodes of their own: it cannot change in place)
     if t is getattr(graphlib, "GenericPytree", None):
         try:
             treedef = node_def.metadata[1]
             inner = treedef.node_data()
+            if inner is None:
+                return True
+            if treedef.num_nodes == treedef.num_leaves + 1 and issubclass(inner[0], tuple):
+                return False  # (a namedtuple, whose items are nodes of their own)
             return not (
                 treedef.num_leaves == 0
                 and treedef.num_nodes == 1
-                and inner is not None
                 and not issubclass(inner[0], (list, dict, collections.abc.MutableMapping))
             )
         except Exception:
@@ -1555,11 +1576,22 @@ class _Link:
         self.outer = graphlib.IndexMap()
         if not (nnx_out.restructure or nnx_out.inner_nodes or nnx_out.links_outer):
             return
-        shared = graphlib.RefMap() if nnx_out.joint else None
-        for ordinal, arg in enumerate(nnx_args):
-            refmap = shared if shared is not None else graphlib.RefMap()
-            graphlib.flatten(arg.obj, with_paths=False, ref_index=refmap)
+        # Each argument's objects as the call read them: the read's RefMap where it made one
+        # (arguments read jointly share one), else flattened again (the same order).
+        shared = None
+        if nnx_out.joint:
+            first = nnx_args[0].index
+            shared = first if first is not None and all(a.index is first for a in nnx_args) else None
             if shared is None:
+                shared = graphlib.RefMap()
+                for arg in nnx_args:
+                    graphlib.flatten(arg.obj, with_paths=False, ref_index=shared)
+        for ordinal, arg in enumerate(nnx_args):
+            if shared is None:
+                refmap = arg.index
+                if refmap is None:
+                    refmap = graphlib.RefMap()
+                    graphlib.flatten(arg.obj, with_paths=False, ref_index=refmap)
                 base = _outer_base(ordinal, False)
                 for obj, index in refmap.items():
                     self.outer[base + index] = obj

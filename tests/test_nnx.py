@@ -453,11 +453,17 @@ def test_optimizer_state_is_read_through_its_variables_not_rewalked():
     def step(m, o, x):
         o.update(m, nnx.grad(lambda m: jnp.sum(m(x) ** 2))(m))
 
-    fastcall.jit(step)(model, opt, jnp.ones(2))
+    f = fastcall.jit(step)
+    f(model, opt, jnp.ones(2))
+    # (seen once: read with one flatten, not walked for its containers yet)
+    assert _nnx.by_id[id(opt)].provisional and _nnx.by_id[id(opt)].guard is None
+    f(model, opt, jnp.ones(2))
     entry = _nnx.by_id[id(opt)]
-    assert not entry.volatile and entry.guard is not None and entry.direct
+    assert not entry.volatile and not entry.provisional and entry.guard is not None and entry.direct
     with_data = WithData()
-    fastcall.jit(lambda m, x: m(x))(with_data, jnp.ones(1))
+    g = fastcall.jit(lambda m, x: m(x))
+    g(with_data, jnp.ones(1))
+    g(with_data, jnp.ones(1))
     entry = _nnx.by_id[id(with_data)]
     assert not entry.volatile and entry.guard is not None  # arrays and modules held in lists
 

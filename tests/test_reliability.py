@@ -159,19 +159,20 @@ def test_submodule_replaced_while_the_entry_is_built_is_watched(monkeypatch):
     m = M()
     g = fastcall.jit(lambda m, x: m.sub(x))
     x = jnp.ones((1, 2))
-    original = _nnx._graph_nodes
+    original = _nnx._flatten_node
     raced = []
 
-    def racing(node):
-        result = original(node)
+    def racing(node, *args, **kwargs):
+        result = original(node, *args, **kwargs)
         if node is m and not raced:
             raced.append(1)
             m.sub = nnx.Linear(2, 2, use_bias=False, rngs=nnx.Rngs(1))  # "another thread"
         return result
 
-    monkeypatch.setattr(_nnx, "_graph_nodes", racing)
+    monkeypatch.setattr(_nnx, "_flatten_node", racing)
     g(m, x)
-    monkeypatch.setattr(_nnx, "_graph_nodes", original)
+    monkeypatch.setattr(_nnx, "_flatten_node", original)
+    assert raced
     m.sub.kernel = nnx.Param(jnp.zeros((2, 2)))
     assert_trees_equal(g(m, x), m.sub(x))
 
