@@ -506,7 +506,8 @@ def functional_loop(name: str, description: str, width: int, batch: int) -> Work
     step(graphdef, state, x, y)`, where `step` merges (model, optimizer), updates them and
     returns `nnx.state((model, optimizer))`: a new nnx.State passed in every call."""
     # (varied data: on a constant batch BatchNorm's output and the gradients are ~0)
-    x, y = jax.random.normal(jax.random.PRNGKey(0), (batch, 2)), jax.random.normal(jax.random.PRNGKey(1), (batch, 3))
+    x = jax.random.normal(jax.random.PRNGKey(0), (batch, 2))
+    y = jax.random.normal(jax.random.PRNGKey(1), (batch, 3))
 
     def step(graphdef, state, x, y):
         model, optimizer = nnx.merge(graphdef, state)

@@ -112,7 +112,7 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
             f"{type(value).__name__}, a leaf not of a type the fast paths pass as is",
             "passed to jax.jit as a leaf, by the general path on every call",
         )
-    if _nnx_gate.is_node(value) or (_nnx_gate.reads_as_node(value) and _nnx_gate.adapter().cached(value)):
+    if _nnx_gate.is_node(value) or (_nnx_gate.reads_as_node(value) and _nnx_gate.adapter().read_as_one_object(value)):
         return ArgumentReport(name, *_nnx_gate.adapter().explain_node(value))
     hit = _flatten.lookup(value)
     if hit is not None:

@@ -34,6 +34,7 @@ import collections.abc
 import copy
 import dataclasses
 import inspect
+import itertools
 import operator
 import threading
 import weakref
@@ -272,7 +273,7 @@ class NodeEntry:
         self.spec: Any = None
         self.spec_id = -1
         self.items: list[Any] = []  # the leaves: Variables and handles of raw leaves (see `_leaf_items`)
-        self.paths: list[Any] = []  # and their paths in the graph
+        self.paths: list[Any] | None = []  # and their paths in the graph (None: not read)
         self.volatile = False  # re-read on every call (see _build)
         self.guard: Any = None  # plain lists and dicts in the graph, checked on every use
         self.direct = False  # eligible for the fast path: not volatile
@@ -613,16 +614,65 @@ def _freeze(x: Any) -> Any:
 
 
 def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> tuple[NodeEntry, Any]:
-    """A new entry for `obj` (replacing `old`), and the RefMap of the flatten that read it."""
+    """A new entry for `obj` (replacing `old`), read by NNX's graph flatten, and that
+    flatten's RefMap."""
+    entry = _new_entry(obj, old)
+    first_sight = old is None or old.ref() is not obj
+    plain = _plain_state_read(obj) if type(obj) is nnx.State and first_sight else None
+    refmap = _read_graph(obj, arg_name, old, entry)
+    if plain is not None and plain.spec is None:
+        _remember_plain_state(plain, entry, refmap)
+    _file(entry, old)
+    return entry, refmap
+
+
+def _new_entry(obj: Any, old: NodeEntry | None) -> NodeEntry:
     if old is not None:
         _fast.withdraw(old.ref)
         _unwatch(old)
     ref = _Ref(obj, _evict)
     ref.oid = id(obj)
-    entry = NodeEntry(ref)
-    # One graph walk: NNX's flatten, whose reference index holds every node and Variable
-    # (what the hooks watch). Any hooked change made meanwhile (another thread) bumps the
-    # generation: the entry is then marked stale, re-read on its next use.
+    return NodeEntry(ref)
+
+
+def _file(entry: NodeEntry, old: NodeEntry | None) -> None:
+    """Make `entry` its object's entry (publish it to the fast path if it can serve)."""
+    previous = by_id.get(entry.ref.oid)
+    if previous is not None and previous is not old and previous is not entry:
+        _fast.withdraw(previous.ref)  # another thread built one concurrently: keep one only
+        _unwatch(previous)
+    by_id[entry.ref.oid] = entry
+    if entry.direct and not entry.stale:
+        _fast.publish(entry.ref, entry.fast, entry.guard, entry)
+
+
+def _read_plain_state(state: Any, plain: _PlainState, leaves: list[Any], nnx_args: list[NnxArg]) -> NodeSpec:
+    """`read_argument` for a State of Variables only seen for the first time (the new
+    State of a functional training loop), as jax.jit reads it: by its pytree flatten
+    (`_plain_state_read`), under the spec a graph read gave that structure, without a
+    graph walk. Its entry is provisional, as any first read of an object with plain dicts:
+    its next use builds the watched entry. Raises StepAside for tracer values."""
+    assert plain.spec is not None
+    values = list(map(read_leaf, plain.variables))
+    if contains_tracer(values):
+        raise StepAside
+    entry = _new_entry(state, None)
+    entry.items, entry.paths = plain.variables, None
+    entry.spec, entry.spec_id = plain.spec, plain.spec.id
+    entry.node_ids = frozenset(map(id, plain.variables))
+    entry.provisional = entry.stale = True
+    entry.fresh = False
+    _file(entry, None)
+    leaves += values
+    nnx_args.append(NnxArg(state, entry.items, entry, index=_Enumerated(plain.variables)))
+    return plain.spec
+
+
+def _read_graph(obj: Any, arg_name: str, old: NodeEntry | None, entry: NodeEntry) -> Any:
+    """Fill `entry` by NNX's graph flatten of `obj`, whose RefMap it returns: one graph
+    walk, whose reference index holds every node and Variable (what the hooks watch). Any
+    hooked change made meanwhile (another thread) bumps the generation: the entry is then
+    marked stale, re-read on its next use."""
     generation = _generation[0]
     guard = None
     guardable = True
@@ -667,14 +717,57 @@ def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> tuple[NodeEntry, A
     entry.direct = not entry.volatile and not any(type(x) is RawItem for x in entry.items)
     if _generation[0] != generation or (entry.guard is not None and not _guard.holds(entry.guard)):
         entry.stale = True  # the graph may have changed while we were reading it
-    previous = by_id.get(ref.oid)
-    if previous is not None and previous is not old and previous is not entry:
-        _fast.withdraw(previous.ref)  # another thread built one concurrently: keep one only
-        _unwatch(previous)
-    by_id[ref.oid] = entry
-    if entry.direct and not entry.stale:
-        _fast.publish(ref, entry.fast, entry.guard, entry)
-    return entry, refmap
+    return refmap
+
+class _PlainState(NamedTuple):
+    variables: list[Any]  # its Variables, in flatten order
+    key: Any  # its pytree structure and each Variable's type and metadata
+    spec: NodeSpec | None  # the spec a graph read gave that key (None: not read yet)
+
+
+class _Enumerated(NamedTuple):
+    """The objects a read indexed, in index order: what `_Link` reads of a RefMap."""
+
+    objects: list[Any]
+
+    def items(self) -> Any:
+        return zip(self.objects, range(len(self.objects)))
+
+
+# (pytree structure, Variable types and metadata) of a State of Variables -> its spec
+_plain_state_specs: dict[Any, NodeSpec] = {}
+
+
+def _plain_state_read(state: Any) -> _PlainState | None:
+    """A State's Variables by jax's pytree flatten, if it holds Variables only, each once,
+    with hashable metadata; with the spec remembered for their structure, if any."""
+    variables, treedef = jax.tree_util.tree_flatten(state, is_leaf=_is_node_fast)
+    if not all(map(_is_variable, variables)) or len(set(map(id, variables))) != len(variables):
+        return None
+    keys = tuple(map(_variable_key, variables))
+    if None in keys:
+        return None
+    key = (treedef, keys)
+    return _PlainState(variables, key, _plain_state_specs.get(key))
+
+
+def _remember_plain_state(plain: _PlainState, entry: NodeEntry, refmap: Any) -> None:
+    """After a graph read of a State `_plain_state_read` read just before: its spec, for
+    later States of that structure, if the graph read found exactly those Variables in
+    that order, each indexed by its position (what `_Enumerated` gives), and nothing else,
+    and the State still has that structure (no change between the two reads)."""
+    if len(entry.items) != len(plain.variables) or not all(a is b for a, b in zip(entry.items, plain.variables)):
+        return
+    if len(refmap) != len(plain.variables) or any(
+        obj is not v or index != i for (obj, index), v, i in zip(refmap.items(), plain.variables, itertools.count())
+    ):
+        return
+    again = _plain_state_read(entry.ref())
+    if again is None or again.key != plain.key:
+        return
+    if len(_plain_state_specs) > 4096:
+        _plain_state_specs.clear()
+    _plain_state_specs[plain.key] = entry.spec
 
 
 def clear() -> None:
@@ -685,6 +778,7 @@ def clear() -> None:
     with _watch_lock:
         _watchers.clear()  # (and any entry another thread replaced while it was being read)
     _variable_specs.clear()
+    _plain_state_specs.clear()
     _graphdefs.clear()
 
 
@@ -957,10 +1051,17 @@ def read_container(
     object is read as if it were an argument of its own (in leaf order, so its ordinal
     among the call's NNX objects is the same at trace time); other leaves follow the
     call's rule (arrays, and with `trace_scalars` Python scalars, are traced)."""
-    if joint is None and type(value) is nnx.State and (cached(value) is not None or _plain_state(value)):
+    if joint is None and type(value) is nnx.State:
         # An nnx.State of Variables only (`nnx.split`'s): read and cached as one object, a
         # graph of its Variables (see `NodeSpec.values_only`).
-        return _read_node(value, leaves, arg_name, nnx_args, None).id
+        if cached(value) is not None:
+            return _read_node(value, leaves, arg_name, nnx_args, None).id
+        known = by_id.get(id(value))
+        plain = _plain_state_read(value) if known is None or known.ref() is not value else None
+        if plain is not None and plain.spec is not None:
+            return _read_plain_state(value, plain, leaves, nnx_args).id
+        if plain is not None or _plain_state(value):
+            return _read_node(value, leaves, arg_name, nnx_args, None).id
     items, treedef = jax.tree_util.tree_flatten(value, is_leaf=_is_node_fast)
     layout: list[Any] = []
     codes: list[Any] = []
@@ -997,6 +1098,12 @@ def _plain_state(state: Any) -> bool:
     depth): no module (which keeps its graph updates), no raw leaf (which nnx.jit does not
     write back)."""
     return all(map(_is_variable, jax.tree_util.tree_leaves(state, is_leaf=_is_node_fast)))
+
+
+def read_as_one_object(state: Any) -> bool:
+    """Whether `read_container` reads this nnx.State as one NNX object (cached, or of
+    Variables only), not as a container of its NNX objects."""
+    return cached(state) is not None or _plain_state(state)
 
 
 def overlapping(nnx_args: list[NnxArg]) -> bool:
@@ -1041,6 +1148,13 @@ def explain_node(obj: Any) -> tuple[str, str]:
         )
     entry = by_id.get(id(obj))
     if entry is None or entry.ref() is not obj:
+        plain = _plain_state_read(obj) if type(obj) is nnx.State else None
+        if plain is not None and plain.spec is not None:
+            return (
+                "nnx.State of Variables only, new, of a structure read before",
+                "read by its pytree flatten, as jax.jit reads it (no graph walk): each Variable's "
+                "type and metadata compared with the structure's",
+            )
         return "NNX object, not read yet", "read on its first call"
     if entry.provisional:
         return (
@@ -1224,6 +1338,8 @@ class NnxOutputs(NamedTuple):
     replaced: frozenset[tuple[int, int]] = frozenset()
     joint: bool = False  # the arguments were flattened jointly (one index space)
     links_outer: bool = False  # a new object returned holds objects of the arguments
+    # new objects returned (`_NewNode` markers: pytree nodes of the output, not statics)
+    new_objects: bool = True
 
 
 class TracedInputs:
@@ -1330,7 +1446,7 @@ class TracedInputs:
             return out, None, []
         nnx_out = NnxOutputs(
             tuple(writes), tuple(restructure), marks.found, marks.sub_objects, len(extra), frozenset(replaced),
-            joint, marks.links_outer,
+            joint, marks.links_outer, marks.new_objects,
         )
         return out, nnx_out, extra
 
@@ -1426,6 +1542,7 @@ class TracedInputs:
             if refuse_inputs and any(id(obj) in input_ids for obj in inner_ref):
                 raise aliasing_error("both an input and an output (inside a new object)")
             marks.links_outer = marks.links_outer or _refers_outside(graphdef)
+            marks.new_objects = True
             return _NewNode(graphdef, list(values))
 
         marked = jax.tree_util.tree_map(mark, out, is_leaf=_is_node)
@@ -1447,10 +1564,11 @@ def _owner(root: Any, path: Any) -> Any:
 class _Marks:
     """What `_mark_nodes` found in an output."""
 
-    __slots__ = ("found", "sub_objects", "links_outer")
+    __slots__ = ("found", "sub_objects", "links_outer", "new_objects")
 
     def __init__(self) -> None:
         self.found = False  # any NNX object
+        self.new_objects = False  # any new one
         self.sub_objects: tuple[int, ...] = ()  # outer indices of the arguments' sub-objects returned
         self.links_outer = False  # a new object holds an object of the arguments
 
@@ -1641,11 +1759,12 @@ def _replace_variable(arg: NnxArg, index: int, value: Any) -> None:
             entry.node_ids = frozenset(entry.watched)
 
 
-def unmark_nodes(nnx_out: NnxOutputs, result: Any, nnx_args: list[NnxArg], link: _Link | None) -> Any:
-    """Turn output markers back into objects: the caller's own, or new ones."""
+def _unmarker(nnx_out: NnxOutputs, nnx_args: list[NnxArg], link: _Link | None) -> Any:
+    """What turns one output marker back into an object (the caller's own, or a new one),
+    and leaves anything else as it is. Markers must be given in the order `_mark_nodes`
+    made them (leaf order): new objects share one index, filled as they are rebuilt."""
     if link is None:
         link = _Link(nnx_out, nnx_args)
-    # (markers come in the order `_mark_nodes` made them)
     outer = link.outer if nnx_out.links_outer else None
 
     def unmark(x: Any) -> Any:
@@ -1655,7 +1774,20 @@ def unmark_nodes(nnx_out: NnxOutputs, result: Any, nnx_args: list[NnxArg], link:
             return graphlib.unflatten(x.graphdef, list(x.values), index_ref=link.index_ref, outer_index_outer_ref=outer)
         return x
 
+    return unmark
+
+
+def unmark_nodes(nnx_out: NnxOutputs, result: Any, nnx_args: list[NnxArg], link: _Link | None) -> Any:
+    """`result` with its output markers turned back into objects."""
+    unmark = _unmarker(nnx_out, nnx_args, link)
     return jax.tree_util.tree_map(unmark, result, is_leaf=lambda x: type(x) in (_InputNode, _NewNode))
+
+
+def unmark_leaves(nnx_out: NnxOutputs, leaves: Any, nnx_args: list[NnxArg], link: _Link | None) -> list[Any]:
+    """The output's static leaves in order with the markers among them turned back into
+    the caller's objects: the output is then built once (not built, flattened and built
+    again). Only for an output without new objects (whose markers are pytree nodes)."""
+    return list(map(_unmarker(nnx_out, nnx_args, link), leaves))
 
 
 # --------------------------------------------------------------------------

@@ -134,14 +134,17 @@ class OutInfo:
             if k or self.nnx.restructure:  # (a new structure may have no leaves at all)
                 link = self.adapter.write_back(self.nnx, dyn[len(dyn) - k :], nnx_args)
                 dyn = dyn[: len(dyn) - k]
-        result = self.result(dyn)
-        if self.nnx is not None and self.nnx.has_nodes:
-            result = self.adapter.unmark_nodes(self.nnx, result, nnx_args, link)
-        return result
+        if self.nnx is None or not self.nnx.has_nodes:
+            return self.result(dyn)
+        if self.build is None and not self.nnx.new_objects:
+            # (the markers, all for the caller's objects, are among the statics: the output
+            # is built once, with the objects in their place)
+            return self.result(dyn, self.adapter.unmark_leaves(self.nnx, self.statics, nnx_args, link))
+        return self.adapter.unmark_nodes(self.nnx, self.result(dyn), nnx_args, link)
 
-    def result(self, dyn: Any) -> Any:
+    def result(self, dyn: Any, statics: Any = None) -> Any:
         """The user's output from the flat outputs of one call, less those written back
-        (returned NNX objects still markers)."""
+        (returned NNX objects still markers, unless `statics` replaces them)."""
         if self.block:
             marker = dyn.pop()
             if type(marker) is ArrayImpl:
@@ -149,7 +152,7 @@ class OutInfo:
         if self.build is not None:
             result = self.build(dyn)
         elif self.statics:
-            it_dyn, it_stat = iter(dyn), iter(self.statics)
+            it_dyn, it_stat = iter(dyn), iter(self.statics if statics is None else statics)
             result = self.treedef.unflatten([next(it_dyn) if m else next(it_stat) for m in self.mask])
         else:
             result = self.treedef.unflatten(dyn)

@@ -111,3 +111,16 @@ def test_explain_promises_no_record_a_call_of_this_form_cannot_make():
     text = str(report)
     assert "made after a call" not in text
     assert "one is made only by a call f(m, *arrays)" in text
+
+
+def test_explain_says_a_new_state_of_a_known_structure_is_read_as_a_pytree():
+    """A new nnx.State each call (the functional training loop): explain says it is read by
+    its pytree flatten once its structure has been read, and that the first is not yet."""
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    graphdef = nnx.graphdef(model)
+    f = fastcall.jit(lambda graphdef, state, x: nnx.merge(graphdef, state)(x))
+    assert f.explain(graphdef, nnx.state(model), X).arguments[1].kind == "NNX object, not read yet"
+    f(graphdef, nnx.state(model), X)
+    state = f.explain(graphdef, nnx.state(model), X).arguments[1]
+    assert state.kind == "nnx.State of Variables only, new, of a structure read before"
+    assert "pytree flatten" in state.per_call

@@ -440,6 +440,120 @@ def test_a_state_passed_first_takes_the_fast_path(hot_path):
     assert int(model.count[...]) == 3
 
 
+# ---- a new nnx.State every call: flax's functional training loop ----
+
+
+def _variables(state: Any) -> list[Any]:
+    return jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _loop_step(graphdef, state, x):
+    """The functional training loop of flax's performance guide: merge, update, and return
+    the new state (a new nnx.State every call)."""
+    model, optimizer = nnx.merge(graphdef, state)
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+    optimizer.update(model, grads)
+    return loss, nnx.state((model, optimizer))
+
+
+def _spy(monkeypatch: Any, module: Any, name: str) -> list[int]:
+    """Count the calls of `module.name` (called through the module's globals)."""
+    calls: list[int] = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_a_new_state_every_call_is_read_as_a_pytree(monkeypatch):
+    """`loss, state = step(graphdef, state, x)`: after the first call, each new State is read
+    by its pytree flatten under the spec its structure was given (no graph walk). Losses,
+    state, and the returned State holding the caller's own Variables, as nnx.jit."""
+    from fastcall import _nnx
+
+    def split():
+        model = Counted(4, 3, 0)
+        return nnx.split((model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)))
+
+    f, peer = fastcall.jit(_loop_step), nnx.jit(_loop_step)
+    (graphdef, state), (peer_graphdef, peer_state), (eager_graphdef, eager_state) = split(), split(), split()
+    pytree_reads = _spy(monkeypatch, _nnx, "_read_plain_state")
+    graph_reads = _spy(monkeypatch, _nnx, "_flatten_node")
+    for x in [X, X * 2.0, X - 0.5, X]:
+        given, peer_given = state, peer_state
+        loss, state = f(graphdef, state, x)
+        peer_loss, peer_state = peer(peer_graphdef, peer_state, x)
+        eager_loss, eager_state = _loop_step(eager_graphdef, eager_state, x)
+        assert_trees_equal(loss, peer_loss)
+        assert_trees_equal(state_of(state), state_of(peer_state))
+        assert_close(loss, eager_loss)
+        assert_close(state_of(state), state_of(eager_state))
+        # (nnx.jit gives back a new State of the Variables it was given, updated in place)
+        assert state is not given and peer_state is not peer_given
+        assert all(a is b for a, b in zip(_variables(state), _variables(given)))
+        assert all(a is b for a, b in zip(_variables(peer_state), _variables(peer_given)))
+    assert len(pytree_reads) == 3 and len(graph_reads) == 1
+    assert f.stats().compiles == 1
+
+
+def _tagged_forward(graphdef, state, x):
+    """Output that depends on the Variables' types and metadata (static: in the graphdef)."""
+    model = nnx.merge(graphdef, state)
+    scale = 2.0 if model.linear.bias.get_metadata().get("tag") == "x" else 1.0
+    params = sum(jnp.sum(p) for p in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
+    return model(x) * scale + params
+
+
+def test_a_new_state_of_other_variable_types_or_metadata_is_read_by_its_graph(monkeypatch):
+    """A new State of the same keys whose Variables differ in type or metadata is not read
+    under the spec of another: a graph read, the program for its structure."""
+    from fastcall import _nnx
+
+    def new_state_each_call(w: World, i: int) -> None:
+        (model,) = w.keep
+        if i == 2:
+            model.linear.bias.set_metadata(tag="x")
+        elif i == 4:
+            model.linear.bias = nnx.BatchStat(model.linear.bias[...])
+        w.args = nnx.split(model)
+
+    def make() -> World:
+        model = Counted(4, 3, 0)
+        return World(nnx.split(model), keep=(model,))
+
+    pytree_reads = _spy(monkeypatch, _nnx, "_read_plain_state")
+    data = [(X,), (X * 2.0,), (X,), (X - 0.5,), (X,), (X * 3.0,)]
+    worlds, traces = compare(_tagged_forward, make, data, mutate=new_state_each_call)
+    assert traces["fastcall"] == 3 and len(pytree_reads) == 3  # (calls 1, 3 and 5)
+
+
+def test_a_state_holding_a_variable_twice_is_read_by_its_graph(monkeypatch):
+    """A State with one Variable under two keys (a shared reference in NNX's graph) is
+    never read as a pytree, which would see two Variables: not even after a State of the
+    same keys, types and metadata with two Variables there."""
+    from fastcall import _nnx
+
+    def fn(state, x):
+        state["alias"][...] += 1.0  # (seen through the other key too, where it is one Variable)
+        return jnp.sum(state["linear"]["kernel"][...]) * x
+
+    def new_state_each_call(w: World, i: int) -> None:
+        (model,) = w.keep
+        state = nnx.state(model)
+        kernel = state["linear"]["kernel"]
+        state["alias"] = kernel.replace(kernel[...]) if i == 0 else kernel  # (a twin, then itself)
+        w.args = (state,)
+
+    def make() -> World:
+        return World((), keep=(Counted(4, 3, 0),))
+
+    pytree_reads = _spy(monkeypatch, _nnx, "_read_plain_state")
+    data = [(X,), (X * 2.0,), (X - 0.5,), (X,)]
+    worlds, _ = compare(fn, make, data, eager=False, mutate=new_state_each_call)
+    (model,) = worlds["fastcall"].keep
+    np.testing.assert_allclose(model.linear.kernel[...], Counted(4, 3, 0).linear.kernel[...] + 3.0, rtol=1e-6)
+    assert not pytree_reads
+
+
 def test_changes_to_a_state_inside_are_values_only_as_under_nnx_jit():
     """nnx.jit treats an nnx.State as a pytree: new values of its Variables come back; a
     Variable replaced in it, a key added or deleted, a raw leaf rebound stay inside."""
