@@ -744,11 +744,12 @@ def _plain_state_read(state: Any) -> _PlainState | None:
     variables, treedef = jax.tree_util.tree_flatten(state, is_leaf=_is_node_fast)
     if not all(map(_is_variable, variables)) or len(set(map(id, variables))) != len(variables):
         return None
-    keys = tuple(map(_variable_key, variables))
-    if None in keys:
+    try:  # (each Variable's key as `_variable_key` makes it, without copying its metadata)
+        key = (treedef, tuple([(type(v), tuple(_var_metadata(v).items())) for v in variables]))
+        spec = _plain_state_specs.get(key)
+    except Exception:  # unhashable metadata (the graph read names it)
         return None
-    key = (treedef, keys)
-    return _PlainState(variables, key, _plain_state_specs.get(key))
+    return _PlainState(variables, key, spec)
 
 
 def _remember_plain_state(plain: _PlainState, entry: NodeEntry, refmap: Any) -> None:
