@@ -374,18 +374,21 @@ def _is_container(x: Any) -> bool:
 def _watch_containers(node: Any) -> tuple[_guard.Guard | None, bool]:
     """A guard over every plain list or dict in `node`'s graph (`nnx.data([...])`, an optax
     state's containers), which can change in place without any hook, and whether it
-    covers them all (not so if one is another kind of mutable mapping: the graph is then
-    re-read on every call)."""
+    covers them all (not so if one is another kind of mutable mapping, or the graph cannot
+    be walked: the graph is then re-read on every call, and its flatten names any error)."""
     containers: list[Any] = []
     guardable = True
-    for _, sub in graphlib.iter_graph(node):
-        if type(sub) is nnx.State:  # (an optimizer's state: its attributes and its dict)
-            attributes = _guard.Attributes(sub)
-            containers += [attributes, sub.raw_mapping]
-            guardable = guardable and _guard.is_guardable(attributes) and _guard.is_guardable(sub.raw_mapping)
-        elif _is_container(sub):
-            containers.append(sub)
-            guardable = guardable and _guard.is_guardable(sub)
+    try:
+        for _, sub in graphlib.iter_graph(node):
+            if type(sub) is nnx.State:  # (an optimizer's state: its attributes and its dict)
+                attributes = _guard.Attributes(sub)
+                containers += [attributes, sub.raw_mapping]
+                guardable = guardable and _guard.is_guardable(attributes) and _guard.is_guardable(sub.raw_mapping)
+            elif _is_container(sub):
+                containers.append(sub)
+                guardable = guardable and _guard.is_guardable(sub)
+    except Exception:
+        return None, False
     return (_guard.make(containers) if containers and guardable else None), guardable
 
 

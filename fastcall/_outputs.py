@@ -156,7 +156,10 @@ class OutInfo:
             result = self.treedef.unflatten([next(it_dyn) if m else next(it_stat) for m in self.mask])
         else:
             result = self.treedef.unflatten(dyn)
-        if self.regs:
+        # (not an output whose markers `statics` replaced: `regs` was found on the marked
+        # output, where a marker is a static leaf; the caller's objects in its place would be
+        # taken back as if they were that static)
+        if self.regs and statics is None:
             self._register(result, dyn)
         return result
 

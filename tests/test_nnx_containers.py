@@ -495,6 +495,30 @@ def test_a_new_state_every_call_is_read_as_a_pytree(monkeypatch):
     assert f.stats().compiles == 1
 
 
+def _passes_a_model_through(state, aux, other, x):
+    model, total = aux
+    state["w"][...] += x
+    return state, (model, total + other(jnp.ones(2)).sum())  # (`model` only passed through)
+
+
+def test_the_callers_objects_put_in_the_output_are_not_taken_back_as_statics():
+    """(Review finding.) An output holding a State and a tuple of the caller's model and an
+    array is built once, with the caller's objects in place; that tuple, passed back next
+    call, is the caller's model again (not what the output's record took it for)."""
+    runs = {}
+    for name, jit in [("fastcall", fastcall.jit), ("nnx.jit", nnx.jit)]:
+        f = jit(_passes_a_model_through)
+        model, other = nnx.Linear(2, 2, rngs=nnx.Rngs(0)), nnx.Linear(2, 2, rngs=nnx.Rngs(1))
+        state, aux = nnx.State({"w": nnx.Param(jnp.zeros(2))}), (model, jnp.zeros(()))
+        totals = []
+        for _ in range(3):
+            state, aux = f(state, aux, other, jnp.float32(1.0))
+            assert aux[0] is model
+            totals.append(aux[1])
+        runs[name] = (totals, state_of(state))
+    assert_trees_equal(runs["fastcall"], runs["nnx.jit"])
+
+
 def _tagged_forward(graphdef, state, x):
     """Output that depends on the Variables' types and metadata (static: in the graphdef)."""
     model = nnx.merge(graphdef, state)
