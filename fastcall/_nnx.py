@@ -14,10 +14,13 @@ function, fastcall keeps per object (validated by weakref), in a `NodeEntry`:
 
 Structure changes are seen through the hooks of `_nnx_hooks` (its table lists
 each method wrapped): a call of one on a node that belongs to a cached graph
-marks that entry stale, and a stale entry is re-read on its next use. If the
-hooks cannot be verified on the installed flax, or the graph holds plain lists
-or dicts (which change in place without any hook), the entry is re-read on
-every call instead.
+marks that entry stale, and a stale entry is re-read on its next use. Plain
+lists and dicts in the graph (which change in place without any hook) are
+checked item by item by a guard, made when the object is seen a second time
+(an object seen once is read with one flatten). If the hooks cannot be
+verified on the installed flax, the entry is re-read on every call instead.
+An `nnx.State` of Variables only, new, of a structure read before, is read by
+jax's pytree flatten instead of a graph walk (`_read_plain_state`).
 
 Inside the trace (`TracedInputs`), each NNX argument is rebuilt from its
 graphdef with the traced values; after the function returns, each Variable
