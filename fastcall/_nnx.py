@@ -725,6 +725,7 @@ def _read_graph(obj: Any, arg_name: str, old: NodeEntry | None, entry: NodeEntry
         entry.stale = True  # the graph may have changed while we were reading it
     return refmap
 
+
 class _PlainState(NamedTuple):
     variables: list[Any]  # its Variables, in flatten order
     key: Any  # its pytree structure and each Variable's type and metadata
