@@ -10,9 +10,11 @@
  *
  * Any call that does not meet those conditions tries the structure path
  * (`StructureRecord`): `structures` (the function's `state.structures`) has a
- * record for type(first) with arity == len(args), and every argument reads as
- * the record says (`_dispatch.read_arguments` is the Python copy): a plain leaf
- * as is; any other from the identity cache (`by_id`: an entry whose ref() is the
+ * record for type(first) with arity == len(args) and the call's keyword names
+ * (`kwnames`, in call order), and every argument, taken in the record's `order`,
+ * reads as the record says (`_dispatch.read_arguments` is the Python copy): a
+ * plain leaf as is; a static one (`StaticRead`) if it is the recorded object,
+ * or a scalar equal to it; any other from the identity cache (`by_id`: an entry whose ref() is the
  * argument, whose guard holds and whose spec id is the expected one), or as one
  * of the objects the latest call of a recent entry returned (`latest_leaves`), or
  * else from its structure's extractor (not None), unless it is the object last read
@@ -57,14 +59,17 @@ static const char *SLOT_FIELDS[] = {"ref", "records", "guard", "node", NULL};
 #define REC_VARIABLES 2
 #define REC_POST 3
 static const char *RECORD_FIELDS[] = {"arity", "call", "variables", "post", NULL};
-/* StructureRecord(arity, reads, call, post, last, fast_shape) */
+/* StructureRecord(arity, reads, call, post, last, fast_shape, kwnames, order) */
 #define STR_ARITY 0
 #define STR_READS 1
 #define STR_CALL 2
 #define STR_POST 3
 #define STR_LAST 4
 #define STR_FAST_SHAPE 5
-static const char *STRUCTURE_FIELDS[] = {"arity", "reads", "call", "post", "last", "fast_shape", NULL};
+#define STR_KWNAMES 6
+#define STR_ORDER 7
+#define STR_N_FIELDS 8
+static const char *STRUCTURE_FIELDS[] = {"arity", "reads", "call", "post", "last", "fast_shape", "kwnames", "order", NULL};
 /* ArgRead(spec_id, extract, sequence) */
 #define READ_SPEC_ID 0
 #define READ_EXTRACT 1
@@ -75,6 +80,10 @@ static const char *READ_FIELDS[] = {"spec_id", "extract", "sequence", NULL};
 #define SEQ_LENGTH 1
 #define SEQ_LEAF_TYPES 2
 static const char *SEQUENCE_READ_FIELDS[] = {"kind", "length", "leaf_types", NULL};
+/* StaticRead(spec_id, value, by_value) */
+#define STATIC_VALUE 1
+#define STATIC_BY_VALUE 2
+static const char *STATIC_READ_FIELDS[] = {"spec_id", "value", "by_value", NULL};
 /* NodeRead(spec_id), GraphdefRead(spec_id) */
 #define NODE_SPEC_ID 0
 static const char *NODE_READ_FIELDS[] = {"spec_id", NULL};
@@ -137,8 +146,8 @@ static struct {
     PyObject *varies_exc;  /* StructureVaries: retry through the fallback */
     PyObject *jitting;     /* currently_jitting(): whether a JAX trace is running */
     PyObject *top_level;   /* _trace.TOP_LEVEL_PROBE: (holder, name, value) triples, or None */
-    PyObject *arg_read, *node_read, *nodes_read, *variable_read, *graphdef_read, *nnx_arg, *write_back,
-        *raw_leaf, *watched; /* record classes */
+    PyObject *arg_read, *node_read, *nodes_read, *variable_read, *graphdef_read, *static_read, *nnx_arg,
+        *write_back, *raw_leaf, *watched; /* record classes */
     PyObject *empty_ids;   /* frozenset(): NnxArg.ids of an object read from its entry */
     PyObject *s_spec_id, *s_fresh, *s_items, *s_paths, *s_disjoint; /* NodeEntry attributes */
     PyObject *s_static_cache; /* "tmp_static_cache" */
@@ -1467,35 +1476,83 @@ sequence_leaves(PyObject *a, PyObject *sequence)
     Py_RETURN_NONE;
 }
 
+/* Whether `a` is the static argument a StaticRead `read` expects: that very object or, where
+ * `by_value`, one of the same exact type and the same `_flatten.leaf_key` (an int or str
+ * equal to it; a float of the same bits, or both NaN). 1, 0 (a complex, and anything else
+ * not known equal here: the fallback compares it), -1 error. */
+ONE_KIND static int
+static_matches(PyObject *a, PyObject *read)
+{
+    PyObject *value = PyTuple_GET_ITEM(read, STATIC_VALUE);
+    if (a == value) {
+        return 1;
+    }
+    if (PyTuple_GET_ITEM(read, STATIC_BY_VALUE) != Py_True || Py_TYPE(a) != Py_TYPE(value)) {
+        return 0;
+    }
+    if (PyLong_CheckExact(a) || PyUnicode_CheckExact(a)) {
+        return PyObject_RichCompareBool(a, value, Py_EQ); /* (exact types: no user code) */
+    }
+    if (PyFloat_CheckExact(a)) {
+        double x = PyFloat_AS_DOUBLE(a), y = PyFloat_AS_DOUBLE(value);
+        return (x != x && y != y) || memcmp(&x, &y, sizeof x) == 0;
+    }
+    return 0;
+}
+
 /* Whether the structure record `record` (held) fits this call's arguments on the cheap
- * checks (its arity; its reads and `last` of that length; each plain argument plain, each
- * other read of a known kind): 1, 0 (not: the fallback serves it), -1 error. */
+ * checks (its arity and keyword names; its reads, `order` and `last` of that length; each
+ * plain argument plain, each other read of a known kind): 1, 0 (not: the fallback serves
+ * it), -1 error. `given`: the arguments in the order the reads take them (`order`). */
 static int
-structure_fits(FastWrapper *self, PyObject *record, PyObject *const *args, Py_ssize_t nargs)
+structure_fits(FastWrapper *self, PyObject *record, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+               PyObject **given)
 {
     Py_ssize_t arity = PyLong_AsSsize_t(PyTuple_GET_ITEM(record, STR_ARITY));
     if (arity != nargs) {
         return arity == -1 && PyErr_Occurred() ? -1 : 0;
     }
-    PyObject *reads = PyTuple_GET_ITEM(record, STR_READS);
-    PyObject *last = PyTuple_GET_ITEM(record, STR_LAST);
-    if (!PyTuple_CheckExact(reads) || PyTuple_GET_SIZE(reads) != nargs || !PyList_CheckExact(last)
-        || PyList_GET_SIZE(last) != nargs) {
+    PyObject *expected_names = PyTuple_GET_ITEM(record, STR_KWNAMES);
+    Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames), n = nargs + nkw;
+    if (!PyTuple_CheckExact(expected_names) || PyTuple_GET_SIZE(expected_names) != nkw) {
         return 0;
     }
-    for (Py_ssize_t i = 0; i < nargs; i++) {
+    for (Py_ssize_t j = 0; j < nkw; j++) { /* (the same names, in the same order) */
+        PyObject *name = PyTuple_GET_ITEM(kwnames, j), *expected = PyTuple_GET_ITEM(expected_names, j);
+        int same = name == expected ? 1 : PyUnicode_CheckExact(expected) ? PyUnicode_Compare(name, expected) == 0 : 0;
+        if (same != 1) {
+            return PyErr_Occurred() ? -1 : 0;
+        }
+    }
+    PyObject *reads = PyTuple_GET_ITEM(record, STR_READS);
+    PyObject *last = PyTuple_GET_ITEM(record, STR_LAST);
+    PyObject *order = PyTuple_GET_ITEM(record, STR_ORDER);
+    if (!PyTuple_CheckExact(reads) || PyTuple_GET_SIZE(reads) != n || !PyList_CheckExact(last)
+        || PyList_GET_SIZE(last) != n || (order != Py_None && (!PyTuple_CheckExact(order) || PyTuple_GET_SIZE(order) != n))) {
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t k = i;
+        if (order != Py_None) {
+            k = PyLong_AsSsize_t(PyTuple_GET_ITEM(order, i));
+            if (k < 0 || k >= n) {
+                return PyErr_Occurred() ? -1 : 0;
+            }
+        }
+        given[i] = args[k];
         PyObject *read = PyTuple_GET_ITEM(reads, i);
         if (read == Py_None) {
-            int plain = is_plain(self, args[i]);
+            int plain = is_plain(self, given[i]);
             if (plain != 1) {
                 return plain;
             }
             continue;
         }
         PyObject *kind = (PyObject *)Py_TYPE(read);
-        Py_ssize_t size = kind == G.arg_read ? 3 : kind == G.nodes_read ? 4 : kind == G.variable_read ? 4 : 1;
+        Py_ssize_t size = kind == G.arg_read || kind == G.static_read ? 3
+                          : kind == G.nodes_read || kind == G.variable_read ? 4 : 1;
         if ((kind != G.arg_read && kind != G.node_read && kind != G.nodes_read && kind != G.variable_read
-             && kind != G.graphdef_read)
+             && kind != G.graphdef_read && kind != G.static_read)
             || PyTuple_GET_SIZE(read) != size) {
             return 0;
         }
@@ -1514,19 +1571,30 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
     if (record == NULL) {
         return PyErr_Occurred() ? NULL : fw_fallback(self, args, nargsf, kwnames);
     }
-    if (!PyTuple_Check(record) || PyTuple_GET_SIZE(record) != 6) {
+    if (!PyTuple_Check(record) || PyTuple_GET_SIZE(record) != STR_N_FIELDS) {
         return fw_fallback(self, args, nargsf, kwnames);
     }
     /* Hold what we use: code run from here on (a metaclass's __hash__ in a type test,
      * another thread) may replace the record. */
     Py_INCREF(record);
-    int fits = structure_fits(self, record, args, nargs), fast_shape = 0;
+    /* the arguments, positional then keyword, in the order the reads take them (borrowed:
+     * held by the caller); from here on `nargs` counts them all */
+    Py_ssize_t n_positional = nargs;
+    nargs += kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    PyObject *small_given[SMALL_STACK];
+    PyObject **given = nargs <= SMALL_STACK ? small_given : PyMem_Malloc(nargs * sizeof(PyObject *));
+    if (given == NULL) {
+        Py_DECREF(record);
+        return PyErr_NoMemory();
+    }
+    int fits = structure_fits(self, record, args, n_positional, kwnames, given), fast_shape = 0;
     if (fits == 1) {
         PyObject *flag = PyTuple_GET_ITEM(record, STR_FAST_SHAPE);
         fast_shape = flag == Py_True ? 1 : flag == Py_False ? 0 : PyObject_IsTrue(flag);
     }
     if (fits != 1 || fast_shape < 0) {
         Py_DECREF(record);
+        if (given != small_given) PyMem_Free(given);
         return fits < 0 || fast_shape < 0 ? NULL : fw_fallback(self, args, nargsf, kwnames);
     }
     PyObject *reads = PyTuple_GET_ITEM(record, STR_READS);
@@ -1561,8 +1629,17 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
             total++;
             continue;
         }
-        PyObject *a = args[i];
+        PyObject *a = given[i];
         PyObject *kind = (PyObject *)Py_TYPE(read);
+        if (kind == G.static_read) { /* (no leaves) */
+            int same = static_matches(a, read);
+            if (same != 1) {
+                declined = same == 0;
+                goto done;
+            }
+            leaves[i].n_values = 0;
+            continue;
+        }
         if (kind != G.arg_read) {
             /* an NNX object, a container of them (NodesRead), a Variable, or a GraphDef (no leaves) */
             int got = 0;
@@ -1677,7 +1754,7 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
                 stack[pos++] = items[j];
             }
         } else {
-            stack[pos++] = args[i];
+            stack[pos++] = given[i];
         }
     }
     if (pos != total) {
@@ -1686,7 +1763,7 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
     }
     for (Py_ssize_t i = 0; i < nargs; i++) {
         if (leaves[i].key != NULL) {
-            PyObject *mark = last_mark(args[i], leaves[i].key, i == 0 && fast_shape);
+            PyObject *mark = last_mark(given[i], leaves[i].key, i == 0 && fast_shape);
             if (mark == NULL || PyList_SetItem(last, i, mark) < 0) { /* (steals the new reference) */
                 goto done;
             }
@@ -1708,6 +1785,7 @@ done:
         if (leaves != small_reads) PyMem_Free(leaves);
     }
     if (stack != NULL && stack != small) PyMem_Free(stack);
+    if (given != small_given) PyMem_Free(given);
     refs_release(&values);
     refs_release(&entries);
     Py_XDECREF(nnx_args);
@@ -1723,8 +1801,11 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
 {
     FastWrapper *self = (FastWrapper *)op;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    if (kwnames != NULL || nargs == 0) {
+    if (nargs == 0) {
         return fw_fallback(self, args, nargsf, kwnames);
+    }
+    if (kwnames != NULL) { /* (the fast path takes positional arguments only) */
+        return fw_structure(self, args, nargsf, kwnames);
     }
     PyObject *first = args[0];
     PyObject *slot = slot_of(self, first, 0); /* borrowed */
@@ -1959,17 +2040,17 @@ py_configure(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "configure: latest must be a list");
         return NULL;
     }
-    enum { N_RECORDS = 16 };
+    enum { N_RECORDS = 17 };
     PyObject *cls[N_RECORDS];
     const char *names[N_RECORDS] = {"FastSlot", "FastRecord", "StructureRecord", "CacheEntry", "ArgRead",
                                     "NodeRead", "NodesRead", "GraphdefRead", "KnownGraphdef", "NnxArg",
                                     "WriteBack", "RawLeaf", "VariableRead", "Registration", "Watched",
-                                    "SequenceRead"};
+                                    "SequenceRead", "StaticRead"};
     const char **layouts[N_RECORDS] = {SLOT_FIELDS, RECORD_FIELDS, STRUCTURE_FIELDS, CACHE_FIELDS,
                                        READ_FIELDS, NODE_READ_FIELDS, NODES_READ_FIELDS, NODE_READ_FIELDS,
                                        KNOWN_GRAPHDEF_FIELDS, NNX_ARG_FIELDS, WRITE_BACK_FIELDS, RAW_LEAF_FIELDS,
                                        VARIABLE_READ_FIELDS, REGISTRATION_FIELDS, WATCHED_FIELDS,
-                                       SEQUENCE_READ_FIELDS};
+                                       SEQUENCE_READ_FIELDS, STATIC_READ_FIELDS};
     for (int i = 0; i < N_RECORDS; i++) {
         cls[i] = record_class(records, names[i], layouts[i]);
         if (cls[i] == NULL) {
@@ -2019,6 +2100,7 @@ py_configure(PyObject *module, PyObject *args)
     Py_DECREF(cls[13]); /* (checked only: read by position) */
     SET_SHARED(watched, cls[14]);
     Py_DECREF(cls[15]); /* (checked only: read by position) */
+    SET_SHARED(static_read, cls[16]);
     Py_INCREF(index); SET_SHARED(index, index);
     Py_INCREF(by_id); SET_SHARED(by_id, by_id);
     Py_INCREF(latest); SET_SHARED(latest, latest);

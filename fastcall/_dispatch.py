@@ -43,8 +43,8 @@ import jax
 from . import _args, _codegen, _fast, _flatten, _guard, _native, _nnx_gate
 from ._build import Entry, StructureVaries
 from ._fast import (
-    ArgRead, FastRecord, FastSlot, GraphdefRead, NodeRead, NodesRead, PytreeShape, StructureRecord, VariableRead,
-    WriteBack,
+    ArgRead, FastRecord, FastSlot, GraphdefRead, NodeRead, NodesRead, PytreeShape, StaticRead, StructureRecord,
+    VariableRead, WriteBack,
 )
 from ._flatten import ArrayImpl
 from ._outputs import on_error
@@ -57,7 +57,7 @@ def configure_accel() -> None:
     records = (
         FastSlot, FastRecord, StructureRecord, _flatten.CacheEntry, ArgRead, NodeRead, NodesRead, VariableRead,
         GraphdefRead, _fast.KnownGraphdef, _fast.NnxArg, WriteBack, _fast.RawLeaf, _flatten.Registration,
-        _guard.Watched, _fast.SequenceRead,
+        _guard.Watched, _fast.SequenceRead, StaticRead,
     )
     _native.BUILT.configure(
         _fast.INDEX, _flatten.by_id, _flatten.LATEST, _fast.GRAPHDEFS, _fast.VALUE_SLOT, _fast.GRAPH_CONTEXT, ArrayImpl,
@@ -91,15 +91,19 @@ def run(state: Any, entry: Entry, resolved: Any, executable: Any = None) -> Any:
     return entry.finish(out, resolved.nnx_args)
 
 
-def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry: Entry) -> None:
+def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry: Entry, kwnames: tuple[str, ...]) -> None:
     """After a general call: let later calls of this shape take the fast path, if the
     call was `f(first, *plain leaves)` with `first` a cached Equinox/pytree object or an
     NNX object whose structure is cached, and the compiled entry's outputs are fixed;
-    and let later calls with arguments of these structures take the structure path.
-    The one eligibility rule for both (Python and C)."""
+    and let later calls with arguments of these structures take the structure path
+    (keyword arguments and static ones too: `kwnames`, the call's keyword names in its
+    order). The one eligibility rule for both (Python and C)."""
     args = resolved.args
     # Records are per state, which equal functions carrying other arrays share.
-    if fun_leaves or resolved.kwargs or not args or entry.varies or entry.out is None:
+    if fun_leaves or not args or entry.varies or entry.out is None:
+        return
+    if kwnames or state.static_argnums or state.static_argnames:  # (the fast path: positional traced ones only)
+        _publish_structure(state, resolved, entry, False, kwnames)
         return
     fast_shape = all(k == 0 for k in resolved.key[1:])  # every other argument a plain leaf
     first = args[0]
@@ -112,7 +116,7 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
         record = FastRecord(len(args), entry.fn, node.items, _fast_post(entry))
         _nnx_gate.adapter().install_record(node, state, resolved.key[0], record)
         return
-    _publish_structure(state, resolved, entry, fast_shape)
+    _publish_structure(state, resolved, entry, fast_shape, ())
     if resolved.nnx_args:
         return
     if not fast_shape:
@@ -135,14 +139,26 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
     _publish_pytree(state, first, hit, entry, len(args))
 
 
-def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool) -> None:
+def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool, kwnames: tuple[str, ...]) -> None:
     """Serve later calls whose arguments have this call's structures through the structure
     path: each non-array argument from the identity cache or its structure's generated
-    extractor (`_codegen.templates`); not if one has neither."""
-    args = resolved.args
-    reads: list[ArgRead | NodeRead | NodesRead | VariableRead | GraphdefRead | None] = []
+    extractor (`_codegen.templates`), or compared with this call's (no dynamic leaves:
+    `_fast.static_read`); not if one has none of these."""
+    args, key = resolved.args, resolved.key
+    if resolved.kwargs:  # (resolved in sorted order, after their names: see _args._resolve_all)
+        names = sorted(resolved.kwargs)
+        args = (*args, *(resolved.kwargs[n] for n in names))
+        key = (*key[: len(resolved.args)], *key[len(resolved.args) + 1 :])
+    order = keyword_order(state.signature, len(args) - len(kwnames), kwnames) if kwnames else None
+    if kwnames and order is None:
+        return
+    reads: list[ArgRead | NodeRead | NodesRead | VariableRead | GraphdefRead | StaticRead | None] = []
     nnx_args = iter(resolved.nnx_args)
-    for a, spec_id in zip(args, resolved.key):
+    for a, spec_id in zip(args, key):
+        static = _fast.static_read(spec_id, a) if spec_id != 0 else None  # (None, a str, an optax transform)
+        if static is not None and _flatten.spec_by_id(spec_id).n_dyn == 0:
+            reads.append(static)
+            continue
         if spec_id == 0:
             if type(a) not in state.plain_leaves:
                 return  # (a tracer of an outer trace, an array subclass: resolved every call)
@@ -186,13 +202,35 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
     if next(nnx_args, None) is not None:
         return  # (NNX objects inside another argument: read by the general path only)
     known = state.structures.get(type(args[0]))
-    if known is None or known.reads != tuple(reads) or known.call is not entry.fn:
-        known = StructureRecord(len(args), tuple(reads), entry.fn, _structure_post(entry), [None] * len(args), fast_shape)
+    if (
+        known is None or known.reads != tuple(reads) or known.call is not entry.fn or known.kwnames != kwnames
+        or known.order != order
+    ):
+        known = StructureRecord(
+            len(args) - len(kwnames), tuple(reads), entry.fn, _structure_post(entry), [None] * len(args), fast_shape,
+            kwnames, order,
+        )
         state.structures[type(args[0])] = known
     # The objects of this call, passed again, come back to the general path (see `last`).
     for i, read in enumerate(reads):
         if type(read) is ArgRead:
             known.last[i] = _fast.last_mark(args[i], i == 0 and fast_shape)
+
+
+def keyword_order(signature: Any, nargs: int, kwnames: tuple[str, ...]) -> tuple[int, ...] | None:
+    """Where each argument the general path resolves is in a call's positional then keyword
+    arguments, for a call with `nargs` positional arguments and keywords `kwnames` (in call
+    order): the signature binds every such call alike, so binding positions in place of the
+    values says it (the general path resolves the bound positional arguments, then the
+    remaining keywords sorted by name). None if it cannot be said (it does not bind)."""
+    positions = dict(zip(kwnames, range(nargs, nargs + len(kwnames))))
+    if signature is None:
+        return (*range(nargs), *(positions[n] for n in sorted(positions)))
+    try:
+        bound = signature.bind(*range(nargs), **positions)
+    except TypeError:
+        return None
+    return (*bound.args, *(bound.kwargs[n] for n in sorted(bound.kwargs)))
 
 
 def _node_container(a: Any) -> tuple[int, Any] | None:
@@ -295,12 +333,25 @@ def _all_plain(values: tuple[Any, ...], start: int, plain: frozenset[type]) -> b
     return True
 
 
+def arguments_as_read(known: StructureRecord, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """A call's arguments in the order `known`'s reads take them (positional, then keyword,
+    as the general path resolves them: `StructureRecord.order`); None if the call has
+    another number of positional arguments or other keywords than the record's call."""
+    if known.arity != len(args) or known.kwnames != (tuple(kwargs) if kwargs else ()):
+        return None
+    if not kwargs:
+        return args
+    given = (*args, *kwargs.values())
+    return given if known.order is None else tuple([given[k] for k in known.order])
+
+
 def read_arguments(
     known: StructureRecord, args: tuple[Any, ...], serves_nested: bool, plain: frozenset[type]
 ) -> tuple[list[Any], list[Any]] | None:
-    """The structure path's reading of a call's arguments (`_fast.StructureRecord`): their
-    leaves, in order, and the NnxArgs of its NNX arguments; None if the record does not
-    serve this call. (`serves_nested`, `plain`: the function's, see FunctionState.)"""
+    """The structure path's reading of a call's arguments (`_fast.StructureRecord`;
+    `args`: as `arguments_as_read` gives them): their leaves, in order, and the NnxArgs of
+    its NNX arguments; None if the record does not serve this call. (`serves_nested`,
+    `plain`: the function's, see FunctionState.)"""
     values: list[Any] = []
     nnx_args: list[Any] = []
     for i, (a, read) in enumerate(zip(args, known.reads)):
@@ -309,6 +360,12 @@ def read_arguments(
             if t is not ArrayImpl and t not in plain:
                 return None
             values.append(a)
+            continue
+        if isinstance(read, StaticRead):
+            if a is not read.value and not (
+                read.by_value and type(a) is type(read.value) and _flatten.static_equal(a, read.value)
+            ):
+                return None
             continue
         if isinstance(read, NodeRead):
             if not _nnx_gate.reads_as_node(a) or not _nnx_gate.adapter().read_cached(a, read.spec_id, values, nnx_args):
@@ -369,10 +426,10 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         # ---- 1. the fast path: f(first, *arrays) with a record for `first`; else the
         # structure path: arguments of structures this function has run ----
-        if args and fast_ok and not kwargs:
+        if args:
             first = args[0]
             call = None
-            slot = index_get(id(first))
+            slot = index_get(id(first)) if fast_ok and not kwargs else None
             if slot is not None and slot.ref() is first and (slot.guard is None or guard_holds(slot.guard)):
                 record = slot.records.get(state)
                 if record is not None and record.arity == len(args) and _all_plain(args, 1, plain):
@@ -394,8 +451,9 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
             structure = call is None
             if structure:
                 known = structures_get(type(first))
-                if known is not None and known.arity == len(args):
-                    read = read_arguments(known, args, serves_nested, plain)
+                given = None if known is None else arguments_as_read(known, args, kwargs)
+                if given is not None:
+                    read = read_arguments(known, given, serves_nested, plain)
                     if read is not None:
                         values, variables = read
                         call, post = known.call, known.post
@@ -425,8 +483,7 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
         entry = state.table.get(resolved.key) or state.entry(resolved.key)
         counts.general += 1
         out = run(state, entry, resolved)
-        if fast_ok:
-            _install_fast(state, fun_leaves, resolved, state.table.get(resolved.key) or entry)
+        _install_fast(state, fun_leaves, resolved, state.table.get(resolved.key) or entry, tuple(kwargs))
         return out
 
     functools.update_wrapper(wrapper, user_fun)

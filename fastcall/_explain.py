@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import _codegen, _fast, _flatten, _guard, _nnx_gate
-from ._dispatch import read_arguments
+from ._dispatch import arguments_as_read, read_arguments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,11 +48,15 @@ class CallReport:
 def explain(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallReport:
     reasons = _why_not_fast(state, args, kwargs)
     route = "general" if reasons else "fast"
-    known = state.structures.get(type(args[0])) if args and not kwargs else None
-    if reasons and known is not None and _structure_serves(state, known, args):
+    known = state.structures.get(type(args[0])) if args else None
+    if reasons and known is not None and _structure_serves(state, known, args, kwargs):
         route, reasons = "structure", []
     named = [(state.arg_name(i), a) for i, a in enumerate(args)] + sorted(kwargs.items())
     reads = known.reads if known is not None else ()
+    given = arguments_as_read(known, args, kwargs) if known is not None else None
+    if known is not None and given is not None:  # (its reads take keywords in the general path's order)
+        names = arguments_as_read(known, tuple(map(state.arg_name, range(len(args)))), {k: k for k in kwargs})
+        named = list(zip(names or (), given))
     reports = tuple(
         _argument(state, name, value, i == 0, reads[i] if i < len(reads) else None)
         for i, (name, value) in enumerate(named)
@@ -60,11 +64,12 @@ def explain(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallRe
     return CallReport(route, tuple(reasons), reports)
 
 
-def _structure_serves(state: Any, known: Any, args: tuple[Any, ...]) -> bool:
+def _structure_serves(state: Any, known: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether the structure path would serve the call (read as it reads, changing nothing)."""
-    if state.static_argnums or state.static_argnames or known.arity != len(args):
+    given = arguments_as_read(known, args, kwargs)
+    if given is None:
         return False
-    return read_arguments(known._replace(last=list(known.last)), args, state.serves_nested, state.plain_leaves) is not None
+    return read_arguments(known._replace(last=list(known.last)), given, state.serves_nested, state.plain_leaves) is not None
 
 
 def _why_not_fast(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
@@ -102,6 +107,12 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
         return ArgumentReport(name, kind, "passed as is (jax copies it to the device on every call)")
     if type(value) in _flatten.PLAIN_ARRAY_TYPES:
         return ArgumentReport(name, "jax array", "passed as is")
+    if type(read) is _fast.StaticRead and (value is read.value or (read.by_value and _flatten.static_equal(value, read.value))):
+        return ArgumentReport(
+            name,
+            f"{type(value).__name__}, static, as in a call this function ran",
+            "compared with that call's (by identity, a scalar by value)",
+        )
     if type(value) in _flatten.PY_SCALARS:
         if state.options.trace_scalars:
             return ArgumentReport(name, "Python scalar, traced (weakly typed)", "passed as is")

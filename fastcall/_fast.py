@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import operator
 import sys
+import types
 import weakref
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -187,12 +188,66 @@ class PytreeShape:
         return objs if same and len(objs) == count else None
 
 
+class StaticRead(NamedTuple):
+    """How the structure path reads an argument with no dynamic leaves (a static scalar under
+    `fastcall.filter_jit`'s rule, None, a string, an optax transformation, an argument named
+    by static_argnums): this very object, or one with the same `_flatten.leaf_key` where
+    `by_value` (an exact int, float, complex or str, whose spec that key makes). Made only
+    for a `value` no call can change (`static_read`): its spec is then the one the general
+    path would find again."""
+
+    spec_id: int
+    value: Any  # (held: an object compared by identity cannot die and give its id away)
+    by_value: bool
+
+
+# Leaves whose identity fixes their spec: nothing can change them in place, and a static
+# leaf's spec (`_flatten.leaf_key`) compares them by value or, for functions and types, by
+# identity. (A function's code or closure can be replaced in place; its key is its
+# identity all the same, for the general path as for this one.)
+_IDENTITY_LEAVES = frozenset({
+    type(None), bool, int, float, complex, str, bytes, type, type(Ellipsis), types.FunctionType,
+    types.BuiltinFunctionType,
+})
+_BY_VALUE = frozenset({int, float, complex, str})
+
+
+def static_read(spec_id: int, value: Any) -> StaticRead | None:
+    """A StaticRead for `value`, an argument of spec `spec_id` with no dynamic leaves, if its
+    identity (or, for a scalar, its value) fixes that spec; else None (the general path
+    reads it every call)."""
+    if not _fixed_by_identity(value, 0):
+        return None
+    return StaticRead(spec_id, value, type(value) in _BY_VALUE)
+
+
+def _fixed_by_identity(value: Any, depth: int) -> bool:
+    """Whether `value` cannot change in place: an immutable leaf, or a tuple or namedtuple
+    (which jax flattens to its items) of such, a few levels deep."""
+    t = type(value)
+    if t in _IDENTITY_LEAVES:
+        return True
+    if depth > 4 or not isinstance(value, tuple) or len(value) > 16:
+        return False
+    if t is not tuple:
+        if not hasattr(t, "_fields"):
+            return False  # (another tuple subclass: a leaf, keyed by its own __eq__)
+        try:  # a namedtuple, unless registered as some other pytree node
+            children, _ = jax.tree_util.default_registry.flatten_one_level(value)
+        except Exception:
+            return False
+        if len(children) != len(value) or any(c is not v for c, v in zip(children, value)):
+            return False
+    return all(_fixed_by_identity(v, depth + 1) for v in value)
+
+
 class StructureRecord(NamedTuple):
     """How to serve a call whose arguments have the structures of one the function ran."""
 
     arity: int  # the number of positional arguments the call must have
-    # per positional argument; None: a plain leaf (FunctionState.plain_leaves)
-    reads: tuple[ArgRead | NodeRead | NodesRead | VariableRead | GraphdefRead | None, ...]
+    # per argument, in the order the general path resolves them (`order`); None: a plain
+    # leaf (FunctionState.plain_leaves)
+    reads: tuple[ArgRead | NodeRead | NodesRead | VariableRead | GraphdefRead | StaticRead | None, ...]
     call: Callable[..., Any]  # the compiled function
     # post(out, first, the NnxArgs of the call's NNX arguments or None); None: out is the
     # result (a WriteBack: see there)
@@ -204,6 +259,11 @@ class StructureRecord(NamedTuple):
     # fast record.
     last: list[Any]
     fast_shape: bool
+    # The keyword arguments' names, in the order the call gives them (a call with others,
+    # or in another order, is not served); and where each read's argument is in the call's
+    # positional then keyword arguments (`keyword_order`), or None: in that order.
+    kwnames: tuple[str, ...] = ()
+    order: tuple[int, ...] | None = None
 
 
 def last_mark(obj: Any, first: bool) -> Any:
