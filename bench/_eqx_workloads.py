@@ -180,6 +180,52 @@ def new_model(name: str, description: str, model: Any, x: Any) -> Workload:
     return Workload(name, description, variants, _compare, peers=EQX_PEERS)
 
 
+class DropoutNet(eqx.Module):
+    """An MLP then Dropout, called as Equinox layers are: `net(x, key=key, inference=...)`."""
+
+    mlp: eqx.nn.MLP
+    drop: eqx.nn.Dropout
+
+    def __call__(self, x, *, key, inference):
+        return self.drop(self.mlp(x), key=key, inference=inference)
+
+
+def call_options(name: str, description: str, model: Any, x: Any) -> Workload:
+    """`f(model, x, key=key, inference=False)`: an array and a static flag as keyword
+    arguments (under fastcall.jit and jax.jit, `inference` is in static_argnames)."""
+    key = jax.random.PRNGKey(1)
+
+    def call(m, x, *, key, inference):
+        return m(x, key=key, inference=inference)
+
+    dynamic, static = eqx.partition(model, eqx.is_array)
+    leaves, treedef = jax.tree_util.tree_flatten(dynamic)
+    n = len(leaves)
+    floor = jax.jit(lambda *a: call(eqx.combine(treedef.unflatten(a[:n]), static), a[n], key=a[n + 1], inference=False))
+    partitioned = jax.jit(lambda d, x, *, key, inference: call(eqx.combine(d, static), x, key=key, inference=inference),
+                          static_argnames="inference")
+
+    def with_keywords(f, m=model):
+        return lambda: f(m, x, key=key, inference=False)
+
+    return Workload(
+        name,
+        description,
+        [
+            Variant("eager", lambda: with_keywords(call), timed=False),
+            Variant("floor", lambda: (lambda: floor(*leaves, x, key)), note="jax.jit on the leaves, inference=False fixed"),
+            Variant("fastcall.jit", lambda: with_keywords(fastcall.jit(call, static_argnames="inference")),
+                    note="static_argnames='inference'"),
+            Variant("fastcall.filter_jit", lambda: with_keywords(fastcall.filter_jit(call))),
+            Variant("eqx.filter_jit", lambda: with_keywords(eqx.filter_jit(call))),
+            Variant("jax.jit(partitioned)", lambda: with_keywords(partitioned, dynamic),
+                    note="static_argnames='inference'"),
+        ],
+        _compare,
+        peers=EQX_PEERS,
+    )
+
+
 def train_step(name: str, description: str, model: Any, x: Any, y: Any) -> Workload:
     """`model, opt_state, loss = step(model, opt_state, x, y)` with optax adam."""
     opt = optax.adam(1e-3)
@@ -583,6 +629,12 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
             mlp(3),
             jnp.ones((8, 32)),
             jnp.zeros((8, 32)),
+        ),
+        "eqx_call_options": lambda: call_options(
+            "eqx_call_options",
+            "f(model, x, key=key, inference=False): eqx.nn.MLP w32 d3 + Dropout, keyword arguments",
+            DropoutNet(mlp(3), eqx.nn.Dropout(0.1)),
+            x32,
         ),
         "eqx_list_mlp": lambda: forward(
             "eqx_list_mlp",

@@ -342,15 +342,18 @@ def _step_workload(
     make_floor: Callable[[], Any],
     floor_note: str,
     more_peers: dict[str, Callable[[Any], Any]] | None = None,
+    jit_options: dict[str, Any] | None = None,
     **options: Any,
 ) -> Workload:
     """A workload of one step function: eager (the reference), the floor, fastcall.jit, and
-    the peers it replaces (nnx.jit and `more_peers`), each made by `variant(wrap)`."""
-    peers = {"nnx.jit": nnx.jit, **(more_peers or {})}
+    the peers it replaces (nnx.jit and `more_peers`), each made by `variant(wrap)`.
+    `jit_options` (static_argnames, ...) are given to fastcall.jit and nnx.jit alike."""
+    jit_options = jit_options or {}
+    peers = {"nnx.jit": lambda f: nnx.jit(f, **jit_options), **(more_peers or {})}
     variants = [
         Variant("eager", variant(lambda f: f), timed=False),
         Variant("floor", make_floor, note=floor_note),
-        Variant("fastcall.jit", variant(fastcall.jit)),
+        Variant("fastcall.jit", variant(lambda f: fastcall.jit(f, **jit_options))),
         *(Variant(peer, variant(wrap)) for peer, wrap in peers.items()),
     ]
     return Workload(name, description, variants, _compare, peers={"fastcall.jit": tuple(peers)}, **options)
@@ -448,6 +451,50 @@ def variable_arg(name: str, description: str, width: int) -> Workload:
         variant,
         make_floor,
         "jax.jit on the kernel array",
+    )
+
+
+class FlagMLP(nnx.Module):
+    """An MLP whose call takes its mode as a keyword (`model(x, train=False)`), with a
+    Dropout before its last layer."""
+
+    def __init__(self, width: int, depth: int, rngs: nnx.Rngs):
+        self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(depth)])
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x, *, train: bool):
+        for layer in self.layers[:-1]:
+            x = nnx.relu(layer(x))
+        return self.layers[-1](self.drop(x, deterministic=not train))
+
+
+def call_options(name: str, description: str, width: int, depth: int, batch: int) -> Workload:
+    """`f(model, x, train=False)`, the mode a keyword argument named in static_argnames."""
+    x = jnp.ones((batch, width))
+
+    def f(m, x, *, train):
+        return m(x, train=train)
+
+    def variant(wrap: Callable[[Any], Any]):
+        def make():
+            model = FlagMLP(width, depth, nnx.Rngs(0))
+            g = wrap(f)
+            getter = lambda: _state_leaves(model)  # noqa: E731 - only called when verifying
+            return lambda: (g(model, x, train=False), getter)
+
+        return make
+
+    def make_floor():
+        return _write_back_floor(FlagMLP(width, depth, nnx.Rngs(0)), lambda m, x: f(m, x, train=False), x)
+
+    return _step_workload(
+        name,
+        description,
+        variant,
+        make_floor,
+        "jax.jit on the flat state leaves, train=False fixed",
+        more_peers={"nnx.jit(graph=False)": lambda g: nnx.jit(g, graph=False, static_argnames="train")},
+        jit_options={"static_argnames": "train"},
     )
 
 
@@ -997,6 +1044,9 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
         ),
         "nnx_variable_arg": lambda: variable_arg(
             "nnx_variable_arg", "an nnx.Variable (a Linear's 32x32 kernel) passed on its own: x @ v[...]", 32
+        ),
+        "nnx_call_options": lambda: call_options(
+            "nnx_call_options", "f(model, x, train=False), train in static_argnames: NNX MLP w32 d3 + Dropout", 32, 3, 8
         ),
         "nnx_functional": lambda: functional(
             "nnx_functional", "functional API: f(graphdef, state, x) merges inside jit, NNX MLP w32 d3", 32, 3
