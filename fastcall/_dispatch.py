@@ -14,10 +14,12 @@ whole route of a call:
    disabled (`FASTCALL_DISABLE_ACCEL=1`).
 2. The structure path. Any other call whose arguments have the structures of
    a call this function ran (`_fast.StructureRecord`, per type of the first
-   argument): `read_arguments` reads each one as the record says (a plain
-   array; the identity cache or a generated extractor; an NNX object's cache
-   entry; a known GraphDef) or declines, and the compiled entry runs on those
-   leaves. The C extension serves it too, reading NNX objects only from the
+   argument, with the call's keyword names): `read_arguments` reads each one,
+   positional then keyword as the general path resolves them
+   (`arguments_as_read`), as the record says (a plain array; a static value
+   compared with the recorded one; the identity cache or a generated
+   extractor; an NNX object's cache entry; a known GraphDef) or declines, and
+   the compiled entry runs on those leaves. The C extension serves it too, reading NNX objects only from the
    entries the fast index publishes (`FastSlot.node`); it hands any other NNX
    object over to this Python copy.
 3. The general path. Every argument is resolved (`_args.resolve_call`: plain

@@ -20,7 +20,8 @@ A slot is withdrawn the moment its object dies or (NNX) its structure changes.
 A call the fast index does not serve may still be one the function has run
 with arguments of the same structures: the structure path. The function's
 `state.structures[type(first)]` is a `StructureRecord` saying how to read each
-positional argument: a plain leaf as is; any other argument from the
+argument (positional, then keyword): a plain leaf as is; a static one (no array
+leaves) by comparing it with the recorded value; any other argument from the
 identity cache (`_flatten.by_id`, when the cached object is of the expected
 structure), or else by its structure's generated extractor (`_codegen.Template`),
 which reads a new object's leaves and checks everything else about it, or
