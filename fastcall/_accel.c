@@ -10,8 +10,8 @@
  *
  * Any call that does not meet those conditions tries the structure path
  * (`StructureRecord`): `structures` (the function's `state.structures`) has a
- * record for type(first) with arity == len(args) and the call's keyword names
- * (`kwnames`, in call order), and every argument, taken in the record's `order`,
+ * record for type(first) (and the call's keyword names, in call order:
+ * `_fast.structure_key`) with arity == len(args), and every argument, taken in the record's `order`,
  * reads as the record says (`_dispatch.read_arguments` is the Python copy): a
  * plain leaf as is; a static one (`StaticRead`) if it is the recorded object,
  * or a scalar equal to it; any other from the identity cache (`by_id`: an entry whose ref() is the
@@ -432,17 +432,24 @@ fw_failed(FastWrapper *self, Py_ssize_t *counter, PyObject *const *args, size_t 
         PyException_SetTraceback(value, tb);
     }
     PyObject *res = NULL;
-    if (value != NULL) {
+    if (value != NULL) { /* on_error(exception, args, kwargs or None) */
         Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
         PyObject *argtuple = PyTuple_New(nargs);
-        if (argtuple != NULL) {
+        PyObject *kwargs = kwnames == NULL ? Py_NewRef(Py_None) : PyDict_New();
+        for (Py_ssize_t j = 0; kwargs != NULL && kwnames != NULL && j < PyTuple_GET_SIZE(kwnames); j++) {
+            if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, j), args[nargs + j]) < 0) {
+                Py_CLEAR(kwargs);
+            }
+        }
+        if (argtuple != NULL && kwargs != NULL) {
             for (Py_ssize_t i = 0; i < nargs; i++) {
                 Py_INCREF(args[i]);
                 PyTuple_SET_ITEM(argtuple, i, args[i]);
             }
-            res = PyObject_CallFunctionObjArgs(self->on_error, value, argtuple, NULL);
-            Py_DECREF(argtuple);
+            res = PyObject_CallFunctionObjArgs(self->on_error, value, argtuple, kwargs, NULL);
         }
+        Py_XDECREF(argtuple);
+        Py_XDECREF(kwargs);
     }
     Py_XDECREF(type);
     Py_XDECREF(value);
@@ -1567,7 +1574,17 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
 {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     PyObject *first_type = (PyObject *)Py_TYPE(args[0]);
-    PyObject *record = remembered(&self->memo_structure, self->structures, first_type, 0); /* borrowed */
+    PyObject *record; /* borrowed; the key as `_fast.structure_key` makes it */
+    if (kwnames == NULL) {
+        record = remembered(&self->memo_structure, self->structures, first_type, 0);
+    } else {
+        PyObject *key = PyTuple_Pack(2, first_type, kwnames);
+        if (key == NULL) {
+            return NULL;
+        }
+        record = PyDict_GetItemWithError(self->structures, key);
+        Py_DECREF(key);
+    }
     if (record == NULL) {
         return PyErr_Occurred() ? NULL : fw_fallback(self, args, nargsf, kwnames);
     }

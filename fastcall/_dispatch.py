@@ -93,6 +93,9 @@ def run(state: Any, entry: Entry, resolved: Any, executable: Any = None) -> Any:
     return entry.finish(out, resolved.nnx_args)
 
 
+MAX_STRUCTURES = 64  # structure records per function (one per first-argument type and keyword names)
+
+
 def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry: Entry, kwnames: tuple[str, ...]) -> None:
     """After a general call: let later calls of this shape take the fast path, if the
     call was `f(first, *plain leaves)` with `first` a cached Equinox/pytree object or an
@@ -151,6 +154,8 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
         names = sorted(resolved.kwargs)
         args = (*args, *(resolved.kwargs[n] for n in names))
         key = (*key[: len(resolved.args)], *key[len(resolved.args) + 1 :])
+    if len(args) == len(kwnames):
+        return  # (no positional argument to key the record on: such calls take the general path)
     order = keyword_order(state.signature, len(args) - len(kwnames), kwnames) if kwnames else None
     if kwnames and order is None:
         return
@@ -203,7 +208,8 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
         reads.append(ArgRead(spec_id, template.extract, template.sequence))
     if next(nnx_args, None) is not None:
         return  # (NNX objects inside another argument: read by the general path only)
-    known = state.structures.get(type(args[0]))
+    key = _fast.structure_key(args[0], kwnames)
+    known = state.structures.get(key)
     if (
         known is None or known.reads != tuple(reads) or known.call is not entry.fn or known.kwnames != kwnames
         or known.order != order
@@ -212,7 +218,9 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
             len(args) - len(kwnames), tuple(reads), entry.fn, _structure_post(entry), [None] * len(args), fast_shape,
             kwnames, order,
         )
-        state.structures[type(args[0])] = known
+        if len(state.structures) >= MAX_STRUCTURES and key not in state.structures:
+            state.structures.pop(next(iter(state.structures), None), None)  # (the oldest: many keyword sets)
+        state.structures[key] = known
     # The objects of this call, passed again, come back to the general path (see `last`).
     for i, read in enumerate(reads):
         if type(read) is ArgRead:
@@ -452,7 +460,7 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
                         call = None
             structure = call is None
             if structure:
-                known = structures_get(type(first))
+                known = structures_get((type(first), tuple(kwargs)) if kwargs else type(first))  # (structure_key)
                 given = None if known is None else arguments_as_read(known, args, kwargs)
                 if given is not None:
                     read = read_arguments(known, given, serves_nested, plain)
@@ -500,5 +508,5 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
     return public
 
 
-def _c_error(state: Any, err: BaseException, args: tuple[Any, ...]) -> None:
-    on_error(err, list(state.named_args(args, None)))
+def _c_error(state: Any, err: BaseException, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:
+    on_error(err, list(state.named_args(args, kwargs)))

@@ -48,7 +48,7 @@ class CallReport:
 def explain(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallReport:
     reasons = _why_not_fast(state, args, kwargs)
     route = "general" if reasons else "fast"
-    known = state.structures.get(type(args[0])) if args else None
+    known = state.structures.get(_fast.structure_key(args[0], tuple(kwargs))) if args else None
     if reasons and known is not None and _structure_serves(state, known, args, kwargs):
         route, reasons = "structure", []
     named = [(state.arg_name(i), a) for i, a in enumerate(args)] + sorted(kwargs.items())

@@ -19,7 +19,7 @@ A slot is withdrawn the moment its object dies or (NNX) its structure changes.
 
 A call the fast index does not serve may still be one the function has run
 with arguments of the same structures: the structure path. The function's
-`state.structures[type(first)]` is a `StructureRecord` saying how to read each
+`state.structures[structure_key(...)]` is a `StructureRecord` saying how to read each
 argument (positional, then keyword): a plain leaf as is; a static one (no array
 leaves) by comparing it with the recorded value; any other argument from the
 identity cache (`_flatten.by_id`, when the cached object is of the expected
@@ -231,8 +231,10 @@ def _fixed_by_identity(value: Any, depth: int) -> bool:
     if depth > 4 or not isinstance(value, tuple) or len(value) > 16:
         return False
     if t is not tuple:
-        if not hasattr(t, "_fields"):
-            return False  # (another tuple subclass: a leaf, keyed by its own __eq__)
+        if not hasattr(t, "_fields") or t.__eq__ is not tuple.__eq__ or t.__hash__ is not tuple.__hash__:
+            # (another tuple subclass: a leaf, keyed by its own __eq__; or a namedtuple whose
+            # `==` may read more than its items, as a static_argnums key would)
+            return False
         try:  # a namedtuple, unless registered as some other pytree node
             children, _ = jax.tree_util.default_registry.flatten_one_level(value)
         except Exception:
@@ -265,6 +267,13 @@ class StructureRecord(NamedTuple):
     # positional then keyword arguments (`keyword_order`), or None: in that order.
     kwnames: tuple[str, ...] = ()
     order: tuple[int, ...] | None = None
+
+
+def structure_key(first: Any, kwnames: tuple[str, ...]) -> Any:
+    """The key of a call's StructureRecord in `state.structures`: its first argument's type,
+    and for a call with keyword arguments their names, in call order (a function called both
+    with and without them keeps a record for each). (C: the same.)"""
+    return (type(first), kwnames) if kwnames else type(first)
 
 
 def last_mark(obj: Any, first: bool) -> Any:

@@ -13,6 +13,7 @@ the call, through the C path and the Python one."""
 
 from __future__ import annotations
 
+import collections
 import math
 
 import equinox as eqx
@@ -224,3 +225,60 @@ def test_explain_names_the_structure_path_for_keywords_and_statics(hot_path):
     report = f.explain(MLP, X, key=key, inference=False)
     assert report.route == "general" and any("keyword" in r for r in report.reasons), str(report)
     assert math.isfinite(float(f(MLP, X, key=key, inference=True)[0]))
+
+
+def test_calls_with_and_without_keywords_keep_a_record_each(hot_path):
+    """One record per first-argument type and keyword names: a loop alternating
+    `f(m, x)` and `f(m, x, scale=2.0)` (new models each step), or calling with keywords
+    only, does not evict the other form's record."""
+    f = fastcall.filter_jit(_scaled)
+    routes = []
+    for i in range(8):
+        m = eqx.tree_at(lambda m: m.layers[0].bias, MLP, MLP.layers[0].bias + i)  # a new model
+        kwargs = {"s": 2.0} if i % 2 else {}
+        y, route = served(f, m, X, **kwargs)
+        routes.append(route)
+        assert_trees_equal(y, _scaled(m, X, **kwargs))
+        y, route = served(f, m=m, x=X)  # (no positional argument: general, and records nothing)
+        assert route == "general"
+        assert_trees_equal(y, _scaled(m, X))
+    assert routes[2:] == [STRUCTURE_PATH[hot_path]] * 6
+
+
+class _Scaled(eqx.Module):
+    w: jax.Array
+
+
+def test_an_error_in_a_keyword_argument_names_it(hot_path):
+    f = fastcall.filter_jit(lambda x, *, m: x * m.w)
+    for _ in range(3):
+        f(X, m=_Scaled(jnp.ones(4)))
+    w = jnp.ones(4)
+    w.delete()
+    with pytest.raises(fastcall.FastcallError, match="argument 'm' at leaf .w is a deleted array"):
+        f(X, m=_Scaled(w))
+    assert_trees_equal(f(X, m=_Scaled(jnp.ones(4))), X)  # (and the wrapper keeps working)
+
+
+class _Options(collections.namedtuple("_Options", "a")):
+    """A namedtuple whose `==` and hash also read an attribute that can be set."""
+
+    def __eq__(self, other):
+        return type(other) is _Options and tuple(self) == tuple(other) and vars(self) == vars(other)
+
+    def __hash__(self):
+        return hash((tuple(self), tuple(sorted(vars(self).items()))))
+
+
+def test_a_static_namedtuple_keyed_by_more_than_its_items_is_compared_every_call(hot_path):
+    def g(x, options):
+        return x * options.a + options.shift
+
+    f, peer = fastcall.jit(g, static_argnums=1), jax.jit(g, static_argnums=1)
+    options = _Options(2.0)
+    options.shift = 1.0
+    for _ in range(3):
+        assert_trees_equal(f(X, options), X * 2.0 + 1.0)
+    options.shift = 100.0
+    assert_trees_equal(f(X, options), X * 2.0 + 100.0)
+    assert_trees_equal(f(X, options), peer(X, options))
