@@ -355,6 +355,12 @@ def arguments_as_read(known: StructureRecord, args: tuple[Any, ...], kwargs: dic
     return given if known.order is None else tuple([given[k] for k in known.order])
 
 
+def static_matches(read: StaticRead, a: Any) -> bool:
+    """Whether `a` is the static argument `read` expects: the recorded object, or (`by_value`)
+    a scalar with its `_flatten.leaf_key` (its type and exact value). (C: `static_matches`.)"""
+    return a is read.value or (read.by_value and _flatten.static_equal(a, read.value))
+
+
 def read_arguments(
     known: StructureRecord, args: tuple[Any, ...], serves_nested: bool, plain: frozenset[type]
 ) -> tuple[list[Any], list[Any]] | None:
@@ -372,9 +378,7 @@ def read_arguments(
             values.append(a)
             continue
         if isinstance(read, StaticRead):
-            if a is not read.value and not (
-                read.by_value and type(a) is type(read.value) and _flatten.static_equal(a, read.value)
-            ):
+            if not static_matches(read, a):
                 return None
             continue
         if isinstance(read, NodeRead):

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import _codegen, _fast, _flatten, _guard, _nnx_gate
-from ._dispatch import arguments_as_read, read_arguments
+from ._dispatch import arguments_as_read, read_arguments, static_matches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +107,7 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
         return ArgumentReport(name, kind, "passed as is (jax copies it to the device on every call)")
     if type(value) in _flatten.PLAIN_ARRAY_TYPES:
         return ArgumentReport(name, "jax array", "passed as is")
-    if type(read) is _fast.StaticRead and (value is read.value or (read.by_value and _flatten.static_equal(value, read.value))):
+    if type(read) is _fast.StaticRead and static_matches(read, value):
         return ArgumentReport(
             name,
             f"{type(value).__name__}, static, as in a call this function ran",
