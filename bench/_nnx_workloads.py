@@ -358,13 +358,18 @@ def _step_workload(
     ]
     return Workload(name, description, variants, _compare, peers={"fastcall.jit": tuple(peers)}, **options)
 
-def optimizer_step(name: str, description: str, width: int, depth: int, batch: int) -> Workload:
-    """A train step with nnx.Optimizer: parameters and optimizer state written back."""
+def optimizer_step(name: str, description: str, width: int, depth: int, batch: int, shared: bool = False) -> Workload:
+    """A train step with nnx.Optimizer: parameters and optimizer state written back.
+    `shared`: with nnx.ModelAndOptimizer, which holds the model (as flax's machine
+    translation and diffusion examples write it), so the two arguments share every
+    parameter (nnx.jit(graph=False) refuses such arguments)."""
     x = jnp.ones((batch, width))
     y = jnp.zeros((batch, width))
 
     def build():
         model = MLP(width, depth, nnx.Rngs(0))
+        if shared:
+            return model, nnx.ModelAndOptimizer(model, optax.adam(1e-3))
         return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
 
     def step(model, optimizer, x, y):
@@ -372,14 +377,17 @@ def optimizer_step(name: str, description: str, width: int, depth: int, batch: i
             return jnp.mean((m(x) - y) ** 2)
 
         loss, grads = nnx.value_and_grad(loss_fn)(model)
-        optimizer.update(model, grads)
+        if shared:
+            optimizer.update(grads)
+        else:
+            optimizer.update(model, grads)
         return loss
 
     def variant(wrap):
         def make():
             model, opt = build()
             f = wrap(step)
-            getter = lambda: _state_leaves(model) + _state_leaves(opt)  # noqa: E731
+            getter = lambda: _state_leaves((model, opt))  # noqa: E731  (shared Variables once)
             return lambda: (f(model, opt, x, y), getter)
 
         return make
@@ -415,7 +423,7 @@ def optimizer_step(name: str, description: str, width: int, depth: int, batch: i
         variant,
         make_floor,
         "jax.jit on flat state leaves, changed state returned and rebound",
-        more_peers={"nnx.jit(graph=False)": lambda s: nnx.jit(s, graph=False)},
+        more_peers={} if shared else {"nnx.jit(graph=False)": lambda s: nnx.jit(s, graph=False)},
     )
 
 
@@ -1023,6 +1031,11 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
             64,
         ),
         "nnx_train": lambda: optimizer_step("nnx_train", "NNX MLP w32 d3 + nnx.Optimizer(adam) step", 32, 3, 8),
+        "nnx_train_shared": lambda: optimizer_step(
+            "nnx_train_shared",
+            "nnx_train with nnx.ModelAndOptimizer, which holds the model: step(model, optimizer, ...) shares Variables",
+            32, 3, 8, shared=True,
+        ),
         "nnx_train_tuple": lambda: optimizer_tuple_step(
             "nnx_train_tuple", "nnx_train with (model, optimizer) passed as one tuple argument", 32, 3, 8
         ),

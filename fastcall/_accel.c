@@ -92,6 +92,11 @@ static const char *NODE_READ_FIELDS[] = {"spec_id", NULL};
 #define NODES_ELEMENTS 2
 #define NODES_KEYS 3
 static const char *NODES_READ_FIELDS[] = {"spec_id", "kind", "elements", "keys", NULL};
+/* JointRead(spec_id, entry, node_ids, keep) */
+#define JOINT_ENTRY 1
+#define JOINT_NODE_IDS 2
+#define JOINT_KEEP 3
+static const char *JOINT_READ_FIELDS[] = {"spec_id", "entry", "node_ids", "keep", NULL};
 /* VariableRead(spec_id, kind, metadata, metadata_slot) */
 #define VARIABLE_KIND 1
 #define VARIABLE_METADATA 2
@@ -134,6 +139,8 @@ static const char *WATCHED_FIELDS[] = {"container", "expected", "stamp", "owner"
 #define CACHE_GUARD 4
 static const char *CACHE_FIELDS[] = {"ref", "leaves", "spec_id", "spec", "guard", NULL};
 
+#define N_ENTRY_FIELDS 6 /* the NodeEntry attributes read here (see entry_field) */
+
 /* What every wrapper shares, set once by `configure` (fastcall/_dispatch.py). */
 static struct {
     PyObject *index;       /* dict: id(first) -> FastSlot (the fast index) */
@@ -146,10 +153,10 @@ static struct {
     PyObject *varies_exc;  /* StructureVaries: retry through the fallback */
     PyObject *jitting;     /* currently_jitting(): whether a JAX trace is running */
     PyObject *top_level;   /* _trace.TOP_LEVEL_PROBE: (holder, name, value) triples, or None */
-    PyObject *arg_read, *node_read, *nodes_read, *variable_read, *graphdef_read, *static_read, *nnx_arg,
-        *write_back, *raw_leaf, *watched; /* record classes */
+    PyObject *arg_read, *node_read, *joint_read, *nodes_read, *variable_read, *graphdef_read, *static_read,
+        *nnx_arg, *write_back, *raw_leaf, *watched; /* record classes */
     PyObject *empty_ids;   /* frozenset(): NnxArg.ids of an object read from its entry */
-    PyObject *s_spec_id, *s_fresh, *s_items, *s_paths, *s_disjoint; /* NodeEntry attributes */
+    PyObject *s_spec_id, *s_fresh, *s_items, *s_paths, *s_disjoint, *s_node_ids; /* NodeEntry attributes */
     PyObject *s_static_cache; /* "tmp_static_cache" */
     PyObject *s_dict, *s_pytree_nodes; /* "__dict__", "_pytree__nodes" (a raw leaf's owner) */
     PyObject *s_objects;      /* "objects" (NodesRead.objects) */
@@ -163,8 +170,8 @@ static struct {
     /* what context_dict said (whether the static cache is pending), and its version tag then */
     unsigned long long context_version;
     int context_pending;
-    /* NodeEntry's slot descriptors for s_spec_id .. s_disjoint, of `entry_type` (see entry_field) */
-    PyObject *entry_type, *entry_slots[5];
+    /* NodeEntry's slot descriptors for s_spec_id .. s_node_ids, of `entry_type` (see entry_field) */
+    PyObject *entry_type, *entry_slots[N_ENTRY_FIELDS];
 } G;
 
 /* A dict's version tag (PEP 509): changed by every dict operation that changes what the
@@ -906,14 +913,15 @@ at_top_level(void)
 #define ENTRY_ITEMS 2
 #define ENTRY_PATHS 3
 #define ENTRY_DISJOINT 4
+#define ENTRY_NODE_IDS 5
 static PyObject *
 entry_field(PyObject *node, int i)
 {
-    PyObject *names[5] = {G.s_spec_id, G.s_fresh, G.s_items, G.s_paths, G.s_disjoint};
+    PyObject *names[N_ENTRY_FIELDS] = {G.s_spec_id, G.s_fresh, G.s_items, G.s_paths, G.s_disjoint, G.s_node_ids};
     PyTypeObject *type = Py_TYPE(node);
     if ((PyObject *)type != G.entry_type) {
         int generic = type->tp_getattro == PyObject_GenericGetAttr;
-        for (int j = 0; j < 5; j++) {
+        for (int j = 0; j < N_ENTRY_FIELDS; j++) {
             PyObject *d = generic ? PyObject_GetAttr((PyObject *)type, names[j]) : NULL;
             if (d != NULL && Py_TYPE(d) != &PyMemberDescr_Type) {
                 Py_CLEAR(d);
@@ -944,16 +952,20 @@ append_nnx_arg(PyObject *nnx_args, PyObject *obj, PyObject *variables, PyObject 
 }
 
 /* The structure path's reading of one NNX object `a` (`_dispatch.read_arguments` reads
- * the same, through `_nnx.read_cached`): if the fast index publishes a slot for `a`,
- * validated as the fast path validates one, whose entry (`node`) has spec `spec_id` and
- * has had its values checked for tracers (not `fresh`), append its leaves' current values
- * to `values`, its entry to `entries` and, if `nnx_args` is not NULL, its NnxArg; then 1.
- * 0 if not (the first value not an array included: the Python copy decides), -1 on error.
- * (On 0 or -1 the call is not served here: what was appended is just released.) `position`
- * is the argument's, or -1 for an object inside one (see slot_of). */
+ * the same, through `_nnx.read_cached`, or with `joint`, `_nnx.read_joint`): if the fast
+ * index publishes a slot for `a`, validated as the fast path validates one, whose entry
+ * (`node`) has spec `spec_id` and has had its values checked for tracers (not `fresh`),
+ * append its leaves' current values to `values`, its entry to `entries` and, if `nnx_args`
+ * is not NULL, its NnxArg; then 1. With `joint` (a JointRead, whose spec_id is `spec_id`):
+ * only if the entry is the one it names, its `node_ids` unchanged, and only the leaves it
+ * keeps, with an NnxArg of those and no entry (as the joint flatten's), and the entry not
+ * appended to `entries` (the record pins it: nothing to check for sharing). 0 if not (the
+ * first value not an array included: the Python copy decides), -1 on error. (On 0 or -1
+ * the call is not served here: what was appended is just released.) `position` is the
+ * argument's, or -1 for an object inside one (see slot_of). */
 static int
-read_node(FastWrapper *self, PyObject *a, Py_ssize_t position, PyObject *spec_id, Refs *values, Refs *entries,
-          PyObject *nnx_args)
+read_node(FastWrapper *self, PyObject *a, Py_ssize_t position, PyObject *spec_id, PyObject *joint, Refs *values,
+          Refs *entries, PyObject *nnx_args)
 {
     PyObject *descr = PyList_GET_ITEM(G.value_slot, 0);
     if (descr == Py_None) {
@@ -969,7 +981,8 @@ read_node(FastWrapper *self, PyObject *a, Py_ssize_t position, PyObject *spec_id
     Py_INCREF(slot); /* (reading values may run code that withdraws it) */
     PyObject *node = PyTuple_GET_ITEM(slot, SLOT_NODE);
     PyObject *guard = PyTuple_GET_ITEM(slot, SLOT_GUARD);
-    PyObject *found = NULL, *items = NULL;
+    PyObject *found = NULL, *items = NULL, *kept = NULL;
+    PyObject *keep = joint != NULL ? PyTuple_GET_ITEM(joint, JOINT_KEEP) : Py_None;
     int res = ref_is(PyTuple_GET_ITEM(slot, SLOT_REF), a);
     if (res <= 0) {
         goto done;
@@ -977,6 +990,19 @@ read_node(FastWrapper *self, PyObject *a, Py_ssize_t position, PyObject *spec_id
     res = 0;
     if (node == Py_None || (guard != Py_None && !guard_holds(guard))) {
         goto done;
+    }
+    if (joint != NULL) {
+        res = ref_is(PyTuple_GET_ITEM(joint, JOINT_ENTRY), node);
+        if (res <= 0) {
+            goto done;
+        }
+        found = entry_field(node, ENTRY_NODE_IDS);
+        res = found == NULL ? -1 : found == PyTuple_GET_ITEM(joint, JOINT_NODE_IDS);
+        if (res <= 0 || (keep != Py_None && !PyTuple_CheckExact(keep))) {
+            res = res < 0 ? -1 : 0;
+            goto done;
+        }
+        Py_CLEAR(found);
     }
     found = entry_field(node, ENTRY_SPEC_ID);
     if (found == NULL || (res = PyObject_RichCompareBool(found, spec_id, Py_EQ)) <= 0) {
@@ -994,11 +1020,28 @@ read_node(FastWrapper *self, PyObject *a, Py_ssize_t position, PyObject *spec_id
         res = items == NULL ? -1 : 0;
         goto done;
     }
-    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(items); j++) {
-        PyObject *item = PyList_GET_ITEM(items, j);
+    Py_ssize_t n = keep == Py_None ? PyList_GET_SIZE(items) : PyTuple_GET_SIZE(keep);
+    if (keep != Py_None && nnx_args != NULL && (kept = PyList_New(n)) == NULL) {
+        res = -1;
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < n; j++) {
+        Py_ssize_t k = j;
+        if (keep != Py_None) {
+            k = PyLong_AsSsize_t(PyTuple_GET_ITEM(keep, j));
+            if (k < 0 || k >= PyList_GET_SIZE(items)) { /* (not a position of these items) */
+                res = PyErr_Occurred() ? -1 : 0;
+                goto done;
+            }
+        }
+        PyObject *item = PyList_GET_ITEM(items, k);
         Py_INCREF(item);
         PyObject *value = leaf_value(descr, item);
-        Py_DECREF(item);
+        if (kept != NULL) {
+            PyList_SET_ITEM(kept, j, item); /* (steals the reference) */
+        } else {
+            Py_DECREF(item);
+        }
         if (value == NULL) {
             res = -1;
             goto done;
@@ -1014,14 +1057,16 @@ read_node(FastWrapper *self, PyObject *a, Py_ssize_t position, PyObject *spec_id
             goto done;
         }
     }
-    if (refs_push(entries, Py_NewRef(node)) < 0) {
+    if (joint == NULL && refs_push(entries, Py_NewRef(node)) < 0) {
         res = -1;
         goto done;
     }
     if (nnx_args != NULL) {
         Py_DECREF(found);
-        found = entry_field(node, ENTRY_PATHS);
-        if (found == NULL || append_nnx_arg(nnx_args, a, items, node, G.empty_ids, found) < 0) {
+        found = keep == Py_None ? entry_field(node, ENTRY_PATHS) : Py_NewRef(Py_None);
+        if (found == NULL
+            || append_nnx_arg(nnx_args, a, kept != NULL ? kept : items, joint != NULL ? Py_None : node, G.empty_ids,
+                              found) < 0) {
             res = -1;
             goto done;
         }
@@ -1030,6 +1075,7 @@ read_node(FastWrapper *self, PyObject *a, Py_ssize_t position, PyObject *spec_id
 done:
     Py_XDECREF(found);
     Py_XDECREF(items);
+    Py_XDECREF(kept);
     Py_DECREF(slot);
     return res;
 }
@@ -1557,9 +1603,9 @@ structure_fits(FastWrapper *self, PyObject *record, PyObject *const *args, Py_ss
         }
         PyObject *kind = (PyObject *)Py_TYPE(read);
         Py_ssize_t size = kind == G.arg_read || kind == G.static_read ? 3
-                          : kind == G.nodes_read || kind == G.variable_read ? 4 : 1;
+                          : kind == G.nodes_read || kind == G.variable_read || kind == G.joint_read ? 4 : 1;
         if ((kind != G.arg_read && kind != G.node_read && kind != G.nodes_read && kind != G.variable_read
-             && kind != G.graphdef_read && kind != G.static_read)
+             && kind != G.graphdef_read && kind != G.static_read && kind != G.joint_read)
             || PyTuple_GET_SIZE(read) != size) {
             return 0;
         }
@@ -1629,6 +1675,7 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
     PyObject *nnx_args = NULL; /* (made at the first NNX object read, for a `post`) */
     int nnx_read = 0;
     Py_ssize_t n_variables = 0; /* Variables read (VariableRead): each must be the call's only NNX object */
+    Py_ssize_t n_joint = 0; /* NNX objects read jointly (JointRead): then every one must be */
     PyObject *small[SMALL_STACK];
     PyObject **stack = NULL;
     if (leaves == NULL) {
@@ -1671,7 +1718,12 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
                     }
                 }
                 if (kind == G.node_read) {
-                    got = read_node(self, a, i, PyTuple_GET_ITEM(read, NODE_SPEC_ID), &values, &entries, nnx_args);
+                    got = read_node(self, a, i, PyTuple_GET_ITEM(read, NODE_SPEC_ID), NULL, &values, &entries,
+                                    nnx_args);
+                } else if (kind == G.joint_read) {
+                    got = read_node(self, a, i, PyTuple_GET_ITEM(read, NODE_SPEC_ID), read, &values, &entries,
+                                    nnx_args);
+                    n_joint++;
                 } else if (kind == G.variable_read) {
                     got = read_variable(self, a, read, &values, nnx_args);
                     n_variables++;
@@ -1680,8 +1732,12 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
                     PyObject *objs = nodes_of(a, read);
                     got = objs != NULL;
                     for (Py_ssize_t j = 0; got == 1 && j < PyTuple_GET_SIZE(elements); j++) {
-                        got = read_node(self, PyTuple_GET_ITEM(objs, j), -1, PyTuple_GET_ITEM(elements, j), &values,
-                                        &entries, nnx_args);
+                        PyObject *element = PyTuple_GET_ITEM(elements, j); /* a spec id, or a JointRead */
+                        int jointly = (PyObject *)Py_TYPE(element) == G.joint_read && PyTuple_GET_SIZE(element) == 4;
+                        got = read_node(self, PyTuple_GET_ITEM(objs, j), -1,
+                                        jointly ? PyTuple_GET_ITEM(element, NODE_SPEC_ID) : element,
+                                        jointly ? element : NULL, &values, &entries, nnx_args);
+                        n_joint += jointly;
                     }
                     Py_XDECREF(objs);
                     if (PyErr_Occurred()) {
@@ -1731,13 +1787,15 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
         }
         total += PySequence_Fast_GET_SIZE(leaves[i].part);
     }
-    if (nnx_read && (entries.n > 0 || n_variables > 0)) {
-        /* NNX objects: sharing nothing (else they are read jointly; a Variable read on its
-         * own must be the call's only NNX object), no nnx.cached_partial cache pending, and,
-         * for a call that may change state or that jax treats otherwise nested, not inside a
-         * JAX trace (as the fast path; see FunctionState.serves_nested): the Python copy
-         * decides otherwise */
-        int ok = n_variables > 0 ? n_variables == 1 && entries.n == 0 : entries.n == 1 ? 1 : known_disjoint(&entries);
+    if (nnx_read && (entries.n > 0 || n_variables > 0 || n_joint > 0)) {
+        /* NNX objects: sharing nothing, or all read jointly from the entries the record pins
+         * (a Variable read on its own must be the call's only NNX object), no
+         * nnx.cached_partial cache pending, and, for a call that may change state or that jax
+         * treats otherwise nested, not inside a JAX trace (as the fast path; see
+         * FunctionState.serves_nested): the Python copy decides otherwise */
+        int ok = n_joint > 0 ? entries.n == 0 && n_variables == 0
+                 : n_variables > 0 ? n_variables == 1 && entries.n == 0
+                 : entries.n == 1 ? 1 : known_disjoint(&entries);
         if (ok == 1) {
             ok = no_static_cache_pending();
         }
@@ -2057,17 +2115,17 @@ py_configure(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "configure: latest must be a list");
         return NULL;
     }
-    enum { N_RECORDS = 17 };
+    enum { N_RECORDS = 18 };
     PyObject *cls[N_RECORDS];
     const char *names[N_RECORDS] = {"FastSlot", "FastRecord", "StructureRecord", "CacheEntry", "ArgRead",
                                     "NodeRead", "NodesRead", "GraphdefRead", "KnownGraphdef", "NnxArg",
                                     "WriteBack", "RawLeaf", "VariableRead", "Registration", "Watched",
-                                    "SequenceRead", "StaticRead"};
+                                    "SequenceRead", "StaticRead", "JointRead"};
     const char **layouts[N_RECORDS] = {SLOT_FIELDS, RECORD_FIELDS, STRUCTURE_FIELDS, CACHE_FIELDS,
                                        READ_FIELDS, NODE_READ_FIELDS, NODES_READ_FIELDS, NODE_READ_FIELDS,
                                        KNOWN_GRAPHDEF_FIELDS, NNX_ARG_FIELDS, WRITE_BACK_FIELDS, RAW_LEAF_FIELDS,
                                        VARIABLE_READ_FIELDS, REGISTRATION_FIELDS, WATCHED_FIELDS,
-                                       SEQUENCE_READ_FIELDS, STATIC_READ_FIELDS};
+                                       SEQUENCE_READ_FIELDS, STATIC_READ_FIELDS, JOINT_READ_FIELDS};
     for (int i = 0; i < N_RECORDS; i++) {
         cls[i] = record_class(records, names[i], layouts[i]);
         if (cls[i] == NULL) {
@@ -2081,11 +2139,12 @@ py_configure(PyObject *module, PyObject *args)
         return NULL;
     }
     /* (made once; each checked, so that a failure leaves none half made) */
-    PyObject **made[] = {&G.s_spec_id, &G.s_fresh, &G.s_items, &G.s_paths, &G.s_disjoint, &G.s_static_cache,
-                         &G.s_dict, &G.s_pytree_nodes, &G.s_objects, &G.s_level, &G.s_mapping, &G.s_state};
-    const char *strings[] = {"spec_id", "fresh", "items", "paths", "disjoint", "tmp_static_cache", "__dict__",
-                             "_pytree__nodes", "objects", "level", "_mapping", "_state"};
-    for (int i = 0; i < 12; i++) {
+    PyObject **made[] = {&G.s_spec_id, &G.s_fresh, &G.s_items, &G.s_paths, &G.s_disjoint, &G.s_node_ids,
+                         &G.s_static_cache, &G.s_dict, &G.s_pytree_nodes, &G.s_objects, &G.s_level, &G.s_mapping,
+                         &G.s_state};
+    const char *strings[] = {"spec_id", "fresh", "items", "paths", "disjoint", "node_ids", "tmp_static_cache",
+                             "__dict__", "_pytree__nodes", "objects", "level", "_mapping", "_state"};
+    for (int i = 0; i < 13; i++) {
         if (*made[i] == NULL && (*made[i] = PyUnicode_InternFromString(strings[i])) == NULL) {
             for (int j = 0; j < N_RECORDS; j++) Py_DECREF(cls[j]);
             return NULL;
@@ -2118,6 +2177,7 @@ py_configure(PyObject *module, PyObject *args)
     SET_SHARED(watched, cls[14]);
     Py_DECREF(cls[15]); /* (checked only: read by position) */
     SET_SHARED(static_read, cls[16]);
+    SET_SHARED(joint_read, cls[17]);
     Py_INCREF(index); SET_SHARED(index, index);
     Py_INCREF(by_id); SET_SHARED(by_id, by_id);
     Py_INCREF(latest); SET_SHARED(latest, latest);

@@ -29,6 +29,7 @@ class Resolved(NamedTuple):
     args: tuple[Any, ...]  # the positional arguments (keywords bound to positions where possible)
     kwargs: dict[str, Any]
     first_known: bool  # the first argument was in the identity cache before this call
+    joint: bool = False  # its NNX objects were flattened jointly (they share nodes or Variables)
 
 
 def resolve_call(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Resolved | None:
@@ -82,7 +83,7 @@ def _resolve_all(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...],
                 key.append(static_spec(kwargs[name], name).id)
             else:
                 key.append(resolve(kwargs[name], leaves, name, nnx_args, joint, trace_scalars))
-    return Resolved(leaves, tuple(key), nnx_args, args, kwargs, first_known)
+    return Resolved(leaves, tuple(key), nnx_args, args, kwargs, first_known, joint is not None)
 
 
 def resolve(

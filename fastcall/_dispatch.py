@@ -45,8 +45,8 @@ import jax
 from . import _args, _codegen, _fast, _flatten, _guard, _native, _nnx_gate
 from ._build import Entry, StructureVaries
 from ._fast import (
-    ArgRead, FastRecord, FastSlot, GraphdefRead, NodeRead, NodesRead, PytreeShape, StaticRead, StructureRecord,
-    VariableRead, WriteBack,
+    ArgRead, FastRecord, FastSlot, GraphdefRead, JointRead, NodeRead, NodesRead, PytreeShape, StaticRead,
+    StructureRecord, VariableRead, WriteBack,
 )
 from ._flatten import ArrayImpl
 from ._outputs import on_error
@@ -59,7 +59,7 @@ def configure_accel() -> None:
     records = (
         FastSlot, FastRecord, StructureRecord, _flatten.CacheEntry, ArgRead, NodeRead, NodesRead, VariableRead,
         GraphdefRead, _fast.KnownGraphdef, _fast.NnxArg, WriteBack, _fast.RawLeaf, _flatten.Registration,
-        _guard.Watched, _fast.SequenceRead, StaticRead,
+        _guard.Watched, _fast.SequenceRead, StaticRead, JointRead,
     )
     _native.BUILT.configure(
         _fast.INDEX, _flatten.by_id, _flatten.LATEST, _fast.GRAPHDEFS, _fast.VALUE_SLOT, _fast.GRAPH_CONTEXT, ArrayImpl,
@@ -159,7 +159,7 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
     order = keyword_order(state.signature, len(args) - len(kwnames), kwnames) if kwnames else None
     if kwnames and order is None:
         return
-    reads: list[ArgRead | NodeRead | NodesRead | VariableRead | GraphdefRead | StaticRead | None] = []
+    reads: list[ArgRead | NodeRead | JointRead | NodesRead | VariableRead | GraphdefRead | StaticRead | None] = []
     nnx_args = iter(resolved.nnx_args)
     for a, spec_id in zip(args, key):
         static = _fast.static_read(spec_id, a) if spec_id != 0 else None  # (None, a str, an optax transform)
@@ -179,10 +179,18 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
             reads.append(variable)
             continue
         if resolved.nnx_args and _nnx_gate.reads_as_node(a):
-            # Read from its cache entry, on its own (not a Variable read afresh, not
-            # flattened jointly with another argument).
+            # Read from its cache entry: on its own (not a Variable read afresh), or as the
+            # general path read it jointly with the call's other NNX arguments.
             nnx_arg = next(nnx_args, None)
-            if nnx_arg is None or nnx_arg.obj is not a or not _nnx_gate.adapter().readable_argument(nnx_arg, spec_id):
+            if nnx_arg is None or nnx_arg.obj is not a:
+                return
+            if resolved.joint:
+                joint = _nnx_gate.adapter().joint_read(nnx_arg)
+                if joint is None:
+                    return
+                reads.append(joint)
+                continue
+            if not _nnx_gate.adapter().readable_argument(nnx_arg, spec_id):
                 return
             reads.append(NodeRead(spec_id))
             continue
@@ -190,7 +198,7 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
         if container is not None:
             # (a container of NNX objects only, `(model, optimizer)`, a dict or dataclass of
             # them: each read on its own)
-            nodes = _nodes_read(a, container, spec_id, nnx_args)
+            nodes = _nodes_read(a, container, spec_id, nnx_args, resolved.joint)
             if nodes is None:
                 return
             reads.append(nodes)
@@ -262,22 +270,32 @@ def _node_container(a: Any) -> tuple[int, Any] | None:
     return len(objs), PytreeShape(a, objs, treedef)
 
 
-def _nodes_read(a: Any, container: tuple[int, Any], spec_id: int, nnx_args: Any) -> NodesRead | None:
+def _nodes_read(a: Any, container: tuple[int, Any], spec_id: int, nnx_args: Any, joint: bool) -> NodesRead | None:
     """How the structure path reads `a`, a container of NNX objects only (`container`, as
     `_node_container` gives it), as this call read it (taking its objects' NnxArgs from the
-    iterator `nnx_args`, in the order the general path read them); None if an object cannot
-    be read from its cache entry on its own."""
+    iterator `nnx_args`, in the order the general path read them; `joint`: read jointly with
+    the call's other NNX objects); None if an object cannot be read from its cache entry."""
     count, keys = container
     read: list[Any] = []
+    elements: list[int | JointRead] = []
     for _ in range(count):
         n = next(nnx_args, None)
-        if n is None or n.entry is None or not _nnx_gate.adapter().readable_argument(n, n.entry.spec_id):
-            return None  # (volatile, or read jointly)
+        if n is None:
+            return None
+        if joint:  # (read jointly with the call's other NNX objects)
+            element = _nnx_gate.adapter().joint_read(n)
+            if element is None:
+                return None
+            elements.append(element)
+        elif n.entry is None or not _nnx_gate.adapter().readable_argument(n, n.entry.spec_id):
+            return None  # (volatile)
+        else:
+            elements.append(n.entry.spec_id)
         read.append(n)
     if keys is dict:  # (the general path reads a dict's values in jax's key order)
         key_of = {id(x): k for k, x in a.items()}
         keys = tuple(key_of.get(id(n.obj)) for n in read)
-    nodes = NodesRead(spec_id, type(a), tuple(n.entry.spec_id for n in read), keys)
+    nodes = NodesRead(spec_id, type(a), tuple(elements), keys)
     found = nodes.objects(a)
     if found is None or any(x is not n.obj for x, n in zip(found, read)):
         return None
@@ -370,6 +388,7 @@ def read_arguments(
     `plain`: the function's, see FunctionState.)"""
     values: list[Any] = []
     nnx_args: list[Any] = []
+    joint = 0  # NNX arguments read jointly (the record pins their entries: see JointRead)
     for i, (a, read) in enumerate(zip(args, known.reads)):
         if read is None:
             t = type(a)
@@ -385,12 +404,23 @@ def read_arguments(
             if not _nnx_gate.reads_as_node(a) or not _nnx_gate.adapter().read_cached(a, read.spec_id, values, nnx_args):
                 return None
             continue
+        if isinstance(read, JointRead):
+            if not _nnx_gate.reads_as_node(a) or not _nnx_gate.adapter().read_joint(a, read, values, nnx_args):
+                return None
+            joint += 1
+            continue
         if isinstance(read, NodesRead):
             objs = read.objects(a)
             if objs is None:
                 return None
-            for x, spec_id in zip(objs, read.elements):
-                if not _nnx_gate.is_node(x) or not _nnx_gate.adapter().read_cached(x, spec_id, values, nnx_args):
+            for x, element in zip(objs, read.elements):
+                if not _nnx_gate.is_node(x):
+                    return None
+                if type(element) is JointRead:
+                    if not _nnx_gate.adapter().read_joint(x, element, values, nnx_args):
+                        return None
+                    joint += 1
+                elif not _nnx_gate.adapter().read_cached(x, element, values, nnx_args):
                     return None
             continue
         if isinstance(read, VariableRead):
@@ -415,9 +445,11 @@ def read_arguments(
         values += leaves
     if nnx_args and (
         ((known.post is not None or not serves_nested) and currently_jitting())
-        or (len(nnx_args) > 1 and _nnx_gate.adapter().overlapping(nnx_args))
+        or (joint != len(nnx_args) if joint else len(nnx_args) > 1 and _nnx_gate.adapter().overlapping(nnx_args))
     ):
-        return None  # (as the fast path: see FunctionState.serves_nested; NNX arguments sharing Variables)
+        # (as the fast path: see FunctionState.serves_nested; NNX arguments sharing Variables
+        # are read jointly, each by a JointRead, or not here)
+        return None
     last = known.last
     for i, read in enumerate(known.reads):
         if type(read) is ArgRead:

@@ -124,7 +124,12 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
             "passed to jax.jit as a leaf, by the general path on every call",
         )
     if _nnx_gate.is_node(value) or (_nnx_gate.reads_as_node(value) and _nnx_gate.adapter().read_as_one_object(value)):
-        return ArgumentReport(name, *_nnx_gate.adapter().explain_node(value))
+        kind, per_call = _nnx_gate.adapter().explain_node(value)
+        if type(read) is _fast.JointRead:
+            kind += ", read jointly with the call's other NNX arguments (they share nodes or Variables)"
+            if read.keep is not None:
+                per_call += f"; {len(read.keep)} of its leaves passed (the others by an earlier argument)"
+        return ArgumentReport(name, kind, per_call)
     hit = _flatten.lookup(value)
     if hit is not None:
         if hit.guard is None:

@@ -92,6 +92,23 @@ class NodeRead(NamedTuple):
     spec_id: int
 
 
+class JointRead(NamedTuple):
+    """How the structure path reads an NNX argument that shares nodes or Variables with
+    another argument of the call (`train_step(model, optimizer, ...)` where the optimizer
+    holds the model): as NodeRead, but from this very cache entry only, whose nodes and
+    Variables are still those it had (`node_ids`, the entry's own set, compared by
+    identity), and passing only the leaves at `keep` (None: all). The general path's joint
+    flatten passes each shared Variable once, with the argument that reaches it first;
+    with every NNX argument's entry pinned, what is shared, and so what each passes,
+    cannot have changed. A record holding a JointRead reads every NNX object of the call
+    so."""
+
+    spec_id: int  # the entry's own spec (the entry's variant: a flipped static changes it)
+    entry: Any  # a weak reference to the entry
+    node_ids: frozenset[int]  # the entry's `node_ids` when recorded (replaced on any change)
+    keep: tuple[int, ...] | None  # positions in the entry's `items` this argument passes
+
+
 class VariableRead(NamedTuple):
     """How the structure path reads a Variable passed on its own, the call's only NNX object
     (`f(model.kernel, x)`; a Variable cannot be weakly referenced, so it has no cache
@@ -117,12 +134,13 @@ class NodesRead(NamedTuple):
     """How the structure path reads a container of NNX objects (`f((model, optimizer),
     batch)`, `f({"encoder": e, "decoder": d}, x)`, a dataclass of them): of this type, and of
     this length (a tuple or list), these keys (a dict) or this shape (any other pytree: a
-    PytreeShape), each object read as NodeRead reads it, with the spec given here; the
+    PytreeShape), each object read as NodeRead reads it, with the spec given here (or, in a
+    call whose NNX objects share nodes or Variables, as its JointRead reads it); the
     container then has spec `spec_id`."""
 
     spec_id: int
     kind: type
-    elements: tuple[int, ...]  # per object, its spec
+    elements: tuple[int | JointRead, ...]  # per object, its spec (or its JointRead)
     # None: a tuple or list, its items the objects. A tuple: a dict's keys, in the order the
     # general path read them. Else a PytreeShape (a nested tuple, a namedtuple, a
     # dataclass, ...: flattened on every call).
@@ -250,7 +268,7 @@ class StructureRecord(NamedTuple):
     arity: int  # the number of positional arguments the call must have
     # per argument, in the order the general path resolves them (`order`); None: a plain
     # leaf (FunctionState.plain_leaves)
-    reads: tuple[ArgRead | NodeRead | NodesRead | VariableRead | GraphdefRead | StaticRead | None, ...]
+    reads: tuple[ArgRead | NodeRead | JointRead | NodesRead | VariableRead | GraphdefRead | StaticRead | None, ...]
     call: Callable[..., Any]  # the compiled function
     # post(out, first, the NnxArgs of the call's NNX arguments or None); None: out is the
     # result (a WriteBack: see there)

@@ -498,11 +498,54 @@ def read_cached(obj: Any, spec_id: int, values: list[Any], nnx_args: list[NnxArg
     return True
 
 
+def read_joint(obj: Any, read: _fast.JointRead, values: list[Any], nnx_args: list[NnxArg]) -> bool:
+    """The structure path's reading of an NNX argument read jointly with others
+    (`_fast.JointRead`): the values and NnxArg the general path's joint flatten gives it, if
+    its cached entry is the recorded one, usable as it is, with the recorded spec and its
+    nodes and Variables unchanged; False (nothing appended) otherwise, or where the joint
+    read would step aside or consume NNX's cached_partial cache."""
+    entry = cached(obj)
+    if (
+        entry is None or read.entry() is not entry or entry.node_ids is not read.node_ids
+        or entry.spec_id != read.spec_id or entry.fresh or _fast.static_cache_pending()
+    ):
+        return False
+    items = entry.items if read.keep is None else [entry.items[k] for k in read.keep]
+    current = list(map(read_leaf, items))
+    if current and type(current[0]) is not ArrayImpl:
+        return False  # (tracers: inside an NNX transform)
+    values += current
+    # (as the joint flatten's NnxArg: no entry, whose leaves are not these; paths, where
+    # a Variable replaced inside needs one, found by a search)
+    nnx_args.append(NnxArg(obj, items, None, paths=entry.paths if read.keep is None else None))
+    return True
+
+
 def readable_argument(arg: NnxArg, spec_id: int) -> bool:
     """Whether the structure path may read this call's NNX argument as `read_cached` does:
     it was read from its cache entry, on its own (not jointly with another argument)."""
     entry = arg.entry
     return entry is not None and not entry.volatile and entry.spec_id == spec_id and not entry.spec.joint
+
+
+def joint_read(arg: NnxArg) -> _fast.JointRead | None:
+    """How the structure path reads this call's NNX argument again, if the general path read
+    it jointly with the call's other NNX arguments (`_read_node` with `joint`) and its cache
+    entry is usable as it is: which of the entry's leaves the joint flatten passed (the
+    same leaves, by path and identity). None if it cannot be said."""
+    entry = cached(arg.obj)
+    if entry is None or entry.paths is None or arg.entry is not None or arg.paths is None or entry.fresh:
+        return None
+    position = {tuple(p): k for k, p in enumerate(entry.paths)}
+    keep = [position.get(tuple(p), -1) for p in arg.paths]
+    if len(keep) != len(arg.variables) or -1 in keep:
+        return None
+    for k, item in zip(keep, arg.variables):
+        mine = entry.items[k]
+        if mine is not item and not (type(item) is RawLeaf and type(mine) is RawLeaf and mine == item):
+            return None
+    whole = keep == list(range(len(entry.items)))
+    return _fast.JointRead(entry.spec_id, weakref.ref(entry), entry.node_ids, None if whole else tuple(keep))
 
 
 def install_record(entry: NodeEntry, state: Any, spec_id: int, record: _fast.FastRecord) -> None:

@@ -94,17 +94,13 @@ def test_explain_says_why():
     assert "keyword arguments (x)" in text
 
 
-class _SharingOptimizer(nnx.Pytree):
-    def __init__(self, params):
-        self.params = nnx.data(params)  # the model's own Param Variables
-
-
 def test_explain_promises_no_record_a_call_of_this_form_cannot_make():
-    """`step(model, optimizer, x)` with the two sharing Variables takes the general path
-    every call; the model is cached, but a fast record is only made by a call
-    `f(model, *arrays)`, and explain says that rather than "made after a call"."""
+    """`f(model, model.kernel, x)`, a module and one of its Variables passed on its own,
+    takes the general path every call (a Variable, which has no cache entry, is not read
+    jointly on the structure path); the model is cached, but a fast record is only made by a
+    call `f(model, *arrays)`, and explain says that rather than "made after a call"."""
     m = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
-    opt = _SharingOptimizer(nnx.variables(m, nnx.Param))
+    opt = m.kernel
     f = fastcall.jit(lambda m, opt, x: m(x))
     for _ in range(3):
         _, route = served(f, m, opt, X)
