@@ -764,6 +764,37 @@ class RawArrayMLP(nnx.Module):
         return self.layers[-1](x)
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+    """A model config as bonsai's Gemma3 writes one (`TextConfig`): a frozen dataclass
+    holding a list, so it cannot be hashed, and every block keeps it (`self.config`)."""
+
+    width: int
+    layer_types: list
+
+
+class ConfigBlock(nnx.Module):
+    def __init__(self, config: BlockConfig, index: int, rngs: nnx.Rngs):
+        self.config = config
+        self.index = index
+        self.linear = nnx.Linear(config.width, config.width, rngs=rngs)
+
+    def __call__(self, x):
+        y = self.linear(x)
+        return nnx.relu(y) if self.config.layer_types[self.index] == "relu" else jnp.tanh(y)
+
+
+class ConfigMLP(nnx.Module):
+    def __init__(self, width: int, depth: int, rngs: nnx.Rngs):
+        self.config = BlockConfig(width, ["relu" if i % 2 == 0 else "tanh" for i in range(depth)])
+        self.blocks = nnx.List([ConfigBlock(self.config, i, rngs) for i in range(depth)])
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
 class DropoutMLP(nnx.Module):
     """An MLP with a Dropout before its last layer: `model.eval()` / `model.train()` change
     the compiled program, and in train mode every call consumes (writes back) its RNG."""
@@ -1079,6 +1110,13 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
             # flax 0.12.8's cached_partial fails on any raw array attribute: AttributeError:
             # 'ArrayImpl' object has no attribute 'get_raw_value' (graphlib.flatten)
             skip=("nnx.cached_partial",),
+        ),
+        "nnx_config": lambda: forward(
+            "nnx_config",
+            "NNX MLP w32 d3 whose blocks hold a config dataclass with a list (as bonsai's Gemma3 does), same model",
+            lambda: ConfigMLP(32, 3, nnx.Rngs(0)),
+            x32,
+            False,
         ),
         "nnx_eval_noop": lambda: forward(
             "nnx_eval_noop",

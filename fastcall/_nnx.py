@@ -602,6 +602,7 @@ def _intern_graphdef(graphdef: Any, n: int, arg_name: str, joint: bool = False) 
             return found
         spec = NodeSpec(_copy_unhashable(graphdef), n, joint)
         spec.mutable_statics = True
+        spec.frozen = key[2]
         return intern(spec, key)
     except Exception as err:
         raise _static_error(arg_name, err) from None
@@ -748,6 +749,17 @@ def _read_graph(obj: Any, arg_name: str, old: NodeEntry | None, entry: NodeEntry
         again, flat = _flatten_node(obj, arg_name, ref_index=refmap)
         if again != graphdef:
             entry.stale = True
+    statics_guarded = not spec.mutable_statics
+    if spec.mutable_statics and guardable:
+        containers = _static_containers(graphdef)
+        if containers is not None:
+            # (taken after the flatten: the values keyed must be the ones it holds, so they
+            # are frozen again, from the graphdef, which holds the attributes themselves)
+            more = _guard.make(containers)
+            if _freeze(graphdef) != spec.frozen:
+                entry.stale = True
+            guard = more if guard is None else (*guard, *(more or ()))
+            statics_guarded = True
     entry.watched = [id(n) for n in refmap.keys()]
     entry.node_ids = frozenset(entry.watched)
     if not entry.provisional:  # (a provisional entry is re-read anyway: nothing to watch)
@@ -760,7 +772,7 @@ def _read_graph(obj: Any, arg_name: str, old: NodeEntry | None, entry: NodeEntry
     # (raw leaves held by graph nodes are rebound through the hooked __setattr__: they
     # need no re-read, only a fresh read of their value, as Variables; plain lists and
     # dicts are watched by the guard)
-    entry.volatile = not guardable or not readable or not TRUSTED or spec.mutable_statics
+    entry.volatile = not guardable or not readable or not TRUSTED or not statics_guarded
     entry.guard = None if entry.volatile else guard
     # (the fast path reads Variables and RawLeafs; a raw item of a plain list is read here)
     entry.direct = not entry.volatile and not any(type(x) is RawItem for x in entry.items)
@@ -1036,6 +1048,49 @@ def explain_graphdef(graphdef: Any) -> tuple[str, str]:
     return "GraphDef (static, part of the compile key)", "one identity check once seen"
 
 
+def _static_containers(graphdef: Any) -> list[Any] | None:
+    """What a guard must watch so that the graph's static attributes that cannot be hashed
+    (a list, a dict, a dataclass holding one: `self.config = config`) cannot change
+    unseen: every list and dict in them, and the attribute dict of every dataclass, at any
+    depth (through tuples too). A hashable part is taken as fixed, as every hashable static
+    is (see README's Caveats). None if one holds anything else that cannot be hashed (a
+    set, an object of another kind): the graph is then walked on every call."""
+    found: list[Any] = []
+    seen: set[int] = set()
+
+    def walk(x: Any, depth: int) -> bool:
+        try:
+            hash(x)
+            return True
+        except TypeError:
+            pass
+        if id(x) in seen:
+            return True
+        if depth > 64:
+            return False
+        seen.add(id(x))
+        t = type(x)
+        if t is list or t is tuple:
+            if t is list:
+                found.append(x)
+            return all(walk(i, depth + 1) for i in x)
+        if t is dict:
+            found.append(x)
+            return all(walk(v, depth + 1) for v in x.values())
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            attributes = _guard.Attributes(x)
+            if not _guard.is_guardable(attributes):
+                return False  # (no attribute dict to watch: slots)
+            found.append(attributes)
+            return all(walk(v, depth + 1) for v in vars(x).values())
+        return False
+
+    for _, attr in graphdef.attributes:
+        if type(attr) is graphlib.Static and not walk(attr.value, 0):
+            return None
+    return found
+
+
 def _has_mutable_statics(graphdef: Any) -> bool:
     """Whether a static attribute in the GraphDef cannot be hashed (a list, a dict, a
     dataclass holding one: it may change in place)."""
@@ -1218,7 +1273,10 @@ def explain_node(obj: Any) -> tuple[str, str]:
         if not TRUSTED:
             why = "the structure hooks are not verified on this flax"
         elif entry.spec.mutable_statics:
-            why = "a mutable static attribute (a list, dict or set): its graph is walked and compared by value"
+            why = (
+                "a mutable static attribute holding what a guard cannot watch (a set, an object that is "
+                "not a list, dict or dataclass): its graph is walked and compared by value"
+            )
         else:
             why = "a container in its graph that cannot be guarded, or a raw leaf fastcall cannot address"
         return f"NNX object re-read on every call ({why})", "a graph walk (nnx.jit's cost)"
@@ -1287,14 +1345,17 @@ class NodeSpec:
 
     __slots__ = (
         "id", "kind", "graphdef", "n_dyn", "cacheable", "templated", "mask", "joint", "mutable_statics",
-        "has_containers", "has_shared", "values_only", "__weakref__",
+        "frozen", "has_containers", "has_shared", "values_only", "__weakref__",
     )
 
     def __init__(self, graphdef: Any, n: int, joint: bool = False) -> None:
         self.id = -1
-        # Static attributes that can change in place (a list, a dict): the object's graph
-        # is walked and compared by value on every call.
+        # Static attributes that can change in place (a list, a dict, a dataclass holding
+        # one): the spec is keyed by value (`frozen`: the graphdef frozen, see `_freeze`),
+        # and the object's entry watches them with a guard (`_static_containers`), or, where
+        # none can, the object's graph is walked and compared by value on every call.
         self.mutable_statics = False
+        self.frozen: Any = None
         self.joint = joint  # flattened together with the call's earlier NNX arguments
         self.kind = "nnx"
         self.graphdef = graphdef

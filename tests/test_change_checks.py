@@ -691,7 +691,7 @@ def test_threads_replacing_a_variable_on_a_model_re_read_every_call():
     class M(nnx.Module):
         def __init__(self):
             self.linear = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
-            self.cfg = nnx.static([1, 2])  # a mutable static: re-read every call
+            self.cfg = nnx.static({1, 2})  # a mutable static no guard watches (a set): re-read every call
             self.kl = Loss(jnp.zeros(()))
 
         def __call__(self, x):

@@ -25,8 +25,9 @@ class ListNet(eqx.Module):
 
 
 class WithConfig(nnx.Module):
-    def __init__(self):
-        self.config = {"scale": 2}  # a mutable static attribute: re-read every call
+    def __init__(self, tags=True):
+        # a mutable static attribute: watched by a guard, but a set inside: re-read every call
+        self.config = {"scale": 2, "tags": {"a"}} if tags else {"scale": 2}
         self.w = nnx.Param(jnp.ones(4))
 
     def __call__(self, x):
@@ -43,6 +44,7 @@ def _scenarios():
     yield "params dict", lambda: {"w": jnp.ones(4)}, (X,), {}
     yield "nnx module", lambda: nnx.Linear(4, 4, rngs=nnx.Rngs(0)), (X,), {}
     yield "nnx mutable static", WithConfig, (X,), {}
+    yield "nnx config dict", lambda: WithConfig(tags=False), (X,), {}  # (guarded: the fast path)
     yield "keyword argument", lambda: nnx.Linear(4, 4, rngs=nnx.Rngs(0)), (), {"x": X}
     yield "scalar second argument", lambda: {"w": jnp.ones(4)}, (2.0,), {}  # (traced: passed as is)
     yield "numpy second argument", lambda: {"w": jnp.ones(4)}, (np.ones(4, np.float32),), {}

@@ -1141,41 +1141,91 @@ class FrozenConfig:
     layer_types: list
 
 
+@dataclasses.dataclass
+class PlainConfig:
+    n: int
+    extra: dict
+
+
 class Configured(nnx.Module):
     def __init__(self):
         self.features = [2, 3]
         self.config = {"scale": 2.0, "nested": [1, [2]]}
         self.frozen = FrozenConfig(["a", "b"])
+        self.plain = PlainConfig(1, {"k": [FrozenConfig([1])]})
         self.w = nnx.Param(jnp.arange(3.0))
 
     def __call__(self, x):
         scale = len(self.features) * self.config["scale"] * len(self.frozen.layer_types)
+        scale = scale * self.plain.n * len(self.plain.extra["k"][0].layer_types)
         return x * scale + self.w[...] * len(self.config["nested"][1])
 
 
-@pytest.mark.parametrize(
-    "mutate",
-    [
-        lambda m: m.features.append(4),
-        lambda m: m.features.__delitem__(0),
-        lambda m: m.features.__setitem__(0, 7),
-        lambda m: m.config.__setitem__("scale", 3.0),
-        lambda m: m.config["nested"][1].append(5),
-        lambda m: m.frozen.layer_types.append("c"),
-    ],
-    ids=["append", "del", "setitem", "dict-key", "nested-list", "frozen-dataclass-list"],
-)
-def test_mutable_static_attributes_are_keyed_by_value_and_never_stale(mutate):
+_MUTATIONS = {
+    "append": lambda m: m.features.append(4),
+    "del": lambda m: m.features.__delitem__(0),
+    "setitem": lambda m: m.features.__setitem__(0, 7),
+    "dict-key": lambda m: m.config.__setitem__("scale", 3.0),
+    "nested-list": lambda m: m.config["nested"][1].append(5),
+    "frozen-dataclass-list": lambda m: m.frozen.layer_types.append("c"),
+    "dataclass-field": lambda m: setattr(m.plain, "n", 2),
+    "frozen-dataclass-field": lambda m: object.__setattr__(m.frozen, "layer_types", ["x", "y", "z"]),
+    "deep": lambda m: m.plain.extra["k"][0].layer_types.append(2),
+    "dict-in-dataclass": lambda m: m.plain.extra.__setitem__("k", [FrozenConfig([1, 2, 3])]),
+}
+
+
+@pytest.mark.parametrize("mutate", list(_MUTATIONS))
+def test_mutable_static_attributes_are_keyed_by_value_and_never_stale(mutate, hot_path):
+    """Lists, dicts and dataclasses in static attributes (`self.config = config`) are
+    watched by a guard: the model stays on the fast path, and any change in place is
+    seen (the peers return the old result here: the oracle is the eager call)."""
     m = Configured()
     f = fastcall.jit(lambda m, x: m(x))
     x = jnp.ones(3)
-    assert_trees_equal(f(m, x), m(x))
-    mutate(m)
-    assert_trees_equal(f(m, x), m(x))  # the peers return the old result here
+    routes = []
+    for _ in range(3):
+        y, route = served(f, m, x)
+        routes.append(route)
+        assert_trees_equal(y, m(x))
+    assert routes[-1] == FAST_PATH[hot_path]
+    _MUTATIONS[mutate](m)
+    y, route = served(f, m, x)
+    assert route == "general"
+    assert_trees_equal(y, m(x))
     assert f.stats().compiles == 2
+    for _ in range(2):  # (watched again, as changed)
+        y, route = served(f, m, x)
+        assert_trees_equal(y, m(x))
+    assert route == FAST_PATH[hot_path]
     # inside a container too, and the first value again reuses its program
     g = fastcall.jit(lambda ms, x: ms[0](x))
     assert_trees_equal(g([m], x), m(x))
+
+
+def test_a_static_no_guard_can_watch_is_read_every_call(hot_path):
+    """A set in a static attribute (mutable, and no guard watches one): the graph is walked
+    and compared by value on every call, and a change in place is seen."""
+
+    class M(nnx.Module):
+        def __init__(self):
+            self.config = {"tags": {"a"}}
+            self.w = nnx.Param(jnp.arange(3.0))
+
+        def __call__(self, x):
+            return x * len(self.config["tags"]) + self.w[...]
+
+    m = M()
+    f = fastcall.jit(lambda m, x: m(x))
+    x = jnp.ones(3)
+    for _ in range(2):
+        y, route = served(f, m, x)
+        assert route == "general"
+        assert_trees_equal(y, m(x))
+    m.config["tags"].add("b")
+    y, route = served(f, m, x)
+    assert route == "general"
+    assert_trees_equal(y, m(x))
 
 
 def test_mutable_static_attribute_restored_reuses_the_first_program():
