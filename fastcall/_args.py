@@ -30,6 +30,9 @@ class Resolved(NamedTuple):
     kwargs: dict[str, Any]
     first_known: bool  # the first argument was in the identity cache before this call
     joint: bool = False  # its NNX objects were flattened jointly (they share nodes or Variables)
+    # (joint) per NNX object, (the object, its entry, the entry's `version`) as the first,
+    # separate read found them before the joint flatten (None: no entry)
+    read_before: tuple[Any, ...] = ()
 
 
 def resolve_call(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Resolved | None:
@@ -54,7 +57,11 @@ def resolve_call(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...],
     if len(resolved.nnx_args) > 1 and _nnx_gate.adapter().overlapping(resolved.nnx_args):
         if state.options.graph is False:  # (nnx.jit's tree mode refuses shared Variables)
             raise _nnx_gate.adapter().aliasing_error("two arguments")
+        before = tuple(
+            (a.obj, a.entry, a.entry.version) if a.entry is not None else None for a in resolved.nnx_args
+        )
         resolved = _resolve_all(state, fun_leaves, args, kwargs, _nnx_gate.adapter().joint_index())
+        resolved = resolved._replace(read_before=before)
     return resolved
 
 

@@ -161,6 +161,10 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
         return
     reads: list[ArgRead | NodeRead | JointRead | NodesRead | VariableRead | GraphdefRead | StaticRead | None] = []
     nnx_args = iter(resolved.nnx_args)
+    before = (
+        dict(zip(map(id, resolved.nnx_args), resolved.read_before))
+        if resolved.joint and len(resolved.read_before) == len(resolved.nnx_args) else {}
+    )
     for a, spec_id in zip(args, key):
         static = _fast.static_read(spec_id, a) if spec_id != 0 else None  # (None, a str, an optax transform)
         if static is not None and _flatten.spec_by_id(spec_id).n_dyn == 0:
@@ -185,7 +189,7 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
             if nnx_arg is None or nnx_arg.obj is not a:
                 return
             if resolved.joint:
-                joint = _nnx_gate.adapter().joint_read(nnx_arg)
+                joint = _nnx_gate.adapter().joint_read(nnx_arg, before.get(id(nnx_arg)))
                 if joint is None:
                     return
                 reads.append(joint)
@@ -198,7 +202,7 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
         if container is not None:
             # (a container of NNX objects only, `(model, optimizer)`, a dict or dataclass of
             # them: each read on its own)
-            nodes = _nodes_read(a, container, spec_id, nnx_args, resolved.joint)
+            nodes = _nodes_read(a, container, spec_id, nnx_args, resolved.joint and before)
             if nodes is None:
                 return
             reads.append(nodes)
@@ -270,7 +274,7 @@ def _node_container(a: Any) -> tuple[int, Any] | None:
     return len(objs), PytreeShape(a, objs, treedef)
 
 
-def _nodes_read(a: Any, container: tuple[int, Any], spec_id: int, nnx_args: Any, joint: bool) -> NodesRead | None:
+def _nodes_read(a: Any, container: tuple[int, Any], spec_id: int, nnx_args: Any, joint: Any) -> NodesRead | None:
     """How the structure path reads `a`, a container of NNX objects only (`container`, as
     `_node_container` gives it), as this call read it (taking its objects' NnxArgs from the
     iterator `nnx_args`, in the order the general path read them; `joint`: read jointly with
@@ -283,7 +287,7 @@ def _nodes_read(a: Any, container: tuple[int, Any], spec_id: int, nnx_args: Any,
         if n is None:
             return None
         if joint:  # (read jointly with the call's other NNX objects)
-            element = _nnx_gate.adapter().joint_read(n)
+            element = _nnx_gate.adapter().joint_read(n, joint.get(id(n)))
             if element is None:
                 return None
             elements.append(element)
@@ -294,6 +298,8 @@ def _nodes_read(a: Any, container: tuple[int, Any], spec_id: int, nnx_args: Any,
         read.append(n)
     if keys is dict:  # (the general path reads a dict's values in jax's key order)
         key_of = {id(x): k for k, x in a.items()}
+        if len(key_of) != len(a):
+            return None  # (an object under two keys: its keys cannot be told by identity)
         keys = tuple(key_of.get(id(n.obj)) for n in read)
     nodes = NodesRead(spec_id, type(a), tuple(elements), keys)
     found = nodes.objects(a)

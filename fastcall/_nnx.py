@@ -267,11 +267,15 @@ class NodeEntry:
 
     __slots__ = ("ref", "spec_id", "spec", "items", "paths", "volatile", "guard", "direct", "stale", "fresh",
                  "provisional", "fast", "node_ids", "disjoint", "watched", "flips", "variants", "flipped", "spec_key",
-                 "__weakref__")
+                 "version", "__weakref__")
 
     def __init__(self, ref: _Ref) -> None:
         self.ref = ref
         self.stale = False  # a hook saw a structure change: re-read on next use
+        # bumped by every change made to the entry in place (a flip, a variant switched to,
+        # a Variable replaced): a structure record made from a read of it is made only if
+        # it is the same after the call (see `joint_read`)
+        self.version = 0
         self.provisional = False  # read once, unguarded and unwatched: stale too (see _build)
         self.spec: Any = None
         self.spec_id = -1
@@ -310,6 +314,7 @@ class NodeEntry:
     def flip(self, node: Any, name: str, old: Any) -> None:
         """A static scalar attribute of `node` went from `old` to another value."""
         with _variant_lock:
+            self.version += 1
             if self.volatile or self.stale or len(self.flips) >= _MAX_FLIPS:
                 self.stale = True
                 _fast.withdraw(self.ref)
@@ -448,6 +453,7 @@ def _switch_variant(obj: Any, arg_name: str, entry: NodeEntry) -> NodeEntry:
         key = entry.flip_key()
         found = entry.variants.get(key)
         if found is not None:
+            entry.version += 1
             entry.spec, entry.fast = found
             entry.spec_id = entry.spec.id
             entry.spec_key = key
@@ -528,13 +534,21 @@ def readable_argument(arg: NnxArg, spec_id: int) -> bool:
     return entry is not None and not entry.volatile and entry.spec_id == spec_id and not entry.spec.joint
 
 
-def joint_read(arg: NnxArg) -> _fast.JointRead | None:
+def joint_read(arg: NnxArg, before: Any) -> _fast.JointRead | None:
     """How the structure path reads this call's NNX argument again, if the general path read
     it jointly with the call's other NNX arguments (`_read_node` with `joint`) and its cache
-    entry is usable as it is: which of the entry's leaves the joint flatten passed (the
-    same leaves, by path and identity). None if it cannot be said."""
+    entry is usable as it is, unchanged since the call's first, separate read found it
+    (`before`: the object, its entry and the entry's version then): which of the entry's
+    leaves the joint flatten passed (the same leaves, by path and identity). None if it
+    cannot be said."""
     entry = cached(arg.obj)
     if entry is None or entry.paths is None or arg.entry is not None or arg.paths is None or entry.fresh:
+        return None
+    # (the very entry the call's first read found before the joint flatten, not changed in
+    # place since: else the joint flatten may have seen another graph than the one the entry
+    # describes, changed and re-read by another thread meanwhile, and the program compiled
+    # for it would be pinned to the entry)
+    if before is None or before[0] is not arg.obj or before[1] is not entry or before[2] != entry.version:
         return None
     position = {tuple(p): k for k, p in enumerate(entry.paths)}
     keep = [position.get(tuple(p), -1) for p in arg.paths]
@@ -1869,6 +1883,7 @@ def _replace_variable(arg: NnxArg, index: int, value: Any) -> None:
             _watchers.setdefault(id(new), []).append(entry)
             entry.watched = [id(new) if w == id(old) else w for w in entry.watched]
             entry.node_ids = frozenset(entry.watched)
+            entry.version += 1
 
 
 def _unmarker(nnx_out: NnxOutputs, nnx_args: list[NnxArg], link: _Link | None) -> Any:

@@ -74,6 +74,18 @@ def _same_state(ours, theirs):
     assert_trees_equal(state_of(ours), state_of(theirs))
 
 
+def _outer_and_inner(f, peer, ours, theirs, n):
+    """`n` calls f(outer, outer.inner, X), each checked against the peer's on the twins
+    (values and state); the routes that served them."""
+    routes = []
+    for _ in range(n):
+        y, route = served(f, ours, ours.inner, X)
+        routes.append(route)
+        assert_trees_equal(y, peer(theirs, theirs.inner, X))
+        _same_state(ours, theirs)
+    return routes
+
+
 def test_model_and_optimizer_train_step(hot_path):
     (m, opt), (ref_m, ref_opt) = _pair(), _pair()
     (eager_m, eager_opt) = _pair()
@@ -122,13 +134,7 @@ def test_model_and_optimizer_in_one_container(container, hot_path):
 def test_a_module_and_its_submodule(raw, hot_path):
     ours, theirs = Outer(nnx.Rngs(0), raw), Outer(nnx.Rngs(0), raw)
     f, peer = fastcall.jit(_outer_inner), nnx.jit(_outer_inner)
-    routes = []
-    for _ in range(4):
-        y, route = served(f, ours, ours.inner, X)
-        routes.append(route)
-        assert_trees_equal(y, peer(theirs, theirs.inner, X))
-        _same_state(ours, theirs)
-    assert routes == ["general"] + [STRUCTURE_PATH[hot_path]] * 3
+    assert _outer_and_inner(f, peer, ours, theirs, 4) == ["general"] + [STRUCTURE_PATH[hot_path]] * 3
     # the other way round: the submodule first (the outer one then passes only its own)
     g, peer_g = fastcall.jit(lambda inner, outer, x: _outer_inner(outer, inner, x)), nnx.jit(
         lambda inner, outer, x: _outer_inner(outer, inner, x)
@@ -173,8 +179,17 @@ def _changes():
     return {"new submodule": new_submodule, "new variable": new_variable, "eval": flip, "eval, train": train_again}
 
 
+def _read_by_another_function(*objects):
+    """Another wrapped function reads the objects (an eval step between train steps): their
+    cache entries are then current again, for the changed structure, before the joint
+    record sees them; it must still not serve them as it recorded them."""
+    for obj in objects:
+        fastcall.jit(lambda m: jax.tree_util.tree_leaves(nnx.state(m))[0])(obj)
+
+
+@pytest.mark.parametrize("read_first", [False, True], ids=["called next", "read by another function first"])
 @pytest.mark.parametrize("change", list(_changes()))
-def test_a_change_between_calls_declines(change, hot_path):
+def test_a_change_between_calls_declines(change, read_first, hot_path):
     ours, theirs = Outer(nnx.Rngs(0)), Outer(nnx.Rngs(0))
     f, peer = fastcall.jit(_outer_inner), nnx.jit(_outer_inner)
     inner, ref_inner = ours.inner, theirs.inner
@@ -182,8 +197,12 @@ def test_a_change_between_calls_declines(change, hot_path):
         f(ours, inner, X), peer(theirs, ref_inner, X)
     _changes()[change](ours)
     _changes()[change](theirs)
+    if read_first:
+        _read_by_another_function(ours, inner)
     y, route = served(f, ours, inner, X)
-    assert route == "general"
+    # (eval then train, seen by another function: the entries are back on the variant the
+    # record was made for, the same structure, and it serves them)
+    assert route == (STRUCTURE_PATH[hot_path] if change == "eval, train" and read_first else "general")
     assert_trees_equal(y, peer(theirs, ref_inner, X))
     _same_state(ours, theirs)
     _same_state(inner, ref_inner)
@@ -249,12 +268,7 @@ def test_other_objects_of_the_same_structures(hot_path):
     f, peer = fastcall.jit(_outer_inner), nnx.jit(_outer_inner)
     for seed in range(3):
         ours, theirs = Outer(nnx.Rngs(seed)), Outer(nnx.Rngs(seed))
-        routes = []
-        for _ in range(2):
-            y, route = served(f, ours, ours.inner, X)
-            routes.append(route)
-            assert_trees_equal(y, peer(theirs, theirs.inner, X))
-            _same_state(ours, theirs)
+        routes = _outer_and_inner(f, peer, ours, theirs, 2)
         assert routes == ["general", STRUCTURE_PATH[hot_path]]  # (the record pins the objects)
     # a disjoint pair of the same types: not read jointly, and not as the joint record says
     ours, theirs = Outer(nnx.Rngs(0)), Outer(nnx.Rngs(0))
@@ -321,33 +335,6 @@ def test_explain_says_the_arguments_are_read_jointly(hot_path):
     assert "read jointly" in kinds["optimizer"] and "read jointly" in kinds["model"]
 
 
-# Another wrapped function may read the objects again between two calls (an eval step
-# between train steps): their cache entries are then current again, but for the changed
-# structure. The record must still not serve them as it recorded them.
-
-
-def _read_by_another_function(*objects):
-    for obj in objects:
-        fastcall.jit(lambda m: jax.tree_util.tree_leaves(nnx.state(m))[0])(obj)
-
-
-@pytest.mark.parametrize("change", ["new submodule", "new variable", "eval"])
-def test_a_change_seen_first_by_another_function(change, hot_path):
-    ours, theirs = Outer(nnx.Rngs(0)), Outer(nnx.Rngs(0))
-    f, peer = fastcall.jit(_outer_inner), nnx.jit(_outer_inner)
-    inner, ref_inner = ours.inner, theirs.inner
-    for _ in range(3):
-        f(ours, inner, X), peer(theirs, ref_inner, X)
-    _changes()[change](ours)
-    _changes()[change](theirs)
-    _read_by_another_function(ours, inner)
-    y, route = served(f, ours, inner, X)
-    assert route == "general"
-    assert_trees_equal(y, peer(theirs, ref_inner, X))
-    _same_state(ours, theirs)
-    _same_state(inner, ref_inner)
-
-
 def test_a_variable_replaced_inside_another_function(hot_path):
     """The other function replaces a Variable its object shares with a Holder (which holds
     it directly, not through its owner): the entry follows the replacement in place (its
@@ -393,3 +380,92 @@ def test_train_and_eval_alternating_seen_first_by_another_function(hot_path):
             assert_trees_equal(y, peer(theirs, ref_inner, X))
             _same_state(ours, theirs)
     assert route == STRUCTURE_PATH[hot_path]
+
+
+def test_the_same_module_under_two_keys_of_a_dict(hot_path):
+    """`f({"a": m, "b": m}, x)`: its keys cannot be told apart by the object under them, so no
+    record is made that could read `d["b"]` for both (a later `{"a": other, "b": m}` must be
+    read as it is)."""
+
+    def f(d, x):
+        return d["a"](x) * 10 + d["b"](x)
+
+    m, other = nnx.Linear(4, 2, rngs=nnx.Rngs(0)), nnx.Linear(4, 2, rngs=nnx.Rngs(1))
+    ref_m, ref_other = nnx.Linear(4, 2, rngs=nnx.Rngs(0)), nnx.Linear(4, 2, rngs=nnx.Rngs(1))
+    g, peer = fastcall.jit(f), nnx.jit(f)
+    for _ in range(3):
+        assert_trees_equal(g({"a": m, "b": m}, X), peer({"a": ref_m, "b": ref_m}, X))
+    for _ in range(2):
+        assert_trees_equal(g({"a": other, "b": m}, X), peer({"a": ref_other, "b": ref_m}, X))
+
+
+# Another thread changes the objects, and has them read again, while the first (general)
+# call is being traced: the record that call makes must not pin the entries as they are
+# after the change to the program compiled before it.
+
+
+def _traced_with(hook):
+    """`_train_step`, running `hook` once while it is traced (in the calling thread: a slow
+    compile, in effect)."""
+    pending = [hook]
+
+    def step(model, optimizer, x, y):
+        if pending:
+            pending.pop()()
+        return _train_step(model, optimizer, x, y)
+
+    return step
+
+
+def _while_traced(change):
+    """A hook that has another thread run `change` and waits for it to finish."""
+    import threading
+
+    def hook():
+        t = threading.Thread(target=change)
+        t.start()
+        t.join()
+
+    return hook
+
+
+def test_another_thread_moves_what_is_shared_during_the_first_call(hot_path):
+    (m, opt), (ref_m, ref_opt) = _pair(), _pair()
+    other, ref_other = Net(nnx.Rngs(1)), Net(nnx.Rngs(1))
+    peek = fastcall.jit(lambda o: o.step[...])
+
+    def change():
+        opt.model = other  # (the optimizer now holds another model)
+        peek(opt), peek(opt)  # (its entry built again, current)
+
+    f = fastcall.jit(_traced_with(_while_traced(change)))
+    peer = nnx.jit(_train_step)
+    f(m, opt, X, Y), peer(ref_m, ref_opt, X, Y)
+    ref_opt.model = ref_other
+    for _ in range(3):
+        assert_trees_equal(f(m, opt, X, Y), peer(ref_m, ref_opt, X, Y))
+        _same_state(m, ref_m)
+        _same_state(other, ref_other)
+
+
+def test_another_thread_switches_the_mode_during_the_first_call(hot_path):
+    """Both modes seen before: the entries switch variants in place (the same entries, the
+    same Variables), so only the entries' versions tell the call's read from the current one."""
+    (m, opt), (ref_m, ref_opt) = _pair(), _pair()
+    peek = fastcall.jit(lambda a, b: a.l1.kernel[...].sum() + b.step[...])
+    for mode in ("train", "eval", "train"):
+        getattr(m, mode)()
+        peek(m, opt), peek(m, opt)
+
+    def change():
+        m.eval()
+        peek(m, opt), peek(m, opt)
+
+    f = fastcall.jit(_traced_with(_while_traced(change)))
+    peer = nnx.jit(_train_step)
+    f(m, opt, X, Y), peer(ref_m, ref_opt, X, Y)  # (traced in train mode)
+    ref_m.eval()
+    for _ in range(3):
+        assert_trees_equal(f(m, opt, X, Y), peer(ref_m, ref_opt, X, Y))
+        _same_state(m, ref_m)
+        _same_state(opt, ref_opt)
