@@ -614,9 +614,13 @@ def _intern_graphdef(graphdef: Any, n: int, arg_name: str, joint: bool = False) 
         found = _interned(key)
         if found is not None:
             return found
-        spec = NodeSpec(_copy_unhashable(graphdef), n, joint)
+        copied = _copy_unhashable(graphdef)
+        frozen = _freeze(copied)
+        if frozen != key[2]:  # (changed by another thread meanwhile: keyed as the copy the program keeps)
+            key = (tag, "by value", frozen)
+        spec = NodeSpec(copied, n, joint)
         spec.mutable_statics = True
-        spec.frozen = key[2]
+        spec.frozen = frozen
         return intern(spec, key)
     except Exception as err:
         raise _static_error(arg_name, err) from None
@@ -657,24 +661,36 @@ def _freeze(x: Any) -> Any:
     """A hashable value equal for equal `x` (compared as `==` compares them, but with each
     scalar's type: 1, 1.0 and True differ): lists, dicts, sets and dataclasses are
     frozen recursively. Raises TypeError for anything else that cannot be hashed."""
-    try:
-        hash(x)
-    except TypeError:
-        pass
-    else:
-        return _leaf_key(x)
-    t = type(x)
-    if isinstance(x, (list, tuple)):
-        return (t, tuple(map(_freeze, x)))
-    if t is dict:  # (equal whatever the order of insertion)
-        return (t, frozenset((_freeze(k), _freeze(v)) for k, v in x.items()))
-    if isinstance(x, collections.abc.Mapping):  # (an OrderedDict's order counts)
-        return (t, tuple((_freeze(k), _freeze(v)) for k, v in x.items()))
-    if isinstance(x, (set, frozenset)):
-        return (t, frozenset(map(_freeze, x)))
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return (t, tuple((f.name, _freeze(getattr(x, f.name))) for f in dataclasses.fields(x)))
-    raise TypeError(f"unhashable type: {t.__name__!r}")
+    memo: dict[int, Any] = {}  # (an object met again, as one config held by every layer: frozen once)
+
+    def freeze(x: Any) -> Any:
+        try:
+            hash(x)
+        except TypeError:
+            pass
+        else:
+            return _leaf_key(x)
+        done = memo.get(id(x))
+        if done is not None:
+            return done[1]
+        t = type(x)
+        out: tuple[type, Any]
+        if isinstance(x, (list, tuple)):
+            out = (t, tuple(map(freeze, x)))
+        elif t is dict:  # (equal whatever the order of insertion)
+            out = (t, frozenset((freeze(k), freeze(v)) for k, v in x.items()))
+        elif isinstance(x, collections.abc.Mapping):  # (an OrderedDict's order counts)
+            out = (t, tuple((freeze(k), freeze(v)) for k, v in x.items()))
+        elif isinstance(x, (set, frozenset)):
+            out = (t, frozenset(map(freeze, x)))
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            out = (t, tuple((f.name, freeze(getattr(x, f.name))) for f in dataclasses.fields(x)))
+        else:
+            raise TypeError(f"unhashable type: {t.__name__!r}")
+        memo[id(x)] = (x, out)  # (x held: its id is not reused meanwhile)
+        return out
+
+    return freeze(x)
 
 
 def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> tuple[NodeEntry, Any]:
@@ -1069,6 +1085,10 @@ def _static_containers(graphdef: Any) -> list[Any] | None:
     depth (through tuples too). A hashable part is taken as fixed, as every hashable static
     is (see README's Caveats). None if one holds anything else that cannot be hashed (a
     set, an object of another kind): the graph is then walked on every call."""
+    try:  # (every other part must be hashable: a Variable's metadata holding a list is not watched)
+        hash((tuple(graphdef.nodes), tuple(a for a in graphdef.attributes if type(a[1]) is not graphlib.Static)))
+    except TypeError:
+        return None
     found: list[Any] = []
     seen: set[int] = set()
 
@@ -1092,9 +1112,15 @@ def _static_containers(graphdef: Any) -> list[Any] | None:
             found.append(x)
             return all(walk(v, depth + 1) for v in x.values())
         if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            if isinstance(x, (list, tuple, dict)):
+                return False  # (a dataclass that is also a container: its items are keyed too)
             attributes = _guard.Attributes(x)
             if not _guard.is_guardable(attributes):
                 return False  # (no attribute dict to watch: slots)
+            d = vars(x)
+            if any(f.name not in d or hasattr(inspect.getattr_static(t, f.name, None), "__set__")
+                   for f in dataclasses.fields(x)):
+                return False  # (a field kept out of the attribute dict: a slot, a descriptor)
             found.append(attributes)
             return all(walk(v, depth + 1) for v in vars(x).values())
         return False

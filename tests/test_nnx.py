@@ -1203,6 +1203,47 @@ def test_mutable_static_attributes_are_keyed_by_value_and_never_stale(mutate, ho
     assert_trees_equal(g([m], x), m(x))
 
 
+@dataclasses.dataclass
+class _BaseConfig:
+    scale: int
+
+
+@dataclasses.dataclass(slots=True)
+class _SlotConfig(_BaseConfig):  # (an attribute dict from its base, its own field in a slot)
+    n: int = 1
+
+
+@pytest.mark.parametrize("where", ["variable metadata", "slot field"])
+def test_what_a_guard_cannot_watch_is_read_every_call(where, hot_path):
+    """A list in a Variable's metadata (not a static attribute), a dataclass field kept in a
+    slot: nothing watches them, so the model is read every call and a change is seen."""
+
+    class M(nnx.Module):
+        def __init__(self):
+            if where == "variable metadata":
+                self.w = nnx.Param(jnp.arange(3.0), tags=["a"])
+            else:
+                self.w = nnx.Param(jnp.arange(3.0))
+                self.cfg = _SlotConfig(2, 1)
+
+        def __call__(self, x):
+            n = len(self.w.tags) if where == "variable metadata" else self.cfg.n * self.cfg.scale
+            return x * n + self.w[...]
+
+    m = M()
+    f = fastcall.jit(lambda m, x: m(x))
+    x = jnp.ones(3)
+    for _ in range(3):
+        assert_trees_equal(f(m, x), m(x))
+    if where == "variable metadata":
+        m.w.tags.append("b")
+    else:
+        m.cfg.n = 5
+    y, route = served(f, m, x)
+    assert route == "general"
+    assert_trees_equal(y, m(x))
+
+
 def test_a_static_no_guard_can_watch_is_read_every_call(hot_path):
     """A set in a static attribute (mutable, and no guard watches one): the graph is walked
     and compared by value on every call, and a change in place is seen."""
