@@ -202,7 +202,7 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
         if container is not None:
             # (a container of NNX objects only, `(model, optimizer)`, a dict or dataclass of
             # them: each read on its own)
-            nodes = _nodes_read(a, container, spec_id, nnx_args, resolved.joint and before)
+            nodes = _nodes_read(a, container, spec_id, nnx_args, before if resolved.joint else None)
             if nodes is None:
                 return
             reads.append(nodes)
@@ -274,11 +274,15 @@ def _node_container(a: Any) -> tuple[int, Any] | None:
     return len(objs), PytreeShape(a, objs, treedef)
 
 
-def _nodes_read(a: Any, container: tuple[int, Any], spec_id: int, nnx_args: Any, joint: Any) -> NodesRead | None:
+def _nodes_read(
+    a: Any, container: tuple[int, Any], spec_id: int, nnx_args: Any, joint: dict[int, Any] | None
+) -> NodesRead | None:
     """How the structure path reads `a`, a container of NNX objects only (`container`, as
     `_node_container` gives it), as this call read it (taking its objects' NnxArgs from the
-    iterator `nnx_args`, in the order the general path read them; `joint`: read jointly with
-    the call's other NNX objects); None if an object cannot be read from its cache entry."""
+    iterator `nnx_args`, in the order the general path read them; `joint`: None, or read
+    jointly with the call's other NNX objects, and what the call's first read found of each,
+    by id of its NnxArg: see `joint_read`); None if an object cannot be read from its cache
+    entry."""
     count, keys = container
     read: list[Any] = []
     elements: list[int | JointRead] = []
@@ -286,7 +290,7 @@ def _nodes_read(a: Any, container: tuple[int, Any], spec_id: int, nnx_args: Any,
         n = next(nnx_args, None)
         if n is None:
             return None
-        if joint:  # (read jointly with the call's other NNX objects)
+        if joint is not None:
             element = _nnx_gate.adapter().joint_read(n, joint.get(id(n)))
             if element is None:
                 return None
