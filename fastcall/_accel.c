@@ -2144,7 +2144,7 @@ py_configure(PyObject *module, PyObject *args)
                          &G.s_state};
     const char *strings[] = {"spec_id", "fresh", "items", "paths", "disjoint", "node_ids", "tmp_static_cache",
                              "__dict__", "_pytree__nodes", "objects", "level", "_mapping", "_state"};
-    for (int i = 0; i < 13; i++) {
+    for (int i = 0; i < (int)(sizeof(strings) / sizeof(strings[0])); i++) { /* (made[] and strings[] pair up) */
         if (*made[i] == NULL && (*made[i] = PyUnicode_InternFromString(strings[i])) == NULL) {
             for (int j = 0; j < N_RECORDS; j++) Py_DECREF(cls[j]);
             return NULL;
