@@ -1,7 +1,9 @@
 """`python -m bench`: what fastcall saves against every peer, on this machine.
 
 Exit status: 0 when every variant verified and no fastcall variant was slower than
-a peer it replaces (each workload's `peers`) by more than --tolerance; 1 when a
+a peer it replaces (each workload's `peers`) by more than --tolerance (a gap the
+floor shows too, with fastcall at the floor, is printed and not counted:
+`_harness.PeerGap.at_floor`); 1 when a
 variant FAILED its correctness check; 2 when only the speed check failed (each
 case named on stderr and listed under "slower_than_peer" in --json). The serving
 run is reported, not checked: its latencies are dominated by HTTP and threads.
@@ -19,6 +21,16 @@ from ._registry import workloads
 
 
 SERVING = "serving"
+
+
+def _counted(gaps: list[_harness.PeerGap], at_floor: list[_harness.PeerGap]) -> list[_harness.PeerGap]:
+    """The gaps that count; those at the floor (`PeerGap.at_floor`) go to `at_floor`
+    instead, the latest measurement's replacing an earlier one of the same pair."""
+    for g in gaps:
+        if g.at_floor:
+            at_floor[:] = [a for a in at_floor if (a.workload, a.variant, a.peer) != (g.workload, g.variant, g.peer)]
+            at_floor.append(g)
+    return [g for g in gaps if not g.at_floor]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +59,18 @@ def main(argv: list[str] | None = None) -> int:
         help="exit 2 when a fastcall variant's median exceeds a peer's (the call path it replaces) "
         "by more than this fraction (default 0.05: ratios within one process still carry a few %% of noise)",
     )
+    p.add_argument(
+        "--sync-dispatch",
+        action="store_true",
+        help="CPU: run each computation in the calling thread (jax_cpu_enable_async_dispatch off), so "
+        "each call's host work adds to its compute: no hand-off to worker threads, whose scheduling "
+        "moves compute-bound steps by more than the host work does",
+    )
     args = p.parse_args(argv)
+    if args.sync_dispatch:
+        import jax  # (read when jax makes its CPU client: before anything below runs on it)
+
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
 
     quick = not args.full
     rounds = args.rounds or (15 if quick else 41)
@@ -68,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     print(_report.machine_line(info), file=sys.stderr)
     rows: list[_harness.Row] = []
     gaps: list[_harness.PeerGap] = []
+    at_floor: list[_harness.PeerGap] = []  # (reported, not counted: see PeerGap.at_floor)
     t0 = time.time()
     for i, (name, build) in enumerate(builders.items()):
         workload = build()
@@ -84,17 +108,18 @@ def main(argv: list[str] | None = None) -> int:
 
         progress(f"{name}: verifying")
         measured = _harness.measure(workload, rounds, round_s, progress)
-        found = _harness.slower_than_peers(workload, measured, args.tolerance)
+        found = _counted(_harness.slower_than_peers(workload, measured, args.tolerance), at_floor)
         if found:
             # This machine's noise can move one run's medians by more than the tolerance:
             # a gap counts only if a second measurement finds it again (its rows replace
             # the first's, so the table shows what the verdict rests on).
             measured = _harness.measure(workload, rounds, round_s, progress)
             first = {(g.variant, g.peer) for g in found}
-            confirmed = [g for g in _harness.slower_than_peers(workload, measured, args.tolerance) if (g.variant, g.peer) in first]
+            again = _harness.slower_than_peers(workload, measured, args.tolerance)
+            confirmed = [g for g in _counted(again, at_floor) if (g.variant, g.peer) in first]
             kept = {(g.variant, g.peer) for g in confirmed}
             for g in found:
-                if (g.variant, g.peer) not in kept:
+                if (g.variant, g.peer) not in kept and not any((a.variant, a.peer) == (g.variant, g.peer) for a in at_floor):
                     print(f"\n  re-measured, not found again (not counted): {g.message()}", file=sys.stderr)
             found = confirmed
         gaps += found
@@ -123,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": rounds,
             "tolerance": args.tolerance,
             "slower_than_peer": [{**dataclasses.asdict(g), "message": g.message()} for g in gaps],
+            "slower_than_peer_at_floor": [{**dataclasses.asdict(g), "message": g.message()} for g in at_floor],
             "serving": [dataclasses.asdict(r) for r in served],
         }
         _report.write_json(args.json, rows, info, extra)
@@ -131,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nleaf-scaling plot written to {args.plot}", file=sys.stderr)
         else:
             print("\nno leaf-scaling rows to plot (use --only leaves_N or no --only)", file=sys.stderr)
+    for g in at_floor:
+        print(f"\nnot counted, the floor was slower than the peer too: {g.message()}", file=sys.stderr)
     if gaps:
         print(
             f"\n{len(gaps)} (fastcall variant, peer it replaces) pair(s) where fastcall was slower by "

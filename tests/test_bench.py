@@ -132,8 +132,11 @@ def test_serving_workload(capsys):
 # ---- fastcall slower than a peer it replaces: exit 2, named on stderr and in the JSON ----
 
 
-def _timed_workload(name: str, subject_s: float, peer_s: float, wrong: bool = False) -> _harness.Workload:
-    """A synthetic workload whose subject and peer take (at least) the given seconds per call."""
+def _timed_workload(
+    name: str, subject_s: float, peer_s: float, wrong: bool = False, floor_s: float = 0
+) -> _harness.Workload:
+    """A synthetic workload whose subject, peer and floor take (at least) the given seconds
+    per call."""
     import time
 
     x = jnp.ones(3)
@@ -153,7 +156,7 @@ def _timed_workload(name: str, subject_s: float, peer_s: float, wrong: bool = Fa
         name,
         "synthetic",
         [
-            _harness.Variant("floor", sleeper(0, x)),
+            _harness.Variant("floor", sleeper(floor_s, x)),
             _harness.Variant("fastcall.jit", sleeper(subject_s, x + 1 if wrong else x)),
             _harness.Variant("the peer", sleeper(peer_s, x)),
         ],
@@ -200,6 +203,15 @@ def test_the_tolerance_is_a_flag(monkeypatch, capsys):
     assert _run_with(monkeypatch, build, ["--tolerance", "1"]) == 0
 
 
+def test_a_gap_at_the_floor_is_printed_not_counted(monkeypatch, capsys):
+    """fastcall 1.5x its peer, the floor slower still: exit 0, the pair printed as not counted
+    (a floor a little slower than fastcall: sleeps overshoot by up to a ms on a loaded machine)."""
+    build = {"w": lambda: _timed_workload("w", 0.012, 0.008, floor_s=0.0125)}
+    assert _run_with(monkeypatch, build, []) == 0
+    err = capsys.readouterr().err
+    assert "not counted, the floor was slower than the peer too: fastcall slower than its peer: w:" in err
+
+
 def test_a_failed_check_outranks_a_slow_fastcall(monkeypatch, capsys):
     build = {"w": lambda: _timed_workload("w", 0.002, 0), "bad": lambda: _timed_workload("bad", 0, 0, wrong=True)}
     assert _run_with(monkeypatch, build, []) == 1
@@ -225,6 +237,26 @@ def test_slower_than_peers_rule():
     w.min_tolerance = 0.2
     assert _harness.slower_than_peers(w, rows, tolerance=0.05) == []
     assert len(_harness.slower_than_peers(w, [row("fastcall.jit", 12.5), row("a", 10.0)], 0.05)) == 1
+
+
+def test_a_gap_the_floor_shows_too_is_at_the_floor():
+    """A peer faster than the floor itself, with fastcall within the tolerance of the floor:
+    reported as at the floor (not counted); a fastcall variant off the floor still counts,
+    and so does any gap where the floor kept up with the peer."""
+    x = jnp.ones(1)
+    variants = [_harness.Variant(n, lambda: (lambda: x)) for n in ("floor", "fastcall.jit", "a")]
+    w = _harness.Workload("w", "", variants, lambda r, o: None, peers={"fastcall.jit": ("a",)})
+
+    def gaps(floor, mine, peer):
+        rows = [_harness.Row("w", n, m, m, m, 1, 1) for n, m in (("floor", floor), ("fastcall.jit", mine), ("a", peer))]
+        return [(round(g.ratio, 2), g.at_floor) for g in _harness.slower_than_peers(w, rows, 0.05)]
+
+    assert gaps(10.0, 10.2, 9.0) == [(1.13, True)]  # the floor 1.11x the peer, fastcall 1.02x the floor
+    assert gaps(10.0, 10.6, 9.0) == [(1.18, False)]  # fastcall 1.06x the floor
+    assert gaps(9.4, 10.0, 9.0) == [(1.11, False)]  # the floor within 5% of the peer
+    assert gaps(10.0, 9.0, 9.0) == []
+    rows = [_harness.Row("w", n, m, m, m, 1, 1) for n, m in (("floor", 10.0), ("fastcall.jit", 10.2), ("a", 9.0))]
+    assert "the floor took 10.0 us" in _harness.slower_than_peers(w, rows, 0.05)[0].message()
 
 
 def test_peers_must_name_real_variants_and_never_the_floor():
