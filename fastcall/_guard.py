@@ -30,6 +30,7 @@ the dict is still the owner's.
 from __future__ import annotations
 
 import importlib
+import itertools
 import weakref
 from typing import Any, NamedTuple
 
@@ -78,11 +79,19 @@ def make(containers: list[Any]) -> Guard | None:
         if id(c) in seen:
             continue
         seen.add(id(c))
+        # (tuple.__new__: a Watched without the Python frame of its generated __new__; a
+        # guard is made on every call that returns a new nnx.State, see _nnx.twin_states)
         if type(c) is list:
-            watched.append(Watched(c, tuple(c), None, owner))
+            watched.append(_new(Watched, (c, tuple(c), None, owner)))
         else:
-            watched.append(Watched(c, tuple(x for kv in c.items() for x in kv), [None], owner))
+            watched.append(_new(Watched, (c, tuple(_chain(c.items())), [None], owner)))
     return tuple(watched) or None
+
+
+_new = tuple.__new__
+
+
+_chain = itertools.chain.from_iterable  # (a dict's keys and values interleaved, in C)
 
 
 def _holds(guard: Guard) -> bool:
@@ -94,9 +103,7 @@ def _holds(guard: Guard) -> bool:
         if type(c) is list:
             if len(c) != len(expected) or any(a is not b for a, b in zip(c, expected)):
                 return False
-        elif 2 * len(c) != len(expected) or any(
-            a is not b for a, b in zip((x for kv in c.items() for x in kv), expected)
-        ):
+        elif 2 * len(c) != len(expected) or any(a is not b for a, b in zip(_chain(c.items()), expected)):
             return False
     return True
 

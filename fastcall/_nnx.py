@@ -267,7 +267,7 @@ class NodeEntry:
 
     __slots__ = ("ref", "spec_id", "spec", "items", "paths", "volatile", "guard", "direct", "stale", "fresh",
                  "provisional", "fast", "node_ids", "disjoint", "watched", "flips", "variants", "flipped", "spec_key",
-                 "version", "__weakref__")
+                 "version", "enumerated", "__weakref__")
 
     def __init__(self, ref: _Ref) -> None:
         self.ref = ref
@@ -298,6 +298,10 @@ class NodeEntry:
         self.variants: dict[tuple[Any, ...], tuple[Any, dict[Any, _fast.FastRecord]]] = {}
         self.flipped = False  # a flip since `spec` was current: look up the variant
         self.spec_key: tuple[Any, ...] = ()  # the flipped attributes' values `spec` is for
+        # `items` are what NNX's graph flatten of the object indexes, in index order and
+        # nothing else (an nnx.State of Variables only): a call's outputs are linked to them
+        # without a flatten (`_Link`)
+        self.enumerated = False
 
     def values(self) -> list[Any]:
         """Current values of the leaves (see `read_leaf`)."""
@@ -700,6 +704,8 @@ def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> tuple[NodeEntry, A
     first_sight = old is None or old.ref() is not obj
     plain = _plain_state_read(obj) if type(obj) is nnx.State and first_sight else None
     refmap = _read_graph(obj, arg_name, old, entry)
+    if type(obj) is nnx.State:
+        entry.enumerated = _indexed_in_order(refmap, entry.items)
     if plain is not None and plain.spec is None:
         _remember_plain_state(plain, entry, refmap)
     _file(entry, old)
@@ -742,6 +748,7 @@ def _read_plain_state(state: Any, plain: _PlainState, leaves: list[Any], nnx_arg
     entry.node_ids = frozenset(map(id, plain.variables))
     entry.provisional = entry.stale = True
     entry.fresh = False
+    entry.enumerated = True
     _file(entry, None)
     leaves += values
     nnx_args.append(NnxArg(state, entry.items, entry, index=_Enumerated(plain.variables)))
@@ -844,6 +851,13 @@ def _plain_state_read(state: Any) -> _PlainState | None:
     return _PlainState(variables, key, spec)
 
 
+def _indexed_in_order(refmap: Any, items: list[Any]) -> bool:
+    """Whether a graph flatten's RefMap indexed exactly `items`, each at its position."""
+    return len(refmap) == len(items) and all(
+        obj is v and index == i for (obj, index), v, i in zip(refmap.items(), items, itertools.count())
+    )
+
+
 def _remember_plain_state(plain: _PlainState, entry: NodeEntry, refmap: Any) -> None:
     """After a graph read of a State `_plain_state_read` read just before: its spec, for
     later States of that structure, if the graph read found exactly those Variables in
@@ -851,9 +865,7 @@ def _remember_plain_state(plain: _PlainState, entry: NodeEntry, refmap: Any) -> 
     and the State still has that structure (no change between the two reads)."""
     if len(entry.items) != len(plain.variables) or not all(a is b for a, b in zip(entry.items, plain.variables)):
         return
-    if len(refmap) != len(plain.variables) or any(
-        obj is not v or index != i for (obj, index), v, i in zip(refmap.items(), plain.variables, itertools.count())
-    ):
+    if not _indexed_in_order(refmap, plain.variables):
         return
     again = _plain_state_read(entry.ref())
     if again is None or again.key != plain.key:
@@ -1423,7 +1435,7 @@ _ARG_STRIDE = 1 << 32  # outer indices of NNX argument k are k * _ARG_STRIDE + i
 class _Traced:
     """One NNX argument inside the trace: the rebuilt node and its leaves before the call."""
 
-    __slots__ = ("node", "spec", "inner", "paths", "owners", "given", "index_ref", "name")
+    __slots__ = ("node", "spec", "inner", "paths", "owners", "given", "index_ref", "name", "state_treedef")
 
     def __init__(self, node_spec: NodeSpec, given: Any, shared_index: Any, name: str) -> None:
         self.spec = node_spec
@@ -1435,6 +1447,10 @@ class _Traced:
         if node_spec.mutable_statics:  # (the function may change them in place: not the spec's)
             graphdef = _copy_unhashable(graphdef)
         self.node = graphlib.unflatten(graphdef, list(given), index_ref=self.index_ref)
+        # an nnx.State's pytree structure as given, Variables as leaves (see `_twins`)
+        self.state_treedef = (
+            jax.tree_util.tree_structure(self.node, is_leaf=_is_node_fast) if type(self.node) is State else None
+        )
         self.inner: list[Any] = []  # the leaves (Variables, raw values) before the call
         self.paths: list[Any] = []  # and their paths
         self.owners: list[Any] = []  # and the object holding each (None: not found)
@@ -1492,6 +1508,11 @@ class NnxOutputs(NamedTuple):
     links_outer: bool = False  # a new object returned holds objects of the arguments
     # new objects returned (`_NewNode` markers: pytree nodes of the output, not statics)
     new_objects: bool = True
+    # nnx.States returned holding the very Variables of an nnx.State argument, in the same
+    # pytree structure (a functional loop's `return loss, nnx.state(...)`): (where in the
+    # output: None for the output itself, else its index in the output tuple or list; the
+    # argument's ordinal). Each call gives each such State a cache entry (`twin_states`).
+    twins: tuple[tuple[int | None, int], ...] = ()
 
 
 class TracedInputs:
@@ -1592,15 +1613,49 @@ class TracedInputs:
                 written.append(value)
                 if new_variable:
                     replaced.append((ordinal, index))
+        twins = self._twins(out, {k for k, _ in replaced} | {k for k, _, _ in restructure}) if not joint else ()
         out, marks = self._mark_nodes(out, refuse_aliasing, inner_ref, outer_index, outer_ref)
         extra = restructured + written
         if not (writes or restructure or marks.found):
             return out, None, []
         nnx_out = NnxOutputs(
             tuple(writes), tuple(restructure), marks.found, marks.sub_objects, len(extra), frozenset(replaced),
-            joint, marks.links_outer, marks.new_objects,
+            joint, marks.links_outer, marks.new_objects, twins,
         )
         return out, nnx_out, extra
+
+    def _twins(self, out: Any, changed: set[int]) -> tuple[tuple[int | None, int], ...]:
+        """`NnxOutputs.twins`: the nnx.States in `out` (itself, or an item of a tuple or
+        list) holding exactly the Variables of an nnx.State argument whose Variables stay
+        the caller's (`changed`: the ordinals of arguments restructured or with a Variable
+        replaced), in its flatten order and pytree structure as given."""
+        if type(out) is State:
+            places: list[tuple[int | None, Any]] = [(None, out)]
+        elif type(out) in (tuple, list):
+            places = [(i, x) for i, x in enumerate(out) if type(x) is State]
+        else:
+            return ()
+        def same(a: tuple[list[Any], Any], t: _Traced) -> bool:
+            variables, treedef = a
+            return (
+                treedef == t.state_treedef and len(variables) == len(t.inner)
+                and all(x is y for x, y in zip(variables, t.inner)) and all(map(_is_variable, variables))
+            )
+
+        # (the argument itself as it was given: each of its Variables is then still in it,
+        # and returned as the caller's own)
+        unchanged = [
+            t.state_treedef is not None and ordinal not in changed
+            and same(jax.tree_util.tree_flatten(t.node, is_leaf=_is_node_fast), t)
+            for ordinal, t in enumerate(self.args)
+        ]
+        twins = []
+        for position, state in places:
+            flat = jax.tree_util.tree_flatten(state, is_leaf=_is_node_fast)
+            ordinal = next((k for k, t in enumerate(self.args) if unchanged[k] and same(flat, t)), None)
+            if ordinal is not None:
+                twins.append((position, ordinal))
+        return tuple(twins)
 
     def _changed(self, t: _Traced, graphdef: Any, after: list[Any], out: Any, flattened: list[Any]) -> bool:
         """Whether the function changed the structure of argument `t` (given its graphdef
@@ -1859,6 +1914,9 @@ class _Link:
         for ordinal, arg in enumerate(nnx_args):
             if shared is None:
                 refmap = arg.index
+                entry = arg.entry
+                if refmap is None and entry is not None and entry.enumerated and arg.variables is entry.items:
+                    refmap = _Enumerated(arg.variables)  # (what a flatten would index)
                 if refmap is None:
                     refmap = graphlib.RefMap()
                     graphlib.flatten(arg.obj, with_paths=False, ref_index=refmap)
@@ -1910,6 +1968,78 @@ def _replace_variable(arg: NnxArg, index: int, value: Any) -> None:
             entry.watched = [id(new) if w == id(old) else w for w in entry.watched]
             entry.node_ids = frozenset(entry.watched)
             entry.version += 1
+
+
+def twin_states(nnx_out: NnxOutputs, result: Any, nnx_args: list[NnxArg]) -> None:
+    """Give each nnx.State the call returned holding an argument's Variables
+    (`NnxOutputs.twins`) a cache entry of its own, made from the argument's: a functional
+    loop passes it back next call, where it is then read as a known object (no flatten, no
+    metadata compared; the structure path serves it) instead of as a new State."""
+    for position, ordinal in nnx_out.twins:
+        state = result if position is None else result[position]
+        arg = nnx_args[ordinal]
+        source = arg.entry
+        if (
+            type(state) is not State or source is None or not source.enumerated or source.volatile
+            or arg.variables is not source.items or source.ref() is not arg.obj or by_id.get(id(state)) is not None
+        ):
+            continue
+        items = list(source.items)  # (not shared: a Variable replaced later is replaced in one)
+        if not all(type(raw_value(v)) is ArrayImpl for v in items):
+            continue  # (values of an outer trace)
+        walked = _state_parts(state)
+        if walked is None or len(walked[1]) != len(items) or frozenset(walked[1]) != source.node_ids:
+            continue
+        entry = _new_entry(state, None)
+        entry.items, entry.paths = items, source.paths
+        entry.spec, entry.spec_id = source.spec, source.spec_id
+        entry.node_ids = source.node_ids
+        entry.guard = _guard.make(walked[0])
+        entry.direct = entry.enumerated = True
+        entry.fresh = False
+        entry.watched = [id(v) for v in items]
+        with _watch_lock:
+            for oid in entry.watched:
+                _watchers.setdefault(oid, []).append(entry)
+        # The Variables' types and metadata are the spec's: the source entry said so when
+        # the call read it, and nothing changed them since if it is watched and still not
+        # stale (checked after this entry watches them: a change from now on marks this
+        # one). A provisional source is not watched: its State's key is read again.
+        if source.provisional:
+            plain = _plain_state_read(state)
+            if plain is None or plain.spec is not source.spec or any(a is not b for a, b in zip(plain.variables, items)):
+                entry.stale = True
+        elif source.stale:
+            entry.stale = True
+        _file(entry, None)
+
+
+def _state_parts(state: Any) -> tuple[list[Any], list[int]] | None:
+    """The containers a guard over an nnx.State watches (its attribute dict and every dict
+    of its mapping, nested States' too), and the ids of the Variables it holds; None if it
+    holds anything else (or a container no guard can watch)."""
+    containers: list[Any] = []
+    ids: list[int] = []
+    pending = [state]
+    while pending:
+        node = pending.pop()
+        if type(node) is State:
+            attributes = _guard.Attributes(node)
+            if not _guard.is_guardable(attributes):
+                return None
+            containers.append(attributes)
+            node = node.raw_mapping
+        if type(node) is not dict:
+            return None
+        containers.append(node)
+        for value in node.values():
+            if type(value) is dict or type(value) is State:
+                pending.append(value)
+            elif _is_variable(value):
+                ids.append(id(value))
+            else:
+                return None
+    return containers, ids
 
 
 def _unmarker(nnx_out: NnxOutputs, nnx_args: list[NnxArg], link: _Link | None) -> Any:

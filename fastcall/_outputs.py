@@ -139,8 +139,12 @@ class OutInfo:
         if self.build is None and not self.nnx.new_objects:
             # (the markers, all for the caller's objects, are among the statics: the output
             # is built once, with the objects in their place)
-            return self.result(dyn, self.adapter.unmark_leaves(self.nnx, self.statics, nnx_args, link))
-        return self.adapter.unmark_nodes(self.nnx, self.result(dyn), nnx_args, link)
+            result = self.result(dyn, self.adapter.unmark_leaves(self.nnx, self.statics, nnx_args, link))
+        else:
+            result = self.adapter.unmark_nodes(self.nnx, self.result(dyn), nnx_args, link)
+        if self.nnx.twins:  # (nnx.States returned holding an argument's Variables)
+            self.adapter.twin_states(self.nnx, result, nnx_args)
+        return result
 
     def result(self, dyn: Any, statics: Any = None) -> Any:
         """The user's output from the flat outputs of one call, less those written back

@@ -464,23 +464,30 @@ def _spy(monkeypatch: Any, module: Any, name: str) -> list[int]:
     return calls
 
 
-def test_a_new_state_every_call_is_read_as_a_pytree(monkeypatch):
-    """`loss, state = step(graphdef, state, x)`: after the first call, each new State is read
-    by its pytree flatten under the spec its structure was given (no graph walk). Losses,
-    state, and the returned State holding the caller's own Variables, as nnx.jit."""
+def _split_loop_state():
+    model = Counted(4, 3, 0)
+    return nnx.split((model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)))
+
+
+def test_the_state_a_call_returns_is_read_from_its_own_entry(monkeypatch, hot_path):
+    """`loss, state = step(graphdef, state, x)`: the first State is read by one graph walk;
+    each State a call returns holding the argument's Variables gets a cache entry of its own
+    (`_nnx.twin_states`), so the next call reads it as a known object, on the structure
+    path: no graph walk, no pytree flatten. Losses, state, and the returned State holding the
+    caller's own Variables, as nnx.jit."""
     from fastcall import _nnx
 
-    def split():
-        model = Counted(4, 3, 0)
-        return nnx.split((model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)))
-
     f, peer = fastcall.jit(_loop_step), nnx.jit(_loop_step)
-    (graphdef, state), (peer_graphdef, peer_state), (eager_graphdef, eager_state) = split(), split(), split()
+    (graphdef, state), (peer_graphdef, peer_state), (eager_graphdef, eager_state) = (
+        _split_loop_state(), _split_loop_state(), _split_loop_state()
+    )
     pytree_reads = _spy(monkeypatch, _nnx, "_read_plain_state")
     graph_reads = _spy(monkeypatch, _nnx, "_flatten_node")
+    routes = []
     for x in [X, X * 2.0, X - 0.5, X]:
         given, peer_given = state, peer_state
-        loss, state = f(graphdef, state, x)
+        (loss, state), route = served(f, graphdef, state, x)
+        routes.append(route)
         peer_loss, peer_state = peer(peer_graphdef, peer_state, x)
         eager_loss, eager_state = _loop_step(eager_graphdef, eager_state, x)
         assert_trees_equal(loss, peer_loss)
@@ -491,8 +498,175 @@ def test_a_new_state_every_call_is_read_as_a_pytree(monkeypatch):
         assert state is not given and peer_state is not peer_given
         assert all(a is b for a, b in zip(_variables(state), _variables(given)))
         assert all(a is b for a, b in zip(_variables(peer_state), _variables(peer_given)))
+    assert routes == ["general"] + [STRUCTURE_PATH[hot_path]] * 3, routes
+    assert len(pytree_reads) == 0 and len(graph_reads) == 1
+    assert f.stats().compiles == 1
+
+
+def test_a_new_state_the_caller_builds_is_read_as_a_pytree(monkeypatch):
+    """A new State the caller built (not one a call returned) is read by its pytree flatten
+    under the spec its structure was given (no graph walk)."""
+    from fastcall import _nnx
+
+    f = fastcall.jit(_loop_step)
+    (graphdef, state), (eager_graphdef, eager_state) = _split_loop_state(), _split_loop_state()
+    pytree_reads = _spy(monkeypatch, _nnx, "_read_plain_state")
+    graph_reads = _spy(monkeypatch, _nnx, "_flatten_node")
+    for x in [X, X * 2.0, X - 0.5, X]:
+        loss, state = f(graphdef, nnx.State(dict(state.raw_mapping)), x)  # (a copy: unknown)
+        eager_loss, eager_state = _loop_step(eager_graphdef, eager_state, x)
+        assert_close(loss, eager_loss)
+        assert_close(state_of(state), state_of(eager_state))
     assert len(pytree_reads) == 3 and len(graph_reads) == 1
     assert f.stats().compiles == 1
+
+
+def _first_variable_slot(state: Any) -> tuple[dict, Any]:
+    """The dict and key holding the first Variable of `state` (sorted keys, depth first)."""
+    mapping = state.raw_mapping
+    while True:
+        key = sorted(mapping, key=str)[0]
+        if isinstance(mapping[key], nnx.Variable):
+            return mapping, key
+        mapping = mapping[key]
+
+
+def _replace_variable(state):
+    d, k = _first_variable_slot(state)
+    d[k] = d[k].replace(d[k].get_value() * 2.0)
+
+
+def _set_metadata(state):
+    d, k = _first_variable_slot(state)
+    d[k].set_metadata("note", 1)
+
+
+def _set_value(state):
+    d, k = _first_variable_slot(state)
+    d[k].set_value(d[k].get_value() + 1.0)
+
+
+def _copy_nested_dict(state):
+    key = sorted(state.raw_mapping, key=str)[0]
+    state.raw_mapping[key] = dict(state.raw_mapping[key])
+
+
+def _swap_mapping(state):
+    object.__setattr__(state, "_mapping", dict(state.raw_mapping))
+
+
+_STATE_CHANGES = {
+    # name: (change, whether the structure path may still serve the next call)
+    "Variable replaced": (_replace_variable, False),
+    "metadata set": (_set_metadata, False),
+    "value set": (_set_value, True),
+    "nested dict replaced by a copy": (_copy_nested_dict, False),
+    "mapping swapped": (_swap_mapping, False),
+}
+
+
+@pytest.mark.parametrize("change", list(_STATE_CHANGES))
+def test_a_returned_state_changed_before_it_is_passed_back(change, hot_path):
+    """Each change the caller can make to a returned State between calls is seen: the next
+    call matches nnx.jit and the eager loop, and a change of structure (a Variable, a dict,
+    metadata) takes the general path."""
+    mutate, may_stay = _STATE_CHANGES[change]
+    f, peer = fastcall.jit(_loop_step), nnx.jit(_loop_step)
+    (graphdef, state), (peer_graphdef, peer_state), (eager_graphdef, eager_state) = (
+        _split_loop_state(), _split_loop_state(), _split_loop_state()
+    )
+    routes = []
+    for i, x in enumerate([X, X * 2.0, X - 0.5, X + 1.0, X]):
+        if i == 2:
+            mutate(state), mutate(peer_state), mutate(eager_state)
+        (loss, state), route = served(f, graphdef, state, x)
+        routes.append(route)
+        peer_loss, peer_state = peer(peer_graphdef, peer_state, x)
+        eager_loss, eager_state = _loop_step(eager_graphdef, eager_state, x)
+        assert_trees_equal(loss, peer_loss)
+        assert_trees_equal(state_of(state), state_of(peer_state))
+        assert_close(loss, eager_loss)
+        assert_close(state_of(state), state_of(eager_state))
+    assert routes[1] == STRUCTURE_PATH[hot_path], routes
+    assert (routes[2] == STRUCTURE_PATH[hot_path]) == may_stay, routes
+    assert routes[4] == STRUCTURE_PATH[hot_path], routes  # (the chain takes up again)
+
+
+@pytest.mark.parametrize("when", [0, 2])
+def test_metadata_changed_while_a_call_runs_is_seen_by_the_state_it_returns(monkeypatch, hot_path, when):
+    """A Variable's metadata set after the call read its State and before the returned
+    State's entry is made (another thread, in a real program: here, where the call writes
+    values back) leaves that entry stale: the next call reads the State again, and matches
+    nnx.jit given the same change. In the first call (`when` 0) the State read is new to
+    fastcall (its entry unwatched: the returned State's key is read again); in the third,
+    it is one a call returned (watched)."""
+    from fastcall import _nnx
+
+    f, peer = fastcall.jit(_loop_step), nnx.jit(_loop_step)
+    (graphdef, state), (peer_graphdef, peer_state) = _split_loop_state(), _split_loop_state()
+    real = _nnx.write_back
+    armed = []
+
+    def write_back(nnx_out, values, nnx_args):
+        link = real(nnx_out, values, nnx_args)
+        if armed:
+            _set_metadata(armed.pop())
+        return link
+
+    monkeypatch.setattr(_nnx, "write_back", write_back)
+    routes = []
+    for i, x in enumerate([X, X * 2.0, X - 0.5, X + 1.0, X]):
+        if i == when:
+            armed.append(state)
+            _set_metadata(peer_state)
+        (loss, state), route = served(f, graphdef, state, x)
+        routes.append(route)
+        peer_loss, peer_state = peer(peer_graphdef, peer_state, x)
+        assert_trees_equal(loss, peer_loss)
+        assert_trees_equal(state_of(state), state_of(peer_state))
+        if i == when:
+            assert _nnx.by_id[id(state)].stale
+    assert routes[when + 1] == "general" and routes[-1] == STRUCTURE_PATH[hot_path], routes
+
+
+def test_an_older_returned_state_passed_again(hot_path):
+    """A State returned two calls ago holds the same Variables (updated in place since): it
+    is read as they are now, as nnx.jit and the eager loop read it."""
+    f, peer = fastcall.jit(_loop_step), nnx.jit(_loop_step)
+    (graphdef, state), (peer_graphdef, peer_state), (eager_graphdef, eager_state) = (
+        _split_loop_state(), _split_loop_state(), _split_loop_state()
+    )
+    kept = []
+    for x in [X, X * 2.0, X - 0.5]:
+        loss, state = f(graphdef, state, x)
+        peer_loss, peer_state = peer(peer_graphdef, peer_state, x)
+        eager_loss, eager_state = _loop_step(eager_graphdef, eager_state, x)
+        kept.append((state, peer_state, eager_state))
+    old, peer_old, eager_old = kept[0]
+    loss, _ = f(graphdef, old, X)
+    assert_trees_equal(loss, peer(peer_graphdef, peer_old, X)[0])
+    assert_close(loss, _loop_step(eager_graphdef, eager_old, X)[0])
+
+
+def _returns_the_params_only(graphdef, state, x):
+    model, optimizer = nnx.merge(graphdef, state)
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+    optimizer.update(model, grads)
+    return loss, nnx.state(model, nnx.Param)  # (not the argument's structure)
+
+
+def test_a_returned_state_of_another_structure_gets_no_entry():
+    from fastcall import _nnx
+
+    f = fastcall.jit(_returns_the_params_only)
+    graphdef, state = _split_loop_state()
+    for x in [X, X * 2.0]:
+        loss, params = f(graphdef, state, x)
+        assert isinstance(params, nnx.State)
+    assert f.stats().compiles == 1
+    given = {id(v) for v in _variables(state)}
+    assert len(_variables(params)) < len(given) and all(id(v) in given for v in _variables(params))
+    assert _nnx.by_id.get(id(params)) is None
 
 
 def _passes_a_model_through(state, aux, other, x):
