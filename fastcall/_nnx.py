@@ -1985,8 +1985,8 @@ def twin_states(nnx_out: NnxOutputs, result: Any, nnx_args: list[NnxArg]) -> Non
         ):
             continue
         items = list(source.items)  # (not shared: a Variable replaced later is replaced in one)
-        if not all(type(raw_value(v)) is ArrayImpl for v in items):
-            continue  # (values of an outer trace)
+        if contains_tracer(map(raw_value, items)):
+            continue  # (values of an outer trace; an RNG key array is concrete, not an ArrayImpl)
         walked = _state_parts(state)
         if walked is None or len(walked[1]) != len(items) or frozenset(walked[1]) != source.node_ids:
             continue

@@ -517,6 +517,50 @@ def test_the_state_a_call_returns_is_read_from_its_own_entry(monkeypatch, hot_pa
     assert f.stats().compiles == 1
 
 
+class _GuideModel(nnx.Module):
+    """The model of flax's performance guide: BatchNorm statistics and Dropout's RNG stream
+    (a key array, not a plain jax array) in the state."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(2, 8, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, use_running_average=False, rngs=rngs)
+        self.dropout = nnx.Dropout(0.2, deterministic=False, rngs=rngs)
+        self.linear_out = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.linear_out(nnx.relu(self.dropout(self.bn(self.linear(x)))))
+
+
+def _guide_step(graphdef, state, x):
+    model, optimizer, metrics = nnx.merge(graphdef, state)
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+    optimizer.update(model, grads)
+    metrics.update(loss=loss)
+    return loss, nnx.state((model, optimizer, metrics))
+
+
+def test_the_performance_guides_loop_reads_its_returned_state_from_its_entry(hot_path):
+    """flax's performance guide's functional loop (its state holds RNG keys and a metric):
+    after the first call, each returned State is read on the structure path; losses and
+    state as nnx.jit's."""
+
+    def split():
+        model = _GuideModel(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+        return nnx.split((model, optimizer, nnx.MultiMetric(loss=nnx.metrics.Average("loss"))))
+
+    f, peer = fastcall.jit(_guide_step), nnx.jit(_guide_step)
+    (graphdef, state), (peer_graphdef, peer_state) = split(), split()
+    routes = []
+    for x in [X[:, :2], X[:, 2:], X[:, :2] * 2.0, X[:, 2:]]:
+        (loss, state), route = served(f, graphdef, state, x)
+        routes.append(route)
+        peer_loss, peer_state = peer(peer_graphdef, peer_state, x)
+        assert_trees_equal(loss, peer_loss)
+        assert_trees_equal(state_of(state), state_of(peer_state))
+    assert routes == ["general"] + [STRUCTURE_PATH[hot_path]] * 3, routes
+
+
 def test_a_new_state_the_caller_builds_is_read_as_a_pytree(monkeypatch):
     """A new State the caller built (not one a call returned) is read by its pytree flatten
     under the spec its structure was given (no graph walk)."""
