@@ -1635,6 +1635,7 @@ class TracedInputs:
             places = [(i, x) for i, x in enumerate(out) if type(x) is State]
         else:
             return ()
+
         def same(a: tuple[list[Any], Any], t: _Traced) -> bool:
             variables, treedef = a
             return (
