@@ -1325,6 +1325,51 @@ known_disjoint(const Refs *entries)
     return 1;
 }
 
+/* Whether the Variables a structure-path call read on their own (the arguments `given`
+ * whose read in `reads` is a VariableRead) share nothing: none passed twice, none a
+ * Variable of an NNX object read from its cache entry (`entries`: each entry's node_ids,
+ * the ids of its nodes and Variables), as `_nnx.overlapping` says. 1 yes; 0 no (the Python
+ * copy decides: the general path reads such a call jointly); -1 error. */
+ONE_KIND static int
+variables_apart(PyObject *reads, PyObject *const *given, Py_ssize_t nargs, const Refs *entries)
+{
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        if ((PyObject *)Py_TYPE(PyTuple_GET_ITEM(reads, i)) != G.variable_read) {
+            continue;
+        }
+        for (Py_ssize_t j = 0; j < i; j++) {
+            if (given[j] == given[i] && (PyObject *)Py_TYPE(PyTuple_GET_ITEM(reads, j)) == G.variable_read) {
+                return 0;
+            }
+        }
+        if (entries->n == 0) {
+            continue;
+        }
+        PyObject *key = PyLong_FromVoidPtr(given[i]);
+        if (key == NULL) {
+            return -1;
+        }
+        int res = 1;
+        for (Py_ssize_t k = 0; k < entries->n && res == 1; k++) {
+            PyObject *ids = entry_field(entries->items[k], ENTRY_NODE_IDS);
+            if (ids == NULL) {
+                res = -1;
+            } else if (!PyAnySet_Check(ids)) {
+                res = 0;
+            } else {
+                int found = PySet_Contains(ids, key);
+                res = found < 0 ? -1 : !found;
+            }
+            Py_XDECREF(ids);
+        }
+        Py_DECREF(key);
+        if (res != 1) {
+            return res;
+        }
+    }
+    return 1;
+}
+
 /* Rebind a raw leaf of the caller's graph to `value` (an array), as `_nnx.write_leaf`
  * does: a data array attribute rebound to an array directly in the owner's __dict__ (all
  * NNX's __setattr__ would do; the hooks see no structure change), anything else through
@@ -1674,7 +1719,7 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
     refs_init(&entries);
     PyObject *nnx_args = NULL; /* (made at the first NNX object read, for a `post`) */
     int nnx_read = 0;
-    Py_ssize_t n_variables = 0; /* Variables read (VariableRead): each must be the call's only NNX object */
+    Py_ssize_t n_variables = 0; /* Variables read (VariableRead): each must share nothing (variables_apart) */
     Py_ssize_t n_joint = 0; /* NNX objects read jointly (JointRead): then every one must be */
     PyObject *small[SMALL_STACK];
     PyObject **stack = NULL;
@@ -1788,14 +1833,22 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
         total += PySequence_Fast_GET_SIZE(leaves[i].part);
     }
     if (nnx_read && (entries.n > 0 || n_variables > 0 || n_joint > 0)) {
-        /* NNX objects: sharing nothing, or all read jointly from the entries the record pins
-         * (a Variable read on its own must be the call's only NNX object), no
+        /* NNX objects: sharing nothing (a Variable read on its own, in no entry read and
+         * not passed twice), or all read jointly from the entries the record pins, no
          * nnx.cached_partial cache pending, and, for a call that may change state or that jax
          * treats otherwise nested, not inside a JAX trace (as the fast path; see
          * FunctionState.serves_nested): the Python copy decides otherwise */
-        int ok = n_joint > 0 ? entries.n == 0 && n_variables == 0
-                 : n_variables > 0 ? n_variables == 1 && entries.n == 0
-                 : entries.n == 1 ? 1 : known_disjoint(&entries);
+        int ok = 1;
+        if (n_joint > 0) {
+            ok = entries.n == 0 && n_variables == 0;
+        } else {
+            if (n_variables > 0 && (n_variables > 1 || entries.n > 0)) {
+                ok = variables_apart(reads, given, nargs, &entries);
+            }
+            if (ok == 1 && entries.n > 1) {
+                ok = known_disjoint(&entries);
+            }
+        }
         if (ok == 1) {
             ok = no_static_cache_pending();
         }

@@ -175,16 +175,9 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
                 return  # (a tracer of an outer trace, an array subclass: resolved every call)
             reads.append(None)
             continue
-        if len(resolved.nnx_args) == 1 and resolved.nnx_args[0].obj is a and resolved.nnx_args[0].entry is None:
-            # (a Variable passed on its own, the call's only NNX object)
-            variable = _nnx_gate.adapter().variable_read(next(nnx_args), spec_id)
-            if variable is None:
-                return
-            reads.append(variable)
-            continue
         if resolved.nnx_args and _nnx_gate.reads_as_node(a):
-            # Read from its cache entry: on its own (not a Variable read afresh), or as the
-            # general path read it jointly with the call's other NNX arguments.
+            # Read from its cache entry: on its own, or as the general path read it jointly
+            # with the call's other NNX arguments; or a Variable read afresh.
             nnx_arg = next(nnx_args, None)
             if nnx_arg is None or nnx_arg.obj is not a:
                 return
@@ -193,6 +186,15 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
                 if joint is None:
                     return
                 reads.append(joint)
+                continue
+            if nnx_arg.entry is None:
+                # (a Variable passed on its own, which has no cache entry: its type and
+                # metadata compared, its value read; beside other NNX objects too, which the
+                # structure path checks share nothing with it, as this call's did)
+                variable = _nnx_gate.adapter().variable_read(nnx_arg, spec_id)
+                if variable is None:
+                    return
+                reads.append(variable)
                 continue
             if not _nnx_gate.adapter().readable_argument(nnx_arg, spec_id):
                 return

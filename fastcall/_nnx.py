@@ -1268,14 +1268,17 @@ def overlapping(nnx_args: list[NnxArg]) -> bool:
     """Whether any two of these NNX objects share a node or Variable (cached per pair
     of cache entries)."""
     entries = [arg.entry for arg in nnx_args if arg.entry is not None]
-    if len(entries) < len(nnx_args):  # some read afresh (Variables): compare sets of ids
+    if len(entries) < len(nnx_args):
+        # Some read afresh (a Variable on its own: one id): their ids against each other's,
+        # then against each entry's set (`isdisjoint` walks the smaller set: not the model)
         seen: set[int] = set()
         for arg in nnx_args:
-            ids = arg.ids if arg.entry is None else arg.entry.node_ids
-            if not seen.isdisjoint(ids):
-                return True
-            seen.update(ids)
-        return False
+            if arg.entry is None:
+                if not seen.isdisjoint(arg.ids):
+                    return True
+                seen.update(arg.ids)
+        if any(not entry.node_ids.isdisjoint(seen) for entry in entries):
+            return True
     for i, a in enumerate(entries):
         for b in entries[i + 1 :]:
             known = a.disjoint.get(id(b))

@@ -902,6 +902,86 @@ def test_variable_as_an_argument():
         assert_same_state(ours, theirs)
 
 
+def test_variable_beside_other_nnx_arguments(hot_path):
+    """`f(model, v, w, x)` with Variables of their own beside a module (a counter, a
+    scale): the structure path reads the module from its cache entry and each Variable
+    afresh, once it has checked they share nothing, and writes both back. Passing the
+    module's own Variable, one Variable twice, or a Variable the module has since taken as
+    an attribute is a shared reference, read jointly by the general path; all as nnx.jit
+    does, and as the eager call does."""
+
+    def f(m, v, w, x):
+        v[...] = v[...] + 1
+        return m(x) * v[...].sum() + w[...].sum()
+
+    def world():
+        return nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Param(jnp.ones(3)), nnx.Param(jnp.arange(2.0))
+
+    ours, theirs, eager = world(), world(), world()
+    x = jnp.ones((2, 4))
+    ours_f, theirs_f = fastcall.jit(f), nnx.jit(f)
+
+    def check(pick: Callable, route: str | None) -> None:
+        out, path = served(ours_f, *pick(ours), x)
+        assert_trees_equal(out, theirs_f(*pick(theirs), x))
+        assert_trees_equal(out, f(*pick(eager), x))
+        assert_same_state(ours[0], theirs[0])
+        for a, b in zip(pick(ours)[1:], pick(theirs)[1:]):
+            assert_trees_equal(a[...], b[...])
+        if route is not None:
+            assert path == route, path
+
+    apart = lambda w: (w[0], w[1], w[2])  # noqa: E731
+    for _ in range(2):
+        check(apart, None)
+    for _ in range(2):
+        check(apart, STRUCTURE_PATH[hot_path])
+    check(lambda w: (w[0], w[0].bias, w[2]), "general")  # the module's own Variable
+    check(lambda w: (w[0], w[1], w[1]), "general")  # one Variable twice
+    check(apart, STRUCTURE_PATH[hot_path])
+    for w in (ours, theirs, eager):
+        w[0].scale = w[1]  # the module takes the Variable: shared from now on
+    for _ in range(3):
+        check(apart, "general")
+    for w in (ours, theirs, eager):
+        del w[0].scale
+    for _ in range(2):
+        check(apart, None)
+    check(apart, STRUCTURE_PATH[hot_path])
+
+
+def test_variable_beside_a_container_of_modules(hot_path):
+    """`step((model, optimizer), v, x)`: a Variable beside a tuple of NNX objects is read
+    on the structure path too; the model's own Variable in its place is read jointly."""
+
+    def step(mo, v, x):
+        model, optimizer = mo
+        v[...] = v[...] + 1
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss * v[...].sum()
+
+    def world():
+        model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+        return (model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)), nnx.Param(jnp.ones(4))
+
+    ours, theirs = world(), world()
+    x = jnp.ones((2, 4))
+    ours_f, theirs_f = fastcall.jit(step), nnx.jit(step)
+    paths = []
+    for _ in range(4):
+        out, path = served(ours_f, *ours, x)
+        assert_trees_equal(out, theirs_f(*theirs, x))
+        assert_same_state(ours[0], theirs[0])
+        assert_trees_equal(ours[1][...], theirs[1][...])
+        paths.append(path)
+    assert paths[-1] == STRUCTURE_PATH[hot_path], paths
+    out, path = served(ours_f, ours[0], ours[0][0].bias, x)  # the model's own (updated twice)
+    assert path == "general"
+    assert_trees_equal(out, theirs_f(theirs[0], theirs[0][0].bias, x))
+    assert_same_state(ours[0], theirs[0])
+
+
 def test_nnx_cached_partial_over_a_fastcall_function():
     """nnx.cached_partial(fastcall.jit(f), model): same results and state as over nnx.jit."""
 
