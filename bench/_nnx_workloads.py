@@ -462,6 +462,47 @@ def variable_arg(name: str, description: str, width: int) -> Workload:
     )
 
 
+def variable_beside(name: str, description: str, width: int, depth: int, shared: bool = False) -> Workload:
+    """A module and a Variable passed beside it: `f(model, v, x)`, `v` a Variable of its own
+    (an offset), or with `shared` the module's own (its last layer's bias: passed once, by
+    the module, as nnx.jit shares it)."""
+    x = jnp.ones((1, width))
+
+    def f(model, v, x):
+        return model(x) + v[...]
+
+    def build():
+        return MLP(width, depth, nnx.Rngs(0)), nnx.Variable(jnp.full((width,), 0.5))
+
+    def pick(model, own):
+        return model.layers[-1].bias if shared else own
+
+    def variant(wrap: Callable[[Any], Any]):
+        def make():
+            model, own = build()
+            g = wrap(f)
+            getter = lambda: [*_state_leaves(model), own[...]]  # noqa: E731
+            return lambda: (g(model, pick(model, own), x), getter)
+
+        return make
+
+    def make_floor():
+        model, own = build()
+        graphdef, state = nnx.split(model)
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        n = len(leaves)
+        getter = lambda: [*_state_leaves(model), own[...]]  # noqa: E731
+        if shared:  # (the bias is one of the model's leaves)
+            g = jax.jit(lambda *a: (lambda m: m(a[n]) + m.layers[-1].bias[...])(nnx.merge(graphdef, treedef.unflatten(a[:n]))))
+            return lambda: (g(*leaves, x), getter)
+        g = jax.jit(lambda *a: nnx.merge(graphdef, treedef.unflatten(a[:n]))(a[n + 1]) + a[n])
+        offset = own[...]
+        return lambda: (g(*leaves, offset, x), getter)
+
+    note = "jax.jit on the flat state leaves" + ("" if shared else " and the Variable's value")
+    return _step_workload(name, description, variant, make_floor, note)
+
+
 class FlagMLP(nnx.Module):
     """An MLP whose call takes its mode as a keyword (`model(x, train=False)`), with a
     Dropout before its last layer."""
@@ -1085,6 +1126,16 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
             jnp.ones((1, 16, 16, 3)),
             False,
             linen_cnn,
+        ),
+        "nnx_variable_beside": lambda: variable_beside(
+            "nnx_variable_beside", "a module and a Variable of its own beside it: f(model, offset, x)", 32, 3
+        ),
+        "nnx_variable_shared": lambda: variable_beside(
+            "nnx_variable_shared",
+            "a module and its own Variable beside it: f(model, model.layers[-1].bias, x), read jointly",
+            32,
+            3,
+            shared=True,
         ),
         "nnx_variable_arg": lambda: variable_arg(
             "nnx_variable_arg", "an nnx.Variable (a Linear's 32x32 kernel) passed on its own: x @ v[...]", 32

@@ -45,8 +45,8 @@ import jax
 from . import _args, _codegen, _fast, _flatten, _guard, _native, _nnx_gate
 from ._build import Entry, StructureVaries
 from ._fast import (
-    ArgRead, FastRecord, FastSlot, GraphdefRead, JointRead, NodeRead, NodesRead, PytreeShape, StaticRead,
-    StructureRecord, VariableRead, WriteBack,
+    ArgRead, FastRecord, FastSlot, GraphdefRead, JointRead, NodeRead, NodesRead, PytreeShape, SharedVariableRead,
+    StaticRead, StructureRecord, VariableRead, WriteBack,
 )
 from ._flatten import ArrayImpl
 from ._outputs import on_error
@@ -159,7 +159,9 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
     order = keyword_order(state.signature, len(args) - len(kwnames), kwnames) if kwnames else None
     if kwnames and order is None:
         return
-    reads: list[ArgRead | NodeRead | JointRead | NodesRead | VariableRead | GraphdefRead | StaticRead | None] = []
+    reads: list[
+        ArgRead | NodeRead | JointRead | SharedVariableRead | NodesRead | VariableRead | GraphdefRead | StaticRead | None
+    ] = []
     nnx_args = iter(resolved.nnx_args)
     before = (
         dict(zip(map(id, resolved.nnx_args), resolved.read_before))
@@ -182,7 +184,11 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
             if nnx_arg is None or nnx_arg.obj is not a:
                 return
             if resolved.joint:
-                joint = _nnx_gate.adapter().joint_read(nnx_arg, before.get(id(nnx_arg)))
+                joint: JointRead | SharedVariableRead | None = _nnx_gate.adapter().joint_read(
+                    nnx_arg, before.get(id(nnx_arg))
+                )
+                if joint is None:  # (a Variable passed on its own: one an earlier argument holds?)
+                    joint = _nnx_gate.adapter().shared_variable_read(nnx_arg, spec_id, reads)
                 if joint is None:
                     return
                 reads.append(joint)
@@ -418,6 +424,12 @@ def read_arguments(
             continue
         if isinstance(read, JointRead):
             if not _nnx_gate.reads_as_node(a) or not _nnx_gate.adapter().read_joint(a, read, values, nnx_args):
+                return None
+            joint += 1
+            continue
+        if isinstance(read, SharedVariableRead):
+            owner = known.reads[read.owner]  # (a JointRead, read before this one)
+            if not _nnx_gate.adapter().read_shared_variable(a, read, owner, values, nnx_args):
                 return None
             joint += 1
             continue

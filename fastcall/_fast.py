@@ -109,6 +109,19 @@ class JointRead(NamedTuple):
     keep: tuple[int, ...] | None  # positions in the entry's `items` this argument passes
 
 
+class SharedVariableRead(NamedTuple):
+    """How the structure path reads a Variable passed on its own that an earlier NNX
+    argument of the call holds (`f(model, model.kernel, x)`), all of them read jointly: the
+    very Variable at `position` among the leaves of the argument at position `owner`, read by a
+    JointRead (which pins that argument's cache entry and passes the Variable's value); it
+    passes nothing itself, as in the joint flatten, where it is a reference to a Variable
+    seen before. (Read in Python only: the C path hands such a record over.)"""
+
+    spec_id: int
+    owner: int  # the position, among the record's reads, of the JointRead of its holder
+    position: int  # its position in that entry's `items`
+
+
 class VariableRead(NamedTuple):
     """How the structure path reads a Variable passed on its own, the call's only NNX object
     (`f(model.kernel, x)`; a Variable cannot be weakly referenced, so it has no cache
@@ -268,7 +281,10 @@ class StructureRecord(NamedTuple):
     arity: int  # the number of positional arguments the call must have
     # per argument, in the order the general path resolves them (`order`); None: a plain
     # leaf (FunctionState.plain_leaves)
-    reads: tuple[ArgRead | NodeRead | JointRead | NodesRead | VariableRead | GraphdefRead | StaticRead | None, ...]
+    reads: tuple[
+        ArgRead | NodeRead | JointRead | SharedVariableRead | NodesRead | VariableRead | GraphdefRead | StaticRead | None,
+        ...,
+    ]
     call: Callable[..., Any]  # the compiled function
     # post(out, first, the NnxArgs of the call's NNX arguments or None); None: out is the
     # result (a WriteBack: see there)

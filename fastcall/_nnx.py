@@ -566,6 +566,38 @@ def joint_read(arg: NnxArg, before: Any) -> _fast.JointRead | None:
     return _fast.JointRead(entry.spec_id, weakref.ref(entry), entry.node_ids, None if whole else tuple(keep))
 
 
+def shared_variable_read(arg: NnxArg, spec_id: int, reads: list[Any]) -> _fast.SharedVariableRead | None:
+    """How the structure path reads this call's Variable argument again, if it was passed on
+    its own and read jointly after an argument that holds it (the joint flatten found it
+    seen before: it passed no leaf), and that argument is read by a JointRead in `reads`
+    (the reads recorded so far, one per argument) that passes it; else None."""
+    v = arg.obj
+    if arg.entry is not None or arg.variables or not _is_variable(v):
+        return None
+    for owner, read in enumerate(reads):
+        entry = read.entry() if type(read) is _fast.JointRead else None
+        if entry is None:
+            continue
+        for index in range(len(entry.items)) if read.keep is None else read.keep:
+            if entry.items[index] is v:
+                return _fast.SharedVariableRead(spec_id, owner, index)
+    return None
+
+
+def read_shared_variable(
+    v: Any, read: _fast.SharedVariableRead, owner: _fast.JointRead, values: list[Any], nnx_args: list[NnxArg]
+) -> bool:
+    """The structure path's reading of a Variable argument another argument holds
+    (`_fast.SharedVariableRead`; `owner`: that argument's JointRead, which this call has
+    read): no value (its holder passed it) and the NnxArg the joint flatten gives it, if it
+    is still the Variable at the recorded place of the pinned entry; False otherwise."""
+    entry = owner.entry()
+    if entry is None or read.position >= len(entry.items) or entry.items[read.position] is not v:
+        return False
+    nnx_args.append(NnxArg(v, [], None, paths=[]))
+    return True
+
+
 def install_record(entry: NodeEntry, state: Any, spec_id: int, record: _fast.FastRecord) -> None:
     """File a fast record made by a call that read `entry` with spec `spec_id`, if that is
     still the entry's current spec (another thread may have switched its variant since)."""

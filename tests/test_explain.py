@@ -97,16 +97,16 @@ def test_explain_says_why():
 
 
 def test_explain_promises_no_record_a_call_of_this_form_cannot_make():
-    """`f(model, model.kernel, x)`, a module and one of its Variables passed on its own,
-    takes the general path every call (a Variable, which has no cache entry, is not read
-    jointly on the structure path); the model is cached, but a fast record is only made by a
-    call `f(model, *arrays)`, and explain says that rather than "made after a call"."""
+    """`f(model, v, v, x)`, a module and one Variable passed twice, takes the general path
+    every call (the second is a reference to the first, which has no cache entry to pin);
+    the model is cached, but a fast record is only made by a call `f(model, *arrays)`, and
+    explain says that rather than "made after a call"."""
     m = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
-    opt = m.kernel
-    f = fastcall.jit(lambda m, opt, x: m(x))
+    v = nnx.Param(jnp.ones(4))
+    f = fastcall.jit(lambda m, v, w, x: m(x) * v[...] * w[...])
     for _ in range(3):
-        _, route = served(f, m, opt, X)
-    report = f.explain(m, opt, X)
+        _, route = served(f, m, v, v, X)
+    report = f.explain(m, v, v, X)
     assert route == "general" and report.route == "general"
     text = str(report)
     assert "made after a call" not in text

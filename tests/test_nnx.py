@@ -907,8 +907,10 @@ def test_variable_beside_other_nnx_arguments(hot_path):
     scale): the structure path reads the module from its cache entry and each Variable
     afresh, once it has checked they share nothing, and writes both back. Passing the
     module's own Variable, one Variable twice, or a Variable the module has since taken as
-    an attribute is a shared reference, read jointly by the general path; all as nnx.jit
-    does, and as the eager call does."""
+    an attribute is a shared reference, read jointly by the general path (with `w`, a
+    Variable the joint read reaches first, beside it: see
+    test_variable_held_by_another_argument for the structure path's joint reading). All as
+    nnx.jit does, and as the eager call does."""
 
     def f(m, v, w, x):
         v[...] = v[...] + 1
@@ -936,8 +938,9 @@ def test_variable_beside_other_nnx_arguments(hot_path):
         check(apart, None)
     for _ in range(2):
         check(apart, STRUCTURE_PATH[hot_path])
-    check(lambda w: (w[0], w[0].bias, w[2]), "general")  # the module's own Variable
-    check(lambda w: (w[0], w[1], w[1]), "general")  # one Variable twice
+    for _ in range(2):
+        check(lambda w: (w[0], w[0].bias, w[2]), "general")  # the module's own Variable
+        check(lambda w: (w[0], w[1], w[1]), "general")  # one Variable twice
     check(apart, STRUCTURE_PATH[hot_path])
     for w in (ours, theirs, eager):
         w[0].scale = w[1]  # the module takes the Variable: shared from now on
@@ -948,6 +951,50 @@ def test_variable_beside_other_nnx_arguments(hot_path):
     for _ in range(2):
         check(apart, None)
     check(apart, STRUCTURE_PATH[hot_path])
+
+
+def test_variable_held_by_another_argument(hot_path):
+    """`f(model, model.bias, x)`: the Variable is the module's own, so the call is read
+    jointly (the Variable passed once, by the module, as nnx.jit shares it); from the second
+    call on by the Python structure path (the C path hands such records over), which checks
+    the Variable is still the one at its place in the module's pinned cache entry. A
+    Variable replaced in the module, or one the module no longer holds, is read again by
+    the general path. Values and state as nnx.jit's and the eager call's, writes through
+    either argument included."""
+
+    def f(m, v, x):
+        v[...] = v[...] + 1
+        m.kernel[...] = m.kernel[...] * 0.5
+        return m(x) * v[...].sum()
+
+    ours, theirs, eager = (nnx.Linear(4, 4, rngs=nnx.Rngs(0)) for _ in range(3))
+    x = jnp.ones((2, 4))
+    ours_f, theirs_f = fastcall.jit(f), nnx.jit(f)
+
+    def check(pick: Callable, route: str) -> None:
+        out, path = served(ours_f, *pick(ours), x)
+        assert_trees_equal(out, theirs_f(*pick(theirs), x))
+        assert_trees_equal(out, f(*pick(eager), x))
+        assert_same_state(ours, theirs)
+        assert_same_state(ours, eager)
+        assert path == route, path
+
+    own = lambda m: (m, m.bias)  # noqa: E731
+    check(own, "general")
+    for _ in range(2):
+        check(own, "python_structure")
+    old = {id(m): m.bias for m in (ours, theirs, eager)}
+    for m in (ours, theirs, eager):
+        m.bias = nnx.Param(jnp.full((4,), 3.0))  # replaced: the entry re-read
+    check(own, "general")
+    check(own, "python_structure")
+    check(lambda m: (m, old[id(m)]), "general")  # a Variable it no longer holds
+    report = ours_f.explain(*own(ours), x)
+    assert report.route == "general"  # (the record is the last call's: apart)
+    check(own, "general")
+    report = ours_f.explain(*own(ours), x)
+    assert report.route == "structure"
+    assert "held by an earlier argument" in report.arguments[1].kind
 
 
 def test_variable_beside_a_container_of_modules(hot_path):
