@@ -123,10 +123,11 @@ class SharedVariableRead(NamedTuple):
 
 
 class VariableRead(NamedTuple):
-    """How the structure path reads a Variable passed on its own, the call's only NNX object
-    (`f(model.kernel, x)`; a Variable cannot be weakly referenced, so it has no cache
+    """How the structure path reads a Variable passed on its own (`f(model.kernel, x)`,
+    `f(model, offset, x)`; a Variable cannot be weakly referenced, so it has no cache
     entry): of this type, with metadata equal to this copy (which, with the type, makes
-    its spec: `_nnx._read_variable`), and a jax array as value."""
+    its spec: `_nnx._read_variable`), and a jax array as value; beside other NNX objects,
+    only while it shares nothing with them (`_nnx.overlapping`; C: `variables_apart`)."""
 
     spec_id: int
     kind: type
