@@ -97,6 +97,10 @@ static const char *NODES_READ_FIELDS[] = {"spec_id", "kind", "elements", "keys",
 #define JOINT_NODE_IDS 2
 #define JOINT_KEEP 3
 static const char *JOINT_READ_FIELDS[] = {"spec_id", "entry", "node_ids", "keep", NULL};
+/* SharedVariableRead(spec_id, owner, position) */
+#define SHARED_OWNER 1
+#define SHARED_POSITION 2
+static const char *SHARED_VARIABLE_READ_FIELDS[] = {"spec_id", "owner", "position", NULL};
 /* VariableRead(spec_id, kind, metadata, metadata_slot) */
 #define VARIABLE_KIND 1
 #define VARIABLE_METADATA 2
@@ -153,7 +157,7 @@ static struct {
     PyObject *varies_exc;  /* StructureVaries: retry through the fallback */
     PyObject *jitting;     /* currently_jitting(): whether a JAX trace is running */
     PyObject *top_level;   /* _trace.TOP_LEVEL_PROBE: (holder, name, value) triples, or None */
-    PyObject *arg_read, *node_read, *joint_read, *nodes_read, *variable_read, *graphdef_read, *static_read,
+    PyObject *arg_read, *node_read, *joint_read, *shared_variable_read, *nodes_read, *variable_read, *graphdef_read, *static_read,
         *nnx_arg, *write_back, *raw_leaf, *watched; /* record classes */
     PyObject *empty_ids;   /* frozenset(): NnxArg.ids of an object read from its entry */
     PyObject *s_spec_id, *s_fresh, *s_items, *s_paths, *s_disjoint, *s_node_ids; /* NodeEntry attributes */
@@ -1191,6 +1195,68 @@ read_variable(FastWrapper *self, PyObject *a, PyObject *read, Refs *values, PyOb
     return res;
 }
 
+/* The object the weak reference `ref` refers to (a new reference), or NULL: dead (no
+ * exception set), or an error. */
+static PyObject *
+ref_target(PyObject *ref)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *target;
+    return PyWeakref_GetRef(ref, &target) < 0 ? NULL : target;
+#else
+    PyObject *target = PyWeakref_GET_OBJECT(ref);
+    return target == Py_None ? NULL : Py_NewRef(target);
+#endif
+}
+
+/* The structure path's reading of a Variable passed on its own that an earlier argument
+ * holds (`read`, a SharedVariableRead; `_nnx.read_shared_variable` is the Python copy):
+ * if `a` is the very Variable at its recorded position among the leaves of the entry that
+ * the owner's JointRead pins (the owner comes earlier in `reads`, so this call has read it
+ * from that entry), it passes no value (its holder passed it), and with `nnx_args` its
+ * NnxArg is appended (no leaves, no entry, as the joint flatten's); then 1. 0 if not, -1
+ * on error. */
+static int
+read_shared_variable(PyObject *a, PyObject *read, PyObject *reads, PyObject *nnx_args)
+{
+    Py_ssize_t owner = PyLong_AsSsize_t(PyTuple_GET_ITEM(read, SHARED_OWNER));
+    Py_ssize_t position = PyLong_AsSsize_t(PyTuple_GET_ITEM(read, SHARED_POSITION));
+    if (PyErr_Occurred()) {
+        return -1;
+    }
+    if (owner < 0 || owner >= PyTuple_GET_SIZE(reads)) {
+        return 0;
+    }
+    PyObject *joint = PyTuple_GET_ITEM(reads, owner);
+    if ((PyObject *)Py_TYPE(joint) != G.joint_read || PyTuple_GET_SIZE(joint) != 4
+        || !PyWeakref_Check(PyTuple_GET_ITEM(joint, JOINT_ENTRY))) {
+        return 0;
+    }
+    PyObject *entry = ref_target(PyTuple_GET_ITEM(joint, JOINT_ENTRY));
+    if (entry == NULL) {
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    PyObject *items = entry_field(entry, ENTRY_ITEMS);
+    Py_DECREF(entry);
+    if (items == NULL) {
+        return -1;
+    }
+    int res = PyList_CheckExact(items) && position >= 0 && position < PyList_GET_SIZE(items)
+              && PyList_GET_ITEM(items, position) == a;
+    Py_DECREF(items);
+    if (res == 1 && nnx_args != NULL) {
+        /* NnxArg(a, [], None, frozenset(), [], None), as `_nnx.read_shared_variable` makes it */
+        PyObject *variables = PyList_New(0), *paths = PyList_New(0);
+        res = variables == NULL || paths == NULL
+                      || append_nnx_arg(nnx_args, a, variables, Py_None, G.empty_ids, paths) < 0
+                  ? -1
+                  : 1;
+        Py_XDECREF(variables);
+        Py_XDECREF(paths);
+    }
+    return res;
+}
+
 /* The NNX objects of a container argument to read, as `NodesRead.objects` gives them (a
  * new tuple: reading values may run code that changes a list or dict), or NULL: not of the
  * record's kind and size (a dict: keys; another pytree: its PytreeShape), or an error.
@@ -1647,10 +1713,11 @@ structure_fits(FastWrapper *self, PyObject *record, PyObject *const *args, Py_ss
             continue;
         }
         PyObject *kind = (PyObject *)Py_TYPE(read);
-        Py_ssize_t size = kind == G.arg_read || kind == G.static_read ? 3
+        Py_ssize_t size = kind == G.arg_read || kind == G.static_read || kind == G.shared_variable_read ? 3
                           : kind == G.nodes_read || kind == G.variable_read || kind == G.joint_read ? 4 : 1;
         if ((kind != G.arg_read && kind != G.node_read && kind != G.nodes_read && kind != G.variable_read
-             && kind != G.graphdef_read && kind != G.static_read && kind != G.joint_read)
+             && kind != G.graphdef_read && kind != G.static_read && kind != G.joint_read
+             && kind != G.shared_variable_read)
             || PyTuple_GET_SIZE(read) != size) {
             return 0;
         }
@@ -1772,6 +1839,9 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
                 } else if (kind == G.variable_read) {
                     got = read_variable(self, a, read, &values, nnx_args);
                     n_variables++;
+                } else if (kind == G.shared_variable_read) {
+                    got = read_shared_variable(a, read, reads, nnx_args);
+                    n_joint++;
                 } else {
                     PyObject *elements = PyTuple_GET_ITEM(read, NODES_ELEMENTS);
                     PyObject *objs = nodes_of(a, read);
@@ -2168,17 +2238,18 @@ py_configure(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "configure: latest must be a list");
         return NULL;
     }
-    enum { N_RECORDS = 18 };
+    enum { N_RECORDS = 19 };
     PyObject *cls[N_RECORDS];
     const char *names[N_RECORDS] = {"FastSlot", "FastRecord", "StructureRecord", "CacheEntry", "ArgRead",
                                     "NodeRead", "NodesRead", "GraphdefRead", "KnownGraphdef", "NnxArg",
                                     "WriteBack", "RawLeaf", "VariableRead", "Registration", "Watched",
-                                    "SequenceRead", "StaticRead", "JointRead"};
+                                    "SequenceRead", "StaticRead", "JointRead", "SharedVariableRead"};
     const char **layouts[N_RECORDS] = {SLOT_FIELDS, RECORD_FIELDS, STRUCTURE_FIELDS, CACHE_FIELDS,
                                        READ_FIELDS, NODE_READ_FIELDS, NODES_READ_FIELDS, NODE_READ_FIELDS,
                                        KNOWN_GRAPHDEF_FIELDS, NNX_ARG_FIELDS, WRITE_BACK_FIELDS, RAW_LEAF_FIELDS,
                                        VARIABLE_READ_FIELDS, REGISTRATION_FIELDS, WATCHED_FIELDS,
-                                       SEQUENCE_READ_FIELDS, STATIC_READ_FIELDS, JOINT_READ_FIELDS};
+                                       SEQUENCE_READ_FIELDS, STATIC_READ_FIELDS, JOINT_READ_FIELDS,
+                                       SHARED_VARIABLE_READ_FIELDS};
     for (int i = 0; i < N_RECORDS; i++) {
         cls[i] = record_class(records, names[i], layouts[i]);
         if (cls[i] == NULL) {
@@ -2231,6 +2302,7 @@ py_configure(PyObject *module, PyObject *args)
     Py_DECREF(cls[15]); /* (checked only: read by position) */
     SET_SHARED(static_read, cls[16]);
     SET_SHARED(joint_read, cls[17]);
+    SET_SHARED(shared_variable_read, cls[18]);
     Py_INCREF(index); SET_SHARED(index, index);
     Py_INCREF(by_id); SET_SHARED(by_id, by_id);
     Py_INCREF(latest); SET_SHARED(latest, latest);

@@ -115,7 +115,7 @@ class SharedVariableRead(NamedTuple):
     very Variable at `position` among the leaves of the argument at position `owner`, read by a
     JointRead (which pins that argument's cache entry and passes the Variable's value); it
     passes nothing itself, as in the joint flatten, where it is a reference to a Variable
-    seen before. (Read in Python only: the C path hands such a record over.)"""
+    seen before. (C: `read_shared_variable`.)"""
 
     spec_id: int
     owner: int  # the position, among the record's reads, of the JointRead of its holder

@@ -956,7 +956,7 @@ def test_variable_beside_other_nnx_arguments(hot_path):
 def test_variable_held_by_another_argument(hot_path):
     """`f(model, model.bias, x)`: the Variable is the module's own, so the call is read
     jointly (the Variable passed once, by the module, as nnx.jit shares it); from the second
-    call on by the Python structure path (the C path hands such records over), which checks
+    call on by the structure path, in C and in Python (`SharedVariableRead`), which checks
     the Variable is still the one at its place in the module's pinned cache entry. A
     Variable replaced in the module, or one the module no longer holds, is read again by
     the general path. Values and state as nnx.jit's and the eager call's, writes through
@@ -982,12 +982,12 @@ def test_variable_held_by_another_argument(hot_path):
     own = lambda m: (m, m.bias)  # noqa: E731
     check(own, "general")
     for _ in range(2):
-        check(own, "python_structure")
+        check(own, STRUCTURE_PATH[hot_path])
     old = {id(m): m.bias for m in (ours, theirs, eager)}
     for m in (ours, theirs, eager):
         m.bias = nnx.Param(jnp.full((4,), 3.0))  # replaced: the entry re-read
     check(own, "general")
-    check(own, "python_structure")
+    check(own, STRUCTURE_PATH[hot_path])
     check(lambda m: (m, old[id(m)]), "general")  # a Variable it no longer holds
     report = ours_f.explain(*own(ours), x)
     assert report.route == "general"  # (the record is the last call's: apart)
