@@ -64,6 +64,8 @@ SKIP_IN_SOURCE = {".git", ".venv", "venv", "build", "dist", "__pycache__", ".pyt
                   ".hypothesis", ".mypy_cache"}
 
 TEST_TIMEOUT_S = 45 * 60
+# The suite's workers, as README's test command runs it (pytest-xdist: one per core, at most 4).
+PYTEST_WORKERS = ("-n", "auto", "--maxprocesses", "4")
 INSTALL_TIMEOUT_S = 20 * 60
 
 
@@ -219,7 +221,7 @@ def run_point(name: str, work: pathlib.Path, stream: bool) -> Result:
         assert not (suite / "fastcall").exists()
         env["FASTCALL_MATRIX_SITE"] = str(site)  # tests/test_versions.py checks the import location
         t0 = time.perf_counter()
-        cmd = [vpy, "-m", "pytest", "-p", "no:cacheprovider"]
+        cmd = [vpy, "-m", "pytest", "-p", "no:cacheprovider", *PYTEST_WORKERS]
         print(f"[{name}] $ {' '.join(cmd)}   (in {suite})", flush=True)
         lines: list[str] = []
         with subprocess.Popen(cmd, cwd=suite, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

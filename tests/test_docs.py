@@ -14,6 +14,13 @@ def test_ci_runs_the_readme_test_command():
     assert 'pip install -q -e ".[bench]" && python -m bench' in readme.split("## Why")[0]
 
 
+def test_the_version_matrix_runs_the_suite_as_the_readme_does():
+    from . import matrix
+
+    readme = (ROOT / "README.md").read_text()
+    assert f"python -m pytest {' '.join(matrix.PYTEST_WORKERS)}\n" in readme
+
+
 def test_public_api_is_listed_in_readme():
     import fastcall
 
