@@ -398,12 +398,17 @@ def static_matches(read: StaticRead, a: Any) -> bool:
 
 
 def read_arguments(
-    known: StructureRecord, args: tuple[Any, ...], serves_nested: bool, plain: frozenset[type]
+    known: StructureRecord,
+    args: tuple[Any, ...],
+    serves_nested: bool,
+    plain: frozenset[type],
+    why: list[tuple[int | None, str]] | None = None,
 ) -> tuple[list[Any], list[Any]] | None:
     """The structure path's reading of a call's arguments (`_fast.StructureRecord`;
     `args`: as `arguments_as_read` gives them): their leaves, in order, and the NnxArgs of
     its NNX arguments; None if the record does not serve this call. (`serves_nested`,
-    `plain`: the function's, see FunctionState.)"""
+    `plain`: the function's, see FunctionState.) `why` (`f.explain` only): where it
+    declines, the argument's index (None: the call as a whole) and why, in words."""
     values: list[Any] = []
     nnx_args: list[Any] = []
     joint = 0  # NNX arguments read jointly (the record pins their entries: see JointRead)
@@ -411,74 +416,90 @@ def read_arguments(
         if read is None:
             t = type(a)
             if t is not ArrayImpl and t not in plain:
-                return None
+                return _declined(why, i, f"a {t.__name__} where the recorded call passed an array")
             values.append(a)
             continue
         if isinstance(read, StaticRead):
             if not static_matches(read, a):
-                return None
+                return _declined(why, i, "static, and not the value the recorded call passed")
             continue
         if isinstance(read, NodeRead):
             if not _nnx_gate.reads_as_node(a) or not _nnx_gate.adapter().read_cached(a, read.spec_id, values, nnx_args):
-                return None
+                return _declined(why, i, "not an NNX object of the structure the recorded call read (or its cache entry changed)")
             continue
         if isinstance(read, JointRead):
             if not _nnx_gate.reads_as_node(a) or not _nnx_gate.adapter().read_joint(a, read, values, nnx_args):
-                return None
+                return _declined(
+                    why, i, "read jointly in the recorded call; not that object now, or its cache entry changed since"
+                )
             joint += 1
             continue
         if isinstance(read, SharedVariableRead):
             owner = known.reads[read.owner]  # (a JointRead, read before this one)
             if not _nnx_gate.adapter().read_shared_variable(a, read, owner, values, nnx_args):
-                return None
+                return _declined(
+                    why, i, f"the recorded call passed the Variable that argument {read.owner} holds at one place; this is another"
+                )
             joint += 1
             continue
         if isinstance(read, NodesRead):
             objs = read.objects(a)
             if objs is None:
-                return None
+                return _declined(why, i, "not a container of the type, length or keys the recorded call passed")
             for x, element in zip(objs, read.elements):
                 if not _nnx_gate.is_node(x):
-                    return None
+                    return _declined(why, i, "holds something other than an NNX object where the recorded call's did")
                 if type(element) is JointRead:
                     if not _nnx_gate.adapter().read_joint(x, element, values, nnx_args):
-                        return None
+                        return _declined(why, i, "holds an object read jointly in the recorded call, changed since")
                     joint += 1
                 elif not _nnx_gate.adapter().read_cached(x, element, values, nnx_args):
-                    return None
+                    return _declined(why, i, "holds an NNX object not of the structure the recorded call read")
             continue
         if isinstance(read, VariableRead):
             if not _nnx_gate.adapter().read_variable_again(a, read, values, nnx_args):
-                return None
+                return _declined(why, i, "not a Variable of the type and metadata the recorded call passed")
             continue
         if isinstance(read, GraphdefRead):
             if not _nnx_gate.is_graphdef(a) or _fast.known_graphdef(a) != read.spec_id:
-                return None
+                return _declined(why, i, "not the graphdef the recorded call passed")
             continue
         if i == 0 and known.fast_shape and _fast.passed_again(known.last[0], a):
-            return None  # passed again: the general path gives it a fast record
+            return _declined(why, i, "passed again: the general path gives it a fast record")
         hit = _flatten.lookup(a)
         if hit is not None and hit.spec_id == read.spec_id:
             values += hit.leaves
             continue
         if read.extract is None or _fast.passed_again(known.last[i], a):
-            return None  # (extracted again: the general path caches it by identity)
+            # (extracted again: the general path caches it by identity)
+            return _declined(why, i, "passed again, or of a structure read whole: the general path caches it")
         leaves = read.extract(a)
         if leaves is None:
-            return None  # not of this structure
+            return _declined(why, i, "not of the structure the recorded call passed")
         values += leaves
-    if nnx_args and (
-        ((known.post is not None or not serves_nested) and currently_jitting())
-        or (joint != len(nnx_args) if joint else len(nnx_args) > 1 and _nnx_gate.adapter().overlapping(nnx_args))
-    ):
-        # (as the fast path: see FunctionState.serves_nested; NNX arguments sharing Variables
-        # are read jointly, each by a JointRead, or not here)
-        return None
+    if nnx_args and ((known.post is not None or not serves_nested) and currently_jitting()):
+        # (as the fast path: see FunctionState.serves_nested)
+        return _declined(why, None, "called inside a jax transformation, which this record cannot serve")
+    if nnx_args and (joint != len(nnx_args) if joint else len(nnx_args) > 1 and _nnx_gate.adapter().overlapping(nnx_args)):
+        # (NNX arguments sharing Variables are read jointly, each by a JointRead, or not here)
+        return _declined(
+            why,
+            None,
+            "its NNX arguments share Variables or nodes, and the recorded call's did not (or the other way round): the"
+            " general path reads them jointly",
+        )
     last = known.last
     for i, read in enumerate(known.reads):
         if type(read) is ArgRead:
             last[i] = _fast.last_mark(args[i], i == 0 and known.fast_shape)
     return values, nnx_args
+
+
+def _declined(why: list[tuple[int | None, str]] | None, index: int | None, reason: str) -> None:
+    """`read_arguments` declines the call: noted in `why` for `f.explain`, if it asks."""
+    if why is not None:
+        why.append((index, reason))
+    return None
 
 
 def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: Any) -> Any:

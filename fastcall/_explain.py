@@ -34,29 +34,44 @@ class CallReport:
     # this function ran: each read from the identity cache, by its structure's generated
     # extractor, or from its NNX cache entry) or "general"
     route: str
-    reasons: tuple[str, ...]  # why not the fast or structure path (empty when it is one)
+    # why not the fast path ("not fast: ..."), and why not the structure path under the
+    # record of its call shape ("not structure: ...", where there is one); empty on either
+    reasons: tuple[str, ...]
     arguments: tuple[ArgumentReport, ...]
 
     def __str__(self) -> str:
         lines = [f"route: {self.route}"]
-        lines += [f"  not fast: {r}" for r in self.reasons]
+        lines += [f"  {r}" for r in self.reasons]
         for a in self.arguments:
             lines.append(f"  {a.name}: {a.kind}; per call: {a.per_call}")
         return "\n".join(lines)
 
 
 def explain(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallReport:
-    reasons = _why_not_fast(state, args, kwargs)
+    reasons = [f"not fast: {r}" for r in _why_not_fast(state, args, kwargs)]
     route = "general" if reasons else "fast"
     known = state.structures.get(_fast.structure_key(args[0], tuple(kwargs))) if args else None
-    if reasons and known is not None and _structure_serves(state, known, args, kwargs):
-        route, reasons = "structure", []
     named = [(state.arg_name(i), a) for i, a in enumerate(args)] + sorted(kwargs.items())
-    reads = known.reads if known is not None else ()
+    reads = list(known.reads) if known is not None else []
     given = arguments_as_read(known, args, kwargs) if known is not None else None
     if known is not None and given is not None:  # (its reads take keywords in the general path's order)
         names = arguments_as_read(known, tuple(map(state.arg_name, range(len(args)))), {k: k for k in kwargs})
         named = list(zip(names or (), given))
+    if reasons and known is None:
+        reasons.append(
+            f"not structure: no record for calls whose first argument is a {type(args[0]).__name__ if args else 'missing'}"
+            + (f" and whose keywords are {', '.join(kwargs)}" if kwargs else "")
+            + " (a call the structure path can serve records one)"
+        )
+    if reasons and known is not None:
+        declined = _why_not_structure(state, known, given)
+        if not declined:
+            route, reasons = "structure", []
+        else:
+            for index, why in declined:
+                reasons.append(f"not structure: {named[index][0] if index is not None else 'the call'}: {why}")
+                if index is not None:  # (that argument is not read as the record reads it)
+                    reads[index] = None
     reports = tuple(
         _argument(state, name, value, i == 0, reads[i] if i < len(reads) else None)
         for i, (name, value) in enumerate(named)
@@ -64,12 +79,15 @@ def explain(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallRe
     return CallReport(route, tuple(reasons), reports)
 
 
-def _structure_serves(state: Any, known: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether the structure path would serve the call (read as it reads, changing nothing)."""
-    given = arguments_as_read(known, args, kwargs)
+def _why_not_structure(state: Any, known: Any, given: tuple[Any, ...] | None) -> list[tuple[int | None, str]]:
+    """Why the structure path, reading the call as it does (changing nothing), would not
+    serve it under the record `known` of its call shape: (argument index or None, reason);
+    empty if it would."""
     if given is None:
-        return False
-    return read_arguments(known._replace(last=list(known.last)), given, state.serves_nested, state.plain_leaves) is not None
+        return [(None, "its arguments are not passed as that call's were (positions and keywords)")]
+    why: list[tuple[int | None, str]] = []
+    read_arguments(known._replace(last=list(known.last)), given, state.serves_nested, state.plain_leaves, why)
+    return why
 
 
 def _why_not_fast(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:

@@ -124,3 +124,32 @@ def test_explain_says_a_new_state_of_a_known_structure_is_read_as_a_pytree():
     state = f.explain(graphdef, nnx.state(model), X).arguments[1]
     assert state.kind == "nnx.State of Variables only, new, of a structure read before"
     assert "pytree flatten" in state.per_call
+
+
+def test_explain_says_why_the_structure_path_declines_a_call():
+    """Where the record of a call's shape does not serve it, explain names the argument and
+    why (the structure path's own reading, asked why), and does not describe that argument
+    by the record's read: a Variable of its own passed where the recorded call passed the
+    module's, and the module's where the record reads a Variable of its own."""
+    m = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    offset = nnx.Param(jnp.ones(4))
+    f = fastcall.jit(lambda m, v, x: m(x) + v[...])
+    assert f.explain(m, offset, X).reasons[-1].startswith("not structure: no record for calls whose first argument")
+    for _ in range(3):
+        _, route = served(f, m, offset, X)
+    assert route.endswith("structure")
+    report = f.explain(m, m.bias, X)  # (the record reads v on its own: m holds this one)
+    assert report.route == "general"
+    assert report.reasons[-1].startswith("not structure: the call: its NNX arguments share Variables")
+    for _ in range(3):
+        _, route = served(f, m, m.bias, X)  # (now recorded: read jointly)
+    assert route.endswith("structure")
+    report = f.explain(m, offset, X)
+    assert report.route == "general", str(report)
+    assert report.reasons[-1] == (
+        "not structure: v: the recorded call passed the Variable that argument 0 holds at one place; this is another"
+    )
+    assert "held by an earlier argument" not in report.arguments[1].kind
+    _, route = served(f, m, offset, X)
+    assert route == "general"  # (which records this form again)
+    assert f.explain(m, offset, X).route == "structure"
