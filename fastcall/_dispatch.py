@@ -495,8 +495,11 @@ def read_arguments(
     return values, nnx_args
 
 
-def _declined(why: list[tuple[int | None, str]] | None, index: int | None, reason: str) -> None:
-    """`read_arguments` declines the call: noted in `why` for `f.explain`, if it asks."""
+def _declined(
+    why: list[tuple[int | None, str]] | None, index: int | None, reason: str
+) -> tuple[list[Any], list[Any]] | None:
+    """`read_arguments` declines the call (returns None): noted in `why` for `f.explain`,
+    if it asks."""
     if why is not None:
         why.append((index, reason))
     return None
