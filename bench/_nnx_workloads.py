@@ -462,14 +462,21 @@ def variable_arg(name: str, description: str, width: int) -> Workload:
     )
 
 
-def variable_beside(name: str, description: str, width: int, depth: int, shared: bool = False) -> Workload:
+def variable_beside(
+    name: str, description: str, width: int, depth: int, shared: bool = False, first: bool = False
+) -> Workload:
     """A module and a Variable passed beside it: `f(model, v, x)`, `v` a Variable of its own
-    (an offset), or with `shared` the module's own (its last layer's bias: passed once, by
-    the module, as nnx.jit shares it)."""
+    (an offset), or with `shared` the module's own (its last layer's bias: passed once, as
+    nnx.jit shares it, by the module, or with `first`, `f(v, model, x)`, by the Variable)."""
     x = jnp.ones((1, width))
 
-    def f(model, v, x):
+    def after(model, v, x):
         return model(x) + v[...]
+
+    def before(v, model, x):
+        return model(x) + v[...]
+
+    f = before if first else after
 
     def build():
         return MLP(width, depth, nnx.Rngs(0)), nnx.Variable(jnp.full((width,), 0.5))
@@ -482,6 +489,8 @@ def variable_beside(name: str, description: str, width: int, depth: int, shared:
             model, own = build()
             g = wrap(f)
             getter = lambda: [*_state_leaves(model), own[...]]  # noqa: E731
+            if first:
+                return lambda: (g(pick(model, own), model, x), getter)
             return lambda: (g(model, pick(model, own), x), getter)
 
         return make
@@ -1136,6 +1145,14 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
             32,
             3,
             shared=True,
+        ),
+        "nnx_variable_first": lambda: variable_beside(
+            "nnx_variable_first",
+            "a module's own Variable passed before it: f(model.layers[-1].bias, model, x), read jointly",
+            32,
+            3,
+            shared=True,
+            first=True,
         ),
         "nnx_variable_arg": lambda: variable_arg(
             "nnx_variable_arg", "an nnx.Variable (a Linear's 32x32 kernel) passed on its own: x @ v[...]", 32

@@ -97,10 +97,11 @@ static const char *NODES_READ_FIELDS[] = {"spec_id", "kind", "elements", "keys",
 #define JOINT_NODE_IDS 2
 #define JOINT_KEEP 3
 static const char *JOINT_READ_FIELDS[] = {"spec_id", "entry", "node_ids", "keep", NULL};
-/* SharedVariableRead(spec_id, owner, position) */
+/* SharedVariableRead(spec_id, owner, position, first) */
 #define SHARED_OWNER 1
 #define SHARED_POSITION 2
-static const char *SHARED_VARIABLE_READ_FIELDS[] = {"spec_id", "owner", "position", NULL};
+#define SHARED_FIRST 3
+static const char *SHARED_VARIABLE_READ_FIELDS[] = {"spec_id", "owner", "position", "first", NULL};
 /* VariableRead(spec_id, kind, metadata, metadata_slot) */
 #define VARIABLE_KIND 1
 #define VARIABLE_METADATA 2
@@ -1209,21 +1210,22 @@ ref_target(PyObject *ref)
 #endif
 }
 
-/* The structure path's reading of a Variable passed on its own that an earlier argument
- * holds (`read`, a SharedVariableRead; `_nnx.read_shared_variable` is the Python copy):
- * if `a` is the very Variable at its recorded position among the leaves of the entry that
- * the owner's JointRead pins (the owner comes earlier in `reads`, so this call has read it
- * from that entry), it passes no value (its holder passed it), and with `nnx_args` its
- * NnxArg is appended (no leaves, no entry, as the joint flatten's); then 1. 0 if not, -1
- * on error. */
+/* The structure path's reading of a Variable passed on its own that another argument
+ * holds (`read`, a SharedVariableRead; `_nnx.read_shared_variable` is the Python copy): if
+ * `a` is the very Variable at its recorded position among the leaves of the entry that the
+ * owner's JointRead pins (this call reads the owner from that entry too, before or after
+ * this), then with `first` (it is met before its holder) its value is appended to
+ * `values`, else nothing (its holder passes it); and with `nnx_args` its NnxArg, as the
+ * joint flatten's (no entry; its one leaf or none); then 1. 0 if not, -1 on error. */
 static int
-read_shared_variable(PyObject *a, PyObject *read, PyObject *reads, PyObject *nnx_args)
+read_shared_variable(PyObject *a, PyObject *read, PyObject *reads, Refs *values, PyObject *nnx_args)
 {
     Py_ssize_t owner = PyLong_AsSsize_t(PyTuple_GET_ITEM(read, SHARED_OWNER));
     Py_ssize_t position = PyLong_AsSsize_t(PyTuple_GET_ITEM(read, SHARED_POSITION));
     if (PyErr_Occurred()) {
         return -1;
     }
+    int first = PyTuple_GET_ITEM(read, SHARED_FIRST) == Py_True;
     if (owner < 0 || owner >= PyTuple_GET_SIZE(reads)) {
         return 0;
     }
@@ -1244,13 +1246,32 @@ read_shared_variable(PyObject *a, PyObject *read, PyObject *reads, PyObject *nnx
     int res = PyList_CheckExact(items) && position >= 0 && position < PyList_GET_SIZE(items)
               && PyList_GET_ITEM(items, position) == a;
     Py_DECREF(items);
+    if (res == 1 && first) {
+        PyObject *descr = PyList_GET_ITEM(G.value_slot, 0);
+        PyObject *value = descr == Py_None ? NULL : leaf_value(descr, a);
+        if (value == NULL) {
+            return descr == Py_None ? 0 : -1;
+        }
+        if ((PyObject *)Py_TYPE(value) != G.array_type) {
+            Py_DECREF(value); /* (a tracer: inside an NNX transform; the Python copy decides) */
+            return 0;
+        }
+        res = refs_push(values, value) < 0 ? -1 : 1;
+    }
     if (res == 1 && nnx_args != NULL) {
-        /* NnxArg(a, [], None, frozenset(), [], None), as `_nnx.read_shared_variable` makes it */
-        PyObject *variables = PyList_New(0), *paths = PyList_New(0);
-        res = variables == NULL || paths == NULL
+        /* NnxArg(a, [a] or [], None, frozenset(), [()] or [], None), as
+         * `_nnx.read_shared_variable` makes it */
+        PyObject *root = first ? PyTuple_New(0) : NULL; /* (the path of a lone Variable) */
+        PyObject *variables = PyList_New(first), *paths = PyList_New(first);
+        if (variables != NULL && paths != NULL && first && root != NULL) {
+            PyList_SET_ITEM(variables, 0, Py_NewRef(a));
+            PyList_SET_ITEM(paths, 0, Py_NewRef(root));
+        }
+        res = variables == NULL || paths == NULL || (first && root == NULL)
                       || append_nnx_arg(nnx_args, a, variables, Py_None, G.empty_ids, paths) < 0
                   ? -1
                   : 1;
+        Py_XDECREF(root);
         Py_XDECREF(variables);
         Py_XDECREF(paths);
     }
@@ -1713,8 +1734,11 @@ structure_fits(FastWrapper *self, PyObject *record, PyObject *const *args, Py_ss
             continue;
         }
         PyObject *kind = (PyObject *)Py_TYPE(read);
-        Py_ssize_t size = kind == G.arg_read || kind == G.static_read || kind == G.shared_variable_read ? 3
-                          : kind == G.nodes_read || kind == G.variable_read || kind == G.joint_read ? 4 : 1;
+        Py_ssize_t size = kind == G.arg_read || kind == G.static_read ? 3
+                          : kind == G.nodes_read || kind == G.variable_read || kind == G.joint_read
+                                    || kind == G.shared_variable_read
+                              ? 4
+                              : 1;
         if ((kind != G.arg_read && kind != G.node_read && kind != G.nodes_read && kind != G.variable_read
              && kind != G.graphdef_read && kind != G.static_read && kind != G.joint_read
              && kind != G.shared_variable_read)
@@ -1840,7 +1864,7 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
                     got = read_variable(self, a, read, &values, nnx_args);
                     n_variables++;
                 } else if (kind == G.shared_variable_read) {
-                    got = read_shared_variable(a, read, reads, nnx_args);
+                    got = read_shared_variable(a, read, reads, &values, nnx_args);
                     n_joint++;
                 } else {
                     PyObject *elements = PyTuple_GET_ITEM(read, NODES_ELEMENTS);

@@ -163,6 +163,7 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
         ArgRead | NodeRead | JointRead | SharedVariableRead | NodesRead | VariableRead | GraphdefRead | StaticRead | None
     ] = []
     nnx_args = iter(resolved.nnx_args)
+    loose: list[tuple[int, Any, int]] = []  # (position, NnxArg, spec id) of Variables read jointly
     before = (
         dict(zip(map(id, resolved.nnx_args), resolved.read_before))
         if resolved.joint and len(resolved.read_before) == len(resolved.nnx_args) else {}
@@ -184,13 +185,9 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
             if nnx_arg is None or nnx_arg.obj is not a:
                 return
             if resolved.joint:
-                joint: JointRead | SharedVariableRead | None = _nnx_gate.adapter().joint_read(
-                    nnx_arg, before.get(id(nnx_arg))
-                )
-                if joint is None:  # (a Variable passed on its own: one an earlier argument holds?)
-                    joint = _nnx_gate.adapter().shared_variable_read(nnx_arg, spec_id, reads)
-                if joint is None:
-                    return
+                joint = _nnx_gate.adapter().joint_read(nnx_arg, before.get(id(nnx_arg)))
+                if joint is None:  # (a Variable passed on its own, which another argument holds?)
+                    loose.append((len(reads), nnx_arg, spec_id))  # (decided once all are read)
                 reads.append(joint)
                 continue
             if nnx_arg.entry is None:
@@ -228,6 +225,11 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
         reads.append(ArgRead(spec_id, template.extract, template.sequence))
     if next(nnx_args, None) is not None:
         return  # (NNX objects inside another argument: read by the general path only)
+    for at, nnx_arg, spec_id in loose:
+        shared = _nnx_gate.adapter().shared_variable_read(nnx_arg, spec_id, reads, at)
+        if shared is None:
+            return
+        reads[at] = shared
     key = _fast.structure_key(args[0], kwnames)
     known = state.structures.get(key)
     if (

@@ -144,9 +144,11 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
     if type(read) is _fast.SharedVariableRead:
         return ArgumentReport(
             name,
-            "NNX Variable on its own, held by an earlier argument (read jointly with it)",
+            f"NNX Variable on its own, held by {'a later' if read.first else 'an earlier'} argument (read jointly"
+            " with it)",
             "checked to be the Variable at its recorded place in that argument's cache entry (by identity); its "
-            "value is passed once, by that argument",
+            + ("value is passed once, here (that argument leaves it out)" if read.first else "value is passed once, by"
+               " that argument"),
         )
     if _nnx_gate.is_node(value) or (_nnx_gate.reads_as_node(value) and _nnx_gate.adapter().read_as_one_object(value)):
         kind, per_call = _nnx_gate.adapter().explain_node(value)

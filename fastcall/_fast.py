@@ -110,16 +110,19 @@ class JointRead(NamedTuple):
 
 
 class SharedVariableRead(NamedTuple):
-    """How the structure path reads a Variable passed on its own that an earlier NNX
-    argument of the call holds (`f(model, model.kernel, x)`), all of them read jointly: the
-    very Variable at `position` among the leaves of the argument at position `owner`, read by a
-    JointRead (which pins that argument's cache entry and passes the Variable's value); it
-    passes nothing itself, as in the joint flatten, where it is a reference to a Variable
-    seen before. (C: `read_shared_variable`.)"""
+    """How the structure path reads a Variable passed on its own that another NNX argument
+    of the call holds (`f(model, model.kernel, x)`, `f(model.kernel, model, x)`), all of
+    them read jointly: the very Variable at `position` among the leaves of the argument at
+    position `owner`, read by a JointRead (which pins that argument's cache entry). As in
+    the joint flatten, the one of the two met first passes the Variable's value: the holder
+    (`first` False: the Variable is a reference to one seen before and passes nothing), or
+    the Variable (`first` True: it passes its value, and the holder's JointRead leaves that
+    leaf out). (C: `read_shared_variable`.)"""
 
     spec_id: int
     owner: int  # the position, among the record's reads, of the JointRead of its holder
     position: int  # its position in that entry's `items`
+    first: bool  # met before its holder: it passes the value
 
 
 class VariableRead(NamedTuple):

@@ -566,21 +566,26 @@ def joint_read(arg: NnxArg, before: Any) -> _fast.JointRead | None:
     return _fast.JointRead(entry.spec_id, weakref.ref(entry), entry.node_ids, None if whole else tuple(keep))
 
 
-def shared_variable_read(arg: NnxArg, spec_id: int, reads: list[Any]) -> _fast.SharedVariableRead | None:
-    """How the structure path reads this call's Variable argument again, if it was passed on
-    its own and read jointly after an argument that holds it (the joint flatten found it
-    seen before: it passed no leaf), and that argument is read by a JointRead in `reads`
-    (the reads recorded so far, one per argument) that passes it; else None."""
+def shared_variable_read(arg: NnxArg, spec_id: int, reads: list[Any], at: int) -> _fast.SharedVariableRead | None:
+    """How the structure path reads this call's Variable argument again (`at`: its position
+    in `reads`, the record's reads of every argument), if it was passed on its own, read
+    jointly, and another argument read by a JointRead in `reads` holds it: the holder passes
+    its value if it comes first (the joint flatten met the Variable as a reference to one
+    seen before: it passed no leaf), else the Variable does (and the holder's JointRead
+    leaves it out); else None."""
     v = arg.obj
-    if arg.entry is not None or arg.variables or not _is_variable(v):
+    if arg.entry is not None or not _is_variable(v):
+        return None
+    passed = len(arg.variables) == 1 and arg.variables[0] is v
+    if not passed and arg.variables:
         return None
     for owner, read in enumerate(reads):
-        entry = read.entry() if type(read) is _fast.JointRead else None
-        if entry is None:
+        entry = read.entry() if type(read) is _fast.JointRead and owner != at else None
+        if entry is None or (owner > at) != passed:
             continue
-        for index in range(len(entry.items)) if read.keep is None else read.keep:
-            if entry.items[index] is v:
-                return _fast.SharedVariableRead(spec_id, owner, index)
+        for index, item in enumerate(entry.items):
+            if item is v and (read.keep is None or index in read.keep) != passed:
+                return _fast.SharedVariableRead(spec_id, owner, index, passed)
     return None
 
 
@@ -588,13 +593,21 @@ def read_shared_variable(
     v: Any, read: _fast.SharedVariableRead, owner: _fast.JointRead, values: list[Any], nnx_args: list[NnxArg]
 ) -> bool:
     """The structure path's reading of a Variable argument another argument holds
-    (`_fast.SharedVariableRead`; `owner`: that argument's JointRead, which this call has
-    read): no value (its holder passed it) and the NnxArg the joint flatten gives it, if it
-    is still the Variable at the recorded place of the pinned entry; False otherwise."""
+    (`_fast.SharedVariableRead`; `owner`: that argument's JointRead, which the call reads
+    too, checking the entry is its argument's): its value if it is met first (else its
+    holder passes it) and the NnxArg the joint flatten gives it, if it is the Variable at
+    the recorded place of the pinned entry; False otherwise."""
     entry = owner.entry()
     if entry is None or read.position >= len(entry.items) or entry.items[read.position] is not v:
         return False
-    nnx_args.append(NnxArg(v, [], None, paths=[]))
+    if not read.first:
+        nnx_args.append(NnxArg(v, [], None, paths=[]))
+        return True
+    value = raw_value(v)
+    if type(value) is not ArrayImpl:
+        return False  # (a tracer: inside an NNX transform)
+    values.append(value)
+    nnx_args.append(NnxArg(v, [v], None, paths=[()]))
     return True
 
 

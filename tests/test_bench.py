@@ -87,8 +87,8 @@ def test_cross_framework_workloads_are_proven_equal():
 # Workloads whose fastcall.jit variant passes NNX objects in another shape than a direct
 # argument (a lone Variable, the functional API, containers of NNX objects).
 ARGUMENT_SHAPE_WORKLOADS = (
-    "nnx_variable_arg", "nnx_variable_beside", "nnx_variable_shared", "nnx_functional", "nnx_train_tuple",
-    "nnx_train_dict", "nnx_train_dataclass", "nnx_kv_list",
+    "nnx_variable_arg", "nnx_variable_beside", "nnx_variable_shared", "nnx_variable_first", "nnx_functional",
+    "nnx_train_tuple", "nnx_train_dict", "nnx_train_dataclass", "nnx_kv_list",
 )
 
 

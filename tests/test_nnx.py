@@ -997,6 +997,51 @@ def test_variable_held_by_another_argument(hot_path):
     assert "held by an earlier argument" in report.arguments[1].kind
 
 
+def test_variable_passed_before_the_module_that_holds_it(hot_path):
+    """`f(model.bias, model, x)`: the joint read meets the Variable first, so it passes the
+    value and the module leaves that leaf out, as nnx.jit shares it; from the second call on
+    by the structure path, in C and in Python (`SharedVariableRead` with `first`), which
+    checks it is still the Variable at its place in the module's pinned entry. A Variable
+    replaced in the module, one the module no longer holds, or one of its own in its place
+    is read by the general path. Values and state as nnx.jit's and the eager call's."""
+
+    def f(v, m, x):
+        v[...] = v[...] + 1
+        m.kernel[...] = m.kernel[...] * 0.5
+        return m(x) * v[...].sum() + m.bias[...]
+
+    ours, theirs, eager = (nnx.Linear(4, 4, rngs=nnx.Rngs(0)) for _ in range(3))
+    x = jnp.ones((2, 4))
+    ours_f, theirs_f = fastcall.jit(f), nnx.jit(f)
+
+    def check(pick: Callable, route: str) -> None:
+        out, path = served(ours_f, *pick(ours), x)
+        assert_trees_equal(out, theirs_f(*pick(theirs), x))
+        assert_trees_equal(out, f(*pick(eager), x))
+        assert_same_state(ours, theirs)
+        assert_same_state(ours, eager)
+        assert path == route, path
+
+    own = lambda m: (m.bias, m)  # noqa: E731
+    check(own, "general")
+    for _ in range(2):
+        check(own, STRUCTURE_PATH[hot_path])
+    report = ours_f.explain(*own(ours), x)
+    assert report.route == "structure" and "held by a later argument" in report.arguments[0].kind
+    old = {id(m): m.bias for m in (ours, theirs, eager)}
+    for m in (ours, theirs, eager):
+        m.bias = nnx.Param(jnp.full((4,), 3.0))  # replaced: the entry re-read
+    check(own, "general")
+    check(own, STRUCTURE_PATH[hot_path])
+    check(lambda m: (old[id(m)], m), "general")  # a Variable it no longer holds
+    check(own, "general")
+    check(own, STRUCTURE_PATH[hot_path])
+    apart = {id(m): nnx.Param(jnp.full((4,), 2.0)) for m in (ours, theirs, eager)}
+    check(lambda m: (apart[id(m)], m), "general")  # one of its own, in the shared one's place
+    for m in (ours, theirs, eager):
+        assert_trees_equal(apart[id(m)][...], apart[id(ours)][...])
+
+
 def test_variable_beside_a_container_of_modules(hot_path):
     """`step((model, optimizer), v, x)`: a Variable beside a tuple of NNX objects is read
     on the structure path too; the model's own Variable in its place is read jointly."""
