@@ -953,6 +953,23 @@ def test_variable_beside_other_nnx_arguments(hot_path):
     check(apart, STRUCTURE_PATH[hot_path])
 
 
+def _checked_against_nnx_jit(f: Callable, ours_f: Any, ours: Any, theirs: Any, eager: Any, x: Any) -> Callable:
+    """`check(pick, route)`: call `ours_f` (fastcall), nnx.jit and the eager `f` on the
+    arguments `pick` takes from each world's module, then x; the same values and state
+    from all three, and the route fastcall's call took."""
+    theirs_f = nnx.jit(f)
+
+    def check(pick: Callable, route: str) -> None:
+        out, path = served(ours_f, *pick(ours), x)
+        assert_trees_equal(out, theirs_f(*pick(theirs), x))
+        assert_trees_equal(out, f(*pick(eager), x))
+        assert_same_state(ours, theirs)
+        assert_same_state(ours, eager)
+        assert path == route, path
+
+    return check
+
+
 def test_variable_held_by_another_argument(hot_path):
     """`f(model, model.bias, x)`: the Variable is the module's own, so the call is read
     jointly (the Variable passed once, by the module, as nnx.jit shares it); from the second
@@ -968,16 +985,8 @@ def test_variable_held_by_another_argument(hot_path):
         return m(x) * v[...].sum()
 
     ours, theirs, eager = (nnx.Linear(4, 4, rngs=nnx.Rngs(0)) for _ in range(3))
-    x = jnp.ones((2, 4))
-    ours_f, theirs_f = fastcall.jit(f), nnx.jit(f)
-
-    def check(pick: Callable, route: str) -> None:
-        out, path = served(ours_f, *pick(ours), x)
-        assert_trees_equal(out, theirs_f(*pick(theirs), x))
-        assert_trees_equal(out, f(*pick(eager), x))
-        assert_same_state(ours, theirs)
-        assert_same_state(ours, eager)
-        assert path == route, path
+    ours_f = fastcall.jit(f)
+    check = _checked_against_nnx_jit(f, ours_f, ours, theirs, eager, jnp.ones((2, 4)))
 
     own = lambda m: (m, m.bias)  # noqa: E731
     check(own, "general")
@@ -989,10 +998,10 @@ def test_variable_held_by_another_argument(hot_path):
     check(own, "general")
     check(own, STRUCTURE_PATH[hot_path])
     check(lambda m: (m, old[id(m)]), "general")  # a Variable it no longer holds
-    report = ours_f.explain(*own(ours), x)
+    report = ours_f.explain(*own(ours), jnp.ones((2, 4)))
     assert report.route == "general"  # (the record is the last call's: apart)
     check(own, "general")
-    report = ours_f.explain(*own(ours), x)
+    report = ours_f.explain(*own(ours), jnp.ones((2, 4)))
     assert report.route == "structure"
     assert "held by an earlier argument" in report.arguments[1].kind
 
@@ -1011,22 +1020,14 @@ def test_variable_passed_before_the_module_that_holds_it(hot_path):
         return m(x) * v[...].sum() + m.bias[...]
 
     ours, theirs, eager = (nnx.Linear(4, 4, rngs=nnx.Rngs(0)) for _ in range(3))
-    x = jnp.ones((2, 4))
-    ours_f, theirs_f = fastcall.jit(f), nnx.jit(f)
-
-    def check(pick: Callable, route: str) -> None:
-        out, path = served(ours_f, *pick(ours), x)
-        assert_trees_equal(out, theirs_f(*pick(theirs), x))
-        assert_trees_equal(out, f(*pick(eager), x))
-        assert_same_state(ours, theirs)
-        assert_same_state(ours, eager)
-        assert path == route, path
+    ours_f = fastcall.jit(f)
+    check = _checked_against_nnx_jit(f, ours_f, ours, theirs, eager, jnp.ones((2, 4)))
 
     own = lambda m: (m.bias, m)  # noqa: E731
     check(own, "general")
     for _ in range(2):
         check(own, STRUCTURE_PATH[hot_path])
-    report = ours_f.explain(*own(ours), x)
+    report = ours_f.explain(*own(ours), jnp.ones((2, 4)))
     assert report.route == "structure" and "held by a later argument" in report.arguments[0].kind
     old = {id(m): m.bias for m in (ours, theirs, eager)}
     for m in (ours, theirs, eager):
