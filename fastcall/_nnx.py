@@ -1483,7 +1483,7 @@ _ARG_STRIDE = 1 << 32  # outer indices of NNX argument k are k * _ARG_STRIDE + i
 class _Traced:
     """One NNX argument inside the trace: the rebuilt node and its leaves before the call."""
 
-    __slots__ = ("node", "spec", "inner", "paths", "owners", "given", "index_ref", "name", "state_treedef")
+    __slots__ = ("node", "spec", "inner", "paths", "owners", "given", "index_ref", "name", "state_treedef", "metadata")
 
     def __init__(self, node_spec: NodeSpec, given: Any, shared_index: Any, name: str) -> None:
         self.spec = node_spec
@@ -1502,6 +1502,16 @@ class _Traced:
         self.inner: list[Any] = []  # the leaves (Variables, raw values) before the call
         self.paths: list[Any] = []  # and their paths
         self.owners: list[Any] = []  # and the object holding each (None: not found)
+        self.metadata: list[Any] = []  # and each Variable's metadata (a copy; None: a raw leaf)
+
+    def metadata_changed(self) -> list[tuple[int, dict[str, Any]]]:
+        """(leaf index, its metadata now) for each Variable given whose metadata the
+        function changed in place (`v.set_metadata(...)` inside)."""
+        out = []
+        for i, (v, before) in enumerate(zip(self.inner, self.metadata)):
+            if before is not None and v.get_metadata() != before:
+                out.append((i, dict(v.get_metadata())))
+        return out
 
     def writes(
         self, after: list[Any] | None, everything: bool, replace: bool, raw: bool = True, alive: Any = None
@@ -1561,6 +1571,9 @@ class NnxOutputs(NamedTuple):
     # output: None for the output itself, else its index in the output tuple or list; the
     # argument's ordinal). Each call gives each such State a cache entry (`twin_states`).
     twins: tuple[tuple[int | None, int], ...] = ()
+    # without graph updates: (ordinal, leaf index, metadata) of each Variable given whose
+    # metadata the function changed in place, set on the caller's Variable after each call
+    metadata: tuple[tuple[int, int, dict[str, Any]], ...] = ()
 
 
 class TracedInputs:
@@ -1604,6 +1617,7 @@ class TracedInputs:
         for t, (_, flat) in zip(self.args, self._flatten_all()):
             t.inner, t.paths = list(flat.leaves), list(flat.paths)
             t.owners = [_owner(t.node, path) for path in t.paths]
+            t.metadata = [dict(v.get_metadata()) if _is_variable(v) else None for v in t.inner]
 
     def outputs(
         self, out: Any, graph_updates: bool, refuse_aliasing: bool, everything: list[bool], shardings: list[Any]
@@ -1617,6 +1631,7 @@ class TracedInputs:
         replaced: list[tuple[int, int]] = []
         restructured: list[Any] = []
         restructure: list[tuple[int, Any, int]] = []
+        metadata: list[tuple[int, int, dict[str, Any]]] = []
         flattened = self._flatten_all()
         changed = [self._changed(t, graphdef, list(flat.leaves), out, flattened)
                    for t, (graphdef, flat) in zip(self.args, flattened)]
@@ -1661,14 +1676,18 @@ class TracedInputs:
                 written.append(value)
                 if new_variable:
                     replaced.append((ordinal, index))
+            if not graph_updates:
+                # (as nnx.jit without graph updates, which writes each changed Variable back
+                # whole with `update_from_state`: metadata changed in place inside too)
+                metadata += [(ordinal, index, now) for index, now in t.metadata_changed()]
         twins = self._twins(out, {k for k, _ in replaced} | {k for k, _, _ in restructure}) if not joint else ()
         out, marks = self._mark_nodes(out, refuse_aliasing, inner_ref, outer_index, outer_ref)
         extra = restructured + written
-        if not (writes or restructure or marks.found):
+        if not (writes or restructure or marks.found or metadata):
             return out, None, []
         nnx_out = NnxOutputs(
             tuple(writes), tuple(restructure), marks.found, marks.sub_objects, len(extra), frozenset(replaced),
-            joint, marks.links_outer, marks.new_objects, twins,
+            joint, marks.links_outer, marks.new_objects, twins, tuple(metadata),
         )
         return out, nnx_out, extra
 
@@ -1933,6 +1952,8 @@ def write_back(nnx_out: NnxOutputs, written: Any, nnx_args: list[NnxArg]) -> _Li
             _replace_variable(nnx_args[ordinal], index, value)
         else:
             write_leaf(nnx_args[ordinal].variables[index], value)
+    for ordinal, index, metadata in nnx_out.metadata:
+        nnx_args[ordinal].variables[index].set_metadata(dict(metadata))  # (all of it; seen by the hooks)
     return link
 
 

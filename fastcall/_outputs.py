@@ -131,7 +131,8 @@ class OutInfo:
         link = None  # (how returned NNX objects are tied to the caller's)
         if self.nnx is not None:
             k = self.nnx.n_written
-            if k or self.nnx.restructure:  # (a new structure may have no leaves at all)
+            # (a new structure may have no leaves at all; nor metadata written back)
+            if k or self.nnx.restructure or self.nnx.metadata:
                 link = self.adapter.write_back(self.nnx, dyn[len(dyn) - k :], nnx_args)
                 dyn = dyn[: len(dyn) - k]
         if self.nnx is None or not self.nnx.has_nodes:
@@ -178,7 +179,7 @@ class OutInfo:
             return None
         if nnx is None:
             return ()
-        if nnx.restructure or nnx.replaced or nnx.has_nodes:
+        if nnx.restructure or nnx.replaced or nnx.has_nodes or nnx.metadata:
             return None
         if not nnx.writes or nnx.n_written != len(nnx.writes):
             return None

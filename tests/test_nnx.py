@@ -1505,6 +1505,48 @@ def test_tree_mode_propagates_no_structural_change_like_nnx_jit(graph_updates):
     assert_same_state(ours, theirs)
 
 
+def _tag_bias(m, x):
+    m.bias.set_metadata(tag=1)  # (in place: the Variable is the given one)
+    m.bias[...] = m.bias[...] + 1.0
+    return m(x)
+
+
+@needs_graph_updates
+@pytest.mark.parametrize("options", [{"graph_updates": False}, {"graph": False}], ids=["no graph updates", "tree mode"])
+def test_metadata_changed_inside_is_written_back_without_graph_updates_like_nnx_jit(options, hot_path):
+    """Without graph updates, nnx.jit writes each changed Variable back whole
+    (`update_from_state`), so metadata set inside reaches the caller's Variable, as in the
+    eager call; so does fastcall's (it wrote the value only). Later calls, which change no
+    metadata, take the fast path again."""
+    ours, theirs, eager = (nnx.Linear(4, 4, rngs=nnx.Rngs(0)) for _ in range(3))
+    f, g, x = fastcall.jit(_tag_bias, **options), nnx.jit(_tag_bias, **options), jnp.ones((2, 4))
+    routes = []
+    for _ in range(3):
+        out, route = served(f, ours, x)
+        routes.append(route)
+        assert_trees_equal(out, g(theirs, x))
+        assert_trees_equal(out, _tag_bias(eager, x))
+        assert_same_state(ours, theirs)
+        assert ours.bias.get_metadata() == theirs.bias.get_metadata() == eager.bias.get_metadata()
+        assert ours.bias.get_metadata()["tag"] == 1
+    assert routes[-1] == FAST_PATH[hot_path], routes
+
+
+def test_metadata_changed_inside_is_written_back_with_graph_updates_as_the_eager_call_keeps_it():
+    """With graph updates the metadata set inside reaches the caller's Variable too, as in
+    the eager call (flax 0.12.8's nnx.jit drops it there, and keeps it without graph
+    updates: see README "Migrating from nnx.jit"); values as nnx.jit's."""
+    ours, theirs, eager = (nnx.Linear(4, 4, rngs=nnx.Rngs(0)) for _ in range(3))
+    f, g, x = fastcall.jit(_tag_bias), nnx.jit(_tag_bias), jnp.ones((2, 4))
+    for _ in range(3):
+        out = f(ours, x)
+        assert_trees_equal(out, g(theirs, x))
+        assert_trees_equal(out, _tag_bias(eager, x))
+        assert_trees_equal(jax.tree.leaves(nnx.state(ours)), jax.tree.leaves(nnx.state(theirs)))  # (values)
+        assert_same_state(ours, eager)
+        assert ours.bias.get_metadata()["tag"] == 1
+
+
 @needs_graph_updates
 def test_new_object_holding_an_input_is_aliasing_without_graph_updates_like_nnx_jit():
     def wrap(m):
