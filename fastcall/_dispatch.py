@@ -427,7 +427,9 @@ def read_arguments(
             continue
         if isinstance(read, NodeRead):
             if not _nnx_gate.reads_as_node(a) or not _nnx_gate.adapter().read_cached(a, read.spec_id, values, nnx_args):
-                return _declined(why, i, "not an NNX object of the structure the recorded call read (or its cache entry changed)")
+                return _declined(
+                    why, i, "not an NNX object of the structure the recorded call read (or its cache entry changed)"
+                )
             continue
         if isinstance(read, JointRead):
             if not _nnx_gate.reads_as_node(a) or not _nnx_gate.adapter().read_joint(a, read, values, nnx_args):
@@ -437,10 +439,13 @@ def read_arguments(
             joint += 1
             continue
         if isinstance(read, SharedVariableRead):
-            owner = known.reads[read.owner]  # (a JointRead, read before this one)
+            owner = known.reads[read.owner]  # (a JointRead: its argument read before or after this one)
             if not _nnx_gate.adapter().read_shared_variable(a, read, owner, values, nnx_args):
                 return _declined(
-                    why, i, f"the recorded call passed the Variable that argument {read.owner} holds at one place; this is another"
+                    why,
+                    i,
+                    f"the recorded call passed the Variable that argument {read.owner} holds at one place; this is"
+                    " another",
                 )
             joint += 1
             continue
@@ -482,7 +487,9 @@ def read_arguments(
     if nnx_args and ((known.post is not None or not serves_nested) and currently_jitting()):
         # (as the fast path: see FunctionState.serves_nested)
         return _declined(why, None, "called inside a jax transformation, which this record cannot serve")
-    if nnx_args and (joint != len(nnx_args) if joint else len(nnx_args) > 1 and _nnx_gate.adapter().overlapping(nnx_args)):
+    if nnx_args and (
+        joint != len(nnx_args) if joint else len(nnx_args) > 1 and _nnx_gate.adapter().overlapping(nnx_args)
+    ):
         # (NNX arguments sharing Variables are read jointly, each by a JointRead, or not here)
         return _declined(
             why,

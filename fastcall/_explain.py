@@ -58,8 +58,9 @@ def explain(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallRe
         names = arguments_as_read(known, tuple(map(state.arg_name, range(len(args)))), {k: k for k in kwargs})
         named = list(zip(names or (), given))
     if reasons and known is None:
+        form = f"whose first argument is a {type(args[0]).__name__}" if args else "without positional arguments"
         reasons.append(
-            f"not structure: no record for calls whose first argument is a {type(args[0]).__name__ if args else 'missing'}"
+            f"not structure: no record for calls {form}"
             + (f" and whose keywords are {', '.join(kwargs)}" if kwargs else "")
             + " (a call the structure path can serve records one)"
         )
@@ -84,7 +85,7 @@ def _why_not_structure(state: Any, known: Any, given: tuple[Any, ...] | None) ->
     serve it under the record `known` of its call shape: (argument index or None, reason);
     empty if it would."""
     if given is None:
-        return [(None, "its arguments are not passed as that call's were (positions and keywords)")]
+        return [(None, "its arguments are not passed as the recorded call's were (positions and keywords)")]
     why: list[tuple[int | None, str]] = []
     read_arguments(known._replace(last=list(known.last)), given, state.serves_nested, state.plain_leaves, why)
     return why

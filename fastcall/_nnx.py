@@ -1509,8 +1509,9 @@ class _Traced:
         function changed in place (`v.set_metadata(...)` inside)."""
         out = []
         for i, (v, before) in enumerate(zip(self.inner, self.metadata)):
-            if before is not None and v.get_metadata() != before:
-                out.append((i, dict(v.get_metadata())))
+            now = v.get_metadata() if before is not None else None
+            if now is not None and now != before:
+                out.append((i, dict(now)))
         return out
 
     def writes(
