@@ -125,16 +125,17 @@ static const char *WRITE_BACK_FIELDS[] = {"writes", "result", "post", NULL};
 #define RAW_OWNER 0
 #define RAW_NAME 1
 static const char *RAW_LEAF_FIELDS[] = {"owner", "name", NULL};
-/* Registration(position, start, stop, spec, spec_id, guarded): an output an entry's memo notes
- * (fastcall/_flatten.py); a memo is (regs, ref_0, leaves_0, guard_0, ref_1, ...) */
+/* Registration(position, start, stop, spec, spec_id, guard): an output an entry's memo notes
+ * (fastcall/_flatten.py); a memo is (regs, ref_0, leaves_0, guard_0, ref_1, ...). `guard`:
+ * None, "state" (`state_guard`), or a tuple of container paths (`paths_guard`) */
 #define REG_POSITION 0
 #define REG_START 1
 #define REG_STOP 2
 #define REG_SPEC_ID 4
-#define REG_GUARDED 5
+#define REG_GUARD 5
 #define REG_SIZE 6
 #define MEMO_STRIDE 3
-static const char *REGISTRATION_FIELDS[] = {"position", "start", "stop", "spec", "spec_id", "guarded", NULL};
+static const char *REGISTRATION_FIELDS[] = {"position", "start", "stop", "spec", "spec_id", "guard", NULL};
 /* Watched(container, expected, stamp): one container a guard watches (fastcall/_guard.py) */
 static const char *WATCHED_FIELDS[] = {"container", "expected", "stamp", "owner", NULL};
 /* CacheEntry(ref, leaves, spec_id, spec, guard): the identity cache's (fastcall/_flatten.py) */
@@ -2796,6 +2797,75 @@ state_guard(PyObject *item)
     return guard;
 }
 
+/* A `Watched` record of the list `c` as it holds now: (c, its items, None, None) (a new
+ * reference), or NULL on error. */
+static PyObject *
+watch_list(PyObject *c)
+{
+    PyObject *expected = PyList_AsTuple(c);
+    PyObject *fields = expected == NULL ? NULL : PyTuple_Pack(4, c, expected, Py_None, Py_None);
+    PyObject *args = fields == NULL ? NULL : PyTuple_Pack(1, fields);
+    PyObject *watched = args == NULL ? NULL : PyTuple_Type.tp_new((PyTypeObject *)G.watched, args, NULL);
+    Py_XDECREF(expected);
+    Py_XDECREF(fields);
+    Py_XDECREF(args);
+    return watched;
+}
+
+/* The guard of a returned object `item` that holds lists or dicts: one `Watched` for the
+ * container at each of `paths` (`_flatten.container_paths`, each step (0, name): an
+ * attribute, or (1, key): an item), as it holds now (a new reference); None if one is not a
+ * plain list or dict (not noted); NULL on error. An attribute is read as
+ * `object.__getattribute__` reads it (an Equinox module's own, in Python, is not run), as
+ * `_flatten.follow`, which `_flatten.note_latest` calls. */
+static PyObject *
+paths_guard(PyObject *item, PyObject *paths)
+{
+    if (G.watched == NULL) {
+        return Py_NewRef(Py_None); /* (not configured: nothing is read from the memo either) */
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(paths);
+    PyObject *guard = PyTuple_New(n);
+    for (Py_ssize_t p = 0; guard != NULL && p < n; p++) {
+        PyObject *path = PyTuple_GET_ITEM(paths, p);
+        PyObject *at = PyTuple_CheckExact(path) ? Py_NewRef(item) : NULL;
+        for (Py_ssize_t k = 0; at != NULL && k < PyTuple_GET_SIZE(path); k++) {
+            PyObject *step = PyTuple_GET_ITEM(path, k);
+            if (!PyTuple_CheckExact(step) || PyTuple_GET_SIZE(step) != 2) {
+                Py_CLEAR(at);
+                break;
+            }
+            PyObject *op = PyTuple_GET_ITEM(step, 0), *key = PyTuple_GET_ITEM(step, 1);
+            int attr = PyLong_CheckExact(op) && PyLong_AsLong(op) == 0; /* (_flatten._ATTR) */
+            Py_SETREF(at, attr ? PyObject_GenericGetAttr(at, key) : PyObject_GetItem(at, key));
+        }
+        if (at == NULL) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_TypeError, "paths_guard: a path is a tuple of (op, key) steps");
+            }
+            Py_CLEAR(guard);
+            break;
+        }
+        PyObject *watched = NULL;
+        if (PyList_CheckExact(at)) {
+            watched = watch_list(at);
+        } else if (PyDict_CheckExact(at)) {
+            watched = watch_dict(at, Py_None);
+        } else {
+            Py_DECREF(at);
+            Py_SETREF(guard, Py_NewRef(Py_None)); /* (not a plain container: not noted) */
+            break;
+        }
+        Py_DECREF(at);
+        if (watched == NULL) {
+            Py_CLEAR(guard);
+            break;
+        }
+        PyTuple_SET_ITEM(guard, p, watched);
+    }
+    return guard;
+}
+
 /* remember_outputs(on_death, regs, held, result, dyn): `OutInfo._register` (whose Python
  * copy `_flatten.note_latest` is) in C. The objects a call returns that the next call may
  * take back (`regs`: a `Registration` each) are noted in one tuple, the entry's *memo*,
@@ -2846,15 +2916,18 @@ remember_outputs(PyObject *on_death, PyObject *regs, PyObject *result, PyObject 
         if (item == NULL) {
             goto failed;
         }
-        PyObject *guard = PyTuple_GET_ITEM(reg, REG_GUARDED) == Py_True ? state_guard(item) : Py_NewRef(Py_None);
+        PyObject *how = PyTuple_GET_ITEM(reg, REG_GUARD);
+        PyObject *guard = how == Py_None           ? Py_NewRef(Py_None)
+                          : PyTuple_CheckExact(how) ? paths_guard(item, how)
+                                                    : state_guard(item);
         if (guard == NULL) {
             Py_DECREF(item);
             goto failed;
         }
-        if (guard == Py_None && PyTuple_GET_ITEM(reg, REG_GUARDED) == Py_True) {
+        if (guard == Py_None && how != Py_None) {
             Py_DECREF(guard);
             Py_DECREF(item);
-            continue; /* (a State whose dicts are not plain: not noted) */
+            continue; /* (a container that is not plain: not noted) */
         }
         PyObject *ref = PyTuple_CheckExact(item) ? Py_NewRef(item) : PyWeakref_NewRef(item, on_death);
         Py_DECREF(item);

@@ -368,7 +368,7 @@ def lookup(obj: Any) -> CacheEntry | None:
         return None
     leaves, spec, guard = found
     if type(obj) is tuple:
-        return CacheEntry(_Strong(obj), leaves, spec.id, spec)
+        return CacheEntry(_Strong(obj), leaves, spec.id, spec, guard)
     remember(obj, leaves, spec, guard)
     hit = by_id.get(id(obj))
     return hit if hit is not None and hit.ref() is obj else None
@@ -566,8 +566,8 @@ def release_held(box: list[Any]) -> None:
 # per `Registration` of `OutInfo.regs`: the returned object known by a weak reference (a
 # module or State: released when it dies, by `forget_latest`) or by itself (a tuple, which
 # cannot be weakly referenced: held until the entry's next call), or None (not noted); its
-# leaves; and, for a State (`Registration.guarded`), a guard over its dicts, which may
-# change in place (`state_containers`; else None). `LATEST` lists the `held` of the entries
+# leaves; and, for an object holding lists or dicts (`Registration.guard`), a guard over
+# them, which may change in place (else None). `LATEST` lists the `held` of the entries
 # that returned most recently, newest first. A lookup compares live objects by identity
 # (`ref() is obj`, or `ref is obj`), so a reused id never matches, and takes a guarded one
 # only while its guard holds. `_accel.remember_outputs` and `_accel.latest_leaves` are the
@@ -586,7 +586,64 @@ class Registration(NamedTuple):
     stop: int
     spec: Any
     spec_id: int  # (interned: compares by identity)
-    guarded: bool  # an eqx.nn.State: noted with a guard over its dicts (`guards_as_state`)
+    # How each call's object is guarded: None (immutable: no guard); STATE_GUARD (an
+    # eqx.nn.State: over its dicts, `state_containers`); or the paths from it to each list
+    # and dict it holds (`container_paths`: a guard over them, made as it was returned)
+    guard: Any
+
+
+STATE_GUARD = "state"
+_ATTR, _ITEM = 0, 1  # the steps of a container path: (_ATTR, name) or (_ITEM, index or key)
+
+
+def container_paths(item: Any) -> tuple[tuple[tuple[int, Any], ...], ...] | None:
+    """The path from `item` (a module or tuple, as returned) to each plain list and dict in
+    it that jax's flatten reaches, outermost first; None if one cannot be followed by
+    attribute or item access (a node without keys), or is not a plain list or dict (an
+    eqx.nn.State, an OrderedDict, ...) below the top."""
+    paths: list[tuple[tuple[int, Any], ...]] = []
+
+    def mutable(x: Any) -> bool:
+        return isinstance(x, (list, dict)) or type(x) is STATE_TYPE
+
+    def walk(node: Any, prefix: tuple[tuple[int, Any], ...]) -> bool:
+        found, _ = tree_flatten_with_path(node, is_leaf=lambda x: x is not node and mutable(x))
+        for keys, x in found:
+            if not mutable(x):
+                continue
+            if not _guard.is_guardable(x):
+                return False
+            steps = []
+            for k in keys:
+                if type(k) is jax.tree_util.GetAttrKey:
+                    steps.append((_ATTR, k.name))
+                elif type(k) is jax.tree_util.SequenceKey:
+                    steps.append((_ITEM, k.idx))
+                elif type(k) is jax.tree_util.DictKey:
+                    steps.append((_ITEM, k.key))
+                else:
+                    return False
+            path = prefix + tuple(steps)
+            if follow(item, path) is not x:  # (an attribute that is not read as stored)
+                return False
+            paths.append(path)
+            if not walk(x, path):
+                return False
+        return True
+
+    return tuple(paths) if walk(item, ()) else None
+
+
+def follow(item: Any, path: tuple[tuple[int, Any], ...]) -> Any:
+    """The object at `path` (`container_paths`) in `item`. Attributes are read by
+    `object.__getattribute__`: an Equinox module's own `__getattribute__` (Python code, which
+    wraps methods) is skipped, as `_accel.c`'s `paths_guard` skips it."""
+    for op, key in path:
+        item = _getattribute(item, key) if op == _ATTR else item[key]
+    return item
+
+
+_getattribute = object.__getattribute__
 
 
 def note_latest(held: list[Any], regs: Sequence[Registration], result: Any, dyn: Sequence[Any], on_death: Any) -> None:
@@ -605,8 +662,11 @@ def note_latest(held: list[Any], regs: Sequence[Registration], result: Any, dyn:
                     ref = weakref.ref(item, on_death)
                 except TypeError:
                     pass  # (cannot be weakly referenced: not noted)
-            if ref is not None and reg.guarded:
-                containers = state_containers(item)
+            if ref is not None and reg.guard is not None:
+                if reg.guard == STATE_GUARD:
+                    containers = state_containers(item)
+                else:
+                    containers = [follow(item, path) for path in reg.guard]
                 guard = _guard.make(containers) if all(map(_guard.is_guardable, containers)) else None
                 if guard is None:
                     ref = None

@@ -217,9 +217,13 @@ def _has_python_nodes(treedef: Any) -> bool:
     return any(_has_python_nodes(c) for c in treedef.children())
 
 
+_UNNOTED = object()  # (`_registrations`: an output that is not noted)
+
+
 def _registrations(out: Any, mask: tuple[bool, ...]):
-    """A `_flatten.Registration` for each Equinox module, immutable tuple or eqx.nn.State
-    returned at top level (as the output, or as an element of an output tuple)."""
+    """A `_flatten.Registration` for each Equinox module, tuple or eqx.nn.State returned at
+    top level (as the output, or as an element of an output tuple) that is immutable, or
+    whose lists and dicts a guard can watch."""
     if isinstance(out, eqx.Module) or type(out) is _flatten.STATE_TYPE:
         candidates: list[tuple[int | None, Any]] = [(None, out)]
     elif type(out) is tuple:
@@ -235,9 +239,15 @@ def _registrations(out: Any, mask: tuple[bool, ...]):
                 spec, _ = _flatten.flatten_generic(item, "output")
             except FastcallError:
                 spec = None
-            if spec is not None and spec.rule_free and (spec.cacheable or _flatten.guards_as_state(spec)):
-                guarded = not spec.cacheable  # (a State: its dicts can change in place)
-                yield _flatten.Registration(index, pos, pos + n_dyn, spec, spec.id, guarded)
+            guard: Any = None  # (cacheable: immutable, nothing to guard)
+            if spec is None or not spec.rule_free:
+                guard = _UNNOTED
+            elif _flatten.guards_as_state(spec):
+                guard = _flatten.STATE_GUARD
+            elif not spec.cacheable:  # lists or dicts inside, which can change in place
+                guard = (spec.guardable and _flatten.container_paths(item)) or _UNNOTED
+            if guard is not _UNNOTED:
+                yield _flatten.Registration(index, pos, pos + n_dyn, spec, spec.id, guard)
         pos += n_dyn
 
 

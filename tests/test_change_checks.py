@@ -543,6 +543,79 @@ def test_a_returned_eqx_state_is_read_back_from_the_memo_under_a_guard(hot_path)
     assert_trees_equal(g(model, s5, x), _stateful_call(model, s5, x)[0])
 
 
+class _Listed(eqx.Module):
+    """Equinox's getting-started shape: layers in a plain list, plus a dict holding an array
+    and a nested list."""
+
+    layers: list
+    extras: dict
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.layers = [eqx.nn.Linear(4, 4, key=k1), eqx.nn.Linear(4, 4, key=k2)]
+        self.extras = {"bias": jnp.ones(4), "scales": [jnp.full(4, 0.5)]}
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jax.nn.relu(layer(x))
+        return x * self.extras["scales"][0] + self.extras["bias"]
+
+
+def _sgd_step(m, aux, x):
+    """`model, aux = step(model, aux, x)`: a bare SGD update, and a tuple holding a list
+    returned beside it."""
+    grads = eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2))(m)
+    new = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, m, grads)
+    return new, ([a + 1.0 for a in aux[0]], aux[1])
+
+
+def test_a_returned_module_holding_lists_and_dicts_is_read_back_from_the_memo_under_a_guard(hot_path):
+    """`model = step(model, ...)` with lists and dicts in the model (and in a returned tuple):
+    what a call returns is noted with a guard over its lists and dicts, and the next call
+    reads it from the memo (no generated code runs). A list or dict of the returned model
+    changed in place before it is passed back (an item replaced, appended, deleted; a dict
+    value replaced; a nested list changed) is seen, as Equinox sees it."""
+    from fastcall import _flatten
+
+    f, peer = fastcall.filter_jit(_sgd_step), eqx.filter_jit(_sgd_step)
+    x = jnp.arange(4.0)
+    m = ref = _Listed(jax.random.PRNGKey(0))
+    aux = ref_aux = ([jnp.zeros(2)], jnp.ones(()))
+    for i in range(4):
+        (m, aux), route = served(f, m, aux, x * (i + 1))
+        ref, ref_aux = peer(ref, ref_aux, x * (i + 1))
+        assert_trees_equal((m, aux), (ref, ref_aux))
+        assert route == ("general" if i == 0 else STRUCTURE_PATH[hot_path])
+        for returned in (m, aux):
+            found = _flatten.latest(returned)  # (noted, with a guard, for the next call)
+            assert found is not None and found[2] is not None
+    extracted = []
+    for kind in (_Listed, tuple):  # (no generated code reads them)
+        for tmpl in _codegen.templates.get(kind, []):
+            original = tmpl.extract
+            tmpl.extract = lambda obj, original=original: extracted.append(obj) or original(obj)
+    (m2, aux2), route = served(f, m, aux, x)
+    assert route == STRUCTURE_PATH[hot_path] and not extracted
+    assert_trees_equal((m2, aux2), _sgd_step(m, aux, x))
+
+    key = jax.random.PRNGKey(7)
+    changes = [
+        lambda m, aux: m.layers.__setitem__(0, eqx.nn.Linear(4, 4, key=key)),
+        lambda m, aux: m.extras.__setitem__("bias", jnp.full(4, 3.0)),
+        lambda m, aux: m.extras["scales"].__setitem__(0, jnp.full(4, -1.0)),
+        lambda m, aux: aux[0].__setitem__(0, jnp.full(2, 5.0)),
+        lambda m, aux: m.layers.append(eqx.nn.Linear(4, 4, key=key)),
+        lambda m, aux: m.layers.__delitem__(-1),
+        lambda m, aux: aux[0].append(jnp.ones(2)),
+    ]
+    for change in changes:
+        m, aux = f(m, aux, x)  # (returned: noted under a guard)
+        change(m, aux)
+        expected = _sgd_step(m, aux, x)
+        assert_trees_equal(f(m, aux, x), expected)
+        assert_trees_equal(peer(m, aux, x), expected)
+
+
 # --------------------------------------------------------------------------
 # A Variable the function replaces on every call (flax's toy example 05: the VAE's kl_loss)
 
