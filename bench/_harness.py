@@ -237,14 +237,19 @@ def measure(
         rows.append(
             Row(workload.name, v.name, statistics.median(s), min(s), max(s), len(s), calls[v.name], note=v.note)
         )
-    by_name = {row.variant: row for row in rows}
-    floor = by_name.get(workload.floor)
-    subject = by_name.get(workload.subject)
     for row in rows:
         if row.median_us is None:
             continue
-        if floor is not None and floor.median_us:
-            row.x_floor = row.median_us / floor.median_us
-        if subject is not None and subject.median_us:
-            row.x_subject = row.median_us / subject.median_us
+        row.x_floor = paired_ratio(samples[row.variant], samples.get(workload.floor))
+        row.x_subject = paired_ratio(samples[row.variant], samples.get(workload.subject))
     return rows
+
+
+def paired_ratio(mine: list[float], base: list[float] | None) -> float | None:
+    """The median over rounds of `mine`'s time over `base`'s in the same round (None without
+    `base`). Paired, because the variants of one round run back to back: a drift of the
+    machine between rounds (this one's times swing 2x between processes, and by several %
+    within one) moves both and cancels, where the ratio of the two medians keeps it."""
+    if not base or len(base) != len(mine):
+        return None
+    return statistics.median([a / b for a, b in zip(mine, base)])

@@ -33,6 +33,17 @@ def test_bench_runs_and_reports(tmp_path, capsys):
     assert "fastcall.jit" in capsys.readouterr().out
 
 
+def test_ratios_are_paired_round_by_round():
+    """"x floor" is the median of each round's ratio: a round where the machine was slow for
+    both variants counts as the ratio it shows, not as a shift of one median."""
+    floor = [10.0, 10.0, 100.0]
+    mine = [11.0, 100.0, 110.0]  # (the medians are 100 and 10: 10x; each round's ratio 1.1, 10, 1.1)
+    assert _harness.paired_ratio(mine, floor) == pytest.approx(1.1)
+    assert _harness.paired_ratio(floor, floor) == 1.0
+    assert _harness.paired_ratio(mine, None) is None
+    assert _harness.paired_ratio(mine, floor[:2]) is None  # (not the same rounds)
+
+
 def test_bench_markdown(capsys):
     code = bench_main.main(["--only", "identity", "--rounds", "1", "--round-ms", "0.2", "--markdown", *NO_SPEED_GATE])
     assert code == 0
