@@ -2836,8 +2836,12 @@ paths_guard(PyObject *item, PyObject *paths)
                 break;
             }
             PyObject *op = PyTuple_GET_ITEM(step, 0), *key = PyTuple_GET_ITEM(step, 1);
-            int attr = PyLong_CheckExact(op) && PyLong_AsLong(op) == 0; /* (_flatten._ATTR) */
-            Py_SETREF(at, attr ? PyObject_GenericGetAttr(at, key) : PyObject_GetItem(at, key));
+            long which = PyLong_CheckExact(op) ? PyLong_AsLong(op) : -1; /* (_flatten._ATTR: 0) */
+            if (which == -1 && PyErr_Occurred()) {
+                Py_CLEAR(at);
+                break;
+            }
+            Py_SETREF(at, which == 0 ? PyObject_GenericGetAttr(at, key) : PyObject_GetItem(at, key));
         }
         if (at == NULL) {
             if (!PyErr_Occurred()) {
@@ -2876,7 +2880,7 @@ paths_guard(PyObject *item, PyObject *paths)
  * entry's next call) if it is a plain tuple, else None (not noted); leaves_r its leaves
  * dyn[start:stop] (a list); guard_r, for a `guarded` registration (an eqx.nn.State), a
  * guard over its dicts (`state_guard`; a State whose dicts are not plain is not noted),
- * else None. Not noted either: a registration whose first leaf is not an ArrayImpl (a
+ * else None. Not noted either: a registration with a leaf that is not an ArrayImpl (a
  * tracer of an outer trace). Then `held` goes to the front of the recent entries
  * (`G.latest`, `latest_leaves` reads it). Nothing is allocated per returned node beyond
  * its weak reference, its leaves and a State's guard: the identity cache proper (`by_id`)
@@ -2909,8 +2913,12 @@ remember_outputs(PyObject *on_death, PyObject *regs, PyObject *result, PyObject 
             PyErr_SetString(PyExc_IndexError, "remember_outputs: leaves out of range");
             goto failed;
         }
-        if ((PyObject *)Py_TYPE(PyList_GET_ITEM(dyn, start)) != G.array_type) {
-            continue; /* (a tracer of an outer trace: never cached) */
+        Py_ssize_t concrete = start;
+        while (concrete < stop && (PyObject *)Py_TYPE(PyList_GET_ITEM(dyn, concrete)) == G.array_type) {
+            concrete++;
+        }
+        if (concrete < stop) {
+            continue; /* (a tracer of an outer trace, which may be any of them: never cached) */
         }
         PyObject *item = position == Py_None ? Py_NewRef(result) : PyObject_GetItem(result, position);
         if (item == NULL) {

@@ -653,7 +653,7 @@ def note_latest(held: list[Any], regs: Sequence[Registration], result: Any, dyn:
     for reg in regs:
         ref: Any = None
         leaves = guard = None
-        if type(dyn[reg.start]) is ArrayImpl:
+        if all(type(x) is ArrayImpl for x in dyn[reg.start : reg.stop]):  # (none a tracer of an outer trace)
             item = result if reg.position is None else result[reg.position]
             if type(item) is tuple:
                 ref = item

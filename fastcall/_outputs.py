@@ -217,7 +217,20 @@ def _has_python_nodes(treedef: Any) -> bool:
     return any(_has_python_nodes(c) for c in treedef.children())
 
 
-_UNNOTED = object()  # (`_registrations`: an output that is not noted)
+_UNNOTED = object()  # (`_noted_guard`: an output that is not noted)
+
+
+def _noted_guard(spec: Any, item: Any) -> Any:
+    """How a returned object of `spec` is guarded when noted (`Registration.guard`), or
+    _UNNOTED."""
+    if not spec.rule_free:
+        return _UNNOTED
+    if _flatten.guards_as_state(spec):
+        return _flatten.STATE_GUARD
+    if spec.cacheable:
+        return None  # (immutable: nothing to guard)
+    # lists or dicts inside, which can change in place
+    return (spec.guardable and _flatten.container_paths(item)) or _UNNOTED
 
 
 def _registrations(out: Any, mask: tuple[bool, ...]):
@@ -239,14 +252,8 @@ def _registrations(out: Any, mask: tuple[bool, ...]):
                 spec, _ = _flatten.flatten_generic(item, "output")
             except FastcallError:
                 spec = None
-            guard: Any = None  # (cacheable: immutable, nothing to guard)
-            if spec is None or not spec.rule_free:
-                guard = _UNNOTED
-            elif _flatten.guards_as_state(spec):
-                guard = _flatten.STATE_GUARD
-            elif not spec.cacheable:  # lists or dicts inside, which can change in place
-                guard = (spec.guardable and _flatten.container_paths(item)) or _UNNOTED
-            if guard is not _UNNOTED:
+            guard = _UNNOTED if spec is None else _noted_guard(spec, item)
+            if spec is not None and guard is not _UNNOTED:
                 yield _flatten.Registration(index, pos, pos + n_dyn, spec, spec.id, guard)
         pos += n_dyn
 

@@ -616,6 +616,39 @@ def test_a_returned_module_holding_lists_and_dicts_is_read_back_from_the_memo_un
         assert_trees_equal(peer(m, aux, x), expected)
 
 
+def test_a_returned_module_with_a_tracer_among_its_leaves_is_not_noted(hot_path):
+    """Called under an outer `jax.grad`, an output's leaves that do not depend on the
+    differentiated input come back concrete, the others as tracers: a returned module whose
+    first leaf is concrete and a later one a tracer is not noted (its leaves would keep the
+    trace alive, and are no arrays to pass)."""
+    from fastcall import _flatten
+
+    def two(w, c):
+        return w * 2.0, _pair(c, w)
+
+    f = fastcall.filter_jit(two)
+    c = _Pair([jnp.zeros(2), jnp.ones(2)])
+    returned = []
+
+    def loss(w):
+        a, b = f(w, c)
+        returned.append(b)
+        return jnp.sum(a)
+
+    jax.grad(loss)(jnp.ones(2))
+    (b,) = returned
+    assert [type(x) for x in jax.tree_util.tree_leaves(b)][0] is type(jnp.ones(2))  # (the first is concrete)
+    assert _flatten.latest(b) is None
+
+
+class _Pair(eqx.Module):
+    items: list
+
+
+def _pair(c, w):
+    return _Pair([c.items[0] + 1.0, c.items[1] * w])  # (the first does not depend on w)
+
+
 # --------------------------------------------------------------------------
 # A Variable the function replaces on every call (flax's toy example 05: the VAE's kl_loss)
 
