@@ -600,7 +600,7 @@ slot_of(FastWrapper *self, PyObject *a, Py_ssize_t position)
 
 /* The leaves of `a` (a new reference to a list) if it is one of the objects the latest
  * call of a recently run entry returned (`_flatten.latest`, whose copy this is: see
- * remember_outputs), with spec `spec_id`, and its guard (a State's) holds; NULL without an
+ * remember_outputs), with spec `spec_id`, and its guard (if any) holds; NULL without an
  * error if not. A returned module or State is known by a weak reference, a returned tuple
  * by a strong one: either way `a` itself, alive, so its id cannot have been reused. */
 static PyObject *
@@ -2878,12 +2878,12 @@ paths_guard(PyObject *item, PyObject *paths)
  * per registration, `item` (`result`, or result[position]) known by a weak reference whose
  * callback is `on_death` if it can be weakly referenced, by itself (held strongly until the
  * entry's next call) if it is a plain tuple, else None (not noted); leaves_r its leaves
- * dyn[start:stop] (a list); guard_r, for a `guarded` registration (an eqx.nn.State), a
- * guard over its dicts (`state_guard`; a State whose dicts are not plain is not noted),
- * else None. Not noted either: a registration with a leaf that is not an ArrayImpl (a
+ * dyn[start:stop] (a list); guard_r, for a registration with a `guard`, a guard over an
+ * eqx.nn.State's dicts (`state_guard`) or over the lists and dicts at its paths
+ * (`paths_guard`; an object whose containers are not plain is not noted), else None. Not noted either: a registration with a leaf that is not an ArrayImpl (a
  * tracer of an outer trace). Then `held` goes to the front of the recent entries
  * (`G.latest`, `latest_leaves` reads it). Nothing is allocated per returned node beyond
- * its weak reference, its leaves and a State's guard: the identity cache proper (`by_id`)
+ * its weak reference, its leaves and its guard: the identity cache proper (`by_id`)
  * takes an object only when a call served in Python reads it (`_flatten.lookup`). 0, or -1. */
 static int
 remember_outputs(PyObject *on_death, PyObject *regs, PyObject *result, PyObject *dyn, PyObject *held)
