@@ -442,7 +442,8 @@ def variable_arg(name: str, description: str, width: int) -> Workload:
             model = nnx.Linear(width, width, rngs=nnx.Rngs(0))
             g = wrap(f)
             getter = lambda: _state_leaves(model)  # noqa: E731 - only called when verifying
-            return lambda: (g(model.kernel, x), getter)
+            kernel = model.kernel  # (read once, as the floor reads its leaf once)
+            return lambda: (g(kernel, x), getter)
 
         return make
 
@@ -489,9 +490,10 @@ def variable_beside(
             model, own = build()
             g = wrap(f)
             getter = lambda: [*_state_leaves(model), own[...]]  # noqa: E731
+            v = pick(model, own)  # (read once, as the floor reads its leaves once)
             if first:
-                return lambda: (g(pick(model, own), model, x), getter)
-            return lambda: (g(model, pick(model, own), x), getter)
+                return lambda: (g(v, model, x), getter)
+            return lambda: (g(model, v, x), getter)
 
         return make
 
