@@ -59,7 +59,7 @@ static const char *SLOT_FIELDS[] = {"ref", "records", "guard", "node", NULL};
 #define REC_VARIABLES 2
 #define REC_POST 3
 static const char *RECORD_FIELDS[] = {"arity", "call", "variables", "post", NULL};
-/* StructureRecord(arity, reads, call, post, last, fast_shape, kwnames, order) */
+/* StructureRecord(arity, reads, call, post, last, fast_shape, kwnames, order, hold_first) */
 #define STR_ARITY 0
 #define STR_READS 1
 #define STR_CALL 2
@@ -68,18 +68,22 @@ static const char *RECORD_FIELDS[] = {"arity", "call", "variables", "post", NULL
 #define STR_FAST_SHAPE 5
 #define STR_KWNAMES 6
 #define STR_ORDER 7
-#define STR_N_FIELDS 8
-static const char *STRUCTURE_FIELDS[] = {"arity", "reads", "call", "post", "last", "fast_shape", "kwnames", "order", NULL};
+#define STR_HOLD_FIRST 8
+#define STR_N_FIELDS 9
+static const char *STRUCTURE_FIELDS[] = {"arity", "reads", "call", "post", "last", "fast_shape", "kwnames", "order",
+                                         "hold_first", NULL};
 /* ArgRead(spec_id, extract, sequence) */
 #define READ_SPEC_ID 0
 #define READ_EXTRACT 1
 #define READ_SEQUENCE 2
 static const char *READ_FIELDS[] = {"spec_id", "extract", "sequence", NULL};
-/* SequenceRead(kind, length, leaf_types) */
+/* SequenceRead(kind, length, leaf_types, keys) */
 #define SEQ_KIND 0
 #define SEQ_LENGTH 1
 #define SEQ_LEAF_TYPES 2
-static const char *SEQUENCE_READ_FIELDS[] = {"kind", "length", "leaf_types", NULL};
+#define SEQ_KEYS 3
+#define SEQ_N_FIELDS 4
+static const char *SEQUENCE_READ_FIELDS[] = {"kind", "length", "leaf_types", "keys", NULL};
 /* StaticRead(spec_id, value, by_value) */
 #define STATIC_VALUE 1
 #define STATIC_BY_VALUE 2
@@ -1616,30 +1620,64 @@ general:
     return result;
 }
 
-/* A tuple or list argument's leaves as its extractor reads them when its structure is a
- * SequenceRead (`_codegen.Template.sequence`): its items as a tuple if it is of exactly
- * that type and length and each item's exact type is a plain array type, else None (not
- * of this structure, as the extractor says). A list is copied first and the copy checked:
- * the set lookup may run code (a metaclass's __hash__) that changes the list, and the
+/* A dict's values at `keys` (a tuple, in that order) as a new tuple; NULL with KeyError if
+ * one is missing, or on another error. Each value is referenced as it is found: a key's
+ * __eq__ may run code that changes the dict. */
+static PyObject *
+dict_values_at(PyObject *d, PyObject *keys)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(keys);
+    PyObject *items = PyTuple_New(n);
+    for (Py_ssize_t j = 0; items != NULL && j < n; j++) {
+        PyObject *value = PyDict_GetItemWithError(d, PyTuple_GET_ITEM(keys, j)); /* borrowed */
+        if (value == NULL) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetObject(PyExc_KeyError, PyTuple_GET_ITEM(keys, j));
+            }
+            Py_CLEAR(items);
+            break;
+        }
+        PyTuple_SET_ITEM(items, j, Py_NewRef(value));
+    }
+    return items;
+}
+
+/* A tuple, list or dict argument's leaves as its extractor reads them when its structure is
+ * a SequenceRead (`_codegen.Template.sequence`): its items (a dict's values at the read's
+ * keys, in their order) as a tuple if it is of exactly that type and length and each
+ * item's exact type is one of the read's leaf types, else None (not of this structure, as
+ * the extractor says). The items are taken into a new tuple first and that checked: the
+ * set lookup may run code (a metaclass's __hash__) that changes a list or dict, and the
  * compiled call may too while the stack borrows the items. */
 ONE_KIND static PyObject *
 sequence_leaves(PyObject *a, PyObject *sequence)
 {
-    if (!PyTuple_Check(sequence) || PyTuple_GET_SIZE(sequence) != 3) {
+    if (!PyTuple_Check(sequence) || PyTuple_GET_SIZE(sequence) != SEQ_N_FIELDS) {
         Py_RETURN_NONE;
     }
     PyObject *kind = PyTuple_GET_ITEM(sequence, SEQ_KIND);
     PyObject *leaf_types = PyTuple_GET_ITEM(sequence, SEQ_LEAF_TYPES);
+    PyObject *keys = PyTuple_GET_ITEM(sequence, SEQ_KEYS);
     Py_ssize_t length = PyLong_AsSsize_t(PyTuple_GET_ITEM(sequence, SEQ_LENGTH));
     if (length == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    if ((PyObject *)Py_TYPE(a) != kind || (kind != (PyObject *)&PyTuple_Type && kind != (PyObject *)&PyList_Type)
-        || !PyAnySet_CheckExact(leaf_types)) {
+    int is_dict = kind == (PyObject *)&PyDict_Type;
+    if ((PyObject *)Py_TYPE(a) != kind
+        || (kind != (PyObject *)&PyTuple_Type && kind != (PyObject *)&PyList_Type && !is_dict)
+        || !PyAnySet_CheckExact(leaf_types) || (is_dict && (!PyTuple_CheckExact(keys) || PyTuple_GET_SIZE(keys) != length))) {
         Py_RETURN_NONE;
     }
-    PyObject *items = kind == (PyObject *)&PyTuple_Type ? Py_NewRef(a) : PyList_AsTuple(a);
+    if (is_dict && PyDict_GET_SIZE(a) != length) {
+        Py_RETURN_NONE;
+    }
+    PyObject *items = is_dict ? dict_values_at(a, keys)
+                      : kind == (PyObject *)&PyTuple_Type ? Py_NewRef(a) : PyList_AsTuple(a);
     if (items == NULL) {
+        if (is_dict && PyErr_ExceptionMatches(PyExc_KeyError)) { /* (as the extractor) */
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
         return NULL;
     }
     int plain = PyTuple_GET_SIZE(items) == length;
@@ -1787,15 +1825,15 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
         Py_DECREF(record);
         return PyErr_NoMemory();
     }
-    int fits = structure_fits(self, record, args, n_positional, kwnames, given), fast_shape = 0;
+    int fits = structure_fits(self, record, args, n_positional, kwnames, given), fast_shape = 0, hold_first = 0;
     if (fits == 1) {
-        PyObject *flag = PyTuple_GET_ITEM(record, STR_FAST_SHAPE);
-        fast_shape = flag == Py_True ? 1 : flag == Py_False ? 0 : PyObject_IsTrue(flag);
+        fast_shape = PyObject_IsTrue(PyTuple_GET_ITEM(record, STR_FAST_SHAPE));
+        hold_first = fast_shape < 0 ? -1 : PyObject_IsTrue(PyTuple_GET_ITEM(record, STR_HOLD_FIRST));
     }
-    if (fits != 1 || fast_shape < 0) {
+    if (fits != 1 || fast_shape < 0 || hold_first < 0) {
         Py_DECREF(record);
         if (given != small_given) PyMem_Free(given);
-        return fits < 0 || fast_shape < 0 ? NULL : fw_fallback(self, args, nargsf, kwnames);
+        return fits < 0 || fast_shape < 0 || hold_first < 0 ? NULL : fw_fallback(self, args, nargsf, kwnames);
     }
     PyObject *reads = PyTuple_GET_ITEM(record, STR_READS);
     PyObject *last = PyTuple_GET_ITEM(record, STR_LAST);
@@ -1986,7 +2024,7 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
     }
     for (Py_ssize_t i = 0; i < nargs; i++) {
         if (leaves[i].key != NULL) {
-            PyObject *mark = last_mark(given[i], leaves[i].key, i == 0 && fast_shape);
+            PyObject *mark = last_mark(given[i], leaves[i].key, i == 0 && hold_first);
             if (mark == NULL || PyList_SetItem(last, i, mark) < 0) { /* (steals the new reference) */
                 goto done;
             }

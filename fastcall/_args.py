@@ -110,10 +110,14 @@ def resolve(
     if _nnx_gate.is_node(value):
         return _nnx_gate.adapter().read_argument(value, leaves, arg_name, nnx_args, joint)
     for template in _codegen.templates.get(type(value), ()):
+        if not template.serves(trace_scalars):
+            continue
         found = template.extract(value)
         if found is not None:
             leaves += found
             spec = template.spec
+            if template.rule is not None:  # (read by this scalar rule: not cached by identity, below)
+                return spec.id
             if spec.cacheable:
                 remember(value, found, spec)
             elif spec.guardable and _flatten.seen_before(value):
@@ -134,16 +138,18 @@ def resolve(
     if spec.has_nnx:  # NNX objects inside a container: each read as if passed on its own
         return _nnx_gate.adapter().read_container(value, leaves, arg_name, nnx_args, joint, trace_scalars)
     leaves.extend(dynamic)
-    if not spec.rule_free or contains_tracer(dynamic):
-        # (caches are shared by functions of either scalar rule; tracers are never cached)
+    if contains_tracer(dynamic):  # (tracers are never cached)
         return spec.id
-    if spec.cacheable:
-        remember(value, tuple(dynamic), spec)
-    elif spec.guardable and _flatten.seen_before(value):
-        _flatten.remember_guarded(value, tuple(dynamic), spec)
+    # The identity cache is shared by functions of either scalar rule: it holds no object
+    # that the two read differently. (The template made next knows which rule it reads by.)
+    if spec.rule_free:
+        if spec.cacheable:
+            remember(value, tuple(dynamic), spec)
+        elif spec.guardable and _flatten.seen_before(value):
+            _flatten.remember_guarded(value, tuple(dynamic), spec)
     if not spec.templated:
         spec.templated = True
-        _codegen.learn(value, spec, dynamic)
+        _codegen.learn(value, spec, dynamic, trace_scalars)
     return spec.id
 
 

@@ -23,11 +23,17 @@ import jax
 
 from . import _native
 from ._fast import SequenceRead
-from ._flatten import ARRAY_TYPES, PLAIN_ARRAY_TYPES, STATE_TYPE, ArrayImpl, Spec, static_equal
+from ._flatten import (
+    ARRAY_TYPES, PLAIN_ARRAY_TYPES, PY_SCALARS, STATE_TYPE, ArrayImpl, Spec, plain_leaf_types, static_equal,
+)
 
 
 class _NoTemplate(Exception):
     pass
+
+
+# The leaf types of fastcall.jit's scalar rule outside Equinox modules: arrays and Python scalars.
+TRACED_TYPES = plain_leaf_types(True)
 
 
 _MAX_TEMPLATE_NODES = 4096
@@ -43,14 +49,23 @@ class _CodeGen:
     by exact equality), or a leaf that is not a concrete array (`PLAIN_ARRAY_TYPES`:
     a jax array, a NumPy array or scalar, a typed PRNG key; which of them, at each leaf, may
     change from object to object, as jax.jit's own call takes any of them).
+
+    A Python scalar outside an Equinox module is read by the scalar rule the template is
+    made under (`trace_scalars`, as `_flatten.flatten_generic` reads it): a leaf (a Python
+    scalar or an array, at each call) under `fastcall.jit`'s, a static value under
+    `fastcall.filter_jit`'s. `rule_bound` says whether the template met one.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, trace_scalars: bool) -> None:
         self.lines: list[str] = []
         self.consts: dict[str, Any] = {}
         self.counter = itertools.count()
         self.nodes = 0
         self.arrays: list[str] = []
+        self.outside: list[str] = []  # (the leaves outside any Equinox module: `arrays` too)
+        self.trace_scalars = trace_scalars
+        self.rule_bound = False
+        self.in_module = 0  # (inside an Equinox module, a Python scalar is static by either rule)
 
     def const(self, value: Any) -> str:
         name = f"_c{next(self.counter)}"
@@ -79,10 +94,20 @@ class _CodeGen:
             v = self.var()
             self.emit(f"{v} = {expr}")
             self.arrays.append(v)
+            if not self.in_module:
+                self.outside.append(v)
             return
         if value is None:
             self.emit(f"if {expr} is not None: return None")
             return
+        if t in PY_SCALARS and not self.in_module:
+            self.rule_bound = True
+            if self.trace_scalars:
+                v = self.var()
+                self.emit(f"{v} = {expr}")
+                self.arrays.append(v)
+                self.outside.append(v)
+                return
         if t is tuple or t is list:
             v = self.bind(expr)
             self.emit(f"if type({v}) is not {self.const(t)} or len({v}) != {len(value)}: return None")
@@ -111,11 +136,13 @@ class _CodeGen:
             self.emit(f"{v} = _getattr({node}, '__dict__')")
             self.emit(f"if len({v}) != {len(fields)}: return None")
             statics = []
+            self.in_module += 1
             for f in fields:
                 if f.metadata.get("static", False):
                     statics.append((f"{v}[{f.name!r}]", d[f.name]))
                 else:
                     self.walk(f"{v}[{f.name!r}]", d[f.name])
+            self.in_module -= 1
             self.statics(statics)
             return
         if t is STATE_TYPE:  # eqx.nn.State: its children are its `_state` dict's values
@@ -156,10 +183,21 @@ class _CodeGen:
         slow = " and ".join(f"_static_equal({n}, {c})" for n, c in zip(names, consts))
         self.emit(f"if not ({fast}) and not ({slow}): return None")
 
+    @property
+    def traces_scalars(self) -> bool:
+        """Whether, outside Equinox modules, a Python scalar and an array are the same leaf
+        (fastcall.jit's rule reads both as one; a template that met no Python scalar is also
+        used by fastcall.filter_jit's, for which they are not)."""
+        return self.trace_scalars and self.rule_bound
+
     def finish(self) -> str:
         if self.arrays:
             # (a jax array, the common leaf, costs one identity test)
-            check = " or ".join(f"(type({a}) is not _ArrayImpl and type({a}) not in _PLAIN)" for a in self.arrays)
+            traced = set(self.outside) if self.traces_scalars else set()
+            check = " or ".join(
+                f"(type({a}) is not _ArrayImpl and type({a}) not in {'_TRACED' if a in traced else '_PLAIN'})"
+                for a in self.arrays
+            )
             self.emit(f"if {check}: return None")
         self.emit(f"return ({', '.join(self.arrays)}{',' if self.arrays else ''})")
         return "\n".join(self.lines)
@@ -169,13 +207,17 @@ class Template:
     """Generated extractor for one structure: `extract(obj) -> leaves tuple | None`.
 
     Returns the dynamic leaves of `obj` (in `tree_flatten` order) if `obj` has
-    exactly the structure and static values of `spec`, else None.
+    exactly the structure and static values of `spec`, else None. `rule`: None if the
+    structure holds no Python scalar outside an Equinox module (the two scalar rules read
+    it alike), else the rule it reads them by (`trace_scalars`): then only functions of
+    that rule may use it (`serves`), and what it reads is not cached by identity, as
+    the identity cache is shared by functions of both rules.
     """
 
-    __slots__ = ("spec", "extract", "source", "sequence")
+    __slots__ = ("spec", "extract", "source", "sequence", "rule")
 
-    def __init__(self, spec: Spec, example: Any, dynamic: list[Any]):
-        gen = _CodeGen()
+    def __init__(self, spec: Spec, example: Any, dynamic: list[Any], trace_scalars: bool):
+        gen = _CodeGen(trace_scalars)
         gen.walk("obj", example)
         body = gen.finish()
         self.source = (
@@ -189,20 +231,31 @@ class Template:
         )
         namespace: dict[str, Any] = dict(gen.consts)
         namespace.update(
-            _ArrayImpl=ArrayImpl, _PLAIN=PLAIN_ARRAY_TYPES, _static_equal=static_equal, _getattr=object.__getattribute__
+            _ArrayImpl=ArrayImpl, _PLAIN=PLAIN_ARRAY_TYPES, _TRACED=TRACED_TYPES,
+            _static_equal=static_equal, _getattr=object.__getattribute__,
         )
         exec(compile(self.source, f"<fastcall template {spec.id}>", "exec"), namespace)
         self.spec = spec
+        self.rule = trace_scalars if gen.rule_bound else None
         self.extract: Callable[[Any], tuple[Any, ...] | None] = namespace["_extract"]
         # Prove the template agrees with tree_flatten on the object it came from.
         check = self.extract(example)
         if check is None or len(check) != len(dynamic) or any(a is not b for a, b in zip(check, dynamic)):
             raise _NoTemplate
-        # A tuple or list of plain arrays only: `_inner` tests just its type, its length and
-        # each item's type, and returns its items; the C path makes that same test itself.
+        # A tuple, list or dict of leaves only: `_inner` tests just its type, its length (and
+        # a dict's keys) and each item's type, and returns its items; the C path makes that
+        # same test itself.
+        leaf_types = TRACED_TYPES if gen.traces_scalars else PLAIN_ARRAY_TYPES
         kind = type(example)
-        flat = (kind is tuple or kind is list) and all(type(v) in PLAIN_ARRAY_TYPES for v in example)
-        self.sequence = SequenceRead(kind, len(example), PLAIN_ARRAY_TYPES) if flat else None
+        items = list(example.values()) if kind is dict else example
+        self.sequence = None
+        if kind in (tuple, list, dict) and all(type(v) in leaf_types for v in items):
+            keys = tuple(sorted(example)) if kind is dict else None  # (sortable: the walk sorted them)
+            self.sequence = SequenceRead(kind, len(example), leaf_types, keys)
+
+    def serves(self, trace_scalars: bool) -> bool:
+        """Whether a function of this scalar rule may read its arguments with this template."""
+        return self.rule is None or self.rule == trace_scalars
 
 
 # Instructions of an output recipe (the stack machine `_accel.build` runs; see _accel.c).
@@ -355,12 +408,13 @@ templates: dict[type, list[Template]] = {}
 _TEMPLATES_PER_TYPE = 4
 
 
-def learn(value: Any, spec: Spec, dynamic: list[Any]) -> None:
-    """Build a template for `value`'s structure so the next new object of it is fast."""
-    if spec.kind != "tree" or not spec.n_dyn:
+def learn(value: Any, spec: Spec, dynamic: list[Any], trace_scalars: bool) -> None:
+    """Build a template for `value`'s structure, as a function of this scalar rule reads it
+    (`trace_scalars`), so the next new object of it is fast."""
+    if spec.kind != "tree":
         return
     try:
-        tmpl = Template(spec, value, dynamic)
+        tmpl = Template(spec, value, dynamic, trace_scalars)
     except (_NoTemplate, RecursionError):
         return
     except Exception:  # a template is an optimisation; never fail a call over it

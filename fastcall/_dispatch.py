@@ -124,13 +124,13 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
     _publish_structure(state, resolved, entry, fast_shape, ())
     if resolved.nnx_args:
         return
-    if not fast_shape:
-        return
-    if type(first) is list or type(first) is dict:  # (see `hold`)
+    if type(first) is list or type(first) is dict:  # (see `hold`; then the structure path reads it from there)
         spec = _flatten.spec_by_id(resolved.key[0])
         held = _flatten.hold(state, first, resolved.leaves[: spec.n_dyn], spec)
-        if held is not None:
+        if held is not None and fast_shape:
             _publish_pytree(state, first, held, entry, len(args))
+        return
+    if not fast_shape:
         return
     hit = _flatten.lookup(first)
     if hit is None:
@@ -164,6 +164,7 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
     ] = []
     nnx_args = iter(resolved.nnx_args)
     loose: list[tuple[int, Any, int]] = []  # (position, NnxArg, spec id) of Variables read jointly
+    by_rule: set[int] = set()  # (positions read by a template of this function's scalar rule)
     before = (
         dict(zip(map(id, resolved.nnx_args), resolved.read_before))
         if resolved.joint and len(resolved.read_before) == len(resolved.nnx_args) else {}
@@ -215,7 +216,8 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
         if _nnx_gate.is_graphdef(a):  # (the functional API's GraphDef: static, known by identity)
             reads.append(GraphdefRead(spec_id))
             continue
-        template = next((t for t in _codegen.templates.get(type(a), ()) if t.spec.id == spec_id), None)
+        rule = state.options.trace_scalars
+        template = next((t for t in _codegen.templates.get(type(a), ()) if t.spec.id == spec_id and t.serves(rule)), None)
         if template is None:
             hit = _flatten.lookup(a)
             if hit is None or hit.spec_id != spec_id:
@@ -223,6 +225,8 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
             reads.append(ArgRead(spec_id, None, None))
             continue
         reads.append(ArgRead(spec_id, template.extract, template.sequence))
+        if template.rule is not None:
+            by_rule.add(len(reads) - 1)
     if next(nnx_args, None) is not None:
         return  # (NNX objects inside another argument: read by the general path only)
     for at, nnx_arg, spec_id in loose:
@@ -230,23 +234,25 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
         if shared is None:
             return
         reads[at] = shared
+    hold_first = not kwnames and 0 not in by_rule  # (as `_install_fast` holds a first list or dict)
     key = _fast.structure_key(args[0], kwnames)
     known = state.structures.get(key)
     if (
         known is None or known.reads != tuple(reads) or known.call is not entry.fn or known.kwnames != kwnames
-        or known.order != order
+        or known.order != order or known.fast_shape != fast_shape or known.hold_first != hold_first
     ):
         known = StructureRecord(
             len(args) - len(kwnames), tuple(reads), entry.fn, _structure_post(entry), [None] * len(args), fast_shape,
-            kwnames, order,
+            kwnames, order, hold_first,
         )
         if len(state.structures) >= MAX_STRUCTURES and key not in state.structures:
             state.structures.pop(next(iter(state.structures), None), None)  # (the oldest: many keyword sets)
         state.structures[key] = known
-    # The objects of this call, passed again, come back to the general path (see `last`).
+    # The objects of this call, passed again, come back to the general path (see `last`),
+    # which caches them by identity.
     for i, read in enumerate(reads):
         if type(read) is ArgRead:
-            known.last[i] = _fast.last_mark(args[i], i == 0 and fast_shape)
+            known.last[i] = _fast.last_mark(args[i], i == 0 and hold_first)
 
 
 def keyword_order(signature: Any, nargs: int, kwnames: tuple[str, ...]) -> tuple[int, ...] | None:
@@ -500,7 +506,7 @@ def read_arguments(
     last = known.last
     for i, read in enumerate(known.reads):
         if type(read) is ArgRead:
-            last[i] = _fast.last_mark(args[i], i == 0 and known.fast_shape)
+            last[i] = _fast.last_mark(args[i], i == 0 and known.hold_first)
     return values, nnx_args
 
 

@@ -200,13 +200,21 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
     if spec.kind != "tree":
         return ArgumentReport(name, spec.kind, "")
     if type(read) is _fast.ArgRead and read.extract is not None and read.extract(value) is not None:
+        by_rule = any(t.extract is read.extract and t.rule is not None for t in _codegen.templates.get(type(value), ()))
         return ArgumentReport(
             name,
             "a new object of a structure this function has run",
-            "its leaves read by the structure's generated code (cached by identity if passed again)",
+            "its leaves read by the structure's generated code"
+            + (
+                ", every call (it holds Python scalars, which the identity cache does not hold)"
+                if by_rule else " (cached by identity if passed again)"
+            ),
         )
     # (how the general path reads it: by the structure's generated extractor, if it has one)
-    templated = any(t.spec.id == spec.id and t.extract(value) is not None for t in _codegen.templates.get(type(value), ()))
+    templated = any(
+        t.spec.id == spec.id and t.serves(state.options.trace_scalars) and t.extract(value) is not None
+        for t in _codegen.templates.get(type(value), ())
+    )
     every_call = "read by its structure's generated code every call" if templated else "flattened every call"
     if not type(value).__weakrefoffset__:
         if first and (spec.cacheable or spec.guardable) and type(value) in (list, dict):

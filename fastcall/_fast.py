@@ -66,13 +66,18 @@ INDEX: dict[int, FastSlot] = {}
 
 
 class SequenceRead(NamedTuple):
-    """A structure that is a tuple or list of plain arrays and nothing else (a batch,
-    `step(model, (x, y))`): its items are its leaves. The C path reads such an argument
-    itself, as its extractor would (`_codegen.Template.sequence`), with no Python call."""
+    """A structure that is a tuple, list or dict of leaves and nothing else (a batch,
+    `step(model, (x, y))`, `step(model, {"image": x, "label": y})`): its items (a dict's
+    values, in the order of its sorted keys, as jax flattens it) are its leaves. The C path
+    reads such an argument itself, as its extractor would (`_codegen.Template.sequence`),
+    with no Python call."""
 
-    kind: type  # tuple or list, exactly
+    kind: type  # tuple, list or dict, exactly
     length: int
-    leaf_types: frozenset[type]  # each item's exact type is one of these (_flatten.PLAIN_ARRAY_TYPES)
+    # each item's exact type is one of these (_flatten.PLAIN_ARRAY_TYPES; with the Python
+    # scalars, for a template of fastcall.jit's scalar rule that met one: `Template.rule`)
+    leaf_types: frozenset[type]
+    keys: tuple[Any, ...] | None = None  # (a dict: its keys, sorted)
 
 
 class ArgRead(NamedTuple):
@@ -296,8 +301,8 @@ class StructureRecord(NamedTuple):
     # Per positional argument, a mark of the object last read there (`last_mark`). An
     # object extracted again is left to the general path, which caches it by identity
     # (then it is read from the identity cache). With `fast_shape` (every other argument
-    # a plain leaf), the first argument passed again is too: the general path gives it a
-    # fast record.
+    # a plain leaf), the first argument passed again is too, before its cache is read: the
+    # general path gives it a fast record.
     last: list[Any]
     fast_shape: bool
     # The keyword arguments' names, in the order the call gives them (a call with others,
@@ -305,6 +310,10 @@ class StructureRecord(NamedTuple):
     # positional then keyword arguments (`keyword_order`), or None: in that order.
     kwnames: tuple[str, ...] = ()
     order: tuple[int, ...] | None = None
+    # Whether a list or dict passed first is marked (by id: `last_mark`), so that passed
+    # again it goes to the general path, which holds it (`_flatten.hold`); not one read by
+    # the scalar rule of the function (`_codegen.Template.rule`), which it does not hold.
+    hold_first: bool = False
 
 
 def structure_key(first: Any, kwnames: tuple[str, ...]) -> Any:
@@ -317,8 +326,8 @@ def structure_key(first: Any, kwnames: tuple[str, ...]) -> Any:
 def last_mark(obj: Any, first: bool) -> Any:
     """What `StructureRecord.last` keeps of an object read at one position, to tell whether
     a later call passes this very object again: a weak reference to it (a new object that
-    reuses a dead one's id is not it); for a list or dict passed first to `f(first,
-    *arrays)`, which `_flatten.hold` caches (checking its leaves), its id; else None: the
+    reuses a dead one's id is not it); for a list or dict passed first (`first`: where the
+    record's `hold_first` says), which `_flatten.hold` caches (checking its leaves), its id; else None: the
     identity cache cannot hold it, so passing it again gains nothing (a new batch dict each
     call, whose id Python reuses, must not look passed again). (C: the same.)"""
     try:

@@ -392,6 +392,41 @@ def test_params_dict_takes_the_fast_path_and_changes_are_seen(change, hot_path):
     assert_trees_equal(y, peer(params, x))
 
 
+def _apply_with(params, x, config):
+    return _apply(params, x) * config["gain"]
+
+
+@pytest.mark.parametrize("change", list(PARAMS_CHANGES))
+def test_params_dict_beside_a_config_dict_is_held_and_changes_are_seen(change, hot_path):
+    """`f(params, x, {"gain": 0.5})`: not the fast path's shape (a dict beside the arrays),
+    so the structure path serves it; the params dict passed first again is held all the
+    same and read from the identity cache, under its guard, not by its extractor."""
+    params, x = _params(0), jnp.ones((2, 4))
+    f, peer = fastcall.jit(_apply_with), jax.jit(_apply_with)
+    for _ in range(3):
+        f(params, x, {"gain": 0.5})
+    record = f.stats.__self__.structures[dict]
+    extracted = []
+
+    def counted(a):
+        extracted.append(a)
+        return record.reads[0].extract(a)
+
+    f.stats.__self__.structures[dict] = record._replace(reads=(record.reads[0]._replace(extract=counted), *record.reads[1:]))
+    y, route = served(f, params, x, {"gain": 0.5})
+    assert route == STRUCTURE_PATH[hot_path] and not extracted
+    assert_trees_equal(y, peer(params, x, {"gain": 0.5}))
+    PARAMS_CHANGES[change](params)
+    y, route = served(f, params, x, {"gain": 0.25})
+    assert_trees_equal(y, _apply_with(params, x, {"gain": 0.25}))
+    assert_trees_equal(y, peer(params, x, {"gain": 0.25}))
+    for _ in range(2):
+        f(params, x, {"gain": 0.5})
+    y, route = served(f, params, x, {"gain": 2.0})
+    assert route == STRUCTURE_PATH[hot_path]
+    assert_trees_equal(y, peer(params, x, {"gain": 2.0}))
+
+
 def test_a_new_params_dict_each_call_is_never_held():
     from fastcall import _flatten
 

@@ -971,3 +971,244 @@ def test_a_numpy_array_changed_in_place_is_read_afresh(hot_path):
         assert_trees_equal(f(m, x), m(jnp.asarray(x)))
         assert_trees_equal(batch_call(m, batch), m(jnp.asarray(x)) + 1)
         x[:] = x * 2 - 1  # in place
+
+
+# ---- containers holding Python scalars, and dicts read in C ----
+
+
+def _scaled_by(x, cfg):
+    return x * cfg["k"] + cfg["b"]
+
+
+_CONFIGS = {
+    "dict": lambda k: {"k": k, "b": 0.5},
+    "dict with an array": lambda k: {"k": k, "b": jnp.float32(0.5)},
+    "tuple": lambda k: (k, 0.5),
+    "list": lambda k: [k, 0.5],
+    "nested": lambda k: {"k": k, "b": (0.25, {"c": 0.25})},
+    "namedtuple": lambda k: _Batch(k, 0.5),
+}
+
+
+def _use_config(x, cfg):
+    k, b = (cfg["k"], cfg["b"]) if type(cfg) is dict else (cfg[0], cfg[1])
+    return x * k + sum(jax.tree_util.tree_leaves(b), 0.0)
+
+
+@pytest.mark.parametrize("kind", list(_CONFIGS))
+def test_python_scalars_in_a_container_are_traced_on_the_structure_path(kind, hot_path):
+    """fastcall.jit traces a Python scalar in a container, as jax.jit does: a new config
+    each call (`f(x, {"lr": 0.1})`) takes the structure path, its scalars read as leaves,
+    and a new value compiles nothing (it took the general path every call)."""
+    f, peer = fastcall.jit(_use_config), jax.jit(_use_config)
+    routes = []
+    for k in (2, 3, 4, 5):
+        cfg = _CONFIGS[kind](k)
+        y, route = served(f, X, cfg)
+        routes.append(route)
+        assert_trees_equal(y, peer(X, _CONFIGS[kind](k)))
+        assert_trees_equal(y, _use_config(X, cfg))
+    assert routes == ["general"] + [STRUCTURE_PATH[hot_path]] * 3
+    assert f.stats().compiles == 1
+    # an array where a scalar was is the same leaf to jax.jit (it compiles for its type)
+    y, route = served(f, X, _CONFIGS[kind](jnp.float32(6)))
+    assert route == STRUCTURE_PATH[hot_path]
+    assert_trees_equal(y, peer(X, _CONFIGS[kind](jnp.float32(6))))
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        lambda: {"k": 2, "b": "half"},  # a string: static
+        lambda: {"k": 2, "b": None},
+        lambda: {"k": 2, "c": 0.5},  # another key
+        lambda: {"k": 2, "b": 0.5, "c": 1.0},
+        lambda: {"k": 2, "b": (0.5,)},
+    ],
+    ids=["str", "none", "key", "longer", "nested"],
+)
+def test_a_config_of_another_structure_is_not_read_as_the_known_one(other, hot_path):
+    f = fastcall.jit(_sum_config)
+    for k in (2, 3):
+        f(X, {"k": k, "b": 0.5})
+    cfg = other()
+    y, route = served(f, X, cfg)
+    assert route == "general"
+    assert_trees_equal(y, _sum_config(X, cfg))
+    f(X, {"k": 4, "b": 0.25})  # (the general path records the known structure again)
+    y, route = served(f, X, {"k": 5, "b": 0.25})
+    assert route == STRUCTURE_PATH[hot_path]
+    assert_trees_equal(y, X * 5 + 0.25)
+
+
+def _sum_config(x, cfg):
+    others = [v for name, v in sorted(cfg.items()) if name != "k"]
+    return x * cfg["k"] + sum((v for v in jax.tree_util.tree_leaves(others) if not isinstance(v, str)), 0.0)
+
+
+def _branchy(x, cfg):
+    # (a Python branch on the scalar: only a static scalar allows it)
+    return x * 10 if cfg["k"] > 3 else x + cfg["w"]
+
+
+def _traced(x, cfg):
+    return x * cfg["k"] + cfg["w"]
+
+
+@pytest.mark.parametrize("order", ["jit first", "filter_jit first"])
+def test_each_scalar_rule_keeps_to_its_own_reading_of_a_config(order, hot_path):
+    """A structure read under fastcall.jit's rule (scalars traced) is never served to a
+    fastcall.filter_jit function (scalars static: a Python branch on one works), nor the
+    other way round, whichever of the two read it first; the same object passed to both."""
+    w = jnp.float32(1.0)
+    traced, static = fastcall.jit(_traced), fastcall.filter_jit(_branchy)
+    peer_traced, peer_static = jax.jit(_traced), eqx.filter_jit(_branchy)
+    calls = [(traced, peer_traced), (static, peer_static)]
+    if order == "filter_jit first":
+        calls.reverse()
+    for k in (2, 5, 2, 5, 2):
+        cfg = {"k": k, "w": w}
+        for f, peer in calls:
+            y, route = served(f, X, cfg)
+            assert_trees_equal(y, peer(X, cfg))
+            y, route = served(f, X, cfg)  # (the very same object again)
+            assert_trees_equal(y, peer(X, cfg))
+    assert traced.stats().compiles == 1
+    assert static.stats().compiles == 2  # (one per value, as eqx.filter_jit)
+    assert traced.stats().paths[STRUCTURE_PATH[hot_path]] >= 8
+    assert static.stats().paths[STRUCTURE_PATH[hot_path]] >= 5
+
+
+def test_the_same_config_passed_first_again_stays_on_the_structure_path(hot_path):
+    """Passed first again, a list or dict the identity cache can hold comes back to the
+    general path, which holds it for the fast path; not one holding a traced Python scalar,
+    which it does not hold (the cache is shared by both scalar rules): it stays on the
+    structure path, read every call, so a change in place is seen."""
+
+    def scaled(cfg, x):
+        return x * cfg["lr"] + cfg["w"]
+
+    f, peer = fastcall.jit(scaled), jax.jit(scaled)
+    cfg = {"lr": 0.5, "w": jnp.ones(4)}
+    routes = []
+    for _ in range(4):
+        y, route = served(f, cfg, X)
+        routes.append(route)
+        assert_trees_equal(y, peer(cfg, X))
+    assert routes == ["general"] + [STRUCTURE_PATH[hot_path]] * 3
+    cfg["lr"] = 2.0  # (changed in place: read afresh, as every call reads it)
+    y, route = served(f, cfg, X)
+    assert route == STRUCTURE_PATH[hot_path]
+    assert_trees_equal(y, X * 2.0 + 1.0)
+    assert f.stats().compiles == 1
+
+
+def _dict_step(m, batch):
+    return m(batch["image"]) * batch["label"]
+
+
+@pytest.mark.parametrize("leaf", ["numpy", "python scalar"])
+def test_a_new_batch_dict_is_read_without_its_extractor(leaf, hot_path):
+    """A dict of leaves only (a batch, `train_step(model, {"image": x, "label": y})`) is read
+    in C as its extractor reads it, by its sorted keys, with no Python call; the Python copy
+    calls the extractor. Its keys in another insertion order are the same structure."""
+    from fastcall import _fast
+
+    f, peer = fastcall.jit(_dict_step), jax.jit(_dict_step)
+    m = _models(1)[0]
+    rng = np.random.default_rng(0)
+
+    def draw(flip=False):
+        image = rng.normal(size=4).astype(np.float32)
+        label = float(rng.normal()) if leaf == "python scalar" else rng.normal(size=4).astype(np.float32)
+        return {"label": label, "image": image} if flip else {"image": image, "label": label}
+
+    for _ in range(2):
+        f(m, draw())
+    record = f.stats.__self__.structures[type(m)]
+    read = record.reads[1]
+    assert read.sequence is not None
+    assert (read.sequence.kind, read.sequence.length, read.sequence.keys) == (dict, 2, ("image", "label"))
+    extracted = []
+
+    def counted(a):
+        extracted.append(a)
+        return read.extract(a)
+
+    f.stats.__self__.structures[type(m)] = record._replace(reads=(record.reads[0], read._replace(extract=counted)))
+    routes = []
+    for i in range(4):
+        batch = draw(flip=i % 2 == 1)
+        y, route = served(f, m, batch)
+        routes.append(route)
+        assert_trees_equal(y, peer(m, batch))
+        assert_trees_equal(y, _dict_step(m, batch))
+    assert routes == [STRUCTURE_PATH[hot_path]] * 4
+    assert len(extracted) == (0 if hot_path == "c" else 4)
+    assert f.stats().compiles == 1
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        lambda x, y: {"image": x},  # shorter
+        lambda x, y: {"image": x, "label": y, "mask": y},
+        lambda x, y: {"image": x, "labels": y},  # another key, same length
+        lambda x, y: {"image": x, "label": (y,)},  # nested
+        lambda x, y: {"image": x, "label": None},
+        lambda x, y: {"image": x, "label": 2.0},  # a Python scalar where an array was
+        lambda x, y: [x, y],
+    ],
+    ids=["shorter", "longer", "key", "nested", "none", "scalar", "list"],
+)
+def test_a_batch_dict_of_another_structure_is_not_read_as_the_known_one(other, hot_path):
+    f, peer = fastcall.jit(_any_batch), eqx.filter_jit(_any_batch)
+    m = _models(1)[0]
+    x, y = np.arange(4.0, dtype=np.float32), np.full(4, 3.0, np.float32)
+    for _ in range(2):
+        f(m, {"image": x, "label": y})
+    batch = other(x, y)
+    out, route = served(f, m, batch)
+    assert route == "general"
+    assert_trees_equal(out, peer(m, batch))
+
+
+def _any_batch(m, batch):
+    leaves = jax.tree_util.tree_leaves(batch)
+    return m(leaves[0]) * sum(leaves[1:], 1.0)
+
+
+class _EqRunsCode(str):
+    """A dict key equal to "label" whose comparison runs code (once armed): looking "label"
+    up in a dict holding it can change the dict while it is being read."""
+
+    armed: Any = None
+
+    def __hash__(self):
+        return hash("label")
+
+    def __eq__(self, other):
+        action, _EqRunsCode.armed = _EqRunsCode.armed, None
+        if action is not None:
+            action()
+        return str.__eq__(self, other)
+
+
+def test_a_batch_dict_changed_while_it_is_read_gives_the_items_read(hot_path):
+    """A dict changed by code that a key's comparison runs while the dict is read neither
+    passes a value that was not read nor reads freed memory: the call gives what the dict
+    held as each value was read ("image" first: keys are read sorted)."""
+    f = fastcall.jit(_dict_step)
+    m = _models(1)[0]
+    x, y = np.arange(4.0, dtype=np.float32), np.full(4, 3.0, np.float32)
+    for i in range(2):
+        f(m, {"image": x + i, "label": y})
+    batch = {"image": x, _EqRunsCode("label"): y}
+    _EqRunsCode.armed = lambda: batch.__setitem__("image", y * 100)
+    try:
+        out, route = served(f, m, batch)
+    finally:
+        _EqRunsCode.armed = None
+    assert route == STRUCTURE_PATH[hot_path]
+    assert batch["image"] is not x  # (the comparison ran, and changed the dict)
+    assert_trees_equal(out, m(jnp.asarray(x)) * y)
