@@ -348,6 +348,48 @@ def params_forward(name: str, description: str, params: Any, apply: Callable[[An
     )
 
 
+def params_with_config(name: str, description: str, params: Any, x: Any) -> Workload:
+    """`apply(params, x, {"scale": ..., "shift": ...})`: a params dict and a config dict of
+    Python floats built anew each call (hyperparameters passed as an argument). jax.jit and
+    fastcall.jit trace the floats; eqx.filter_jit and fastcall.filter_jit hold them static."""
+
+    def apply(params, x, config):
+        return mlp_apply(params, x) * config["scale"] + config["shift"]
+
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    n = len(leaves)
+    floor = jax.jit(lambda *a: apply(treedef.unflatten(a[:n]), a[n], {"scale": a[n + 1], "shift": a[n + 2]}))
+
+    def make_eager():
+        return lambda: apply(params, x, {"scale": 0.5, "shift": 0.25})
+
+    def make_floor():
+        args = (*leaves, x, 0.5, 0.25)
+        return lambda: floor(*args)
+
+    def wrapped(wrap: Callable[[Any], Any]):
+        def make():
+            f = wrap(apply)
+            return lambda: f(params, x, {"scale": 0.5, "shift": 0.25})
+
+        return make
+
+    return Workload(
+        name,
+        description,
+        [
+            Variant("eager", make_eager, timed=False),
+            Variant("floor", make_floor, note="jax.jit on the pre-flattened leaf list and the two floats"),
+            Variant("fastcall.jit", wrapped(fastcall.jit)),
+            Variant("fastcall.filter_jit", wrapped(fastcall.filter_jit)),
+            Variant("jax.jit", wrapped(jax.jit), note="both dicts as arguments"),
+            Variant("eqx.filter_jit", wrapped(eqx.filter_jit)),
+        ],
+        _compare,
+        peers={"fastcall.jit": ("jax.jit", "eqx.filter_jit"), "fastcall.filter_jit": ("eqx.filter_jit",)},
+    )
+
+
 def stateful_step(name: str, description: str, model: Any, state: Any, x: Any) -> Workload:
     """Equinox's stateful pattern: `y, state = f(model, state, x)` with `state` an
     `eqx.nn.State` (from `eqx.nn.make_with_state`) rebound after every call; the model
@@ -661,6 +703,12 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
             params_dict(500, 4, key),
             mlp_apply_scan,
             jnp.ones((1, 4)),
+        ),
+        "params_config": lambda: params_with_config(
+            "params_config",
+            "params dict (4 layers width 32) and a new config dict of two floats each call: f(params, x, config)",
+            params_dict(4, 32, key),
+            jnp.ones((1, 32)),
         ),
         "eqx_stateful": lambda: stateful_step(
             "eqx_stateful",

@@ -358,11 +358,15 @@ def _step_workload(
     ]
     return Workload(name, description, variants, _compare, peers={"fastcall.jit": tuple(peers)}, **options)
 
-def optimizer_step(name: str, description: str, width: int, depth: int, batch: int, shared: bool = False) -> Workload:
+def optimizer_step(
+    name: str, description: str, width: int, depth: int, batch: int, shared: bool = False, batch_dict: bool = False
+) -> Workload:
     """A train step with nnx.Optimizer: parameters and optimizer state written back.
     `shared`: with nnx.ModelAndOptimizer, which holds the model (as flax's machine
     translation and diffusion examples write it), so the two arguments share every
-    parameter (nnx.jit(graph=False) refuses such arguments)."""
+    parameter (nnx.jit(graph=False) refuses such arguments). `batch_dict`: the batch passed
+    as a new dict each step, `step(model, optimizer, {"x": x, "y": y})`, as flax's MNIST
+    tutorial passes what its data loader gives."""
     x = jnp.ones((batch, width))
     y = jnp.zeros((batch, width))
 
@@ -383,11 +387,17 @@ def optimizer_step(name: str, description: str, width: int, depth: int, batch: i
             optimizer.update(model, grads)
         return loss
 
+    def dict_step(model, optimizer, batch):
+        return step(model, optimizer, batch["x"], batch["y"])
+
     def variant(wrap):
         def make():
             model, opt = build()
-            f = wrap(step)
             getter = lambda: _state_leaves((model, opt))  # noqa: E731  (shared Variables once)
+            if batch_dict:
+                g = wrap(dict_step)
+                return lambda: (g(model, opt, {"x": x, "y": y}), getter)
+            f = wrap(step)
             return lambda: (f(model, opt, x, y), getter)
 
         return make
@@ -1118,6 +1128,11 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
             "nnx_train_shared",
             "nnx_train with nnx.ModelAndOptimizer, which holds the model: step(model, optimizer, ...) shares Variables",
             32, 3, 8, shared=True,
+        ),
+        "nnx_train_batch_dict": lambda: optimizer_step(
+            "nnx_train_batch_dict",
+            "nnx_train with the batch a new dict each step: step(model, optimizer, {'x': x, 'y': y})",
+            32, 3, 8, batch_dict=True,
         ),
         "nnx_train_tuple": lambda: optimizer_tuple_step(
             "nnx_train_tuple", "nnx_train with (model, optimizer) passed as one tuple argument", 32, 3, 8

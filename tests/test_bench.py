@@ -302,6 +302,7 @@ def test_every_workload_names_the_peers_of_its_fastcall_variants():
 ISSUE12_WORKLOADS = (
     "eqx_list_mlp",
     "params_dict",
+    "params_config",
     "eqx_stateful",
     "eqx_stateful_partial",
     "eqx_step_noopt",
@@ -310,6 +311,7 @@ ISSUE12_WORKLOADS = (
     "nnx_train_eval",
     "nnx_new_variable",
     "nnx_raw_counter",
+    "nnx_train_batch_dict",
 )
 
 
