@@ -108,8 +108,12 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
     if fun_leaves or not args or entry.varies or entry.out is None:
         return
     if kwnames or state.static_argnums or state.static_argnames:  # (the fast path: positional traced ones only)
-        _publish_structure(state, resolved, entry, False, kwnames)
+        _publish_structure(state, resolved, entry, False, kwnames, False)
         return
+    # A top-level list or dict passed first is held when passed again (`_flatten.hold`): then
+    # the fast path serves it, or the structure path reads it from the identity cache.
+    first_spec = _flatten.spec_by_id(resolved.key[0]) if type(args[0]) in (list, dict) else None
+    hold_first = first_spec is not None and not resolved.nnx_args and _flatten.holdable(args[0], first_spec)
     fast_shape = all(k == 0 for k in resolved.key[1:])  # every other argument a plain leaf
     first = args[0]
     node = resolved.nnx_args[0].entry if len(resolved.nnx_args) == 1 and resolved.nnx_args[0].obj is first else None
@@ -121,14 +125,12 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
         record = FastRecord(len(args), entry.fn, node.items, _fast_post(entry))
         _nnx_gate.adapter().install_record(node, state, resolved.key[0], record)
         return
-    _publish_structure(state, resolved, entry, fast_shape, ())
-    if resolved.nnx_args:
-        return
-    if type(first) is list or type(first) is dict:  # (see `hold`; then the structure path reads it from there)
-        spec = _flatten.spec_by_id(resolved.key[0])
-        held = _flatten.hold(state, first, resolved.leaves[: spec.n_dyn], spec)
-        if held is not None and fast_shape:
-            _publish_pytree(state, first, held, entry, len(args))
+    _publish_structure(state, resolved, entry, fast_shape, (), hold_first)
+    if resolved.nnx_args or type(first) is list or type(first) is dict:
+        if hold_first and first_spec is not None:
+            held = _flatten.hold(state, first, resolved.leaves[: first_spec.n_dyn], first_spec)
+            if held is not None and fast_shape:
+                _publish_pytree(state, first, held, entry, len(args))
         return
     if not fast_shape:
         return
@@ -144,11 +146,14 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
     _publish_pytree(state, first, hit, entry, len(args))
 
 
-def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool, kwnames: tuple[str, ...]) -> None:
+def _publish_structure(
+    state: Any, resolved: Any, entry: Entry, fast_shape: bool, kwnames: tuple[str, ...], hold_first: bool
+) -> None:
     """Serve later calls whose arguments have this call's structures through the structure
     path: each non-array argument from the identity cache or its structure's generated
     extractor (`_codegen.templates`), or compared with this call's (no dynamic leaves:
-    `_fast.static_read`); not if one has none of these."""
+    `_fast.static_read`); not if one has none of these. `hold_first`: the general path
+    holds a list or dict passed first again (see `StructureRecord.hold_first`)."""
     args, key = resolved.args, resolved.key
     if resolved.kwargs:  # (resolved in sorted order, after their names: see _args._resolve_all)
         names = sorted(resolved.kwargs)
@@ -164,7 +169,6 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
     ] = []
     nnx_args = iter(resolved.nnx_args)
     loose: list[tuple[int, Any, int]] = []  # (position, NnxArg, spec id) of Variables read jointly
-    by_rule: set[int] = set()  # (positions read by a template of this function's scalar rule)
     before = (
         dict(zip(map(id, resolved.nnx_args), resolved.read_before))
         if resolved.joint and len(resolved.read_before) == len(resolved.nnx_args) else {}
@@ -225,8 +229,6 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
             reads.append(ArgRead(spec_id, None, None))
             continue
         reads.append(ArgRead(spec_id, template.extract, template.sequence))
-        if template.rule is not None:
-            by_rule.add(len(reads) - 1)
     if next(nnx_args, None) is not None:
         return  # (NNX objects inside another argument: read by the general path only)
     for at, nnx_arg, spec_id in loose:
@@ -234,7 +236,6 @@ def _publish_structure(state: Any, resolved: Any, entry: Entry, fast_shape: bool
         if shared is None:
             return
         reads[at] = shared
-    hold_first = not kwnames and 0 not in by_rule  # (as `_install_fast` holds a first list or dict)
     key = _fast.structure_key(args[0], kwnames)
     known = state.structures.get(key)
     if (

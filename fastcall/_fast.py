@@ -311,8 +311,8 @@ class StructureRecord(NamedTuple):
     kwnames: tuple[str, ...] = ()
     order: tuple[int, ...] | None = None
     # Whether a list or dict passed first is marked (by id: `last_mark`), so that passed
-    # again it goes to the general path, which holds it (`_flatten.hold`); not one read by
-    # the scalar rule of the function (`_codegen.Template.rule`), which it does not hold.
+    # again it goes to the general path, which holds it (`_flatten.hold`, where
+    # `_flatten.holdable`: not one the two scalar rules read differently).
     hold_first: bool = False
 
 

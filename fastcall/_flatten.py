@@ -331,7 +331,10 @@ def flatten_generic(value: Any, arg_name: str, trace_scalars: bool = False) -> t
     dynamic = [x for x, m in zip(leaves, mask) if m]
     statics = tuple(x for x, m in zip(leaves, mask) if not m)
     try:
-        key = ("tree", treedef, mask, tuple(leaf_key(s) for s in statics))
+        # (`rule_free` in the key: a structure the two scalar rules read alike is another spec
+        # than one they do not, even where their masks agree, `{"lr": array}` and, traced,
+        # `{"lr": 0.5}`: the identity cache and templates trust a spec's `rule_free`.)
+        key = ("tree", treedef, mask, tuple(leaf_key(s) for s in statics), rule_free)
         found = _spec_ids.get(key)  # (a structure seen before: no new Spec to build)
         if found is not None:
             return found, dynamic
@@ -514,13 +517,19 @@ def _probe(x: Any) -> Any:
         return _Strong(x)
 
 
+def holdable(obj: Any, spec: Any) -> bool:
+    """Whether `hold` may hold `obj` (of `spec`): a top-level list or dict whose structure can
+    be guarded, and not one whose Python scalars the two scalar rules read differently
+    (`rule_free`): the identity cache is shared by the functions of both, as everywhere else
+    it caches."""
+    return type(obj) in (list, dict) and spec.kind == "tree" and (spec.guardable or spec.cacheable) and spec.rule_free
+
+
 def hold(state: Any, obj: Any, leaves: Sequence[Any], spec: Any) -> CacheEntry | None:
-    """For a top-level list or dict passed first to the function of `state`: its identity
-    cache entry, held strongly, if it was also passed first in the function's previous call
-    with the very same leaves; else None (and it is noted for the next call). Not one whose
-    Python scalars the two scalar rules read differently (`rule_free`): the identity cache is
-    shared by the functions of both, as everywhere else it caches."""
-    if spec.kind != "tree" or not (spec.guardable or spec.cacheable) or not spec.rule_free:
+    """For a top-level list or dict passed first to the function of `state` (`holdable`): its
+    identity cache entry, held strongly, if it was also passed first in the function's
+    previous call with the very same leaves; else None (and it is noted for the next call)."""
+    if not holdable(obj, spec):
         return None
     last = state.last_first
     if last is None or last.oid != id(obj) or last.spec_id != spec.id or len(last.probes) != len(leaves) or any(

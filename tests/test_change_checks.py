@@ -481,6 +481,44 @@ def test_a_params_dict_with_a_python_scalar_is_read_by_each_function_under_its_r
     assert jf.stats().compiles == 1
 
 
+def test_a_dict_first_seen_with_an_array_does_not_lend_its_reading_to_one_with_a_python_scalar():
+    """`{"lr": array}` and, traced, `{"lr": 0.5}` flatten to the same leaves, but only the
+    first is read alike by both scalar rules: whichever a process meets first, the second
+    is not cached as the first (fastcall.filter_jit must see its `lr` static)."""
+
+    def traced(d, x):
+        return d["w"] * x * d["lr"]
+
+    def static(d, x):  # (a Python branch on lr: works only if lr is static)
+        return d["w"] * x * (10.0 if d["lr"] > 0.4 else 1.0)
+
+    x = jnp.ones(2)
+    jf, ef = fastcall.jit(traced), fastcall.filter_jit(static)
+    jf({"w": jnp.ones(2), "lr": jnp.float32(0.5)}, x)
+    d = {"w": jnp.ones(2), "lr": 0.5}
+    for _ in range(3):
+        assert_trees_equal(jf(d, x), jax.jit(traced)(d, x))
+    for _ in range(2):
+        assert_trees_equal(ef(d, x), eqx.filter_jit(static)(d, x))
+
+
+def test_a_params_dict_passed_first_beside_a_static_argument_is_not_sent_back_and_forth(hot_path):
+    """With `static_argnums`, the general path does not hold a dict passed first: the
+    structure path must not send it back to be held on every other call."""
+
+    def apply(params, x, n):
+        return _apply(params, x) * n
+
+    params, x = _params(0), jnp.ones((2, 4))
+    f = fastcall.jit(apply, static_argnums=2)
+    routes = []
+    for _ in range(5):
+        y, route = served(f, params, x, 3)
+        routes.append(route)
+        assert_trees_equal(y, jax.jit(apply, static_argnums=2)(params, x, 3))
+    assert routes == ["general"] + [STRUCTURE_PATH[hot_path]] * 4
+
+
 class _NormNet(eqx.Module):
     linear: eqx.nn.Linear
     norm: eqx.nn.BatchNorm
