@@ -142,7 +142,7 @@ def resolve(
         return spec.id
     # The identity cache is shared by functions of either scalar rule: it holds no object
     # that the two read differently. (The template made next knows which rule it reads by.)
-    if spec.rule_free:
+    if _flatten.read_alike(spec, dynamic):
         if spec.cacheable:
             remember(value, tuple(dynamic), spec)
         elif spec.guardable and _flatten.seen_before(value):

@@ -110,12 +110,15 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
     if kwnames or state.static_argnums or state.static_argnames:  # (the fast path: positional traced ones only)
         _publish_structure(state, resolved, entry, False, kwnames, False)
         return
-    # A top-level list or dict passed first is held when passed again (`_flatten.hold`): then
-    # the fast path serves it, or the structure path reads it from the identity cache.
-    first_spec = _flatten.spec_by_id(resolved.key[0]) if type(args[0]) in (list, dict) else None
-    hold_first = first_spec is not None and not resolved.nnx_args and _flatten.holdable(args[0], first_spec)
     fast_shape = all(k == 0 for k in resolved.key[1:])  # every other argument a plain leaf
     first = args[0]
+    # `f(params, *arrays)` with a top-level list or dict: held when passed again
+    # (`_flatten.hold`), for the fast path.
+    first_spec = _flatten.spec_by_id(resolved.key[0]) if type(first) in (list, dict) else None
+    hold_first = (
+        fast_shape and first_spec is not None and not resolved.nnx_args
+        and _flatten.holdable(first, first_spec, resolved.leaves[: first_spec.n_dyn])
+    )
     node = resolved.nnx_args[0].entry if len(resolved.nnx_args) == 1 and resolved.nnx_args[0].obj is first else None
     if fast_shape and node is not None:
         # `f(model, *arrays)`: a fast record on the model's cache entry (a Variable, which has
@@ -129,7 +132,7 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
     if resolved.nnx_args or type(first) is list or type(first) is dict:
         if hold_first and first_spec is not None:
             held = _flatten.hold(state, first, resolved.leaves[: first_spec.n_dyn], first_spec)
-            if held is not None and fast_shape:
+            if held is not None:
                 _publish_pytree(state, first, held, entry, len(args))
         return
     if not fast_shape:

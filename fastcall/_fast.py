@@ -302,7 +302,7 @@ class StructureRecord(NamedTuple):
     # object extracted again is left to the general path, which caches it by identity
     # (then it is read from the identity cache). With `fast_shape` (every other argument
     # a plain leaf), the first argument passed again is too, before its cache is read: the
-    # general path gives it a fast record.
+    # general path gives it a fast record. (A list or dict is marked where `hold_first`.)
     last: list[Any]
     fast_shape: bool
     # The keyword arguments' names, in the order the call gives them (a call with others,
@@ -311,8 +311,8 @@ class StructureRecord(NamedTuple):
     kwnames: tuple[str, ...] = ()
     order: tuple[int, ...] | None = None
     # Whether a list or dict passed first is marked (by id: `last_mark`), so that passed
-    # again it goes to the general path, which holds it (`_flatten.hold`, where
-    # `_flatten.holdable`: not one the two scalar rules read differently).
+    # again it goes to the general path, which holds it for the fast path (`_flatten.hold`;
+    # only with `fast_shape`, and where `_flatten.holdable`).
     hold_first: bool = False
 
 

@@ -106,6 +106,15 @@ def _traced_mask(value: Any, leaves: list[Any]) -> tuple[bool, ...]:
     return tuple(mask)
 
 
+def reads_alike(value: Any) -> bool:
+    """Whether both scalar rules read `value` alike: no Python scalar outside an Equinox
+    module in it (a flatten: for once-per-compile decisions; per call, `read_alike`)."""
+    leaves = jax.tree_util.tree_leaves(value)
+    return not any(type(x) in PY_SCALARS for x in leaves) or _traced_mask(value, leaves) == tuple(
+        isinstance(x, ARRAY_TYPES) for x in leaves
+    )
+
+
 # --------------------------------------------------------------------------
 # Static keys
 
@@ -331,10 +340,7 @@ def flatten_generic(value: Any, arg_name: str, trace_scalars: bool = False) -> t
     dynamic = [x for x, m in zip(leaves, mask) if m]
     statics = tuple(x for x, m in zip(leaves, mask) if not m)
     try:
-        # (`rule_free` in the key: a structure the two scalar rules read alike is another spec
-        # than one they do not, even where their masks agree, `{"lr": array}` and, traced,
-        # `{"lr": 0.5}`: the identity cache and templates trust a spec's `rule_free`.)
-        key = ("tree", treedef, mask, tuple(leaf_key(s) for s in statics), rule_free)
+        key = ("tree", treedef, mask, tuple(leaf_key(s) for s in statics))
         found = _spec_ids.get(key)  # (a structure seen before: no new Spec to build)
         if found is not None:
             return found, dynamic
@@ -517,19 +523,30 @@ def _probe(x: Any) -> Any:
         return _Strong(x)
 
 
-def holdable(obj: Any, spec: Any) -> bool:
-    """Whether `hold` may hold `obj` (of `spec`): a top-level list or dict whose structure can
-    be guarded, and not one whose Python scalars the two scalar rules read differently
-    (`rule_free`): the identity cache is shared by the functions of both, as everywhere else
-    it caches."""
-    return type(obj) in (list, dict) and spec.kind == "tree" and (spec.guardable or spec.cacheable) and spec.rule_free
+def read_alike(spec: Any, leaves: Sequence[Any]) -> bool:
+    """Whether both scalar rules read an object of `spec` with these dynamic `leaves` alike
+    (no Python scalar outside an Equinox module in it), as the identity cache, which the
+    functions of both share, requires of whatever it holds. Per object, not per spec: under
+    fastcall.jit's rule `{"lr": array}` and `{"lr": 0.5}` are one spec (one leaf each, as
+    jax.jit reads them: one program), and whichever made the spec set its `rule_free`; a
+    Python scalar it traces is among the leaves, one it keeps static makes `rule_free` False."""
+    return spec.rule_free and not any(type(x) in PY_SCALARS for x in leaves)
+
+
+def holdable(obj: Any, spec: Any, leaves: Sequence[Any]) -> bool:
+    """Whether `hold` may hold `obj` (of `spec`, with these dynamic `leaves`): a top-level list
+    or dict whose structure can be guarded, and that both scalar rules read alike
+    (`read_alike`)."""
+    return type(obj) in (list, dict) and spec.kind == "tree" and (spec.guardable or spec.cacheable) and read_alike(
+        spec, leaves
+    )
 
 
 def hold(state: Any, obj: Any, leaves: Sequence[Any], spec: Any) -> CacheEntry | None:
     """For a top-level list or dict passed first to the function of `state` (`holdable`): its
     identity cache entry, held strongly, if it was also passed first in the function's
     previous call with the very same leaves; else None (and it is noted for the next call)."""
-    if not holdable(obj, spec):
+    if not holdable(obj, spec, leaves):
         return None
     last = state.last_first
     if last is None or last.oid != id(obj) or last.spec_id != spec.id or len(last.probes) != len(leaves) or any(

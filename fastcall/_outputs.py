@@ -223,7 +223,7 @@ _UNNOTED = object()  # (`_noted_guard`: an output that is not noted)
 def _noted_guard(spec: Any, item: Any) -> Any:
     """How a returned object of `spec` is guarded when noted (`Registration.guard`), or
     _UNNOTED."""
-    if not spec.rule_free:
+    if not spec.rule_free or not _flatten.reads_alike(item):
         return _UNNOTED
     if _flatten.guards_as_state(spec):
         return _flatten.STATE_GUARD
