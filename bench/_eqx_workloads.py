@@ -317,34 +317,10 @@ def params_forward(name: str, description: str, params: Any, apply: Callable[[An
     module anywhere, so plain `jax.jit` on the dict is what most users write."""
 
     floor, floor_leaves = _flat_floor(params, apply)  # built once: see `forward`
-
-    def make_eager():
-        return lambda: apply(params, x)
-
-    def make_floor():
-        args = (*floor_leaves, x)
-        return lambda: floor(*args)
-
-    def wrapped(wrap: Callable[[Any], Any]):
-        def make():
-            f = wrap(apply)
-            return lambda: f(params, x)
-
-        return make
-
-    return Workload(
-        name,
-        description,
-        [
-            Variant("eager", make_eager, timed=False),
-            Variant("floor", make_floor, note="jax.jit on the pre-flattened leaf list"),
-            Variant("fastcall.jit", wrapped(fastcall.jit)),
-            Variant("fastcall.filter_jit", wrapped(fastcall.filter_jit)),
-            Variant("jax.jit", wrapped(jax.jit), note="the params dict as argument"),
-            Variant("eqx.filter_jit", wrapped(eqx.filter_jit)),
-        ],
-        _compare,
-        peers={"fastcall.jit": ("jax.jit", "eqx.filter_jit"), "fastcall.filter_jit": ("eqx.filter_jit",)},
+    args = (*floor_leaves, x)
+    return _params_workload(
+        name, description, apply, lambda: (params, x), lambda: (lambda: floor(*args)),
+        "jax.jit on the pre-flattened leaf list", "the params dict as argument",
     )
 
 
@@ -359,18 +335,25 @@ def params_with_config(name: str, description: str, params: Any, x: Any) -> Work
     leaves, treedef = jax.tree_util.tree_flatten(params)
     n = len(leaves)
     floor = jax.jit(lambda *a: apply(treedef.unflatten(a[:n]), a[n], {"scale": a[n + 1], "shift": a[n + 2]}))
+    args = (*leaves, x, 0.5, 0.25)
+    return _params_workload(
+        name, description, apply, lambda: (params, x, {"scale": 0.5, "shift": 0.25}), lambda: (lambda: floor(*args)),
+        "jax.jit on the pre-flattened leaf list and the two floats", "both dicts as arguments",
+    )
 
-    def make_eager():
-        return lambda: apply(params, x, {"scale": 0.5, "shift": 0.25})
 
-    def make_floor():
-        args = (*leaves, x, 0.5, 0.25)
-        return lambda: floor(*args)
+def _params_workload(
+    name: str, description: str, apply: Callable[..., Any], call_args: Callable[[], tuple[Any, ...]],
+    make_floor: Callable[[], Any], floor_note: str, jax_note: str,
+) -> Workload:
+    """`apply(*call_args())` (a plain params pytree first) through fastcall and its peers
+    (plain `jax.jit` and `eqx.filter_jit`), beside the eager call and `make_floor`'s floor.
+    `call_args` is called every call: what it builds anew, each variant gets anew."""
 
     def wrapped(wrap: Callable[[Any], Any]):
         def make():
             f = wrap(apply)
-            return lambda: f(params, x, {"scale": 0.5, "shift": 0.25})
+            return lambda: f(*call_args())
 
         return make
 
@@ -378,11 +361,11 @@ def params_with_config(name: str, description: str, params: Any, x: Any) -> Work
         name,
         description,
         [
-            Variant("eager", make_eager, timed=False),
-            Variant("floor", make_floor, note="jax.jit on the pre-flattened leaf list and the two floats"),
+            Variant("eager", lambda: (lambda: apply(*call_args())), timed=False),
+            Variant("floor", make_floor, note=floor_note),
             Variant("fastcall.jit", wrapped(fastcall.jit)),
             Variant("fastcall.filter_jit", wrapped(fastcall.filter_jit)),
-            Variant("jax.jit", wrapped(jax.jit), note="both dicts as arguments"),
+            Variant("jax.jit", wrapped(jax.jit), note=jax_note),
             Variant("eqx.filter_jit", wrapped(eqx.filter_jit)),
         ],
         _compare,

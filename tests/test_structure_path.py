@@ -825,6 +825,23 @@ def _batch_step(m, batch):
     return m(batch[0]) * sum(jax.tree_util.tree_leaves(batch[1:]), 1.0)
 
 
+def _count_extractions(f, key, position):
+    """Replace the extractor that `f`'s structure record (for first arguments of type `key`)
+    reads argument `position` with, by one that counts its calls: the list of what it read."""
+    record = f.stats.__self__.structures[key]
+    read = record.reads[position]
+    extracted = []
+
+    def counted(a):
+        extracted.append(a)
+        return read.extract(a)
+
+    reads = list(record.reads)
+    reads[position] = read._replace(extract=counted)
+    f.stats.__self__.structures[key] = record._replace(reads=tuple(reads))
+    return extracted
+
+
 @pytest.mark.parametrize("kind", [tuple, list])
 def test_a_new_batch_of_arrays_is_read_without_its_extractor(kind, hot_path):
     """A tuple or list of plain arrays only (a batch) is read in C as its extractor reads
@@ -837,16 +854,9 @@ def test_a_new_batch_of_arrays_is_read_without_its_extractor(kind, hot_path):
     draw = lambda: kind((rng.normal(size=4).astype(np.float32), rng.normal(size=4).astype(np.float32)))  # noqa: E731
     for _ in range(2):  # (the model passed again: the second call caches it by identity)
         f(m, draw())
-    record = f.stats.__self__.structures[type(m)]
-    read = record.reads[1]
+    read = f.stats.__self__.structures[type(m)].reads[1]
     assert read.sequence == _fast.SequenceRead(kind, 2, read.sequence.leaf_types)
-    extracted = []
-
-    def counted(a):
-        extracted.append(a)
-        return read.extract(a)
-
-    f.stats.__self__.structures[type(m)] = record._replace(reads=(record.reads[0], read._replace(extract=counted)))
+    extracted = _count_extractions(f, type(m), 1)
     routes = []
     for _ in range(3):
         batch = draw()
@@ -1125,17 +1135,10 @@ def test_a_new_batch_dict_is_read_without_its_extractor(leaf, hot_path):
 
     for _ in range(2):
         f(m, draw())
-    record = f.stats.__self__.structures[type(m)]
-    read = record.reads[1]
+    read = f.stats.__self__.structures[type(m)].reads[1]
     assert read.sequence is not None
     assert (read.sequence.kind, read.sequence.length, read.sequence.keys) == (dict, 2, ("image", "label"))
-    extracted = []
-
-    def counted(a):
-        extracted.append(a)
-        return read.extract(a)
-
-    f.stats.__self__.structures[type(m)] = record._replace(reads=(record.reads[0], read._replace(extract=counted)))
+    extracted = _count_extractions(f, type(m), 1)
     routes = []
     for i in range(4):
         batch = draw(flip=i % 2 == 1)
