@@ -842,6 +842,18 @@ def _count_extractions(f, key, position):
     return extracted
 
 
+def _serve_batches(f, m, batches, *references):
+    """Call `f(m, batch)` for each batch, checking each result against every reference
+    (a function of the batch); the routes that served the calls."""
+    routes = []
+    for batch in batches:
+        y, route = served(f, m, batch)
+        routes.append(route)
+        for reference in references:
+            assert_trees_equal(y, reference(batch))
+    return routes
+
+
 @pytest.mark.parametrize("kind", [tuple, list])
 def test_a_new_batch_of_arrays_is_read_without_its_extractor(kind, hot_path):
     """A tuple or list of plain arrays only (a batch) is read in C as its extractor reads
@@ -857,47 +869,60 @@ def test_a_new_batch_of_arrays_is_read_without_its_extractor(kind, hot_path):
     read = f.stats.__self__.structures[type(m)].reads[1]
     assert read.sequence == _fast.SequenceRead(kind, 2, read.sequence.leaf_types)
     extracted = _count_extractions(f, type(m), 1)
-    routes = []
-    for _ in range(3):
-        batch = draw()
-        y, route = served(f, m, batch)
-        routes.append(route)
-        assert_trees_equal(y, _batch_step(m, tuple(map(jnp.asarray, batch))))
-        assert_trees_equal(y, peer(m, batch))
+    routes = _serve_batches(
+        f, m, [draw() for _ in range(3)], lambda b: _batch_step(m, tuple(map(jnp.asarray, b))), lambda b: peer(m, b)
+    )
     assert routes == [STRUCTURE_PATH[hot_path]] * 3
     assert len(extracted) == (0 if hot_path == "c" else 3)
     assert f.stats().compiles == 1
 
 
-@pytest.mark.parametrize(
-    "other",
-    [
-        lambda x, y: (x,),  # another length
-        lambda x, y: (x, y, y),
-        lambda x, y: [x, y],  # a list where a tuple was
-        lambda x, y: _Batch(x, y),  # a tuple subclass
-        lambda x, y: (x, 2.0),  # a Python scalar among the arrays
-        lambda x, y: (x, (y,)),  # nested
-        lambda x, y: (x, None),
-    ],
-    ids=["shorter", "longer", "list", "namedtuple", "scalar", "nested", "none"],
-)
-def test_a_batch_of_another_structure_is_not_read_as_the_known_one(other, hot_path):
-    f, peer = fastcall.jit(_batch_step), eqx.filter_jit(_batch_step)
+_TUPLE_OTHERS = {
+    "shorter": lambda x, y: (x,),  # another length
+    "longer": lambda x, y: (x, y, y),
+    "list": lambda x, y: [x, y],  # a list where a tuple was
+    "namedtuple": lambda x, y: _Batch(x, y),  # a tuple subclass
+    "scalar": lambda x, y: (x, 2.0),  # a Python scalar among the arrays
+    "nested": lambda x, y: (x, (y,)),
+    "none": lambda x, y: (x, None),
+}
+_DICT_OTHERS = {
+    "shorter": lambda x, y: {"image": x},
+    "longer": lambda x, y: {"image": x, "label": y, "mask": y},
+    "key": lambda x, y: {"image": x, "labels": y},  # another key, same length
+    "nested": lambda x, y: {"image": x, "label": (y,)},
+    "none": lambda x, y: {"image": x, "label": None},
+    "scalar": lambda x, y: {"image": x, "label": 2.0},  # a Python scalar where an array was
+    "list": lambda x, y: [x, y],
+}
+_BATCH_CASES = {
+    **{f"tuple-{k}": (lambda x, y: (x, y), v) for k, v in _TUPLE_OTHERS.items()},
+    **{f"dict-{k}": (lambda x, y: {"image": x, "label": y}, v) for k, v in _DICT_OTHERS.items()},
+}
+
+
+@pytest.mark.parametrize("known, other", list(_BATCH_CASES.values()), ids=list(_BATCH_CASES))
+def test_a_batch_of_another_structure_is_not_read_as_the_known_one(known, other, hot_path):
+    f, peer = fastcall.jit(_any_batch), eqx.filter_jit(_any_batch)
     m = _models(1)[0]
     x, y = np.arange(4.0, dtype=np.float32), np.full(4, 3.0, np.float32)
     for _ in range(2):
-        f(m, (x, y))
+        f(m, known(x, y))
     batch = other(x, y)
     out, route = served(f, m, batch)
     assert route == "general"
     assert_trees_equal(out, peer(m, batch))
     # and the known structure is read on the structure path again (once the general path
     # has recorded it again: one record per type of first argument)
-    f(m, (x + 2, y))
-    out, route = served(f, m, (x + 1, y))
+    f(m, known(x + 2, y))
+    out, route = served(f, m, known(x + 1, y))
     assert route == STRUCTURE_PATH[hot_path]
-    assert_trees_equal(out, peer(m, (x + 1, y)))
+    assert_trees_equal(out, peer(m, known(x + 1, y)))
+
+
+def _any_batch(m, batch):
+    leaves = jax.tree_util.tree_leaves(batch)
+    return m(leaves[0]) * sum(leaves[1:], 1.0)
 
 
 class _HashRunsCode(type):
@@ -1139,46 +1164,12 @@ def test_a_new_batch_dict_is_read_without_its_extractor(leaf, hot_path):
     assert read.sequence is not None
     assert (read.sequence.kind, read.sequence.length, read.sequence.keys) == (dict, 2, ("image", "label"))
     extracted = _count_extractions(f, type(m), 1)
-    routes = []
-    for i in range(4):
-        batch = draw(flip=i % 2 == 1)
-        y, route = served(f, m, batch)
-        routes.append(route)
-        assert_trees_equal(y, peer(m, batch))
-        assert_trees_equal(y, _dict_step(m, batch))
+    routes = _serve_batches(
+        f, m, [draw(flip=i % 2 == 1) for i in range(4)], lambda b: peer(m, b), lambda b: _dict_step(m, b)
+    )
     assert routes == [STRUCTURE_PATH[hot_path]] * 4
     assert len(extracted) == (0 if hot_path == "c" else 4)
     assert f.stats().compiles == 1
-
-
-@pytest.mark.parametrize(
-    "other",
-    [
-        lambda x, y: {"image": x},  # shorter
-        lambda x, y: {"image": x, "label": y, "mask": y},
-        lambda x, y: {"image": x, "labels": y},  # another key, same length
-        lambda x, y: {"image": x, "label": (y,)},  # nested
-        lambda x, y: {"image": x, "label": None},
-        lambda x, y: {"image": x, "label": 2.0},  # a Python scalar where an array was
-        lambda x, y: [x, y],
-    ],
-    ids=["shorter", "longer", "key", "nested", "none", "scalar", "list"],
-)
-def test_a_batch_dict_of_another_structure_is_not_read_as_the_known_one(other, hot_path):
-    f, peer = fastcall.jit(_any_batch), eqx.filter_jit(_any_batch)
-    m = _models(1)[0]
-    x, y = np.arange(4.0, dtype=np.float32), np.full(4, 3.0, np.float32)
-    for _ in range(2):
-        f(m, {"image": x, "label": y})
-    batch = other(x, y)
-    out, route = served(f, m, batch)
-    assert route == "general"
-    assert_trees_equal(out, peer(m, batch))
-
-
-def _any_batch(m, batch):
-    leaves = jax.tree_util.tree_leaves(batch)
-    return m(leaves[0]) * sum(leaves[1:], 1.0)
 
 
 class _EqRunsCode(str):
