@@ -324,6 +324,21 @@ def params_forward(name: str, description: str, params: Any, apply: Callable[[An
     )
 
 
+def params_variables(name: str, description: str, params: Any, x: Any) -> Workload:
+    """`apply({"params": params}, x)`, as Linen's `jax.jit(model.apply)` is called: the
+    variables dict built anew around the same params every call."""
+
+    def apply(variables, x):
+        return mlp_apply(variables["params"], x)
+
+    floor, floor_leaves = _flat_floor(params, mlp_apply)
+    args = (*floor_leaves, x)
+    return _params_workload(
+        name, description, apply, lambda: ({"params": params}, x), lambda: (lambda: floor(*args)),
+        "jax.jit on the pre-flattened leaf list", "the variables dict as argument",
+    )
+
+
 def params_with_config(name: str, description: str, params: Any, x: Any) -> Workload:
     """`apply(params, x, {"scale": ..., "shift": ...})`: a params dict and a config dict of
     Python floats built anew each call (hyperparameters passed as an argument). jax.jit and
@@ -686,6 +701,12 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
             params_dict(500, 4, key),
             mlp_apply_scan,
             jnp.ones((1, 4)),
+        ),
+        "params_variables": lambda: params_variables(
+            "params_variables",
+            'Linen-style f({"params": params}, x): a new variables dict each call around the same params dict',
+            params_dict(4, 32, key),
+            jnp.ones((1, 32)),
         ),
         "params_config": lambda: params_with_config(
             "params_config",

@@ -77,13 +77,15 @@ static const char *STRUCTURE_FIELDS[] = {"arity", "reads", "call", "post", "last
 #define READ_EXTRACT 1
 #define READ_SEQUENCE 2
 static const char *READ_FIELDS[] = {"spec_id", "extract", "sequence", NULL};
-/* SequenceRead(kind, length, leaf_types, keys) */
+/* SequenceRead(kind, length, leaf_types, keys, items, n_leaves) */
 #define SEQ_KIND 0
 #define SEQ_LENGTH 1
 #define SEQ_LEAF_TYPES 2
 #define SEQ_KEYS 3
-#define SEQ_N_FIELDS 4
-static const char *SEQUENCE_READ_FIELDS[] = {"kind", "length", "leaf_types", "keys", NULL};
+#define SEQ_ITEMS 4
+#define SEQ_N_LEAVES 5
+#define SEQ_N_FIELDS 6
+static const char *SEQUENCE_READ_FIELDS[] = {"kind", "length", "leaf_types", "keys", "items", "n_leaves", NULL};
 /* StaticRead(spec_id, value, by_value) */
 #define STATIC_VALUE 1
 #define STATIC_BY_VALUE 2
@@ -1642,21 +1644,19 @@ dict_values_at(PyObject *d, PyObject *keys)
     return items;
 }
 
-/* A tuple, list or dict argument's leaves as its extractor reads them when its structure is
- * a SequenceRead (`_codegen.Template.sequence`): its items (a dict's values at the read's
- * keys, in their order) as a tuple if it is of exactly that type and length and each
- * item's exact type is one of the read's leaf types, else None (not of this structure, as
- * the extractor says). The items are taken into a new tuple first and that checked: the
- * set lookup may run code (a metaclass's __hash__) that changes a list or dict, and the
- * compiled call may too while the stack borrows the items. */
+/* The items of `a` as the SequenceRead `sequence` reads them (a dict's values at the read's
+ * keys, in their order), as a new tuple, if `a` is of exactly its kind and length; else
+ * Py_None (new reference; a missing key too, as the extractor says); NULL on error. A
+ * list's or dict's items are taken into a new tuple first: the leaf test may run code (a
+ * metaclass's __hash__) that changes a list or dict, and the compiled call may too while
+ * the stack borrows the items. */
 ONE_KIND static PyObject *
-sequence_leaves(PyObject *a, PyObject *sequence)
+sequence_items(PyObject *a, PyObject *sequence)
 {
     if (!PyTuple_Check(sequence) || PyTuple_GET_SIZE(sequence) != SEQ_N_FIELDS) {
         Py_RETURN_NONE;
     }
     PyObject *kind = PyTuple_GET_ITEM(sequence, SEQ_KIND);
-    PyObject *leaf_types = PyTuple_GET_ITEM(sequence, SEQ_LEAF_TYPES);
     PyObject *keys = PyTuple_GET_ITEM(sequence, SEQ_KEYS);
     Py_ssize_t length = PyLong_AsSsize_t(PyTuple_GET_ITEM(sequence, SEQ_LENGTH));
     if (length == -1 && PyErr_Occurred()) {
@@ -1665,7 +1665,7 @@ sequence_leaves(PyObject *a, PyObject *sequence)
     int is_dict = kind == (PyObject *)&PyDict_Type;
     if ((PyObject *)Py_TYPE(a) != kind
         || (kind != (PyObject *)&PyTuple_Type && kind != (PyObject *)&PyList_Type && !is_dict)
-        || !PyAnySet_CheckExact(leaf_types) || (is_dict && (!PyTuple_CheckExact(keys) || PyTuple_GET_SIZE(keys) != length))) {
+        || (is_dict && (!PyTuple_CheckExact(keys) || PyTuple_GET_SIZE(keys) != length))) {
         Py_RETURN_NONE;
     }
     if (is_dict && PyDict_GET_SIZE(a) != length) {
@@ -1674,22 +1674,112 @@ sequence_leaves(PyObject *a, PyObject *sequence)
     PyObject *items = is_dict ? dict_values_at(a, keys)
                       : kind == (PyObject *)&PyTuple_Type ? Py_NewRef(a) : PyList_AsTuple(a);
     if (items == NULL) {
-        if (is_dict && PyErr_ExceptionMatches(PyExc_KeyError)) { /* (as the extractor) */
+        if (is_dict && PyErr_ExceptionMatches(PyExc_KeyError)) {
             PyErr_Clear();
             Py_RETURN_NONE;
         }
         return NULL;
     }
-    int plain = PyTuple_GET_SIZE(items) == length;
-    for (Py_ssize_t j = 0; plain == 1 && j < length; j++) {
-        PyObject *t = (PyObject *)Py_TYPE(PyTuple_GET_ITEM(items, j));
-        plain = t == G.array_type ? 1 : PySet_Contains(leaf_types, t);
+    if (PyTuple_GET_SIZE(items) != length) {
+        Py_DECREF(items);
+        Py_RETURN_NONE;
     }
-    if (plain == 1) {
-        return items;
+    return items;
+}
+
+/* Whether `item` is a leaf of `leaf_types` (a set of exact types): 1, 0, -1 error. */
+static inline int
+is_sequence_leaf(PyObject *item, PyObject *leaf_types)
+{
+    PyObject *t = (PyObject *)Py_TYPE(item);
+    return t == G.array_type ? 1 : PySet_Contains(leaf_types, t);
+}
+
+/* Appends the leaves of `a`, nested as the SequenceRead `sequence` says (`items`: per item,
+ * Py_None for a leaf or the read of the container it is), to `out` (a new tuple being
+ * filled) from `*pos`, depth first. 1 read, 0 not of this structure, -1 error. The
+ * recursion is as deep as the read's nesting (`_codegen.sequence_read` bounds it). */
+ONE_KIND static int
+fill_sequence_leaves(PyObject *a, PyObject *sequence, PyObject *leaf_types, PyObject *out, Py_ssize_t *pos)
+{
+    if (Py_EnterRecursiveCall(" in fastcall's read of nested containers")) {
+        return -1;
+    }
+    PyObject *items = sequence_items(a, sequence);
+    if (items == NULL || items == Py_None) {
+        Py_LeaveRecursiveCall();
+        Py_XDECREF(items);
+        return items == NULL ? -1 : 0;
+    }
+    PyObject *reads = PyTuple_GET_ITEM(sequence, SEQ_ITEMS);
+    Py_ssize_t n = PyTuple_GET_SIZE(items);
+    int got = reads == Py_None || (PyTuple_CheckExact(reads) && PyTuple_GET_SIZE(reads) == n);
+    for (Py_ssize_t j = 0; got == 1 && j < n; j++) {
+        PyObject *item = PyTuple_GET_ITEM(items, j);
+        PyObject *inner = reads == Py_None ? Py_None : PyTuple_GET_ITEM(reads, j);
+        if (inner != Py_None) {
+            got = fill_sequence_leaves(item, inner, leaf_types, out, pos);
+            continue;
+        }
+        got = is_sequence_leaf(item, leaf_types);
+        if (got == 1) {
+            if (*pos >= PyTuple_GET_SIZE(out)) {
+                got = 0;
+                break;
+            }
+            PyTuple_SET_ITEM(out, (*pos)++, Py_NewRef(item));
+        }
     }
     Py_DECREF(items);
-    if (plain < 0) {
+    Py_LeaveRecursiveCall();
+    return got;
+}
+
+/* A tuple, list or dict argument's leaves as its extractor reads them when its structure is
+ * a SequenceRead (`_codegen.Template.sequence`): its items (a dict's values at the read's
+ * keys, in their order) as a tuple if it is of exactly that type and length and each
+ * item's exact type is one of the read's leaf types, or, where the read nests, the leaves
+ * of each container among them, depth first; else None (not of this structure, as the
+ * extractor says). */
+ONE_KIND static PyObject *
+sequence_leaves(PyObject *a, PyObject *sequence)
+{
+    if (!PyTuple_Check(sequence) || PyTuple_GET_SIZE(sequence) != SEQ_N_FIELDS
+        || !PyAnySet_CheckExact(PyTuple_GET_ITEM(sequence, SEQ_LEAF_TYPES))) {
+        Py_RETURN_NONE;
+    }
+    PyObject *leaf_types = PyTuple_GET_ITEM(sequence, SEQ_LEAF_TYPES);
+    PyObject *leaves;
+    int got;
+    if (PyTuple_GET_ITEM(sequence, SEQ_ITEMS) == Py_None) { /* leaves only: its items */
+        leaves = sequence_items(a, sequence);
+        if (leaves == NULL || leaves == Py_None) {
+            return leaves;
+        }
+        got = 1;
+        for (Py_ssize_t j = 0; got == 1 && j < PyTuple_GET_SIZE(leaves); j++) {
+            got = is_sequence_leaf(PyTuple_GET_ITEM(leaves, j), leaf_types);
+        }
+    } else {
+        Py_ssize_t n = PyLong_AsSsize_t(PyTuple_GET_ITEM(sequence, SEQ_N_LEAVES));
+        if (n < 0) {
+            return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+        }
+        leaves = PyTuple_New(n);
+        if (leaves == NULL) {
+            return NULL;
+        }
+        Py_ssize_t pos = 0;
+        got = fill_sequence_leaves(a, sequence, leaf_types, leaves, &pos);
+        if (got == 1 && pos != n) {
+            got = 0;
+        }
+    }
+    if (got == 1) {
+        return leaves;
+    }
+    Py_DECREF(leaves);
+    if (got < 0) {
         /* as the extractor: these errors of its checks say "not of this structure" */
         if (!PyErr_ExceptionMatches(PyExc_KeyError) && !PyErr_ExceptionMatches(PyExc_AttributeError)
             && !PyErr_ExceptionMatches(PyExc_IndexError) && !PyErr_ExceptionMatches(PyExc_TypeError)) {

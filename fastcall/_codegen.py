@@ -203,6 +203,38 @@ class _CodeGen:
         return "\n".join(self.lines)
 
 
+_MAX_SEQUENCE_DEPTH = 16  # (the C read recurses once per level)
+
+
+def sequence_read(value: Any, leaf_types: frozenset[type], depth: int = 0) -> SequenceRead | None:
+    """How the C path reads `value`, a tuple, list or dict (exactly) whose items are leaves
+    (of `leaf_types`) or, nested, such containers themselves; None if it is not one."""
+    kind = type(value)
+    if kind not in (tuple, list, dict) or depth > _MAX_SEQUENCE_DEPTH:
+        return None
+    keys = None
+    if kind is dict:
+        try:
+            keys = tuple(sorted(value))
+        except TypeError:
+            return None
+    items = [value[k] for k in keys] if keys is not None else value
+    reads: list[SequenceRead | None] = []
+    n_leaves = 0
+    for item in items:
+        if type(item) in leaf_types:
+            reads.append(None)
+            n_leaves += 1
+            continue
+        inner = sequence_read(item, leaf_types, depth + 1)
+        if inner is None:
+            return None
+        reads.append(inner)
+        n_leaves += inner.n_leaves
+    nested = tuple(reads) if any(r is not None for r in reads) else None
+    return SequenceRead(kind, len(value), leaf_types, keys, nested, n_leaves)
+
+
 class Template:
     """Generated extractor for one structure: `extract(obj) -> leaves tuple | None`.
 
@@ -242,16 +274,10 @@ class Template:
         check = self.extract(example)
         if check is None or len(check) != len(dynamic) or any(a is not b for a, b in zip(check, dynamic)):
             raise _NoTemplate
-        # A tuple, list or dict of leaves only: `_inner` tests just its type, its length (and
-        # a dict's keys) and each item's type, and returns its items; the C path makes that
-        # same test itself.
-        leaf_types = TRACED_TYPES if gen.traces_scalars else PLAIN_ARRAY_TYPES
-        kind = type(example)
-        items = list(example.values()) if kind is dict else example
-        self.sequence = None
-        if kind in (tuple, list, dict) and all(type(v) in leaf_types for v in items):
-            keys = tuple(sorted(example)) if kind is dict else None  # (sortable: the walk sorted them)
-            self.sequence = SequenceRead(kind, len(example), leaf_types, keys)
+        # Tuples, lists and dicts of leaves only: `_inner` tests just each one's type, its
+        # length (and a dict's keys) and each leaf's type, and returns the leaves; the C path
+        # makes that same test itself.
+        self.sequence = sequence_read(example, TRACED_TYPES if gen.traces_scalars else PLAIN_ARRAY_TYPES)
 
     def serves(self, trace_scalars: bool) -> bool:
         """Whether a function of this scalar rule may read its arguments with this template."""

@@ -116,7 +116,7 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
     # (`_flatten.hold`), for the fast path.
     first_spec = _flatten.spec_by_id(resolved.key[0]) if type(first) in (list, dict) else None
     hold_first = (
-        fast_shape and first_spec is not None and not resolved.nnx_args
+        fast_shape and first_spec is not None and not resolved.nnx_args and _flatten.may_hold(state)
         and _flatten.holdable(first, first_spec, resolved.leaves[: first_spec.n_dyn])
     )
     node = resolved.nnx_args[0].entry if len(resolved.nnx_args) == 1 and resolved.nnx_args[0].obj is first else None

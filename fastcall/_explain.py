@@ -120,6 +120,18 @@ def _why_not_fast(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     return reasons
 
 
+def _container_note(state: Any, first: bool) -> str:
+    """When a list or dict read on the structure path would be held instead (`_flatten.hold`)."""
+    if not _flatten.may_hold(state):
+        return (
+            ", every call (this function no longer holds lists and dicts: those it held were never passed"
+            " again, as with a new dict built each call)"
+        )
+    if first:
+        return " (held for the fast path if passed first again, beside plain arrays only)"
+    return ", every call (a list or dict is held only when passed first, beside plain arrays)"
+
+
 def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> ArgumentReport:
     if type(value) is np.ndarray or (type(value) in _flatten.PLAIN_ARRAY_TYPES and isinstance(value, np.generic)):
         kind = "NumPy array" if type(value) is np.ndarray else "NumPy scalar"
@@ -201,14 +213,14 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
         return ArgumentReport(name, spec.kind, "")
     if type(read) is _fast.ArgRead and read.extract is not None and read.extract(value) is not None:
         by_rule = any(t.extract is read.extract and t.rule is not None for t in _codegen.templates.get(type(value), ()))
+        if by_rule:
+            when = ", every call (it holds Python scalars, which the identity cache does not hold)"
+        elif type(value) in (list, dict):
+            when = _container_note(state, first)
+        else:
+            when = " (cached by identity if passed again)"
         return ArgumentReport(
-            name,
-            "a new object of a structure this function has run",
-            "its leaves read by the structure's generated code"
-            + (
-                ", every call (it holds Python scalars, which the identity cache does not hold)"
-                if by_rule else " (cached by identity if passed again)"
-            ),
+            name, "a new object of a structure this function has run", "its leaves read by the structure's generated code" + when
         )
     # (how the general path reads it: by the structure's generated extractor, if it has one)
     templated = any(
@@ -217,12 +229,14 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
     )
     every_call = "read by its structure's generated code every call" if templated else "flattened every call"
     if not type(value).__weakrefoffset__:
-        if first and (spec.cacheable or spec.guardable) and type(value) in (list, dict):
+        if first and (spec.cacheable or spec.guardable) and type(value) in (list, dict) and _flatten.may_hold(state):
             return ArgumentReport(
                 name,
                 f"top-level {type(value).__name__}, not yet held",
                 "held for the fast path once passed first in two consecutive calls",
             )
+        if type(value) in (list, dict):
+            return ArgumentReport(name, f"{type(value).__name__} (not held)", every_call + _container_note(state, first))
         return ArgumentReport(name, f"{type(value).__name__} (cannot be weakly referenced)", every_call)
     if spec.cacheable or spec.guardable:
         return ArgumentReport(name, "not cached yet (seen for the first time)", "cached after its first calls")

@@ -67,17 +67,22 @@ INDEX: dict[int, FastSlot] = {}
 
 class SequenceRead(NamedTuple):
     """A structure that is a tuple, list or dict of leaves and nothing else (a batch,
-    `step(model, (x, y))`, `step(model, {"image": x, "label": y})`): its items (a dict's
-    values, in the order of its sorted keys, as jax flattens it) are its leaves. The C path
-    reads such an argument itself, as its extractor would (`_codegen.Template.sequence`),
-    with no Python call."""
+    `step(model, (x, y))`, `step(model, {"image": x, "label": y})`), or of leaves and such
+    containers, nested (a params dict of dicts, `{"layer_0": {"w": w, "b": b}, ...}`): its
+    items (a dict's values, in the order of its sorted keys, as jax flattens it) are its
+    leaves, or hold them, depth first. The C path reads such an argument itself, as its
+    extractor would (`_codegen.Template.sequence`), with no Python call."""
 
     kind: type  # tuple, list or dict, exactly
     length: int
-    # each item's exact type is one of these (_flatten.PLAIN_ARRAY_TYPES; with the Python
+    # each leaf's exact type is one of these (_flatten.PLAIN_ARRAY_TYPES; with the Python
     # scalars, for a template of fastcall.jit's scalar rule that met one: `Template.rule`)
     leaf_types: frozenset[type]
     keys: tuple[Any, ...] | None = None  # (a dict: its keys, sorted)
+    # None: every item is a leaf. Else, per item (in the order read), None where it is a
+    # leaf, or the SequenceRead of the container it is; and how many leaves all hold.
+    items: tuple[SequenceRead | None, ...] | None = None
+    n_leaves: int = 0
 
 
 class ArgRead(NamedTuple):

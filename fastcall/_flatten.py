@@ -506,6 +506,20 @@ def _guard_of(obj: Any, leaves: Sequence[Any], spec: Any) -> Any:
 # death and `clear_caches`. A training loop, which
 # passes a new container each call, never has one held (its previous leaves are compared
 # through weak references, which keep nothing alive).
+#
+# "Passed first in two consecutive calls" is told by id (`_fast.last_mark`), and a new
+# container built each call with the same contents (`f({"params": params}, x)`, as Linen's
+# `jax.jit(model.apply)` is called) often gets the id of the one before, which was freed:
+# it looks passed again, goes to the general path and is held, and the next one, with
+# another id, is never served by what was held. A function that held this many containers
+# that served no fast call stops holding (`may_hold`): its lists and dicts are read by the
+# structure path, whose test of each one cannot be fooled.
+UNUSED_HOLDS_LIMIT = 2
+
+
+def may_hold(state: Any) -> bool:
+    """Whether the function of `state` still holds top-level lists and dicts passed again."""
+    return state.unused_holds < UNUSED_HOLDS_LIMIT
 
 
 class LastFirst(NamedTuple):
@@ -546,7 +560,7 @@ def hold(state: Any, obj: Any, leaves: Sequence[Any], spec: Any) -> CacheEntry |
     """For a top-level list or dict passed first to the function of `state` (`holdable`): its
     identity cache entry, held strongly, if it was also passed first in the function's
     previous call with the very same leaves; else None (and it is noted for the next call)."""
-    if not holdable(obj, spec, leaves):
+    if not holdable(obj, spec, leaves) or not may_hold(state):
         return None
     last = state.last_first
     if last is None or last.oid != id(obj) or last.spec_id != spec.id or len(last.probes) != len(leaves) or any(
@@ -554,6 +568,13 @@ def hold(state: Any, obj: Any, leaves: Sequence[Any], spec: Any) -> CacheEntry |
     ):
         state.last_first = LastFirst(id(obj), spec.id, tuple(map(_probe, leaves)))
         return None
+    box = state.held_box
+    if box[0] is not None and box[0]() is not obj:  # another one held: released, and was it used?
+        if state.fast_calls() == state.fast_calls_at_hold:
+            state.unused_holds += 1
+        release_held(box)
+        if not may_hold(state):
+            return None
     entry = lookup(obj)
     if entry is None or not isinstance(entry.ref, _Strong):
         guard = _guard_of(obj, leaves, spec)
@@ -565,10 +586,10 @@ def hold(state: Any, obj: Any, leaves: Sequence[Any], spec: Any) -> CacheEntry |
         by_id[token.oid] = entry
         if old is not None:
             _fast.withdraw(old.ref)
-    box = state.held_box
-    if box[0] is not None and box[0] is not entry.ref:
+    if box[0] is not None and box[0] is not entry.ref:  # (this very one, changed in place: re-held)
         release(box[0])
     box[0] = entry.ref
+    state.fast_calls_at_hold = state.fast_calls()
     return entry
 
 

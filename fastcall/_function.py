@@ -97,6 +97,8 @@ class FunctionState:
         # (top-level lists and dicts passed first: see `_flatten.hold`)
         self.last_first: Any = None
         self.held_box: list[Any] = [None]  # (released when a wrapper of it dies: _api)
+        self.fast_calls_at_hold = 0  # (`fast_calls()` when the container held was held)
+        self.unused_holds = 0  # (containers held and released without serving a fast call)
         self.name = getattr(user_fun, "__qualname__", None) or type(user_fun).__name__
         _all_states.add(self)
 
@@ -192,6 +194,7 @@ class FunctionState:
             self.forget_records()
             _flatten.release_held(self.held_box)
             self.last_first = None
+            self.unused_holds = 0
         del memos
 
     # ---- stats ----
@@ -211,6 +214,10 @@ class FunctionState:
                 self.storm_warned = storm is not None
         if storm is not None:
             warnings.warn(f"fastcall.jit({self.name}): {storm}", _stats.RecompileWarning, stacklevel=2)
+
+    def fast_calls(self) -> int:
+        """How many calls the fast path (C or Python) has served."""
+        return sum(w._fastcall_c_calls for w in list(self.c_wrappers)) + self.counts.python_fast
 
     def stats(self) -> _stats.JitStats:
         wrappers = list(self.c_wrappers)

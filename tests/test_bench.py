@@ -302,6 +302,7 @@ def test_every_workload_names_the_peers_of_its_fastcall_variants():
 ISSUE12_WORKLOADS = (
     "eqx_list_mlp",
     "params_dict",
+    "params_variables",
     "params_config",
     "eqx_stateful",
     "eqx_stateful_partial",

@@ -867,7 +867,7 @@ def test_a_new_batch_of_arrays_is_read_without_its_extractor(kind, hot_path):
     for _ in range(2):  # (the model passed again: the second call caches it by identity)
         f(m, draw())
     read = f.stats.__self__.structures[type(m)].reads[1]
-    assert read.sequence == _fast.SequenceRead(kind, 2, read.sequence.leaf_types)
+    assert read.sequence == _fast.SequenceRead(kind, 2, read.sequence.leaf_types, n_leaves=2)
     extracted = _count_extractions(f, type(m), 1)
     routes = _serve_batches(
         f, m, [draw() for _ in range(3)], lambda b: _batch_step(m, tuple(map(jnp.asarray, b))), lambda b: peer(m, b)
@@ -895,9 +895,23 @@ _DICT_OTHERS = {
     "scalar": lambda x, y: {"image": x, "label": 2.0},  # a Python scalar where an array was
     "list": lambda x, y: [x, y],
 }
+_NESTED_OTHERS = {  # (the known structure: {"image": x, "targets": {"label": y, "mask": [x]}})
+    "inner key": lambda x, y: {"image": x, "targets": {"labels": y, "mask": [x]}},
+    "inner longer": lambda x, y: {"image": x, "targets": {"label": y, "mask": [x, y]}},
+    "inner shorter": lambda x, y: {"image": x, "targets": {"label": y, "mask": []}},
+    "inner tuple": lambda x, y: {"image": x, "targets": {"label": y, "mask": (x,)}},
+    "inner none": lambda x, y: {"image": x, "targets": {"label": y, "mask": [None]}},
+    "inner scalar": lambda x, y: {"image": x, "targets": {"label": 2.0, "mask": [x]}},
+    "deeper": lambda x, y: {"image": x, "targets": {"label": y, "mask": [[x]]}},
+    "flat": lambda x, y: {"image": x, "targets": y},
+}
 _BATCH_CASES = {
     **{f"tuple-{k}": (lambda x, y: (x, y), v) for k, v in _TUPLE_OTHERS.items()},
     **{f"dict-{k}": (lambda x, y: {"image": x, "label": y}, v) for k, v in _DICT_OTHERS.items()},
+    **{
+        f"nested-{k}": (lambda x, y: {"image": x, "targets": {"label": y, "mask": [x]}}, v)
+        for k, v in _NESTED_OTHERS.items()
+    },
 }
 
 
@@ -923,6 +937,35 @@ def test_a_batch_of_another_structure_is_not_read_as_the_known_one(known, other,
 def _any_batch(m, batch):
     leaves = jax.tree_util.tree_leaves(batch)
     return m(leaves[0]) * sum(leaves[1:], 1.0)
+
+
+_NESTED = {
+    "params dict": lambda x, y: {"layer_0": {"w": x, "b": y}, "layer_1": {"w": y, "b": x}},
+    "list of tuples": lambda x, y: [(x, y), (y,)],
+    "dict of a list of a dict": lambda x, y: {"a": [x, {"b": y}], "c": x},
+    "empty containers inside": lambda x, y: {"a": (), "b": x, "c": {}, "d": [y]},
+}
+
+
+@pytest.mark.parametrize("nested", list(_NESTED))
+def test_nested_containers_of_leaves_are_read_without_their_extractor(nested, hot_path):
+    """Tuples, lists and dicts of leaves nested in one another (a params dict of dicts) are
+    read in C as their extractor reads them, depth first, with no Python call; the Python
+    copy calls the extractor."""
+    f, peer = fastcall.jit(_any_batch), eqx.filter_jit(_any_batch)
+    m = _models(1)[0]
+    rng = np.random.default_rng(0)
+    draw = lambda: _NESTED[nested](*rng.normal(size=(2, 4)).astype(np.float32))  # noqa: E731
+    for _ in range(2):
+        f(m, draw())
+    read = f.stats.__self__.structures[type(m)].reads[1]
+    assert read.sequence is not None and read.sequence.items is not None
+    assert read.sequence.n_leaves == len(jax.tree_util.tree_leaves(draw()))
+    extracted = _count_extractions(f, type(m), 1)
+    routes = _serve_batches(f, m, [draw() for _ in range(3)], lambda b: peer(m, b), lambda b: _any_batch(m, b))
+    assert routes == [STRUCTURE_PATH[hot_path]] * 3
+    assert len(extracted) == (0 if hot_path == "c" else 3)
+    assert f.stats().compiles == 1
 
 
 class _HashRunsCode(type):
