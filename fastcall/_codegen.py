@@ -429,9 +429,10 @@ def recipe_of(build: Any) -> Any:
     return None
 
 
-# root type -> templates, most recent first (a few structures per type).
+# root type -> templates, most recent first (a few structures per type: the general path
+# tries each in turn; a function's structure records keep those they read by).
 templates: dict[type, list[Template]] = {}
-_TEMPLATES_PER_TYPE = 4
+_TEMPLATES_PER_TYPE = 8
 
 
 def learn(value: Any, spec: Spec, dynamic: list[Any], trace_scalars: bool) -> None:

@@ -176,6 +176,7 @@ def _publish_structure(
         dict(zip(map(id, resolved.nnx_args), resolved.read_before))
         if resolved.joint and len(resolved.read_before) == len(resolved.nnx_args) else {}
     )
+    previous = state.structures.get(_fast.structure_key(args[0], kwnames))
     for a, spec_id in zip(args, key):
         static = _fast.static_read(spec_id, a) if spec_id != 0 else None  # (None, a str, an optax transform)
         if static is not None and _flatten.spec_by_id(spec_id).n_dyn == 0:
@@ -225,6 +226,12 @@ def _publish_structure(
             continue
         rule = state.options.trace_scalars
         template = next((t for t in _codegen.templates.get(type(a), ()) if t.spec.id == spec_id and t.serves(rule)), None)
+        kept = _kept_read(previous, len(reads), spec_id)
+        if template is None and kept is not None:
+            # (its template was dropped from the few kept per type, `_codegen.learn`: the
+            # read this function's record has keeps serving the structure)
+            reads.append(kept)
+            continue
         if template is None:
             hit = _flatten.lookup(a)
             if hit is None or hit.spec_id != spec_id:
@@ -257,6 +264,15 @@ def _publish_structure(
     for i, read in enumerate(reads):
         if type(read) is ArgRead:
             known.last[i] = _fast.last_mark(args[i], i == 0 and hold_first)
+
+
+def _kept_read(record: StructureRecord | None, at: int, spec_id: int) -> ArgRead | None:
+    """The read of the argument at `at` in a function's `record`, if it reads this structure
+    (`spec_id`) with an extractor."""
+    if record is None or at >= len(record.reads):
+        return None
+    read = record.reads[at]
+    return read if type(read) is ArgRead and read.spec_id == spec_id and read.extract is not None else None
 
 
 def keyword_order(signature: Any, nargs: int, kwnames: tuple[str, ...]) -> tuple[int, ...] | None:

@@ -124,8 +124,9 @@ def _container_note(state: Any, first: bool) -> str:
     """When a list or dict read on the structure path would be held instead (`_flatten.hold`)."""
     if not _flatten.may_hold(state):
         return (
-            ", every call (this function no longer holds lists and dicts: those it held were never passed"
-            " again, as with a new dict built each call)"
+            ", every call (this function no longer holds lists and dicts: those passed first came back to"
+            " its general path call after call, and none was served by the fast path, as with a new dict"
+            " built each call)"
         )
     if first:
         return " (held for the fast path if passed first again, beside plain arrays only)"

@@ -510,16 +510,18 @@ def _guard_of(obj: Any, leaves: Sequence[Any], spec: Any) -> Any:
 # "Passed first in two consecutive calls" is told by id (`_fast.last_mark`), and a new
 # container built each call with the same contents (`f({"params": params}, x)`, as Linen's
 # `jax.jit(model.apply)` is called) often gets the id of the one before, which was freed:
-# it looks passed again, goes to the general path and is held, and the next one, with
-# another id, is never served by what was held. A function that held this many containers
-# that served no fast call stops holding (`may_hold`): its lists and dicts are read by the
-# structure path, whose test of each one cannot be fooled.
-UNUSED_HOLDS_LIMIT = 2
+# it looks passed again and goes to the general path, which holds it, and the next one, at
+# another id, gains nothing from that. A function whose general path has come here this
+# many times in a row without the fast path serving a call in between stops holding
+# (`may_hold`): its lists and dicts are read by the structure path, whose test of each one
+# cannot be fooled. (An inference loop comes here twice: to note its container, then to
+# hold it; the fast path serves it from the next call.)
+HOLD_ATTEMPTS_LIMIT = 4
 
 
 def may_hold(state: Any) -> bool:
     """Whether the function of `state` still holds top-level lists and dicts passed again."""
-    return state.unused_holds < UNUSED_HOLDS_LIMIT
+    return state.hold_attempts <= HOLD_ATTEMPTS_LIMIT
 
 
 class LastFirst(NamedTuple):
@@ -562,19 +564,18 @@ def hold(state: Any, obj: Any, leaves: Sequence[Any], spec: Any) -> CacheEntry |
     previous call with the very same leaves; else None (and it is noted for the next call)."""
     if not holdable(obj, spec, leaves) or not may_hold(state):
         return None
+    fast = state.fast_calls()  # (attempts since the fast path last served a call: see above)
+    state.hold_attempts = 1 if fast != state.fast_calls_at_attempt else state.hold_attempts + 1
+    state.fast_calls_at_attempt = fast
+    if not may_hold(state):
+        release_held(state.held_box)
+        return None
     last = state.last_first
     if last is None or last.oid != id(obj) or last.spec_id != spec.id or len(last.probes) != len(leaves) or any(
         p() is not x for p, x in zip(last.probes, leaves)
     ):
         state.last_first = LastFirst(id(obj), spec.id, tuple(map(_probe, leaves)))
         return None
-    box = state.held_box
-    if box[0] is not None and box[0]() is not obj:  # another one held: released, and was it used?
-        if state.fast_calls() == state.fast_calls_at_hold:
-            state.unused_holds += 1
-        release_held(box)
-        if not may_hold(state):
-            return None
     entry = lookup(obj)
     if entry is None or not isinstance(entry.ref, _Strong):
         guard = _guard_of(obj, leaves, spec)
@@ -586,10 +587,10 @@ def hold(state: Any, obj: Any, leaves: Sequence[Any], spec: Any) -> CacheEntry |
         by_id[token.oid] = entry
         if old is not None:
             _fast.withdraw(old.ref)
-    if box[0] is not None and box[0] is not entry.ref:  # (this very one, changed in place: re-held)
+    box = state.held_box
+    if box[0] is not None and box[0] is not entry.ref:
         release(box[0])
     box[0] = entry.ref
-    state.fast_calls_at_hold = state.fast_calls()
     return entry
 
 

@@ -97,8 +97,8 @@ class FunctionState:
         # (top-level lists and dicts passed first: see `_flatten.hold`)
         self.last_first: Any = None
         self.held_box: list[Any] = [None]  # (released when a wrapper of it dies: _api)
-        self.fast_calls_at_hold = 0  # (`fast_calls()` when the container held was held)
-        self.unused_holds = 0  # (containers held and released without serving a fast call)
+        self.hold_attempts = 0  # (`hold` calls since the fast path last served one)
+        self.fast_calls_at_attempt = 0  # (`fast_calls()` at the latest)
         self.name = getattr(user_fun, "__qualname__", None) or type(user_fun).__name__
         _all_states.add(self)
 
@@ -194,7 +194,7 @@ class FunctionState:
             self.forget_records()
             _flatten.release_held(self.held_box)
             self.last_first = None
-            self.unused_holds = 0
+            self.hold_attempts = 0
         del memos
 
     # ---- stats ----

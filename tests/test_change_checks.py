@@ -516,6 +516,32 @@ def test_a_dict_built_anew_around_the_same_params_each_call_settles_on_the_struc
     assert_trees_equal(f(variables, x), _apply(params, x))
     if not _flatten.may_hold(state):  # (holding stopped: the structure path read it)
         assert served(f, variables, x)[1] == STRUCTURE_PATH[hot_path]
+        fastcall.clear_caches()
+        assert _flatten.may_hold(state)
+
+
+def test_functions_keep_reading_their_structures_when_more_are_met_than_templates_are_kept(hot_path):
+    """More dict structures than `_codegen` keeps templates for (per type), each passed anew
+    to a function of its own, round after round: each function's structure record keeps the
+    read of its own, so the structure path serves all but a few calls (found with twelve: the
+    functions whose templates were dropped could no longer renew their records, and took the
+    general path nearly every call, 3x jax.jit's time). The few: the first call, and those a
+    reused id sent to the general path to be held, until the function stopped holding
+    (`_flatten.HOLD_ATTEMPTS_LIMIT`)."""
+    from fastcall import _codegen, _flatten
+
+    k = _codegen._TEMPLATES_PER_TYPE + 4
+    x = jnp.ones(4)
+    shapes = [{f"k{j}": x * j for j in range(i + 1)} for i in range(k)]
+    fs = [fastcall.jit(lambda d, x: x + sum(d.values())) for _ in range(k)]
+    for _ in range(60):
+        for f, d in zip(fs, shapes):
+            assert_trees_equal(f(dict(d), x), x + sum(d.values()))
+    for f in fs:
+        paths = f.stats().paths
+        assert paths["general"] <= 2 * (_flatten.HOLD_ATTEMPTS_LIMIT + 1), paths
+        assert paths[STRUCTURE_PATH[hot_path]] == 60 - paths["general"]
+        assert f.stats().compiles == 1
 
 
 @pytest.mark.parametrize("first", ["jit", "filter_jit"])
