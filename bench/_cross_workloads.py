@@ -178,6 +178,91 @@ def first_call(name: str, description: str, width: int, depth: int) -> Workload:
     )
 
 
+def _compare_trees(ref: list[Any], outs: list[Any]) -> None:
+    for a, b in zip(ref, outs):
+        allclose_tree(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _LinenMLP(linen_nn.Module):
+    width: int
+    depth: int
+
+    @linen_nn.compact
+    def __call__(self, x):
+        for _ in range(self.depth):
+            x = jnp.tanh(linen_nn.Dense(self.width)(x))
+        return linen_nn.Dense(self.width)(x)
+
+
+def linen_train_state(name: str, description: str, width: int, depth: int, batch: int) -> Workload:
+    """Linen's training loop: `state, loss = train_step(state, batch)` with a
+    `flax.training.train_state.TrainState` (a flax.struct.dataclass holding the params
+    dict, the optax state and, as node data, `apply_fn` and `tx`), the batch a new dict each
+    step, as flax's examples write it. Peer: `jax.jit`, what those examples use. Floor:
+    jax.jit on the state's flat leaves, the new leaves rebound by hand."""
+    import optax
+    from flax.training import train_state
+
+    net = _LinenMLP(width, depth)
+    x = jax.random.normal(jax.random.PRNGKey(1), (batch, width))
+    y = jnp.zeros((batch, width))
+    params = net.init(jax.random.PRNGKey(0), x)["params"]
+    start = train_state.TrainState.create(apply_fn=net.apply, params=params, tx=optax.adam(1e-3))
+    # (the first step turns `step`, a Python int, into an array: every variant starts after it)
+    start = jax.jit(lambda s: s.replace(step=jnp.asarray(s.step)))(start)
+
+    def step(state, batch):
+        def loss_fn(p):
+            return jnp.mean((state.apply_fn({"params": p}, batch["x"]) - batch["y"]) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    def stateful(wrap: Callable[[Any], Any]):
+        def make():
+            f = wrap(step)
+            current = [start]
+
+            def run():
+                current[0], loss = f(current[0], {"x": x, "y": y})
+                return loss, current[0].params
+
+            return run
+
+        return make
+
+    def make_floor():
+        leaves, treedef = jax.tree_util.tree_flatten(start)
+        n = len(leaves)
+
+        def flat(*a):
+            new, loss = step(treedef.unflatten(a[:n]), {"x": a[n], "y": a[n + 1]})
+            return loss, *jax.tree_util.tree_leaves(new)
+
+        f = jax.jit(flat)
+        current = [tuple(leaves)]
+
+        def run():
+            loss, *new = f(*current[0], x, y)  # every leaf changes: all rebound
+            current[0] = tuple(new)
+            return loss, treedef.unflatten(new).params
+
+        return run
+
+    return Workload(
+        name,
+        description,
+        [
+            Variant("eager", stateful(lambda f: f), timed=False),
+            Variant("floor", make_floor, note="flat leaves in and out, rebound by hand"),
+            Variant("fastcall.jit", stateful(fastcall.jit)),
+            Variant("jax.jit", stateful(jax.jit), note="as flax's examples jit the step"),
+        ],
+        _compare_trees,
+        peers={"fastcall.jit": ("jax.jit",)},
+    )
+
+
 def build(quick: bool) -> dict[str, Callable[[], Workload]]:
     out = {
         "first_call": lambda: first_call(
@@ -185,6 +270,13 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
         ),
         "conv3d_transpose": lambda: conv_transpose_3d(
             "conv3d_transpose", "3D transposed conv, 2 channels, 3^3 input, stride 2: eqx vs Flax", 2, 3
+        ),
+        "linen_train_state": lambda: linen_train_state(
+            "linen_train_state",
+            "Linen train step, state, loss = step(state, batch): TrainState (adam), MLP w32 d3, batch dict of 8",
+            32,
+            3,
+            8,
         ),
     }
     if not quick:

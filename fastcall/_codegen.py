@@ -158,6 +158,20 @@ class _CodeGen:
             for k, item in d.items():
                 self.walk(f"{v}[{self.const(k)}]", item)
             return
+        if "_flax_dataclass" in t.__dict__:  # a flax.struct.dataclass (`TrainState`): see _flax_struct_fields
+            data, meta = _flax_struct_fields(t)
+            own = getattr(value, "__dict__", None)
+            if type(own) is not dict or len(own) != len(data) + len(meta) or any(n not in own for n in data + meta):
+                raise _NoTemplate
+            node = self.bind(expr)
+            v = self.var()
+            self.emit(f"if type({node}) is not {self.const(t)}: return None")
+            self.emit(f"{v} = _getattr({node}, '__dict__')")
+            self.emit(f"if len({v}) != {len(own)}: return None")
+            for name in data:
+                self.walk(f"{v}[{name!r}]", own[name])
+            self.statics([(f"{v}[{name!r}]", own[name]) for name in meta])
+            return
         if issubclass(t, tuple) and hasattr(t, "_fields"):
             v = self.bind(expr)
             self.emit(f"if type({v}) is not {self.const(t)}: return None")
@@ -201,6 +215,17 @@ class _CodeGen:
             self.emit(f"if {check}: return None")
         self.emit(f"return ({', '.join(self.arrays)}{',' if self.arrays else ''})")
         return "\n".join(self.lines)
+
+
+def _flax_struct_fields(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A flax.struct.dataclass's data fields (its children, in this order) and meta fields
+    (its node data, compared), as `flax.struct.dataclass` registers them with
+    `jax.tree_util.register_dataclass`: a field is data unless its metadata says
+    `pytree_node=False`. (The template is proven against `tree_flatten` when made.)"""
+    fields = dataclasses.fields(cls)
+    data = tuple(f.name for f in fields if f.metadata.get("pytree_node", True))
+    meta = tuple(f.name for f in fields if not f.metadata.get("pytree_node", True))
+    return data, meta
 
 
 _MAX_SEQUENCE_DEPTH = 16  # (the C read recurses once per level)

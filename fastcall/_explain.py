@@ -121,16 +121,16 @@ def _why_not_fast(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 
 
 def _container_note(state: Any, first: bool) -> str:
-    """When a list or dict read on the structure path would be held instead (`_flatten.hold`)."""
+    """Why a list or dict that the identity cache does not hold is read every call, or
+    when `_flatten.hold` would hold it instead."""
     if not _flatten.may_hold(state):
         return (
-            ", every call (this function no longer holds lists and dicts: those passed first came back to"
-            " its general path call after call, and none was served by the fast path, as with a new dict"
-            " built each call)"
+            "(this function no longer holds lists and dicts: those passed first came back to its general"
+            " path call after call, and none was served by the fast path, as with a new dict built each call)"
         )
     if first:
-        return " (held for the fast path if passed first again, beside plain arrays only)"
-    return ", every call (a list or dict is held only when passed first, beside plain arrays)"
+        return "(held for the fast path if passed first again, beside plain arrays only)"
+    return "(a list or dict is held only when passed first, beside plain arrays)"
 
 
 def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> ArgumentReport:
@@ -217,12 +217,11 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
         if by_rule:
             when = ", every call (it holds Python scalars, which the identity cache does not hold)"
         elif type(value) in (list, dict):
-            when = _container_note(state, first)
+            when = ", every call " + _container_note(state, first)
         else:
             when = " (cached by identity if passed again)"
-        return ArgumentReport(
-            name, "a new object of a structure this function has run", "its leaves read by the structure's generated code" + when
-        )
+        reading = "its leaves read by the structure's generated code" + when
+        return ArgumentReport(name, "a new object of a structure this function has run", reading)
     # (how the general path reads it: by the structure's generated extractor, if it has one)
     templated = any(
         t.spec.id == spec.id and t.serves(state.options.trace_scalars) and t.extract(value) is not None
@@ -237,7 +236,8 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
                 "held for the fast path once passed first in two consecutive calls",
             )
         if type(value) in (list, dict):
-            return ArgumentReport(name, f"{type(value).__name__} (not held)", every_call + _container_note(state, first))
+            note = _container_note(state, first)
+            return ArgumentReport(name, f"{type(value).__name__} (not held)", f"{every_call} {note}")
         return ArgumentReport(name, f"{type(value).__name__} (cannot be weakly referenced)", every_call)
     if spec.cacheable or spec.guardable:
         return ArgumentReport(name, "not cached yet (seen for the first time)", "cached after its first calls")

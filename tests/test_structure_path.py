@@ -1249,3 +1249,71 @@ def test_a_batch_dict_changed_while_it_is_read_gives_the_items_read(hot_path):
     assert route == STRUCTURE_PATH[hot_path]
     assert batch["image"] is not x  # (the comparison ran, and changed the dict)
     assert_trees_equal(out, m(jnp.asarray(x)) * y)
+
+
+def _linen_train_state(tx=None):
+    from flax import linen
+    from flax.training import train_state
+
+    class Net(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            return linen.Dense(3)(jnp.tanh(linen.Dense(4)(x)))
+
+    net, x = Net(), jnp.ones((2, 4))
+    params = net.init(jax.random.PRNGKey(0), x)["params"]
+    return train_state.TrainState.create(apply_fn=net.apply, params=params, tx=tx or optax.adam(1e-2)), x
+
+
+def _linen_step(state, batch):
+    def loss_fn(params):
+        return jnp.mean((state.apply_fn({"params": params}, batch["x"]) - batch["y"]) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def test_a_linen_train_state_takes_the_structure_path(hot_path):
+    """Linen's training loop, `state, loss = train_step(state, batch)` with a
+    `flax.training.train_state.TrainState` (a flax.struct.dataclass: a pytree node of its
+    own, with `apply_fn` and `tx` as node data), took the general path every call, 1.47x
+    jax.jit's time. Its structure is read by generated code now, as jax.jit flattens it
+    (its data fields, in order; its meta fields compared); the same losses and states as
+    jax.jit's, compiling as often."""
+    traces = {"fastcall": 0, "jax": 0}
+
+    def counted(name):
+        def step(state, batch):
+            traces[name] += 1
+            return _linen_step(state, batch)
+
+        return step
+
+    f, peer = fastcall.jit(counted("fastcall")), jax.jit(counted("jax"))
+    state, x = _linen_train_state()
+    mine, theirs = state, state
+    routes = []
+    for i in range(6):
+        batch = {"x": x * i, "y": jnp.ones((2, 3))}
+        (mine, loss), route = served(f, mine, batch)
+        theirs, expected = peer(theirs, batch)
+        routes.append(route)
+        assert_trees_equal((mine, loss), (theirs, expected))
+    assert routes[2:] == [STRUCTURE_PATH[hot_path]] * 4
+    assert traces["fastcall"] == traces["jax"]
+    # (its params changed in place, and a meta field replaced: read afresh, as jax.jit reads them)
+    mine.params["Dense_0"]["bias"] = mine.params["Dense_0"]["bias"] + 1.0
+    theirs.params["Dense_0"]["bias"] = theirs.params["Dense_0"]["bias"] + 1.0
+    batch = {"x": x, "y": jnp.ones((2, 3))}
+    (mine, loss), route = served(f, mine, batch)
+    theirs, expected = peer(theirs, batch)
+    assert route == STRUCTURE_PATH[hot_path]
+    assert_trees_equal((mine, loss), (theirs, expected))
+    sgd = optax.sgd(0.1)
+    mine = mine.replace(tx=sgd, opt_state=sgd.init(mine.params))
+    theirs = theirs.replace(tx=sgd, opt_state=sgd.init(theirs.params))
+    (mine, loss), route = served(f, mine, batch)
+    theirs, expected = peer(theirs, batch)
+    assert route == "general"
+    assert_trees_equal((mine, loss), (theirs, expected))
+    assert traces["fastcall"] == traces["jax"]
