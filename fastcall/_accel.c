@@ -72,11 +72,12 @@ static const char *RECORD_FIELDS[] = {"arity", "call", "variables", "post", NULL
 #define STR_N_FIELDS 9
 static const char *STRUCTURE_FIELDS[] = {"arity", "reads", "call", "post", "last", "fast_shape", "kwnames", "order",
                                          "hold_first", NULL};
-/* ArgRead(spec_id, extract, sequence) */
+/* ArgRead(spec_id, extract, sequence, by_identity) */
 #define READ_SPEC_ID 0
 #define READ_EXTRACT 1
 #define READ_SEQUENCE 2
-static const char *READ_FIELDS[] = {"spec_id", "extract", "sequence", NULL};
+#define READ_BY_IDENTITY 3
+static const char *READ_FIELDS[] = {"spec_id", "extract", "sequence", "by_identity", NULL};
 /* SequenceRead(kind, length, leaf_types, keys, items, n_leaves) */
 #define SEQ_KIND 0
 #define SEQ_LENGTH 1
@@ -1863,9 +1864,9 @@ structure_fits(FastWrapper *self, PyObject *record, PyObject *const *args, Py_ss
             continue;
         }
         PyObject *kind = (PyObject *)Py_TYPE(read);
-        Py_ssize_t size = kind == G.arg_read || kind == G.static_read ? 3
-                          : kind == G.nodes_read || kind == G.variable_read || kind == G.joint_read
-                                    || kind == G.shared_variable_read
+        Py_ssize_t size = kind == G.static_read ? 3
+                          : kind == G.arg_read || kind == G.nodes_read || kind == G.variable_read
+                                    || kind == G.joint_read || kind == G.shared_variable_read
                               ? 4
                               : 1;
         if ((kind != G.arg_read && kind != G.node_read && kind != G.nodes_read && kind != G.variable_read
@@ -2114,7 +2115,9 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
     }
     for (Py_ssize_t i = 0; i < nargs; i++) {
         if (leaves[i].key != NULL) {
-            PyObject *mark = last_mark(given[i], leaves[i].key, i == 0 && hold_first);
+            PyObject *mark = PyTuple_GET_ITEM(PyTuple_GET_ITEM(reads, i), READ_BY_IDENTITY) == Py_True
+                                 ? last_mark(given[i], leaves[i].key, i == 0 && hold_first)
+                                 : Py_NewRef(Py_None);
             if (mark == NULL || PyList_SetItem(last, i, mark) < 0) { /* (steals the new reference) */
                 goto done;
             }

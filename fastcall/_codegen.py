@@ -456,17 +456,61 @@ def recipe_of(build: Any) -> Any:
 
 # root type -> templates, most recent first (a few structures per type: the general path
 # tries each in turn; a function's structure records keep those they read by).
-templates: dict[type, list[Template]] = {}
+templates: dict[type, list[Template | FlattenTemplate]] = {}
 _TEMPLATES_PER_TYPE = 8
+
+
+class FlattenTemplate:
+    """The extractor of a structure no Template is generated for (a pytree node type of its
+    own: `jax.tree_util.register_dataclass`, `register_pytree_node_class`; an Equinox module
+    carrying extra attributes), whose every leaf is an array: it reads an object as jax.jit
+    does, by `tree_flatten` (jax's C++), compares the treedef with the spec's (node types and
+    node data, as jax compares them), and checks each leaf's exact type. The same interface
+    as a Template; it reads both scalar rules alike (no Python scalar among the leaves)."""
+
+    __slots__ = ("spec", "extract", "sequence", "rule")
+
+    def __init__(self, spec: Spec, example: Any, dynamic: list[Any]):
+        if not (all(spec.mask) and not spec.has_nnx and all(type(x) in PLAIN_ARRAY_TYPES for x in dynamic)):
+            raise _NoTemplate
+        treedef, flatten = spec.treedef, jax.tree_util.tree_flatten
+
+        def extract(obj: Any) -> tuple[Any, ...] | None:
+            try:
+                leaves, found = flatten(obj)
+                if found != treedef:
+                    return None
+            except Exception:  # (the general path reads it again, and names the argument)
+                return None
+            for x in leaves:
+                if type(x) is not ArrayImpl and type(x) not in PLAIN_ARRAY_TYPES:
+                    return None
+            return tuple(leaves)
+
+        check = extract(example)
+        if check is None or len(check) != len(dynamic) or any(a is not b for a, b in zip(check, dynamic)):
+            raise _NoTemplate
+        self.spec = spec
+        self.extract: Callable[[Any], tuple[Any, ...] | None] = extract
+        self.sequence = None
+        self.rule = None
+
+    def serves(self, trace_scalars: bool) -> bool:
+        return True
 
 
 def learn(value: Any, spec: Spec, dynamic: list[Any], trace_scalars: bool) -> None:
     """Build a template for `value`'s structure, as a function of this scalar rule reads it
-    (`trace_scalars`), so the next new object of it is fast."""
+    (`trace_scalars`), so the next new object of it is fast: generated code, or else one
+    that flattens it as jax.jit does (`FlattenTemplate`)."""
     if spec.kind != "tree":
         return
+    tmpl: Template | FlattenTemplate
     try:
-        tmpl = Template(spec, value, dynamic, trace_scalars)
+        try:
+            tmpl = Template(spec, value, dynamic, trace_scalars)
+        except (_NoTemplate, RecursionError):
+            tmpl = FlattenTemplate(spec, value, dynamic)
     except (_NoTemplate, RecursionError):
         return
     except Exception:  # a template is an optimisation; never fail a call over it

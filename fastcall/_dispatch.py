@@ -238,7 +238,9 @@ def _publish_structure(
                 return
             reads.append(ArgRead(spec_id, None, None))
             continue
-        reads.append(ArgRead(spec_id, template.extract, template.sequence))
+        spec = template.spec
+        by_identity = template.rule is None and (spec.cacheable or spec.guardable)
+        reads.append(ArgRead(spec_id, template.extract, template.sequence, by_identity))
     if next(nnx_args, None) is not None:
         return  # (NNX objects inside another argument: read by the general path only)
     for at, nnx_arg, spec_id in loose:
@@ -263,7 +265,7 @@ def _publish_structure(
     # which caches them by identity.
     for i, read in enumerate(reads):
         if type(read) is ArgRead:
-            known.last[i] = _fast.last_mark(args[i], i == 0 and hold_first)
+            known.last[i] = _fast.last_mark(args[i], i == 0 and hold_first) if read.by_identity else None
 
 
 def _kept_read(record: StructureRecord | None, at: int, spec_id: int) -> ArgRead | None:
@@ -526,7 +528,7 @@ def read_arguments(
     last = known.last
     for i, read in enumerate(known.reads):
         if type(read) is ArgRead:
-            last[i] = _fast.last_mark(args[i], i == 0 and known.hold_first)
+            last[i] = _fast.last_mark(args[i], i == 0 and known.hold_first) if read.by_identity else None
     return values, nnx_args
 
 

@@ -218,6 +218,8 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
             when = ", every call (it holds Python scalars, which the identity cache does not hold)"
         elif type(value) in (list, dict):
             when = ", every call " + _container_note(state, first)
+        elif not read.by_identity:
+            when = ", every call (it can change in place unseen: the identity cache does not hold it)"
         else:
             when = " (cached by identity if passed again)"
         reading = "its leaves read by the structure's generated code" + when

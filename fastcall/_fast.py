@@ -91,6 +91,10 @@ class ArgRead(NamedTuple):
     spec_id: int  # its structure: an identity-cache entry of this spec gives its leaves ...
     extract: Callable[[Any], Any] | None  # ... or else this: its leaves (a tuple), or None
     sequence: SequenceRead | None  # (the extractor's own test and result, when it is this simple)
+    # Whether the general path caches an object of this structure by identity (then one
+    # passed again is sent there: `StructureRecord.last`); not one that can change in place
+    # unseen, nor one read by a scalar rule's own template (`_codegen.Template.rule`).
+    by_identity: bool = True
 
 
 class NodeRead(NamedTuple):

@@ -1317,3 +1317,72 @@ def test_a_linen_train_state_takes_the_structure_path(hot_path):
     assert route == "general"
     assert_trees_equal((mine, loss), (theirs, expected))
     assert traces["fastcall"] == traces["jax"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _Params:
+    """A pytree node type of its own (no Template is generated for it), holding a list:
+    it can change in place unseen, so the identity cache does not hold it."""
+
+    w: list
+    scale: Any
+    name: str = dataclasses.field(default="p", metadata=dict(static=True))
+
+
+class _Pair:
+    def __init__(self, a, b, tag):
+        self.a, self.b, self.tag = a, b, tag
+
+
+jax.tree_util.register_pytree_node(_Pair, lambda p: ((p.a, p.b), p.tag), lambda tag, ch: _Pair(*ch, tag))
+
+
+def _params_step(p, x):
+    return x @ p.w[0] + sum(jax.tree_util.tree_leaves((p.w[1:], p.scale)), 1.0)
+
+
+def _pair_step(p, x):
+    return x * p.a + p.b
+
+
+_OWN_NODE_OTHERS = {
+    "node data": lambda x: _Params([x, x[0]], jnp.float32(2.0), "q"),
+    "list length": lambda x: _Params([x, x[0], x[0]], jnp.float32(2.0)),
+    "tuple for list": lambda x: _Params((x, x[0]), jnp.float32(2.0)),
+    "nested deeper": lambda x: _Params([x, [x[0]]], jnp.float32(2.0)),
+    "python scalar": lambda x: _Params([x, x[0]], 2.0),
+}
+
+
+def test_a_pytree_node_type_of_its_own_takes_the_structure_path(hot_path):
+    """A structure no Template is generated for (`register_dataclass`, `register_pytree_node`),
+    every leaf an array: read as jax.jit reads it (`_codegen.FlattenTemplate`: tree_flatten,
+    the treedef compared), where every call took the general path (2x jax.jit's time). Passed
+    again, an object the identity cache cannot hold is not sent to the general path to be
+    cached (`ArgRead.by_identity`), where it was, every call. Another structure (node data,
+    a list's length or type, a deeper leaf, a Python scalar) is read by the general path, as
+    jax.jit reads it."""
+    x = jnp.arange(4.0).reshape(2, 2)
+    f, peer = fastcall.jit(_params_step), jax.jit(_params_step)
+    same = _Params([x, x[0]], jnp.float32(2.0))
+    routes = []
+    for i in range(5):
+        p = same if i % 2 else _Params([x + i, x[0]], jnp.float32(2.0))
+        y, route = served(f, p, x)
+        routes.append(route)
+        assert_trees_equal(y, peer(p, x))
+    assert routes[1:] == [STRUCTURE_PATH[hot_path]] * 4
+    assert "identity cache does not hold it" in str(f.explain(same, x))
+    for name, make in _OWN_NODE_OTHERS.items():
+        p = make(x)
+        y, route = served(f, p, x)
+        assert route == "general", name
+        assert_trees_equal(y, peer(p, x))
+    g, pair_peer = fastcall.jit(_pair_step), jax.jit(_pair_step)
+    for tag in ("a", "a", "a", "b", "b", "b"):
+        p = _Pair(x, x + 1, tag)
+        y, route = served(g, p, x)
+        assert_trees_equal(y, pair_peer(p, x))
+    assert route == STRUCTURE_PATH[hot_path]
+    assert served(g, _Pair(x, x, "c"), x)[1] == "general"
