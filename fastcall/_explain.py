@@ -123,14 +123,14 @@ def _why_not_fast(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 def _container_note(state: Any, first: bool) -> str:
     """Why a list or dict that the identity cache does not hold is read every call, or
     when `_flatten.hold` would hold it instead."""
+    if not first:
+        return "(a list or dict is held only when passed first, beside plain arrays)"
     if not _flatten.may_hold(state):
         return (
             "(this function no longer holds lists and dicts: those passed first came back to its general"
             " path call after call, and none was served by the fast path, as with a new dict built each call)"
         )
-    if first:
-        return "(held for the fast path if passed first again, beside plain arrays only)"
-    return "(a list or dict is held only when passed first, beside plain arrays)"
+    return "(held for the fast path if passed first again, beside plain arrays only)"
 
 
 def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> ArgumentReport:
