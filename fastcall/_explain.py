@@ -222,7 +222,14 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
             when = ", every call (it can change in place unseen: the identity cache does not hold it)"
         else:
             when = " (cached by identity if passed again)"
-        reading = "its leaves read by the structure's generated code" + when
+        flattened = any(
+            t.extract is read.extract and isinstance(t, _codegen.FlattenTemplate)
+            for t in _codegen.templates.get(type(value), ())
+        )
+        reading = (
+            "its leaves read as jax.jit reads them (tree_flatten, the treedef compared with the recorded one)"
+            if flattened else "its leaves read by the structure's generated code"
+        ) + when
         return ArgumentReport(name, "a new object of a structure this function has run", reading)
     # (how the general path reads it: by the structure's generated extractor, if it has one)
     templated = any(

@@ -1374,6 +1374,7 @@ def test_a_pytree_node_type_of_its_own_takes_the_structure_path(hot_path):
         assert_trees_equal(y, peer(p, x))
     assert routes[1:] == [STRUCTURE_PATH[hot_path]] * 4
     assert "identity cache does not hold it" in str(f.explain(same, x))
+    assert "as jax.jit reads them (tree_flatten" in str(f.explain(same, x))
     for name, make in _OWN_NODE_OTHERS.items():
         p = make(x)
         y, route = served(f, p, x)
