@@ -20,7 +20,9 @@ from flax import nnx
 
 import fastcall
 
+from ._eqx_workloads import _compare as compare_arrays
 from ._harness import Variant, Workload, allclose_tree
+from ._nnx_workloads import LinenMLP
 
 
 def _channels_first(y: Any) -> Any:
@@ -178,22 +180,6 @@ def first_call(name: str, description: str, width: int, depth: int) -> Workload:
     )
 
 
-def _compare_trees(ref: list[Any], outs: list[Any]) -> None:
-    for a, b in zip(ref, outs):
-        allclose_tree(a, b, rtol=1e-5, atol=1e-6)
-
-
-class _LinenMLP(linen_nn.Module):
-    width: int
-    depth: int
-
-    @linen_nn.compact
-    def __call__(self, x):
-        for _ in range(self.depth):
-            x = jnp.tanh(linen_nn.Dense(self.width)(x))
-        return linen_nn.Dense(self.width)(x)
-
-
 def linen_train_state(name: str, description: str, width: int, depth: int, batch: int) -> Workload:
     """Linen's training loop: `state, loss = train_step(state, batch)` with a
     `flax.training.train_state.TrainState` (a flax.struct.dataclass holding the params
@@ -203,7 +189,7 @@ def linen_train_state(name: str, description: str, width: int, depth: int, batch
     import optax
     from flax.training import train_state
 
-    net = _LinenMLP(width, depth)
+    net = LinenMLP(width, depth)
     x = jax.random.normal(jax.random.PRNGKey(1), (batch, width))
     y = jnp.zeros((batch, width))
     params = net.init(jax.random.PRNGKey(0), x)["params"]
@@ -258,7 +244,7 @@ def linen_train_state(name: str, description: str, width: int, depth: int, batch
             Variant("fastcall.jit", stateful(fastcall.jit)),
             Variant("jax.jit", stateful(jax.jit), note="as flax's examples jit the step"),
         ],
-        _compare_trees,
+        compare_arrays,
         peers={"fastcall.jit": ("jax.jit",)},
     )
 
