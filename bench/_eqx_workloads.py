@@ -6,6 +6,7 @@ leaves, for the flat floor), so weights and layout cannot differ.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable
 
 import equinox as eqx
@@ -357,6 +358,66 @@ def params_with_config(name: str, description: str, params: Any, x: Any) -> Work
     )
 
 
+def params_in_turn(name: str, description: str, params: Any, x: Any) -> Workload:
+    """`apply(variables, x)` called with three variables dicts in turn (`{"params"}`, then
+    with a `scale`, then with a `scale` and a `shift`: one jitted apply serving calls that
+    pass other collections), each built anew: three structures under one function. The
+    floor: jax.jit on each structure's pre-flattened leaves, in the same turn."""
+    scale, shift = jnp.full((1, x.shape[-1]), 0.5), jnp.full((1, x.shape[-1]), 0.25)
+    forms = (
+        lambda: {"params": params},
+        lambda: {"params": params, "scale": scale},
+        lambda: {"params": params, "scale": scale, "shift": shift},
+    )
+
+    def apply(variables, x):
+        y = mlp_apply(variables["params"], x)
+        y = y * variables["scale"] if "scale" in variables else y
+        return y + variables["shift"] if "shift" in variables else y
+
+    def in_turn(call: Callable[[Any], Any]) -> Callable[[], Any]:
+        turn = itertools.count()  # (each variant its own: every variant sees the same order)
+        return lambda: call(forms[next(turn) % len(forms)]())
+
+    def make_floor():
+        floors = []
+        for form in forms:
+            leaves, treedef = jax.tree_util.tree_flatten(form())
+            n = len(leaves)
+            f = jax.jit(lambda *a, treedef=treedef, n=n: apply(treedef.unflatten(a[:n]), a[n]))
+            floors.append((f, (*leaves, x)))
+        turn = itertools.count()
+
+        def run():
+            f, args = floors[next(turn) % len(floors)]
+            return f(*args)
+
+        return run
+
+    def wrapped(wrap: Callable[[Any], Any]):
+        def make():
+            f = wrap(apply)
+            return in_turn(lambda variables: f(variables, x))
+
+        return make
+
+    return Workload(
+        name,
+        description,
+        [
+            Variant("eager", lambda: in_turn(lambda variables: apply(variables, x)), timed=False),
+            Variant("floor", make_floor, note="jax.jit on each structure's pre-flattened leaf list"),
+            Variant("fastcall.jit", wrapped(fastcall.jit)),
+            Variant("fastcall.filter_jit", wrapped(fastcall.filter_jit)),
+            Variant("jax.jit", wrapped(jax.jit), note="the variables dict as argument"),
+            Variant("eqx.filter_jit", wrapped(eqx.filter_jit)),
+        ],
+        _compare,
+        check_steps=6,
+        peers={"fastcall.jit": ("jax.jit", "eqx.filter_jit"), "fastcall.filter_jit": ("eqx.filter_jit",)},
+    )
+
+
 def _params_workload(
     name: str, description: str, apply: Callable[..., Any], call_args: Callable[[], tuple[Any, ...]],
     make_floor: Callable[[], Any], floor_note: str, jax_note: str,
@@ -705,6 +766,13 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
         "params_variables": lambda: params_variables(
             "params_variables",
             'Linen-style f({"params": params}, x): a new variables dict each call around the same params dict',
+            params_dict(4, 32, key),
+            jnp.ones((1, 32)),
+        ),
+        "params_in_turn": lambda: params_in_turn(
+            "params_in_turn",
+            "one apply(variables, x) called with three variables dicts in turn (params; + scale; + scale, shift),"
+            " each new",
             params_dict(4, 32, key),
             jnp.ones((1, 32)),
         ),

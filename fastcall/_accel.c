@@ -11,7 +11,8 @@
  * Any call that does not meet those conditions tries the structure path
  * (`StructureRecord`): `structures` (the function's `state.structures`) has a
  * record for type(first) (and the call's keyword names, in call order:
- * `_fast.structure_key`) with arity == len(args), and every argument, taken in the record's `order`,
+ * `_fast.structure_key`; that record, then each of its `others`, tried in turn) with
+ * arity == len(args), and every argument, taken in the record's `order`,
  * reads as the record says (`_dispatch.read_arguments` is the Python copy): a
  * plain leaf as is; a static one (`StaticRead`) if it is the recorded object,
  * or a scalar equal to it; any other from the identity cache (`by_id`: an entry whose ref() is the
@@ -59,7 +60,7 @@ static const char *SLOT_FIELDS[] = {"ref", "records", "guard", "node", NULL};
 #define REC_VARIABLES 2
 #define REC_POST 3
 static const char *RECORD_FIELDS[] = {"arity", "call", "variables", "post", NULL};
-/* StructureRecord(arity, reads, call, post, last, fast_shape, kwnames, order, hold_first) */
+/* StructureRecord(arity, reads, call, post, last, fast_shape, kwnames, order, hold_first, others) */
 #define STR_ARITY 0
 #define STR_READS 1
 #define STR_CALL 2
@@ -69,9 +70,10 @@ static const char *RECORD_FIELDS[] = {"arity", "call", "variables", "post", NULL
 #define STR_KWNAMES 6
 #define STR_ORDER 7
 #define STR_HOLD_FIRST 8
-#define STR_N_FIELDS 9
+#define STR_OTHERS 9
+#define STR_N_FIELDS 10
 static const char *STRUCTURE_FIELDS[] = {"arity", "reads", "call", "post", "last", "fast_shape", "kwnames", "order",
-                                         "hold_first", NULL};
+                                         "hold_first", "others", NULL};
 /* ArgRead(spec_id, extract, sequence, by_identity) */
 #define READ_SPEC_ID 0
 #define READ_EXTRACT 1
@@ -1879,29 +1881,18 @@ structure_fits(FastWrapper *self, PyObject *record, PyObject *const *args, Py_ss
     return 1;
 }
 
-/* The structure path (see the top of this file): serves the call, or hands it to the
- * fallback. */
+/* The structure path (see the top of this file) under one record: the call's result (a
+ * new reference); or NULL, with an exception, or without one and `*declined` set where
+ * the arguments do not read as `record` says (another record of the key may serve them). */
 static PyObject *
-fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+structure_call(FastWrapper *self, PyObject *record, PyObject *const *args, size_t nargsf, PyObject *kwnames,
+               int *declined_out)
 {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    PyObject *first_type = (PyObject *)Py_TYPE(args[0]);
-    PyObject *record; /* borrowed; the key as `_fast.structure_key` makes it */
-    if (kwnames == NULL) {
-        record = remembered(&self->memo_structure, self->structures, first_type, 0);
-    } else {
-        PyObject *key = PyTuple_Pack(2, first_type, kwnames);
-        if (key == NULL) {
-            return NULL;
-        }
-        record = PyDict_GetItemWithError(self->structures, key);
-        Py_DECREF(key);
-    }
-    if (record == NULL) {
-        return PyErr_Occurred() ? NULL : fw_fallback(self, args, nargsf, kwnames);
-    }
+    *declined_out = 0;
     if (!PyTuple_Check(record) || PyTuple_GET_SIZE(record) != STR_N_FIELDS) {
-        return fw_fallback(self, args, nargsf, kwnames);
+        *declined_out = 1;
+        return NULL;
     }
     /* Hold what we use: code run from here on (a metaclass's __hash__ in a type test,
      * another thread) may replace the record. */
@@ -1924,7 +1915,8 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
     if (fits != 1 || fast_shape < 0 || hold_first < 0) {
         Py_DECREF(record);
         if (given != small_given) PyMem_Free(given);
-        return fits < 0 || fast_shape < 0 || hold_first < 0 ? NULL : fw_fallback(self, args, nargsf, kwnames);
+        *declined_out = !(fits < 0 || fast_shape < 0 || hold_first < 0);
+        return NULL;
     }
     PyObject *reads = PyTuple_GET_ITEM(record, STR_READS);
     PyObject *last = PyTuple_GET_ITEM(record, STR_LAST);
@@ -2145,6 +2137,47 @@ done:
     Py_XDECREF(nnx_args);
     Py_DECREF(record);
     if (declined) {
+        Py_XDECREF(out);
+        *declined_out = 1;
+        return NULL;
+    }
+    return out;
+}
+
+/* The structure path: the record for the call's key (`_fast.structure_key`), then each of
+ * its `others` (records of other structures the key met: `_fast.records_of`), until one
+ * serves the call; else the fallback. */
+static PyObject *
+fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    PyObject *first_type = (PyObject *)Py_TYPE(args[0]);
+    PyObject *head; /* borrowed; the key as `_fast.structure_key` makes it */
+    if (kwnames == NULL) {
+        head = remembered(&self->memo_structure, self->structures, first_type, 0);
+    } else {
+        PyObject *key = PyTuple_Pack(2, first_type, kwnames);
+        if (key == NULL) {
+            return NULL;
+        }
+        head = PyDict_GetItemWithError(self->structures, key);
+        Py_DECREF(key);
+    }
+    if (head == NULL) {
+        return PyErr_Occurred() ? NULL : fw_fallback(self, args, nargsf, kwnames);
+    }
+    /* Held: code run while serving (a metaclass's __hash__, another thread) may replace it. */
+    Py_INCREF(head);
+    int declined = 0;
+    PyObject *out = structure_call(self, head, args, nargsf, kwnames, &declined);
+    if (out == NULL && declined && PyTuple_Check(head) && PyTuple_GET_SIZE(head) == STR_N_FIELDS) {
+        PyObject *others = PyTuple_GET_ITEM(head, STR_OTHERS);
+        for (Py_ssize_t i = 0; out == NULL && declined && PyTuple_CheckExact(others) && i < PyTuple_GET_SIZE(others);
+             i++) {
+            out = structure_call(self, PyTuple_GET_ITEM(others, i), args, nargsf, kwnames, &declined);
+        }
+    }
+    Py_DECREF(head);
+    if (out == NULL && declined) {
         return fw_fallback(self, args, nargsf, kwnames);
     }
     return out;

@@ -14,7 +14,8 @@ whole route of a call:
    disabled (`FASTCALL_DISABLE_ACCEL=1`).
 2. The structure path. Any other call whose arguments have the structures of
    a call this function ran (`_fast.StructureRecord`, per type of the first
-   argument, with the call's keyword names): `read_arguments` reads each one,
+   argument, with the call's keyword names; a few per key, tried in turn:
+   `_fast.records_of`): `read_arguments` reads each one,
    positional then keyword as the general path resolves them
    (`arguments_as_read`), as the record says (a plain array; a static value
    compared with the recorded one; the identity cache or a generated
@@ -249,14 +250,25 @@ def _publish_structure(
             return
         reads[at] = shared
     key = _fast.structure_key(args[0], kwnames)
-    known = state.structures.get(key)
-    if (
-        known is None or known.reads != tuple(reads) or known.call is not entry.fn or known.kwnames != kwnames
-        or known.order != order or known.fast_shape != fast_shape or known.hold_first != hold_first
-    ):
+    reads_now = tuple(reads)
+    records = _fast.records_of(state.structures.get(key))
+    known = next(
+        (
+            r for r in records
+            if r.reads == reads_now and r.call is entry.fn and r.kwnames == kwnames and r.order == order
+            and r.fast_shape == fast_shape and r.hold_first == hold_first
+        ),
+        None,
+    )
+    if known is None:
+        # A new record first; the others of this key kept behind it (those reading the same
+        # arguments the same way are this one's older versions: dropped)
+        others = tuple(
+            r._replace(others=()) for r in records if not (r.reads == reads_now and r.kwnames == kwnames and r.order == order)
+        )[: _fast.RECORDS_PER_KEY - 1]
         known = StructureRecord(
-            len(args) - len(kwnames), tuple(reads), entry.fn, _structure_post(entry), [None] * len(args), fast_shape,
-            kwnames, order, hold_first,
+            len(args) - len(kwnames), reads_now, entry.fn, _structure_post(entry), [None] * len(args), fast_shape,
+            kwnames, order, hold_first, others,
         )
         if len(state.structures) >= MAX_STRUCTURES and key not in state.structures:
             state.structures.pop(next(iter(state.structures), None), None)  # (the oldest: many keyword sets)
@@ -269,12 +281,13 @@ def _publish_structure(
 
 
 def _kept_read(record: StructureRecord | None, at: int, spec_id: int) -> ArgRead | None:
-    """The read of the argument at `at` in a function's `record`, if it reads this structure
-    (`spec_id`) with an extractor."""
-    if record is None or at >= len(record.reads):
-        return None
-    read = record.reads[at]
-    return read if type(read) is ArgRead and read.spec_id == spec_id and read.extract is not None else None
+    """The read of the argument at `at` in a function's `record` (or one of its `others`),
+    if one reads this structure (`spec_id`) with an extractor."""
+    for r in _fast.records_of(record):
+        read = r.reads[at] if at < len(r.reads) else None
+        if type(read) is ArgRead and read.spec_id == spec_id and read.extract is not None:
+            return read
+    return None
 
 
 def keyword_order(signature: Any, nargs: int, kwnames: tuple[str, ...]) -> tuple[int, ...] | None:
@@ -545,6 +558,7 @@ def _declined(
 def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: Any) -> Any:
     index_get = _fast.INDEX.get
     structures_get = state.structures.get
+    records_of = _fast.records_of
     read_value = _fast.read_value
     static_cache_pending = _fast.static_cache_pending
     guard_holds = _guard.holds
@@ -581,13 +595,14 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
                         call = None
             structure = call is None
             if structure:
-                known = structures_get((type(first), tuple(kwargs)) if kwargs else type(first))  # (structure_key)
-                given = None if known is None else arguments_as_read(known, args, kwargs)
-                if given is not None:
-                    read = read_arguments(known, given, serves_nested, plain)
+                head = structures_get((type(first), tuple(kwargs)) if kwargs else type(first))  # (structure_key)
+                for known in records_of(head):  # (until one serves the call)
+                    given = arguments_as_read(known, args, kwargs)
+                    read = None if given is None else read_arguments(known, given, serves_nested, plain)
                     if read is not None:
                         values, variables = read
                         call, post = known.call, known.post
+                        break
             if call is not None:
                 if structure:
                     counts.python_structure += 1

@@ -50,7 +50,7 @@ class CallReport:
 def explain(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallReport:
     reasons = [f"not fast: {r}" for r in _why_not_fast(state, args, kwargs)]
     route = "general" if reasons else "fast"
-    known = state.structures.get(_fast.structure_key(args[0], tuple(kwargs))) if args else None
+    known = _serving_record(state, args, kwargs)
     named = [(state.arg_name(i), a) for i, a in enumerate(args)] + sorted(kwargs.items())
     reads = list(known.reads) if known is not None else []
     given = arguments_as_read(known, args, kwargs) if known is not None else None
@@ -78,6 +78,17 @@ def explain(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallRe
         for i, (name, value) in enumerate(named)
     )
     return CallReport(route, tuple(reasons), reports)
+
+
+def _serving_record(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The structure record that would serve the call (of those kept under its key, the
+    first whose reads take it), else the one under its key (None if none is)."""
+    head = state.structures.get(_fast.structure_key(args[0], tuple(kwargs))) if args else None
+    for known in _fast.records_of(head):
+        given = arguments_as_read(known, args, kwargs)
+        if given is not None and not _why_not_structure(state, known, given):
+            return known
+    return head
 
 
 def _why_not_structure(state: Any, known: Any, given: tuple[Any, ...] | None) -> list[tuple[int | None, str]]:

@@ -19,7 +19,8 @@ A slot is withdrawn the moment its object dies or (NNX) its structure changes.
 
 A call the fast index does not serve may still be one the function has run
 with arguments of the same structures: the structure path. The function's
-`state.structures[structure_key(...)]` is a `StructureRecord` saying how to read each
+`state.structures[structure_key(...)]` is a `StructureRecord` (with those of a few
+other structures met under the key in its `others`, tried in turn) saying how to read each
 argument (positional, then keyword): a plain leaf as is; a static one (no array
 leaves) by comparing it with the recorded value; any other argument from the
 identity cache (`_flatten.by_id`, when the cached object is of the expected
@@ -323,6 +324,23 @@ class StructureRecord(NamedTuple):
     # again it goes to the general path, which holds it for the fast path (`_flatten.hold`;
     # only with `fast_shape`, and where `_flatten.holdable`).
     hold_first: bool = False
+    # Records of other structures met under the same key (`structure_key`), most recent
+    # first, each with no `others` of its own: tried in turn when this one's reads decline,
+    # so a function called with a few structures in turn (dicts of other keys, say) keeps
+    # serving each from the structure path (`records_of`; at most `RECORDS_PER_KEY` in all).
+    others: tuple[StructureRecord, ...] = ()
+
+
+# Structure records kept per key: a function called with more structures than this in turn
+# renews one on the general path (a call that costs what the peer's does) where it meets one
+# not kept. Each record tried before the one that serves costs a read that declines.
+RECORDS_PER_KEY = 4
+
+
+def records_of(record: StructureRecord | None) -> tuple[StructureRecord, ...]:
+    """The records the structure path tries for a call, in order: `record` (the one under
+    the call's key), then its `others`."""
+    return () if record is None else (record, *record.others)
 
 
 def structure_key(first: Any, kwnames: tuple[str, ...]) -> Any:

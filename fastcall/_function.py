@@ -91,7 +91,8 @@ class FunctionState:
         # of this function passed a plain leaf (its spec id 0): `_flatten.plain_leaf_types`.
         self.plain_leaves = _flatten.plain_leaf_types(options.trace_scalars)
         self.c_wrappers: weakref.WeakSet[Any] = weakref.WeakSet()  # (their call counts)
-        # The structure path (`_fast.StructureRecord`): `_fast.structure_key` -> record.
+        # The structure path (`_fast.StructureRecord`): `_fast.structure_key` -> record (the
+        # newest; those of other structures met under the key in its `others`).
         self.structures: dict[Any, Any] = {}
         self.storm_warned = False
         # (top-level lists and dicts passed first: see `_flatten.hold`)

@@ -304,6 +304,7 @@ ISSUE12_WORKLOADS = (
     "params_dict",
     "params_variables",
     "params_config",
+    "params_in_turn",
     "linen_train_state",
     "eqx_stateful",
     "eqx_stateful_partial",

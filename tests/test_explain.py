@@ -126,11 +126,16 @@ def test_explain_says_a_new_state_of_a_known_structure_is_read_as_a_pytree():
     assert "pytree flatten" in state.per_call
 
 
-def test_explain_says_why_the_structure_path_declines_a_call():
+def test_explain_says_why_the_structure_path_declines_a_call(monkeypatch):
     """Where the record of a call's shape does not serve it, explain names the argument and
     why (the structure path's own reading, asked why), and does not describe that argument
     by the record's read: a Variable of its own passed where the recorded call passed the
-    module's, and the module's where the record reads a Variable of its own."""
+    module's, and the module's where the record reads a Variable of its own. (One record
+    kept per key, so that the second form's record replaces the first's; with several kept,
+    explain gives the reasons of the newest.)"""
+    from fastcall import _fast
+
+    monkeypatch.setattr(_fast, "RECORDS_PER_KEY", 1)
     m = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
     offset = nnx.Param(jnp.ones(4))
     f = fastcall.jit(lambda m, v, x: m(x) + v[...])

@@ -998,12 +998,11 @@ def test_variable_held_by_another_argument(hot_path):
     check(own, "general")
     check(own, STRUCTURE_PATH[hot_path])
     check(lambda m: (m, old[id(m)]), "general")  # a Variable it no longer holds
-    report = ours_f.explain(*own(ours), jnp.ones((2, 4)))
-    assert report.route == "general"  # (the record is the last call's: apart)
-    check(own, "general")
+    # (the joint form's record is kept beside the one that call made: `StructureRecord.others`)
     report = ours_f.explain(*own(ours), jnp.ones((2, 4)))
     assert report.route == "structure"
     assert "held by an earlier argument" in report.arguments[1].kind
+    check(own, STRUCTURE_PATH[hot_path])
 
 
 def test_variable_passed_before_the_module_that_holds_it(hot_path):
@@ -1011,8 +1010,9 @@ def test_variable_passed_before_the_module_that_holds_it(hot_path):
     value and the module leaves that leaf out, as nnx.jit shares it; from the second call on
     by the structure path, in C and in Python (`SharedVariableRead` with `first`), which
     checks it is still the Variable at its place in the module's pinned entry. A Variable
-    replaced in the module, one the module no longer holds, or one of its own in its place
-    is read by the general path. Values and state as nnx.jit's and the eager call's."""
+    replaced in the module, or one the module no longer holds, is read by the general path
+    (then one of its own in its place, as the latter). Values and state as nnx.jit's and
+    the eager call's."""
 
     def f(v, m, x):
         v[...] = v[...] + 1
@@ -1035,10 +1035,11 @@ def test_variable_passed_before_the_module_that_holds_it(hot_path):
     check(own, "general")
     check(own, STRUCTURE_PATH[hot_path])
     check(lambda m: (old[id(m)], m), "general")  # a Variable it no longer holds
-    check(own, "general")
-    check(own, STRUCTURE_PATH[hot_path])
+    check(own, STRUCTURE_PATH[hot_path])  # (its record kept beside that call's)
     apart = {id(m): nnx.Param(jnp.full((4,), 2.0)) for m in (ours, theirs, eager)}
-    check(lambda m: (apart[id(m)], m), "general")  # one of its own, in the shared one's place
+    # one of its own, in the shared one's place: read as the call with `old` was (a Variable
+    # apart from the module, its record kept)
+    check(lambda m: (apart[id(m)], m), STRUCTURE_PATH[hot_path])
     for m in (ours, theirs, eager):
         assert_trees_equal(apart[id(m)][...], apart[id(ours)][...])
 

@@ -463,8 +463,8 @@ def test_nnx_objects_in_a_dict_are_read_by_key(hot_path):
     assert call(lambda n: {"enc": n[0], "dec": n[1], "aux": n[2]}) == "general"  # a key more
     assert call(lambda n: {"enc": n[0], "decoder": n[1]}) == "general"  # another key
     assert call(lambda n: {"enc": n[0]}) == "general"  # a key less (one object fewer)
-    # (one structure record per type of first argument: the last structure run)
-    assert [call(plain) for _ in range(2)] == ["general", STRUCTURE_PATH[hot_path]]
+    # (a few structure records per type of first argument: `plain`'s is still kept)
+    assert [call(plain) for _ in range(2)] == [STRUCTURE_PATH[hot_path]] * 2
     assert f.stats().compiles == 4
 
 
@@ -1387,3 +1387,86 @@ def test_a_pytree_node_type_of_its_own_takes_the_structure_path(hot_path):
         assert_trees_equal(y, pair_peer(p, x))
     assert route == STRUCTURE_PATH[hot_path]
     assert served(g, _Pair(x, x, "c"), x)[1] == "general"
+
+
+def _sum_step(d, x):
+    return x * 2.0 + sum(jax.tree_util.tree_leaves(d))
+
+
+def test_a_few_structures_in_turn_each_keep_the_structure_path(hot_path):
+    """One function called with a few structures in turn under one key (dicts of other keys,
+    tuples of other lengths, passed first, built anew each call): each keeps a structure
+    record (`StructureRecord.others`), so each call after its structure's first is served by
+    the structure path, where each call renewed the one record on the general path (5x
+    jax.jit's time). Values equal the eager call's and jax.jit's, with as many compiles."""
+    from fastcall import _fast
+
+    x = jnp.arange(4.0)
+    makers = [
+        lambda i: {"a": x + i},
+        lambda i: {"a": x, "b": x * i},
+        lambda i: {"c": (x, x + i), "d": x},
+    ]
+    assert len(makers) < _fast.RECORDS_PER_KEY
+    f, peer = fastcall.jit(_sum_step), jax.jit(_sum_step)
+    routes = []
+    for i in range(8):
+        for make in makers:
+            d = make(i)
+            y, route = served(f, d, x)
+            routes.append(route)
+            assert_trees_equal(y, _sum_step(d, x))
+            assert_trees_equal(y, peer(d, x))
+    assert routes[len(makers):] == [STRUCTURE_PATH[hot_path]] * (len(routes) - len(makers)), routes
+    assert f.stats().compiles == len(makers) == peer._cache_size()
+    for make in makers:
+        assert f.explain(make(0), x).route == "structure"
+    t = fastcall.jit(lambda d, x: _sum_step(d, x))  # (a function of its own: stats of its own)
+    for i in range(4):
+        for n in (1, 2, 3):
+            pair = tuple(x + j for j in range(n))
+            y, route = served(t, pair, x)
+            assert_trees_equal(y, _sum_step(pair, x))
+    assert route == STRUCTURE_PATH[hot_path]
+    assert t.stats().paths["general"] == 3
+
+
+def test_more_structures_in_turn_than_records_kept_stay_correct(hot_path):
+    """More structures in turn than a key keeps records for (`_fast.RECORDS_PER_KEY`):
+    every call gives the right value, a structure not kept is read by the general path
+    (which keeps its record, the oldest dropped), and nothing compiles twice."""
+    from fastcall import _fast
+
+    x = jnp.arange(4.0)
+    n = _fast.RECORDS_PER_KEY + 2
+    f, peer = fastcall.jit(_sum_step), jax.jit(_sum_step)
+    for i in range(4):
+        for k in range(n):
+            d = {f"k{j}": x * (i + j) for j in range(k + 1)}
+            assert_trees_equal(f(d, x), peer(d, x))
+    assert f.stats().compiles == n
+    head = next(iter(f._fastcall_state.structures.values()))
+    assert len(_fast.records_of(head)) == _fast.RECORDS_PER_KEY
+
+
+def test_a_dict_changed_in_place_between_structures_in_turn(hot_path):
+    """A dict passed first again after a key was added or removed in place is read as its
+    structure is now (by the record of that structure, or the general path), never as it
+    was: the records tried in turn each check the whole structure."""
+    x = jnp.arange(4.0)
+    f, peer = fastcall.jit(_sum_step), jax.jit(_sum_step)
+    one, two = {"a": x}, {"a": x, "b": x + 1}
+    for _ in range(3):
+        assert_trees_equal(f(dict(one), x), peer(one, x))
+        assert_trees_equal(f(dict(two), x), peer(two, x))
+    d = dict(one)
+    for step in range(6):
+        if step % 2:
+            del d["b"]
+        else:
+            d["b"] = x * step
+        assert_trees_equal(f(d, x), peer(d, x))
+        d2 = dict(d)
+        d2["a"] = x + step
+        assert_trees_equal(f(d2, x), peer(d2, x))
+    assert f.stats().compiles == 2
