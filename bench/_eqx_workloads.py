@@ -379,20 +379,15 @@ def params_in_turn(name: str, description: str, params: Any, x: Any) -> Workload
         turn = itertools.count()  # (each variant its own: every variant sees the same order)
         return lambda: call(forms[next(turn) % len(forms)]())
 
+    flat = [jax.tree_util.tree_flatten(form()) for form in forms]
+    # one jitted function, the structure a static argument: one program per structure, as
+    # jax.jit keeps them (three functions in turn were slower than jax.jit's one, here)
+    floor = jax.jit(lambda k, *a: apply(flat[k][1].unflatten(a[:-1]), a[-1]), static_argnums=0)
+
     def make_floor():
-        floors = []
-        for form in forms:
-            leaves, treedef = jax.tree_util.tree_flatten(form())
-            n = len(leaves)
-            f = jax.jit(lambda *a, treedef=treedef, n=n: apply(treedef.unflatten(a[:n]), a[n]))
-            floors.append((f, (*leaves, x)))
         turn = itertools.count()
-
-        def run():
-            f, args = floors[next(turn) % len(floors)]
-            return f(*args)
-
-        return run
+        calls = [(k, *leaves, x) for k, (leaves, _) in enumerate(flat)]
+        return lambda: floor(*calls[next(turn) % len(calls)])
 
     def wrapped(wrap: Callable[[Any], Any]):
         def make():
