@@ -235,6 +235,11 @@ typedef struct {
      * its structure record for the first argument's type */
     Lookup memo_slot[MEMO_ARGS], memo_record, memo_structure;
     Lookup memo_graphdef; /* (and of GRAPHDEFS, for a GraphDef argument: read_graphdef) */
+    /* The address of the structure record that served this function's last structure-path
+     * call among several of one key (fw_structure): compared with the key's records' only,
+     * never followed, so it needs no reference (an address reused by a new record of the key
+     * only puts that one first) */
+    const void *last_served;
 #ifdef HAVE_DICT_VERSION
     /* the VariableRead (strong: its address is not reused while remembered) whose expected
      * metadata a Variable's metadata dict was last found to hold, and that dict's version
@@ -2165,17 +2170,34 @@ fw_structure(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *
     if (head == NULL) {
         return PyErr_Occurred() ? NULL : fw_fallback(self, args, nargsf, kwnames);
     }
-    /* Held: code run while serving (a metaclass's __hash__, another thread) may replace it. */
+    /* Held: code run while serving (a metaclass's __hash__, another thread) may replace it;
+     * the records of `others` are borrowed from it. */
     Py_INCREF(head);
-    int declined = 0;
-    PyObject *out = structure_call(self, head, args, nargsf, kwnames, &declined);
-    if (out == NULL && declined && PyTuple_Check(head) && PyTuple_GET_SIZE(head) == STR_N_FIELDS) {
-        PyObject *others = PyTuple_GET_ITEM(head, STR_OTHERS);
-        for (Py_ssize_t i = 0; out == NULL && declined && PyTuple_CheckExact(others) && i < PyTuple_GET_SIZE(others);
-             i++) {
-            out = structure_call(self, PyTuple_GET_ITEM(others, i), args, nargsf, kwnames, &declined);
-        }
+    PyObject *others = PyTuple_Check(head) && PyTuple_GET_SIZE(head) == STR_N_FIELDS ? PyTuple_GET_ITEM(head, STR_OTHERS)
+                                                                                     : NULL;
+    Py_ssize_t n_others = others != NULL && PyTuple_CheckExact(others) ? PyTuple_GET_SIZE(others) : 0;
+    /* The record that served the last call first (a loop over one structure, after calls of
+     * others, is served without reading the newer records' first), then the rest in order. */
+    PyObject *hot = NULL;
+    for (Py_ssize_t i = -1; n_others > 0 && hot == NULL && i < n_others; i++) {
+        PyObject *r = i < 0 ? head : PyTuple_GET_ITEM(others, i);
+        hot = (const void *)r == self->last_served ? r : NULL;
     }
+    int declined = 1;
+    PyObject *out = NULL, *served = NULL;
+    for (Py_ssize_t i = -2; out == NULL && declined && i < n_others; i++) {
+        PyObject *r = i == -2 ? hot : i == -1 ? head : PyTuple_GET_ITEM(others, i);
+        if (r == NULL || (i >= -1 && r == hot)) {
+            continue;
+        }
+        served = r;
+        out = structure_call(self, r, args, nargsf, kwnames, &declined);
+    }
+#ifndef Py_GIL_DISABLED
+    if (out != NULL && n_others > 0) {
+        self->last_served = served;
+    }
+#endif
     Py_DECREF(head);
     if (out == NULL && declined) {
         return fw_fallback(self, args, nargsf, kwnames);

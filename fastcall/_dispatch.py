@@ -596,12 +596,14 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
             structure = call is None
             if structure:
                 head = structures_get((type(first), tuple(kwargs)) if kwargs else type(first))  # (structure_key)
-                for known in records_of(head):  # (until one serves the call)
+                for known in records_of(head, state.last_structure):  # (until one serves the call)
                     given = arguments_as_read(known, args, kwargs)
                     read = None if given is None else read_arguments(known, given, serves_nested, plain)
                     if read is not None:
                         values, variables = read
                         call, post = known.call, known.post
+                        if head.others:
+                            state.last_structure = id(known)
                         break
             if call is not None:
                 if structure:

@@ -337,10 +337,19 @@ class StructureRecord(NamedTuple):
 RECORDS_PER_KEY = 4
 
 
-def records_of(record: StructureRecord | None) -> tuple[StructureRecord, ...]:
+def records_of(record: StructureRecord | None, hot: int = 0) -> tuple[StructureRecord, ...]:
     """The records the structure path tries for a call, in order: `record` (the one under
-    the call's key), then its `others`."""
-    return () if record is None else (record, *record.others)
+    the call's key), then its `others`; the one whose id() is `hot` (the one that served the
+    function's last such call) first, where it is one of them: a loop over one structure,
+    after calls of others, is served without reading the newer records' first. (C: the same;
+    an id is only compared, never followed, so a record it outlives cannot be mistaken.)"""
+    if record is None:
+        return ()
+    if not record.others:
+        return (record,)
+    records = (record, *record.others)
+    first = [r for r in records if id(r) == hot]
+    return (*first, *(r for r in records if id(r) != hot)) if first else records
 
 
 def structure_key(first: Any, kwnames: tuple[str, ...]) -> Any:

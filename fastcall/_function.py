@@ -94,6 +94,9 @@ class FunctionState:
         # The structure path (`_fast.StructureRecord`): `_fast.structure_key` -> record (the
         # newest; those of other structures met under the key in its `others`).
         self.structures: dict[Any, Any] = {}
+        # id() of the record that served the last structure-path call among several of one
+        # key: tried first (compared with the key's records only: `_fast.records_of`)
+        self.last_structure = 0
         self.storm_warned = False
         # (top-level lists and dicts passed first: see `_flatten.hold`)
         self.last_first: Any = None

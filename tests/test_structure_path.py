@@ -1470,3 +1470,48 @@ def test_a_dict_changed_in_place_between_structures_in_turn(hot_path):
         d2["a"] = x + step
         assert_trees_equal(f(d2, x), peer(d2, x))
     assert f.stats().compiles == 2
+
+
+class _Counted:
+    """A pytree node whose flatten counts its calls: each structure record that tries to
+    read one (`_codegen.FlattenTemplate`) flattens it once."""
+
+    flattens = 0
+
+    def __init__(self, a, tag):
+        self.a, self.tag = a, tag
+
+
+def _flatten_counted(c):
+    _Counted.flattens += 1
+    return (c.a,), c.tag
+
+
+jax.tree_util.register_pytree_node(_Counted, _flatten_counted, lambda tag, ch: _Counted(ch[0], tag))
+
+
+def test_the_record_that_served_last_is_tried_first(hot_path):
+    """After calls of other structures, a loop over one structure is served by its record
+    without the newer records reading each call first (`FastWrapper.last_served`,
+    `FunctionState.last_structure`): one read per call, where each newer record read the
+    argument and declined first (a full model's values, read before a batch that declined,
+    on every call: 2.5 us a record in C, 33 us in Python, for 100 Linear layers)."""
+    x = jnp.arange(3.0)
+    f, peer = fastcall.jit(lambda c, y: c.a * y), jax.jit(lambda c, y: c.a * y)
+    tags = ("a", "b", "c")
+    for tag in tags:
+        for _ in range(2):
+            served(f, _Counted(x, tag), x)
+    for tag in (*tags, *tags):  # (in turn: each record tried until one serves)
+        c = _Counted(x + 1, tag)
+        y, route = served(f, c, x)
+        assert route == STRUCTURE_PATH[hot_path]
+        assert_trees_equal(y, peer(c, x))
+    served(f, _Counted(x, "a"), x)  # (its record, behind the newer ones, now first)
+    before = _Counted.flattens
+    for i in range(10):
+        c = _Counted(x + i, "a")
+        y, route = served(f, c, x)
+        assert route == STRUCTURE_PATH[hot_path]
+        assert_trees_equal(y, peer(c, x))
+    assert _Counted.flattens - before == 10 + 10  # (each call's read, and the peer's flatten)
