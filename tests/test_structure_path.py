@@ -1399,7 +1399,7 @@ def test_a_few_structures_in_turn_each_keep_the_structure_path(hot_path):
     record (`StructureRecord.others`), so each call after its structure's first is served by
     the structure path, where each call renewed the one record on the general path (5x
     jax.jit's time). Values equal the eager call's and jax.jit's, with as many compiles."""
-    from fastcall import _fast
+    from fastcall import _fast, _flatten
 
     x = jnp.arange(4.0)
     makers = [
@@ -1417,7 +1417,13 @@ def test_a_few_structures_in_turn_each_keep_the_structure_path(hot_path):
             routes.append(route)
             assert_trees_equal(y, _sum_step(d, x))
             assert_trees_equal(y, peer(d, x))
-    assert routes[len(makers):] == [STRUCTURE_PATH[hot_path]] * (len(routes) - len(makers)), routes
+    # (a few may go to the general path to be held: a new dict that Python places where the
+    # one last marked was is taken for it passed again, until the function stops holding;
+    # `_flatten.HOLD_ATTEMPTS_LIMIT`. With one record per key, all 21 went there.)
+    later = routes[len(makers):]
+    assert later.count("general") <= _flatten.HOLD_ATTEMPTS_LIMIT, routes
+    assert later.count(STRUCTURE_PATH[hot_path]) == len(later) - later.count("general"), routes
+    assert later[-len(makers):] == [STRUCTURE_PATH[hot_path]] * len(makers), routes
     assert f.stats().compiles == len(makers) == peer._cache_size()
     for make in makers:
         assert f.explain(make(0), x).route == "structure"
