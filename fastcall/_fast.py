@@ -341,8 +341,9 @@ def records_of(record: StructureRecord | None, hot: int = 0) -> tuple[StructureR
     """The records the structure path tries for a call, in order: `record` (the one under
     the call's key), then its `others`; the one whose id() is `hot` (the one that served the
     function's last such call) first, where it is one of them: a loop over one structure,
-    after calls of others, is served without reading the newer records' first. (C: the same;
-    an id is only compared, never followed, so a record it outlives cannot be mistaken.)"""
+    after calls of others, is served without reading the newer records' first. (C: the same.
+    An id is only compared with these records', never followed: a dead record's id reused by
+    one of them only puts that one first, and every record still checks every argument.)"""
     if record is None:
         return ()
     if not record.others:
