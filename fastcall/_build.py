@@ -107,6 +107,7 @@ def build(state: Any, key: tuple[Any, ...], fun: Any, varies: bool = False) -> E
             )
     # Weakly: jax may keep the traced function alive longer than the wrapped function.
     state_ref = weakref.ref(state)
+    trace_scalars = state.options.trace_scalars
 
     def flat_fn(*dyn: Any) -> Any:
         values = []
@@ -137,7 +138,7 @@ def build(state: Any, key: tuple[Any, ...], fun: Any, varies: bool = False) -> E
             out, nnx_out, nnx_extra = nnx_inputs.outputs(
                 out, graph_updates, refuse_aliasing, nnx_everything, nnx_shardings
             )
-        info = OutInfo(out, current_trace_has_callback(), nnx_out)
+        info = OutInfo(out, current_trace_has_callback(), nnx_out, trace_scalars)
         flat = info.flat_outputs(out, nnx_extra)
         if varies:
             return flat, Varying(info)

@@ -319,9 +319,13 @@ class _BuilderGen:
     how to rebuild it from the flat list `d` of dynamic outputs, twice from the one walk:
     as Python (statements that build Equinox modules, leaves first, then one expression
     for the whole output) and as a recipe for the C builder (`_accel.build`), the same
-    steps as stack instructions."""
+    steps as stack instructions. `trace_scalars`: the scalar rule the output was read under
+    (`OutInfo`): under `fastcall.jit`'s, a Python scalar outside an Equinox module is one of
+    the dynamic outputs, as an array."""
 
-    def __init__(self) -> None:
+    def __init__(self, trace_scalars: bool) -> None:
+        self.trace_scalars = trace_scalars
+        self.in_module = 0
         self.consts: dict[str, Any] = {}
         self.counter = itertools.count()
         self.pos = 0
@@ -342,7 +346,7 @@ class _BuilderGen:
         if self.nodes > _MAX_TEMPLATE_NODES:
             raise _NoTemplate
         t = type(value)
-        if isinstance(value, ARRAY_TYPES):
+        if isinstance(value, ARRAY_TYPES) or (self.trace_scalars and not self.in_module and t in PY_SCALARS):
             e = f"d[{self.pos}]"
             self.recipe += (_LEAF, self.pos)
             self.pos += 1
@@ -380,9 +384,11 @@ class _BuilderGen:
             if len(d) != len(fields) or any(f.name not in d for f in fields):
                 raise _NoTemplate
             parts = {}
+            self.in_module += 1
             for f in fields:
                 v = d[f.name]
                 parts[f.name] = self.const(v) if f.metadata.get("static", False) else self.expr(v)
+            self.in_module -= 1
             return self._object(t, parts)
         if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
             return self.const(value)  # a static output, returned as it was at trace time
@@ -424,10 +430,11 @@ class _BuilderGen:
         return v
 
 
-def make_builder(example: Any) -> Callable[[Sequence[Any]], Any] | None:
-    """`build(dynamic_outputs) -> output` for `example`'s structure, or None: the C builder
-    where the extension serves calls (`_native.ACCEL`), else generated Python."""
-    gen = _BuilderGen()
+def make_builder(example: Any, trace_scalars: bool = False) -> Callable[[Sequence[Any]], Any] | None:
+    """`build(dynamic_outputs) -> output` for `example`'s structure (read under the scalar
+    rule `trace_scalars`: see `_BuilderGen`), or None: the C builder where the extension
+    serves calls (`_native.ACCEL`), else generated Python."""
+    gen = _BuilderGen(trace_scalars)
     try:
         body = gen.expr(example)
     except (_NoTemplate, RecursionError):

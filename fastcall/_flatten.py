@@ -93,7 +93,7 @@ def is_traced_leaf(x: Any, trace_scalars: bool) -> bool:
     return type(x) is ArrayImpl or isinstance(x, ARRAY_TYPES) or (trace_scalars and type(x) in PY_SCALARS)
 
 
-def _traced_mask(value: Any, leaves: list[Any]) -> tuple[bool, ...]:
+def traced_mask(value: Any, leaves: list[Any]) -> tuple[bool, ...]:
     """`fastcall.jit`'s rule, leaf by leaf (in `tree_flatten` order): arrays, and Python
     scalars that are not inside an Equinox module."""
     mask: list[bool] = []
@@ -106,11 +106,20 @@ def _traced_mask(value: Any, leaves: list[Any]) -> tuple[bool, ...]:
     return tuple(mask)
 
 
+def dynamic_mask(value: Any, leaves: list[Any], trace_scalars: bool) -> tuple[bool, ...]:
+    """Which of `value`'s leaves (`leaves`, in `tree_flatten` order) are dynamic under one
+    scalar rule: the arrays, and under `fastcall.jit`'s (`trace_scalars`) the Python
+    scalars outside Equinox modules too."""
+    if trace_scalars and any(type(x) in PY_SCALARS for x in leaves):
+        return traced_mask(value, leaves)
+    return tuple(isinstance(x, ARRAY_TYPES) for x in leaves)
+
+
 def reads_alike(value: Any) -> bool:
     """Whether both scalar rules read `value` alike: no Python scalar outside an Equinox
     module in it (a flatten: for once-per-compile decisions; per call, `read_alike`)."""
     leaves = jax.tree_util.tree_leaves(value)
-    return not any(type(x) in PY_SCALARS for x in leaves) or _traced_mask(value, leaves) == tuple(
+    return not any(type(x) in PY_SCALARS for x in leaves) or traced_mask(value, leaves) == tuple(
         isinstance(x, ARRAY_TYPES) for x in leaves
     )
 
@@ -333,7 +342,7 @@ def flatten_generic(value: Any, arg_name: str, trace_scalars: bool = False) -> t
     mask = tuple(isinstance(x, ARRAY_TYPES) for x in leaves)
     rule_free = True
     if any(type(x) in PY_SCALARS for x in leaves):
-        traced = _traced_mask(value, leaves)
+        traced = traced_mask(value, leaves)
         rule_free = traced == mask
         if trace_scalars:
             mask = traced

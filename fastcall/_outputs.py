@@ -41,12 +41,16 @@ class OutInfo:
     )
     treedef: Any
 
-    def __init__(self, out: Any, block: bool, nnx: Any = None) -> None:
+    def __init__(self, out: Any, block: bool, nnx: Any = None, trace_scalars: bool = False) -> None:
         """`out`: the function's output (NNX objects already replaced by markers);
         `block`: wait for the result (the function has `eqx.error_if` checks);
-        `nnx`: the NNX adapter's `NnxOutputs`, or None (no NNX state to write back)."""
+        `nnx`: the NNX adapter's `NnxOutputs`, or None (no NNX state to write back);
+        `trace_scalars`: `fastcall.jit`'s rule, under which a Python scalar returned outside
+        an Equinox module is an output of the compiled function (jax makes it an array, as
+        `jax.jit` and `nnx.jit` return it); under `fastcall.filter_jit`'s it is static and
+        comes back as returned, as `eqx.filter_jit` returns it."""
         leaves, treedef = jax.tree_util.tree_flatten(out)
-        mask = tuple(isinstance(x, ARRAY_TYPES) for x in leaves)
+        mask = _flatten.dynamic_mask(out, leaves, trace_scalars)
         self.treedef = treedef
         self.mask = mask
         self.statics = tuple(x for x, m in zip(leaves, mask) if not m)
@@ -82,7 +86,9 @@ class OutInfo:
         # jax rebuilds an Equinox module or eqx.nn.State by calling its Python unflatten,
         # once per node; the builder builds the whole output in one call, so an output
         # holding any is rebuilt by it too.
-        self.build = _codegen.make_builder(out) if needs_flat or _has_python_nodes(treedef) else None
+        self.build = (
+            _codegen.make_builder(out, trace_scalars) if needs_flat or _has_python_nodes(treedef) else None
+        )
         self.mode = "flat" if needs_flat or self.build is not None else "pass"
         # Nothing to do after a call: jax's output is the user's output.
         self.passthrough = self.mode == "pass"
@@ -119,7 +125,7 @@ class OutInfo:
         then a marker to wait on (`block`), then the NNX adapter's extra leaves."""
         if self.mode == "pass":
             return out
-        dyn = [x for x in jax.tree_util.tree_leaves(out) if isinstance(x, ARRAY_TYPES)]
+        dyn = [x for x, m in zip(jax.tree_util.tree_leaves(out), self.mask) if m]
         if self.block:
             dyn.append(jax.numpy.zeros((), jax.numpy.int8))
         return dyn + nnx_extra
@@ -236,7 +242,8 @@ def _noted_guard(spec: Any, item: Any) -> Any:
 def _registrations(out: Any, mask: tuple[bool, ...]):
     """A `_flatten.Registration` for each Equinox module, tuple or eqx.nn.State returned at
     top level (as the output, or as an element of an output tuple) that is immutable, or
-    whose lists and dicts a guard can watch."""
+    whose lists and dicts a guard can watch. (`mask`: which of the output's leaves are
+    outputs of the compiled function.)"""
     if isinstance(out, eqx.Module) or type(out) is _flatten.STATE_TYPE:
         candidates: list[tuple[int | None, Any]] = [(None, out)]
     elif type(out) is tuple:
@@ -244,9 +251,13 @@ def _registrations(out: Any, mask: tuple[bool, ...]):
     else:
         return
     pos = 0  # position in the dynamic outputs
+    start = 0  # position in the output's leaves (an item's leaves are a run of them)
     for index, item in candidates:
-        leaves = jax.tree_util.tree_leaves(item)
-        n_dyn = sum(isinstance(x, ARRAY_TYPES) for x in leaves)
+        n_leaves = len(jax.tree_util.tree_leaves(item))
+        # (a Python scalar made an output counts here; the item holding it is not noted:
+        # not `rule_free`, see `_noted_guard`)
+        n_dyn = sum(mask[start : start + n_leaves])
+        start += n_leaves
         if (isinstance(item, eqx.Module) or type(item) in (tuple, _flatten.STATE_TYPE)) and n_dyn:
             try:
                 spec, _ = _flatten.flatten_generic(item, "output")

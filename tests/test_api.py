@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import fastcall
 
@@ -156,6 +157,91 @@ def test_lower_compile_with_static_output(mlp):
     out = f.lower(mlp, jnp.ones(4)).compile()(mlp, jnp.ones(4))
     assert out[1] == "tag"
     assert_trees_equal(out[0], mlp(jnp.ones(4)))
+
+
+# ---- Python scalars returned ----
+
+
+def _kinds(tree):
+    """Each leaf's type, and an array's dtype and weak type: what a drop-in must match."""
+    return [
+        (type(x), x.dtype, x.weak_type) if isinstance(x, jax.Array) else (type(x), x)
+        for x in jax.tree_util.tree_leaves(tree)
+    ]
+
+
+def _returns_scalars(x):
+    return x * 2, 1, 2.5, True, 1j, {"n": 3}, [0.5, None]
+
+
+def test_python_scalars_returned_come_back_as_jax_jit_returns_them():
+    """`jax.jit` and `nnx.jit` return a Python scalar the function returns as an array
+    (weakly typed, a bool not); `fastcall.jit` is their drop-in: the same, from every route
+    that serves the call (the first call, the structure path, the fast path)."""
+    x = jnp.arange(3.0)
+    assert all(isinstance(v, jax.Array) for v in jax.tree_util.tree_leaves(jax.jit(_returns_scalars)(x)))
+    f = fastcall.jit(_returns_scalars)
+    for i in range(3):
+        out = f(x + i)  # (a new array each call: the structure path after the first)
+        assert_trees_equal(out, jax.jit(_returns_scalars)(x + i))
+        assert _kinds(out) == _kinds(jax.jit(_returns_scalars)(x + i))
+    assert f.stats().compiles == 1 and f.stats().paths["general"] == 1
+
+    def apply(m, x):
+        return _returns_scalars(m(x))
+
+    model = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+    ours, theirs = fastcall.jit(apply), nnx.jit(apply)
+    for _ in range(3):  # (the same module each call: the fast path after the first)
+        out = ours(model, x)
+        assert_trees_equal(out, theirs(model, x))
+        assert _kinds(out) == _kinds(theirs(model, x))
+    assert ours.stats().compiles == 1 and ours.stats().paths["general"] == 1
+
+
+def test_python_scalars_returned_by_filter_jit_and_inside_modules_stay_static(key):
+    """`eqx.filter_jit` returns a Python scalar as it is, and so does `fastcall.filter_jit`;
+    inside an Equinox module a Python scalar is static under either rule (Equinox's own
+    rule, as for arguments), so a module returned by `fastcall.jit` keeps its int fields."""
+    x = jnp.arange(3.0)
+    ours, theirs = fastcall.filter_jit(_returns_scalars), eqx.filter_jit(_returns_scalars)
+    for _ in range(2):
+        assert _kinds(ours(x)) == _kinds(theirs(x))
+    assert ours(x)[1] == 1 and type(ours(x)[1]) is int
+    assert fastcall.filter_jit(lambda x: (x, "tag"))(x)[1] == "tag"  # (jax.jit would refuse it)
+
+    class Counter(eqx.Module):
+        weight: jax.Array
+        steps: int
+
+    def bump(c, n):
+        return Counter(c.weight * 2, c.steps + 1), n
+
+    c = Counter(jnp.ones(2), 0)
+    out, n = fastcall.jit(bump)(c, 3)
+    assert type(out.steps) is int and out.steps == 1
+    assert isinstance(n, jax.Array) and n.weak_type  # (outside the module: jax.jit's rule)
+    assert_trees_equal(out, eqx.filter_jit(bump)(c, 3)[0])
+
+
+def test_a_model_returned_after_a_python_scalar_is_read_back_right(key):
+    """`scale, model = step(model, x)`: the scalar is the first dynamic output, the module's
+    leaves come after it. The returned module is noted with its leaves for the next step
+    (read back without a flatten), which must start after the scalar's: the next steps
+    give what the eager loop gives, compiling once, and the scalar comes back an array."""
+
+    def step(m, x):
+        grads = eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2))(m)
+        return 0.5, eqx.apply_updates(m, jax.tree_util.tree_map(lambda g: -0.1 * g, grads))
+
+    f = fastcall.jit(step)
+    ours = theirs = eqx.nn.MLP(3, 3, 4, 1, key=key)
+    x = jnp.arange(3.0)
+    for _ in range(4):
+        (scale, ours), (_, theirs) = f(ours, x), step(theirs, x)
+        assert_trees_equal(ours, theirs)
+        assert isinstance(scale, jax.Array) and scale.weak_type
+    assert f.stats().compiles == 1 and f.stats().paths["general"] == 1
 
 
 # ---- asynchronous dispatch and eqx.error_if ----
