@@ -871,6 +871,16 @@ class DropoutMLP(nnx.Module):
         return self.layers[-1](self.drop(x))
 
 
+# An nnx.jit function another part of a program runs on the same model (an evaluation step,
+# say): after each call nnx.jit rebuilds every node of the model in place (NNX's clear, then
+# init) with the structure it had.
+_nnx_jit_forward = nnx.jit(lambda m, x: m(x))
+
+
+def _nnx_jit_call(model: Any) -> None:
+    _nnx_jit_forward(model, jnp.ones((4, 16)))
+
+
 def _eval_mode(width: int, depth: int) -> DropoutMLP:
     model = DropoutMLP(width, depth, nnx.Rngs(0))
     model.eval()
@@ -1210,6 +1220,15 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
             jnp.ones((4, 16)),
             False,
             before=lambda m: m.eval(),
+        ),
+        "nnx_jit_shared": lambda: forward(
+            "nnx_jit_shared",
+            "NNX MLP w16 d24 + Dropout in eval mode; every step an nnx.jit call on the same model (whose graph"
+            " updates rebuild each node in place), then the call",
+            lambda: _eval_mode(16, 24),
+            jnp.ones((4, 16)),
+            False,
+            before=_nnx_jit_call,
         ),
         "nnx_train_eval": lambda: train_eval(
             "nnx_train_eval",

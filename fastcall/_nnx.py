@@ -84,6 +84,64 @@ def _notify(obj: Any) -> None:
         for e in list(entries):  # (the list may change under us in another thread)
             if e is not updating:
                 e.stale = True
+                e.spoiled = True
+                _fast.withdraw(e.ref)
+
+
+# id(node) -> the entries a rebuild of it suspended (see `_suspend`)
+_suspended: dict[int, list[NodeEntry]] = {}
+
+
+def _suspend(node: Any) -> None:
+    """NNX is rebuilding `node` in place (cleared, to be filled again: `nnx.jit`'s graph
+    updates): every entry whose graph holds it stops serving, as for a change, until the
+    rebuild ends (`_resume`). One current before this, and through the whole rebuild (its
+    `rebuilding` count back to zero, nothing `spoiled` it: `_notify`, `NodeEntry.flip`),
+    serves again as it was, with no re-read."""
+    _generation[0] += 1
+    entries = _watchers.get(id(node)) if _watchers else None
+    if not entries:
+        return
+    updating = getattr(_local, "updating", None)
+    touched = []
+    with _variant_lock:
+        for e in list(entries):
+            if e is updating:
+                continue
+            if e.rebuilding == 0:
+                e.spoiled = e.stale or e.flipped  # (not current: read again, as before)
+            e.rebuilding += 1
+            e.stale = True
+            _fast.withdraw(e.ref)
+            touched.append(e)
+        _suspended[id(node)] = touched
+
+
+def _resume(node: Any, unchanged: bool) -> None:
+    """NNX's rebuild of `node` ended: `unchanged`, the structure it had came back (see
+    `_nnx_hooks.Rebuilds`). Each entry `_suspend` stopped serves again once no rebuild of its
+    graph is under way, if nothing else changed it meanwhile and it is still its object's
+    entry; otherwise, or if the structure changed, it stays stale (read again on next use).
+    An entry made while the node was cleared (its graph read then, in another thread, or by
+    a call between a clear and an init that never came) read it empty: stale."""
+    _generation[0] += 1
+    updating = getattr(_local, "updating", None)
+    with _variant_lock:
+        touched = _suspended.pop(id(node), [])
+        for e in touched:
+            e.rebuilding -= 1
+            if not unchanged:
+                e.spoiled = True
+            if e.rebuilding > 0 or e.spoiled:
+                continue
+            obj = e.ref()
+            if obj is not None and by_id.get(id(obj)) is e:
+                e.stale = False
+                if e.direct:
+                    _fast.publish(e.ref, e.fast, e.guard, e)
+        for e in list(_watchers.get(id(node)) or ()) if _watchers else ():
+            if e is not updating and not any(e is t for t in touched):
+                e.stale = e.spoiled = True
                 _fast.withdraw(e.ref)
 
 
@@ -105,7 +163,7 @@ def _flipped(obj: Any, name: str, old: Any) -> None:
 
 # Whether the hooks can be trusted on this flax (see _nnx_hooks): if not, every
 # entry is re-read on every call.
-TRUSTED = not _nnx_hooks.install(_notify, _flipped)
+TRUSTED = not _nnx_hooks.install(_notify, _flipped, _nnx_hooks.Rebuilds(_suspend, _resume))
 
 RAW_VALUE_SLOT: Any = inspect.getattr_static(Variable, "_raw_value", None)
 if type(RAW_VALUE_SLOT).__name__ == "member_descriptor":
@@ -267,11 +325,15 @@ class NodeEntry:
 
     __slots__ = ("ref", "spec_id", "spec", "items", "paths", "volatile", "guard", "direct", "stale", "fresh",
                  "provisional", "fast", "node_ids", "disjoint", "watched", "flips", "variants", "flipped", "spec_key",
-                 "version", "enumerated", "__weakref__")
+                 "version", "enumerated", "rebuilding", "spoiled", "__weakref__")
 
     def __init__(self, ref: _Ref) -> None:
         self.ref = ref
         self.stale = False  # a hook saw a structure change: re-read on next use
+        # NNX's in-place rebuilds of nodes of the graph under way (`_suspend`), and whether
+        # the entry may not serve again when they end (something else changed it)
+        self.rebuilding = 0
+        self.spoiled = False
         # bumped by every change made to the entry in place (a flip, a variant switched to,
         # a Variable replaced): a structure record made from a read of it is made only if
         # it is the same after the call (see `joint_read`)
@@ -319,6 +381,7 @@ class NodeEntry:
         """A static scalar attribute of `node` went from `old` to another value."""
         with _variant_lock:
             self.version += 1
+            self.spoiled = True  # (a rebuild under way does not resume it: see `_resume`)
             if self.volatile or self.stale or len(self.flips) >= _MAX_FLIPS:
                 self.stale = True
                 _fast.withdraw(self.ref)

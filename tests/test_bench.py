@@ -311,6 +311,7 @@ ISSUE12_WORKLOADS = (
     "eqx_step_noopt",
     "nnx_raw_array",
     "nnx_eval_noop",
+    "nnx_jit_shared",
     "nnx_train_eval",
     "nnx_new_variable",
     "nnx_raw_counter",

@@ -117,20 +117,92 @@ def test_nnx_update_of_values_keeps_the_fast_path(hot_path):
     assert_trees_equal(y, m(X4))
 
 
-def test_nnx_jit_writes_on_a_shared_model_are_seen(hot_path):
-    # (nnx.jit rebuilds each node in place through NNX's clear/init: seen as a change,
-    # and re-read; README "Guarantees and limits")
-    m = Net(nnx.Rngs(0))  # train mode: BatchNorm statistics and Dropout's RNG count change
+class Mixed(nnx.Module):
+    """What nnx.jit's in-place rebuild puts back: Variables (BatchNorm statistics, Dropout's
+    RNG count, written inside), submodules, an nnx.List, a raw array attribute (a new array
+    each rebuild), a config dict and Python scalars (static)."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.net = Net(rngs)
+        self.layers = nnx.List([nnx.Linear(4, 4, rngs=rngs)])
+        self.pos = nnx.data(jnp.arange(4.0))
+        self.config = {"scale": 2.0}
+        self.depth = 1
+
+    def __call__(self, x):
+        return self.layers[0](self.net(x)) * self.config["scale"] + self.pos * self.depth
+
+
+def test_nnx_jit_graph_updates_on_a_shared_model_keep_the_fast_path(graph_reads, hot_path):
+    """nnx.jit called on the model a fastcall function serves rebuilds each of its nodes in
+    place after the call (NNX's clear, then init), putting back the same structure: no
+    re-read (README "Guarantees and limits"), and values and state as a model that only
+    nnx.jit ran."""
+    m, ref = Mixed(nnx.Rngs(0)), Mixed(nnx.Rngs(0))
+    # (one nnx.jit each: one traced on `ref` would put `ref`'s static objects, its config
+    # dict, into `m` at its first rebuild: equal, not the same, read again once)
+    f, on_m, on_ref = fastcall.jit(_call), nnx.jit(_call), nnx.jit(_call)
+    for step in range(4):
+        if step == 1:
+            graph_reads.clear()  # (read once, on the first call)
+        y, route = served(f, m, X4)
+        assert_trees_equal(y, on_ref(ref, X4))
+        if step > 0:
+            assert route != "general"
+        assert_trees_equal(on_m(m, X4), on_ref(ref, X4))  # nnx.jit on the same model
+        assert_trees_equal(state_of(m), state_of(ref))
+    assert graph_reads == []
+
+
+def _grow(m, x):
+    if not hasattr(m, "extra"):
+        m.extra = nnx.Param(jnp.ones(4))
+    return m(x) + m.extra[...]
+
+
+def _to_eval(m, x):
+    m.eval()
+    return m(x)
+
+
+@pytest.mark.parametrize("change", [_grow, _to_eval], ids=["variable-added", "static-flipped"])
+def test_nnx_jit_changing_a_shared_models_structure_is_seen(change, hot_path):
+    """nnx.jit's rebuild after a function that changed the structure (a Variable added, a
+    static flipped by `m.eval()`) puts back another structure: seen, the model read again."""
+    m, ref = Mixed(nnx.Rngs(0)), Mixed(nnx.Rngs(0))
     f = fastcall.jit(_call)
-    peer = nnx.jit(_call)
-    f(m, X4), f(m, X4)
-    peer(m, X4)  # nnx.jit writes the changed state back into the same objects
-    ref = Net(nnx.Rngs(0))
-    for _ in range(3):
-        _call(ref, X4)
-    y = f(m, X4)
+    f(m, X4), _call(ref, X4)
+    nnx.jit(change)(m, X4), change(ref, X4)
+    y, route = served(f, m, X4)
+    assert route == "general"
     assert_trees_equal(y, _call(ref, X4))
     assert_trees_equal(state_of(m), state_of(ref))
+
+
+def test_a_rebuild_that_never_completes_leaves_the_model_read_again(hot_path):
+    """A node cleared by NNX's rebuild and not filled again (an error in NNX's unflatten
+    between the two) is no longer what fastcall knew: the call is not served from the cache
+    (it fails as the eager call does); filled again as it was, the model serves again."""
+    from flax.nnx import graphlib
+
+    m = Mixed(nnx.Rngs(0))
+    m.eval()
+    f = fastcall.jit(_call)
+    expected = f(m, X4)
+    f(m, X4)
+    impl = graphlib.GRAPH_REGISTRY[type(m.layers[0])]
+    node = m.layers[0]
+    saved = list(vars(node).items())
+    impl.clear(node)
+    with pytest.raises(AttributeError):
+        _call(m, X4)
+    with pytest.raises(AttributeError):
+        f(m, X4)
+    impl.init(node, saved)
+    assert_trees_equal(f(m, X4), expected)
+    y, route = served(f, m, X4)
+    assert route != "general"
+    assert_trees_equal(y, expected)
 
 
 # --------------------------------------------------------------------------
