@@ -89,6 +89,12 @@ static const char *READ_FIELDS[] = {"spec_id", "extract", "sequence", "by_identi
 #define SEQ_N_LEAVES 5
 #define SEQ_N_FIELDS 6
 static const char *SEQUENCE_READ_FIELDS[] = {"kind", "length", "leaf_types", "keys", "items", "n_leaves", NULL};
+/* TreeRead(flatten, treedef, leaf_types) */
+#define TREE_FLATTEN 0
+#define TREE_TREEDEF 1
+#define TREE_LEAF_TYPES 2
+#define TREE_N_FIELDS 3
+static const char *TREE_READ_FIELDS[] = {"flatten", "treedef", "leaf_types", NULL};
 /* StaticRead(spec_id, value, by_value) */
 #define STATIC_VALUE 1
 #define STATIC_BY_VALUE 2
@@ -169,7 +175,7 @@ static struct {
     PyObject *jitting;     /* currently_jitting(): whether a JAX trace is running */
     PyObject *top_level;   /* _trace.TOP_LEVEL_PROBE: (holder, name, value) triples, or None */
     PyObject *arg_read, *node_read, *joint_read, *shared_variable_read, *nodes_read, *variable_read, *graphdef_read, *static_read,
-        *nnx_arg, *write_back, *raw_leaf, *watched; /* record classes */
+        *nnx_arg, *write_back, *raw_leaf, *watched, *tree_read; /* record classes */
     PyObject *empty_ids;   /* frozenset(): NnxArg.ids of an object read from its entry */
     PyObject *s_spec_id, *s_fresh, *s_items, *s_paths, *s_disjoint, *s_node_ids; /* NodeEntry attributes */
     PyObject *s_static_cache; /* "tmp_static_cache" */
@@ -1798,6 +1804,50 @@ sequence_leaves(PyObject *a, PyObject *sequence)
     Py_RETURN_NONE;
 }
 
+/* An argument's leaves as a FlattenTemplate's extractor reads them when its read is a
+ * TreeRead (`_codegen.FlattenTemplate`, a pytree node type of its own): jax's flatten of
+ * `a`, if its treedef equals the read's (node types and node data, as jax compares them)
+ * and each leaf's exact type is one of the read's leaf types, as a new tuple; else None
+ * (not of this structure: an exception the flatten or the comparison raises too, as the
+ * extractor says). NULL on any other error. */
+ONE_KIND static PyObject *
+tree_leaves(PyObject *a, PyObject *read)
+{
+    if (!PyTuple_Check(read) || PyTuple_GET_SIZE(read) != TREE_N_FIELDS
+        || !PyAnySet_CheckExact(PyTuple_GET_ITEM(read, TREE_LEAF_TYPES))) {
+        Py_RETURN_NONE;
+    }
+    PyObject *leaf_types = PyTuple_GET_ITEM(read, TREE_LEAF_TYPES);
+    PyObject *result = NULL;
+    PyObject *flat = PyObject_CallOneArg(PyTuple_GET_ITEM(read, TREE_FLATTEN), a);
+    int got = flat != NULL && PyTuple_CheckExact(flat) && PyTuple_GET_SIZE(flat) == 2
+              && PyList_CheckExact(PyTuple_GET_ITEM(flat, 0));
+    if (got == 1) {
+        got = PyObject_RichCompareBool(PyTuple_GET_ITEM(flat, 1), PyTuple_GET_ITEM(read, TREE_TREEDEF), Py_EQ);
+    }
+    if (got == 1) {
+        PyObject *leaves = PyTuple_GET_ITEM(flat, 0);
+        for (Py_ssize_t j = 0; got == 1 && j < PyList_GET_SIZE(leaves); j++) {
+            got = is_sequence_leaf(PyList_GET_ITEM(leaves, j), leaf_types);
+        }
+        if (got == 1) {
+            result = PyList_AsTuple(leaves);
+            got = result == NULL ? -1 : 1;
+        }
+    }
+    Py_XDECREF(flat);
+    if (result != NULL) {
+        return result;
+    }
+    if (PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+            return NULL;
+        }
+        PyErr_Clear(); /* (the general path reads it again, and names the argument) */
+    }
+    Py_RETURN_NONE;
+}
+
 /* Whether `a` is the static argument a StaticRead `read` expects: that very object or, where
  * `by_value`, one of the same exact type and the same `_flatten.leaf_key` (an int or str
  * equal to it; a float of the same bits, or both NaN). 1, 0 (a complex, and anything else
@@ -2042,7 +2092,9 @@ structure_call(FastWrapper *self, PyObject *record, PyObject *const *args, size_
                 goto done;
             }
             PyObject *sequence = PyTuple_GET_ITEM(read, READ_SEQUENCE);
-            leaves[i].part = sequence != Py_None ? sequence_leaves(a, sequence) : PyObject_CallOneArg(extract, a);
+            leaves[i].part = sequence == Py_None ? PyObject_CallOneArg(extract, a)
+                             : (PyObject *)Py_TYPE(sequence) == G.tree_read ? tree_leaves(a, sequence)
+                                                                           : sequence_leaves(a, sequence);
             if (leaves[i].part == NULL) {
                 goto done;
             }
@@ -2449,18 +2501,18 @@ py_configure(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "configure: latest must be a list");
         return NULL;
     }
-    enum { N_RECORDS = 19 };
+    enum { N_RECORDS = 20 };
     PyObject *cls[N_RECORDS];
     const char *names[N_RECORDS] = {"FastSlot", "FastRecord", "StructureRecord", "CacheEntry", "ArgRead",
                                     "NodeRead", "NodesRead", "GraphdefRead", "KnownGraphdef", "NnxArg",
                                     "WriteBack", "RawLeaf", "VariableRead", "Registration", "Watched",
-                                    "SequenceRead", "StaticRead", "JointRead", "SharedVariableRead"};
+                                    "SequenceRead", "StaticRead", "JointRead", "SharedVariableRead", "TreeRead"};
     const char **layouts[N_RECORDS] = {SLOT_FIELDS, RECORD_FIELDS, STRUCTURE_FIELDS, CACHE_FIELDS,
                                        READ_FIELDS, NODE_READ_FIELDS, NODES_READ_FIELDS, NODE_READ_FIELDS,
                                        KNOWN_GRAPHDEF_FIELDS, NNX_ARG_FIELDS, WRITE_BACK_FIELDS, RAW_LEAF_FIELDS,
                                        VARIABLE_READ_FIELDS, REGISTRATION_FIELDS, WATCHED_FIELDS,
                                        SEQUENCE_READ_FIELDS, STATIC_READ_FIELDS, JOINT_READ_FIELDS,
-                                       SHARED_VARIABLE_READ_FIELDS};
+                                       SHARED_VARIABLE_READ_FIELDS, TREE_READ_FIELDS};
     for (int i = 0; i < N_RECORDS; i++) {
         cls[i] = record_class(records, names[i], layouts[i]);
         if (cls[i] == NULL) {
@@ -2514,6 +2566,7 @@ py_configure(PyObject *module, PyObject *args)
     SET_SHARED(static_read, cls[16]);
     SET_SHARED(joint_read, cls[17]);
     SET_SHARED(shared_variable_read, cls[18]);
+    SET_SHARED(tree_read, cls[19]);
     Py_INCREF(index); SET_SHARED(index, index);
     Py_INCREF(by_id); SET_SHARED(by_id, by_id);
     Py_INCREF(latest); SET_SHARED(latest, latest);

@@ -22,7 +22,7 @@ import equinox as eqx
 import jax
 
 from . import _native
-from ._fast import SequenceRead
+from ._fast import SequenceRead, TreeRead
 from ._flatten import (
     ARRAY_TYPES, PLAIN_ARRAY_TYPES, PY_SCALARS, STATE_TYPE, ArrayImpl, Spec, plain_leaf_types, static_equal,
 )
@@ -481,6 +481,8 @@ class FlattenTemplate:
         if not (all(spec.mask) and not spec.has_nnx and all(type(x) in PLAIN_ARRAY_TYPES for x in dynamic)):
             raise _NoTemplate
         treedef, flatten = spec.treedef, jax.tree_util.tree_flatten
+        # (the C path reads it so itself: `_accel.c` tree_leaves, the same steps)
+        read = TreeRead(jax.tree_util.default_registry.flatten, treedef, PLAIN_ARRAY_TYPES)
 
         def extract(obj: Any) -> tuple[Any, ...] | None:
             try:
@@ -499,7 +501,7 @@ class FlattenTemplate:
             raise _NoTemplate
         self.spec = spec
         self.extract: Callable[[Any], tuple[Any, ...] | None] = extract
-        self.sequence = None
+        self.sequence = read
         self.rule = None
 
     def serves(self, trace_scalars: bool) -> bool:

@@ -60,7 +60,7 @@ def configure_accel() -> None:
     records = (
         FastSlot, FastRecord, StructureRecord, _flatten.CacheEntry, ArgRead, NodeRead, NodesRead, VariableRead,
         GraphdefRead, _fast.KnownGraphdef, _fast.NnxArg, WriteBack, _fast.RawLeaf, _flatten.Registration,
-        _guard.Watched, _fast.SequenceRead, StaticRead, JointRead, SharedVariableRead,
+        _guard.Watched, _fast.SequenceRead, StaticRead, JointRead, SharedVariableRead, _fast.TreeRead,
     )
     _native.BUILT.configure(
         _fast.INDEX, _flatten.by_id, _flatten.LATEST, _fast.GRAPHDEFS, _fast.VALUE_SLOT, _fast.GRAPH_CONTEXT, ArrayImpl,

@@ -86,12 +86,25 @@ class SequenceRead(NamedTuple):
     n_leaves: int = 0
 
 
+class TreeRead(NamedTuple):
+    """A structure that is a pytree node type of its own (`jax.tree_util.register_dataclass`,
+    a flax struct dataclass, `register_pytree_node_class`), every leaf an array: read as
+    jax.jit reads it, by jax's flatten, the treedef compared (`==`: node types and node data,
+    as jax compares them) and each leaf's exact type checked. The C path reads such an
+    argument itself, as its extractor would (`_codegen.FlattenTemplate`), with no Python
+    frame of ours."""
+
+    flatten: Callable[[Any], Any]  # jax's registry flatten: obj -> (leaves list, treedef)
+    treedef: Any
+    leaf_types: frozenset[type]  # (_flatten.PLAIN_ARRAY_TYPES)
+
+
 class ArgRead(NamedTuple):
     """How the structure path reads one positional argument that is not a plain array."""
 
     spec_id: int  # its structure: an identity-cache entry of this spec gives its leaves ...
     extract: Callable[[Any], Any] | None  # ... or else this: its leaves (a tuple), or None
-    sequence: SequenceRead | None  # (the extractor's own test and result, when it is this simple)
+    sequence: SequenceRead | TreeRead | None  # (the extractor's own test and result, when it is this simple)
     # Whether the general path caches an object of this structure by identity (then one
     # passed again is sent there: `StructureRecord.last`); not one that can change in place
     # unseen, nor one read by a scalar rule's own template (`_codegen.Template.rule`).

@@ -1387,6 +1387,53 @@ def test_a_pytree_node_type_of_its_own_takes_the_structure_path(hot_path):
         assert_trees_equal(y, pair_peer(p, x))
     assert route == STRUCTURE_PATH[hot_path]
     assert served(g, _Pair(x, x, "c"), x)[1] == "general"
+    # (the C path reads these itself, as the extractor does: jax's flatten, the treedef
+    # compared, each leaf's type checked, with no Python frame of fastcall's)
+    from fastcall import _fast
+
+    reads = [r for rec in _records(f) for r in rec.reads if type(r) is _fast.ArgRead]
+    assert reads and all(type(r.sequence) is _fast.TreeRead for r in reads)
+
+
+def _records(f):
+    """The structure records of `f`'s function (each key's, and the others kept with it)."""
+    from fastcall import _fast
+
+    return [r for head in f._fastcall_state.structures.values() for r in _fast.records_of(head)]
+
+
+class _Picky:
+    """A pytree node whose flatten raises for one tag (`ValueError`, as a node type's own
+    checks do): jax.jit raises it; so must fastcall, from the structure path too."""
+
+    def __init__(self, a, tag):
+        self.a, self.tag = a, tag
+
+
+def _flatten_picky(p):
+    if p.tag == "bad":
+        raise ValueError("this _Picky cannot be flattened")
+    return (p.a,), p.tag
+
+
+jax.tree_util.register_pytree_node(_Picky, _flatten_picky, lambda tag, ch: _Picky(ch[0], tag))
+
+
+def test_a_pytree_node_whose_flatten_raises_reaches_the_user_as_from_jax_jit(hot_path):
+    """A read by jax's flatten (`_fast.TreeRead`) that raises declines the call; the general
+    path flattens the argument again, and the user gets the node type's own error, as from
+    jax.jit; the function keeps serving the structure it knew."""
+    x = jnp.arange(3.0)
+    f, peer = fastcall.jit(lambda p, y: p.a * y), jax.jit(lambda p, y: p.a * y)
+    for _ in range(2):
+        served(f, _Picky(x, "ok"), x)
+    with pytest.raises(ValueError, match="cannot be flattened"):
+        peer(_Picky(x, "bad"), x)
+    with pytest.raises(ValueError, match="cannot be flattened"):
+        f(_Picky(x, "bad"), x)
+    y, route = served(f, _Picky(x + 1, "ok"), x)
+    assert route == STRUCTURE_PATH[hot_path]
+    assert_trees_equal(y, peer(_Picky(x + 1, "ok"), x))
 
 
 def _sum_step(d, x):
