@@ -154,7 +154,7 @@ def test_c_wrapper_checks_the_record_layout():
         pytest.skip("the C accelerator is not built")
     records = ["FastSlot", "FastRecord", "StructureRecord", "CacheEntry", "ArgRead", "NodeRead", "NodesRead",
                "GraphdefRead", "KnownGraphdef", "NnxArg", "WriteBack", "RawLeaf", "VariableRead", "Registration",
-               "Watched", "SequenceRead", "StaticRead", "JointRead", "SharedVariableRead"]
+               "Watched", "SequenceRead", "StaticRead", "JointRead", "SharedVariableRead", "TreeRead"]
     real = _native.BUILT.configure
     calls = []
     try:
