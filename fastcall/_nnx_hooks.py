@@ -22,6 +22,7 @@ import collections.abc
 import dataclasses
 import threading
 import warnings
+import weakref
 from typing import Any, Callable, NamedTuple
 
 from flax import nnx
@@ -236,29 +237,39 @@ def _notifying(
 
 
 class Rebuilds:
-    """NNX's in-place rebuilds under way: the nodes cleared and not yet filled again, each
-    with its attribute dict as it was (see `_same_rebuild`). A rebuild suspends what fastcall
-    knows of the graphs holding the node (`suspend(node)`, at the clear: as a change would)
-    and, at the init, resumes it (`resume(node, True)`) where the structure came back as it
-    was, or reports a change (`resume(node, False)`). A rebuild that never completes (an
-    error in NNX's unflatten between the two) leaves it suspended: read again on next use."""
+    """NNX's in-place rebuilds under way: each node cleared and not yet filled again, known by
+    a weak reference, with its attribute dict as it was (see `_same_rebuild`) and what
+    `suspend(node)` returned at the clear (the cached structures holding the node, which stop
+    serving). At the init, `resume(node, unchanged, that)`: `unchanged` where the structure
+    came back as it was. A rebuild that never completes (an error in NNX's unflatten between
+    the two) leaves what it suspended suspended (read again on next use); its record goes
+    with its node."""
 
-    def __init__(self, suspend: Callable[[Any], None], resume: Callable[[Any, bool], None]) -> None:
+    def __init__(self, suspend: Callable[[Any], Any], resume: Callable[[Any, bool, Any], None]) -> None:
         self.suspend = suspend
         self.resume = resume
-        self.pending: dict[int, tuple[Any, Any]] = {}  # id(node) -> (node, its snapshot or _MISSING)
-        self.lock = threading.Lock()
+        # id(node) -> (weak reference to the node, its snapshot or _MISSING, suspend's result)
+        self.pending: dict[int, tuple[Any, Any, Any]] = {}
+        self.lock = threading.RLock()  # (reentrant: a node's death drops its record, anywhere)
+
+    def _forget(self, ref: Any) -> None:
+        with self.lock:
+            for key, held in list(self.pending.items()):
+                if held[0] is ref:
+                    del self.pending[key]
 
     def clear(self, method: Callable[..., Any]) -> Callable[..., Any]:
         def clear(node: Any, *args: Any, **kwargs: Any) -> Any:
             try:
                 d = node.__dict__
                 before: Any = (dict(d), d.get("_pytree__nodes", _MISSING))
+                ref: Any = weakref.ref(node, self._forget)
             except Exception:  # (an object these hooks do not know: always a change)
-                before = _MISSING
-            with self.lock:
-                self.pending[id(node)] = (node, before)
-            self.suspend(node)
+                before, ref = _MISSING, None
+            suspended = self.suspend(node)
+            if ref is not None:
+                with self.lock:
+                    self.pending[id(node)] = (ref, before, suspended)
             return method(node, *args, **kwargs)
 
         return _named(clear, method)
@@ -270,14 +281,15 @@ class Rebuilds:
             finally:
                 with self.lock:
                     held = self.pending.pop(id(node), None)
-            if held is None or held[0] is not node:  # (a node made new, not rebuilt)
-                self.resume(node, False)
+            if held is None or held[0]() is not node:  # (a node made new, not rebuilt)
+                self.resume(node, False, [])
                 return result
+            _, before, suspended = held
             try:
-                same = held[1] is not _MISSING and _same_rebuild(held[1], node)
+                same = before is not _MISSING and _same_rebuild(before, node)
             except Exception:
                 same = False
-            self.resume(node, same)
+            self.resume(node, same, suspended)
             return result
 
         return _named(init, method)

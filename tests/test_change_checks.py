@@ -205,6 +205,125 @@ def test_a_rebuild_that_never_completes_leaves_the_model_read_again(hot_path):
     assert_trees_equal(y, expected)
 
 
+class Flagged(nnx.Module):
+    def __init__(self) -> None:
+        self.w = nnx.Param(jnp.ones(3))
+        self.flag = False
+
+    def __call__(self, x):
+        return -(x * self.w[...]) if self.flag else x * self.w[...]
+
+
+def test_a_rebuild_ending_while_another_thread_reads_the_model_leaves_no_stale_slot(monkeypatch, hot_path):
+    """(Found by review.) One thread's call re-reads a model whose entry an nnx.jit rebuild
+    in another thread suspended; the rebuild ends while the graph is being walked. The
+    entry the read replaces must not be put back in the fast path: a later structure change
+    would go unseen (it is no longer watched). Replayed in one thread."""
+    from flax.nnx import graphlib
+
+    from fastcall import _nnx
+
+    m = Flagged()
+    f = fastcall.jit(_call)
+    x = jnp.arange(3.0)
+    f(m, x), f(m, x)
+    impl = graphlib.GRAPH_REGISTRY[type(m)]
+    saved = list(vars(m).items())
+    impl.clear(m)  # (thread A, nnx.jit's write-back, starts its rebuild ...)
+    walk = _nnx._flatten_node
+
+    def flatten_node(*args, **kwargs):
+        if saved:
+            impl.init(m, saved)  # (... and ends it, while thread B walks the graph)
+            saved.clear()
+        return walk(*args, **kwargs)
+
+    monkeypatch.setattr(_nnx, "_flatten_node", flatten_node)
+    assert_trees_equal(f(m, x), _call(m, x))
+    monkeypatch.setattr(_nnx, "_flatten_node", walk)
+    m.flag = True
+    for _ in range(2):
+        assert_trees_equal(f(m, x), _call(m, x))
+    m.w = nnx.Param(jnp.full(3, 5.0))
+    assert_trees_equal(f(m, x), _call(m, x))
+
+
+def test_a_rebuild_does_not_undo_a_change_seen_while_the_graph_was_read(monkeypatch, hot_path):
+    """(Found by review.) A change made while a call reads the graph (another thread sets a
+    static) marks the new entry stale; an nnx.jit rebuild that starts before that check and
+    ends after the entry is filed, putting back the same structure, must not make it
+    current again. Replayed in one thread."""
+    from flax.nnx import graphlib
+
+    from fastcall import _nnx
+
+    m = Flagged()
+    f = fastcall.jit(_call)
+    x = jnp.arange(3.0)
+    f(m, x)
+    m.w = nnx.Param(jnp.ones(3))  # (a real change: the next call reads the graph)
+    impl = graphlib.GRAPH_REGISTRY[type(m)]
+    saved = []
+    walk, items = _nnx._flatten_node, _nnx._leaf_items
+
+    def flatten_node(*args, **kwargs):
+        out = walk(*args, **kwargs)
+        m.flag = True  # (thread C: a real change, during the read)
+        return out
+
+    def leaf_items(*args, **kwargs):
+        saved[:] = list(vars(m).items())
+        impl.clear(m)  # (thread A's rebuild starts)
+        return items(*args, **kwargs)
+
+    monkeypatch.setattr(_nnx, "_flatten_node", flatten_node)
+    monkeypatch.setattr(_nnx, "_leaf_items", leaf_items)
+    f(m, x)
+    monkeypatch.setattr(_nnx, "_flatten_node", walk)
+    monkeypatch.setattr(_nnx, "_leaf_items", items)
+    impl.init(m, saved)  # (thread A's rebuild ends: the same structure, flag already set)
+    for _ in range(2):
+        assert_trees_equal(f(m, x), _call(m, x))
+
+
+def test_a_rebuild_that_never_completes_keeps_nothing_alive():
+    """(Found by review.) A model left cleared by an nnx.jit rebuild that failed (a child's
+    class changed inside) is freed when the user drops it: the record of the rebuild goes
+    with it."""
+    import gc
+    import weakref
+
+    class Sub(nnx.Linear):
+        pass
+
+    class Two(nnx.Module):
+        def __init__(self) -> None:
+            self.a = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+            self.b = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return self.b(self.a(x))
+
+    def retype(m, x):
+        m.b.__class__ = Sub
+        return m(x)
+
+    m = Two()
+    f = fastcall.jit(_call)
+    x = jnp.ones((1, 2))
+    f(m, x), f(m, x)
+    with pytest.raises(ValueError):
+        nnx.jit(retype)(m, x)
+    with pytest.raises(AttributeError):
+        _call(m, x)
+    with pytest.raises(AttributeError):
+        f(m, x)
+    ref = weakref.ref(m)
+    del m
+    gc.collect()
+    assert ref() is None
+
+
 # --------------------------------------------------------------------------
 # NNX raw array attributes: leaves read at call time, like Variables
 
