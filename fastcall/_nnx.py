@@ -62,7 +62,7 @@ from ._trace import StepAside, contains_tracer
 # Watching for structure changes
 
 
-_watch_lock = threading.Lock()
+_watch_lock = threading.RLock()  # (reentrant: an entry's `_evict` may run in a GC at any allocation made under it)
 # id(graph node or Variable) -> entries whose graph contains it.
 _watchers: dict[int, list[NodeEntry]] = {}
 
@@ -87,53 +87,6 @@ def _notify(obj: Any) -> None:
                 _fast.withdraw(e.ref)
 
 
-def _suspend(node: Any) -> list[NodeEntry]:
-    """NNX is rebuilding `node` in place (cleared, to be filled again: `nnx.jit`'s graph
-    updates): every entry whose graph holds it stops serving (`NodeEntry.rebuilding`, and
-    withdrawn from the fast path) until the rebuild ends (`_resume`, given what this
-    returns: the entries suspended). Nothing else about an entry changes: a change seen
-    meanwhile, by a hook or by a read of the graph, marks it stale, and that stays."""
-    _generation[0] += 1
-    entries = _watchers.get(id(node)) if _watchers else None
-    if not entries:
-        return []
-    updating = getattr(_local, "updating", None)
-    touched = []
-    with _variant_lock:
-        for e in list(entries):
-            if e is not updating:
-                e.rebuilding += 1
-                _fast.withdraw(e.ref)
-                touched.append(e)
-    return touched
-
-
-def _resume(node: Any, unchanged: bool, touched: list[NodeEntry]) -> None:
-    """NNX's rebuild of `node` ended (`touched`: the entries `_suspend` stopped for it):
-    `unchanged`, the structure it had came back (see `_nnx_hooks.Rebuilds`), and each entry
-    no rebuild of its graph holds any more serves again, as it was, if it is still current
-    (not stale or flipped: nothing changed it meanwhile; still its object's entry); where
-    the structure changed, they are stale. An entry made while the node was cleared (its
-    graph read then, in another thread, or by a call between a clear and an init that never
-    came) read it empty: stale."""
-    _generation[0] += 1
-    updating = getattr(_local, "updating", None)
-    with _variant_lock:
-        for e in touched:
-            e.rebuilding -= 1
-            if not unchanged:
-                e.stale = True
-                _fast.withdraw(e.ref)  # (published meanwhile by a read that ended: see `_file`)
-            elif e.rebuilding == 0 and e.direct and not e.stale and not e.flipped:
-                obj = e.ref()
-                if obj is not None and by_id.get(id(obj)) is e:
-                    _fast.publish(e.ref, e.fast, e.guard, e)
-        for e in list(_watchers.get(id(node)) or ()) if _watchers else ():
-            if e is not updating and not any(e is t for t in touched):
-                e.stale = True
-                _fast.withdraw(e.ref)
-
-
 def _flipped(obj: Any, name: str, old: Any) -> None:
     """A static scalar attribute of `obj` was replaced by another (`model.eval()`): the
     graphs holding it keep their Variables and nodes; only one static value differs.
@@ -152,7 +105,7 @@ def _flipped(obj: Any, name: str, old: Any) -> None:
 
 # Whether the hooks can be trusted on this flax (see _nnx_hooks): if not, every
 # entry is re-read on every call.
-TRUSTED = not _nnx_hooks.install(_notify, _flipped, _nnx_hooks.Rebuilds(_suspend, _resume))
+TRUSTED = not _nnx_hooks.install(_notify, _flipped)
 
 RAW_VALUE_SLOT: Any = inspect.getattr_static(Variable, "_raw_value", None)
 if type(RAW_VALUE_SLOT).__name__ == "member_descriptor":
@@ -314,14 +267,11 @@ class NodeEntry:
 
     __slots__ = ("ref", "spec_id", "spec", "items", "paths", "volatile", "guard", "direct", "stale", "fresh",
                  "provisional", "fast", "node_ids", "disjoint", "watched", "flips", "variants", "flipped", "spec_key",
-                 "version", "enumerated", "rebuilding", "__weakref__")
+                 "version", "enumerated", "__weakref__")
 
     def __init__(self, ref: _Ref) -> None:
         self.ref = ref
         self.stale = False  # a hook saw a structure change: re-read on next use
-        # NNX's in-place rebuilds of nodes of the graph under way (`_suspend`): while any
-        # is, the entry does not serve (see `cached`, `lookup`)
-        self.rebuilding = 0
         # bumped by every change made to the entry in place (a flip, a variant switched to,
         # a Variable replaced): a structure record made from a read of it is made only if
         # it is the same after the call (see `joint_read`)
@@ -462,7 +412,6 @@ def cached(obj: Any) -> NodeEntry | None:
         entry is not None
         and entry.ref() is obj
         and not entry.stale
-        and not entry.rebuilding
         and not entry.flipped
         and not entry.volatile
         and (entry.guard is None or _guard.holds(entry.guard))
@@ -480,7 +429,7 @@ def lookup(obj: Any, arg_name: str) -> tuple[NodeEntry, Any]:
     if found is not None:
         return found, None
     entry = by_id.get(id(obj))
-    if entry is not None and entry.ref() is obj and not entry.stale and not entry.rebuilding:
+    if entry is not None and entry.ref() is obj and not entry.stale:
         if entry.flipped:
             entry = _switch_variant(obj, arg_name, entry)
             if entry.stale:
@@ -514,7 +463,7 @@ def _switch_variant(obj: Any, arg_name: str, entry: NodeEntry) -> NodeEntry:
             entry.spec_key = key
             # (still flipped if a value changed meanwhile; the next use switches again)
             entry.flipped = entry.flip_key() != key
-            if entry.direct and not entry.flipped and not entry.rebuilding:
+            if entry.direct and not entry.flipped:
                 _fast.publish(entry.ref, entry.fast, entry.guard, entry)
             return entry
         # Kept only if nothing but flips changed since the variants were read: no plain
@@ -810,30 +759,22 @@ def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> tuple[NodeEntry, A
 
 def _new_entry(obj: Any, old: NodeEntry | None) -> NodeEntry:
     if old is not None:
-        _retire(old)
+        _fast.withdraw(old.ref)
+        _unwatch(old)
     ref = _Ref(obj, _evict)
     ref.oid = id(obj)
     return NodeEntry(ref)
-
-
-def _retire(entry: NodeEntry) -> None:
-    """`entry` is replaced: stale for good (so that nothing, a rebuild that ends, say, puts it
-    back in the fast path: see `_resume`), withdrawn and no longer watched."""
-    with _variant_lock:
-        entry.stale = True
-        _fast.withdraw(entry.ref)
-    _unwatch(entry)
 
 
 def _file(entry: NodeEntry, old: NodeEntry | None) -> None:
     """Make `entry` its object's entry (publish it to the fast path if it can serve)."""
     previous = by_id.get(entry.ref.oid)
     if previous is not None and previous is not old and previous is not entry:
-        _retire(previous)  # another thread built one concurrently: keep one only
+        _fast.withdraw(previous.ref)  # another thread built one concurrently: keep one only
+        _unwatch(previous)
     by_id[entry.ref.oid] = entry
-    with _variant_lock:  # (a rebuild suspends entries under it: `_suspend`)
-        if entry.direct and not entry.stale and not entry.rebuilding:
-            _fast.publish(entry.ref, entry.fast, entry.guard, entry)
+    if entry.direct and not entry.stale:
+        _fast.publish(entry.ref, entry.fast, entry.guard, entry)
 
 
 def _read_plain_state(state: Any, plain: _PlainState, leaves: list[Any], nnx_args: list[NnxArg]) -> NodeSpec:
@@ -1426,7 +1367,7 @@ def explain_node(obj: Any) -> tuple[str, str]:
             "NNX object read once, holding plain lists or dicts",
             "read again on its next call, watched from then on (an object passed once is not walked for them)",
         )
-    if entry.stale or entry.rebuilding:
+    if entry.stale:
         return "NNX object whose structure changed", "re-read on its next call, then cached again"
     if entry.volatile:
         if not TRUSTED:
@@ -2139,7 +2080,7 @@ def twin_states(nnx_out: NnxOutputs, result: Any, nnx_args: list[NnxArg]) -> Non
             plain = _plain_state_read(state)
             if plain is None or plain.spec is not source.spec or any(a is not b for a, b in zip(plain.variables, items)):
                 entry.stale = True
-        elif source.stale or source.rebuilding:
+        elif source.stale:
             entry.stale = True
         _file(entry, None)
 

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
-import threading
 import warnings
-import weakref
 from typing import Any, Callable, NamedTuple
 
 from flax import nnx
@@ -83,37 +81,6 @@ def _static_flip(before: tuple[Any, Any], after: tuple[Any, Any]) -> bool:
     )
 
 
-def _same_rebuild(before: tuple[dict[str, Any], Any], node: Any) -> bool:
-    """Whether NNX's in-place rebuild of `node` (its clear, then its init: `nnx.jit`'s graph
-    updates on a model passed to it, any NNX transform's merge back into the caller's
-    objects) put back the structure it had: the same attribute names, each value as
-    `_same_attribute` says of an assignment (the very same object; a data array replaced
-    by an array; an equal static scalar of the same type), the same record of which are
-    data, and NNX's per-object bookkeeping (`_pytree__state`, which the rebuild makes anew)
-    of the same kind. `before`: the attribute dict copied just before the clear, and the
-    data record it held. Anything else (an attribute added, dropped or replaced by another
-    object) counts as a change."""
-    old, old_nodes = before
-    new = node.__dict__
-    new_nodes = new.get("_pytree__nodes", _MISSING)
-    if old_nodes is _MISSING or new_nodes is _MISSING or old.keys() != new.keys():
-        return False
-    if new_nodes is not old_nodes and new_nodes != old_nodes:
-        return False
-    for name, value in new.items():
-        if name == "_pytree__state":
-            same = type(value) is type(old[name])
-        elif name == "_pytree__nodes":
-            continue
-        else:
-            same = _same_attribute(
-                (old[name], old_nodes.get(name, _MISSING)), (value, new_nodes.get(name, _MISSING))
-            )
-        if not same:
-            return False
-    return True
-
-
 def _metadata_object(variable: Any, *_: Any) -> Any:
     return variable._var_metadata
 
@@ -133,9 +100,6 @@ class HookTarget(NamedTuple):
     # (optional, with `read`) `flip(before, after)` true means the call only replaced one
     # static scalar attribute by another: reported as `flipped(obj, name, old value)`
     flip: Callable[[Any, Any], bool] | None = None
-    # (optional) one half of NNX's in-place rebuild of a node: "clear" empties it, "init"
-    # fills it again (see `_rebuild_hooks`)
-    rebuild: str | None = None
 
 
 HOOK_TARGETS: tuple[HookTarget, ...] = (
@@ -148,11 +112,8 @@ HOOK_TARGETS: tuple[HookTarget, ...] = (
         _static_flip,
     ),
     HookTarget(Pytree, "__delattr__", "attribute deletion"),
-    HookTarget(
-        Pytree, "_graph_node_clear", "NNX's in-place graph rebuilds (nnx.jit graph updates, nnx.update)",
-        rebuild="clear",
-    ),
-    HookTarget(Pytree, "_graph_node_init", "NNX's in-place graph rebuilds", rebuild="init"),
+    HookTarget(Pytree, "_graph_node_clear", "NNX's in-place graph rebuilds (nnx.jit graph updates, nnx.update)"),
+    HookTarget(Pytree, "_graph_node_init", "NNX's in-place graph rebuilds"),
     HookTarget(Variable, "set_metadata", "Variable metadata changes"),
     HookTarget(Variable, "del_metadata", "Variable metadata deletion"),
     # (nnx.update and nnx.jit's write-back: metadata is replaced only when it differs)
@@ -233,81 +194,15 @@ def _notifying(
                 notify(self)
             return result
 
-    return _named(wrapped, method)
-
-
-class Rebuilds:
-    """NNX's in-place rebuilds under way: each node cleared and not yet filled again, known by
-    a weak reference, with its attribute dict as it was (see `_same_rebuild`) and what
-    `suspend(node)` returned at the clear (the cached structures holding the node, which stop
-    serving). At the init, `resume(node, unchanged, that)`: `unchanged` where the structure
-    came back as it was. A rebuild that never completes (an error in NNX's unflatten between
-    the two) leaves what it suspended suspended (read again on next use); its record goes
-    with its node."""
-
-    def __init__(self, suspend: Callable[[Any], Any], resume: Callable[[Any, bool, Any], None]) -> None:
-        self.suspend = suspend
-        self.resume = resume
-        # id(node) -> (weak reference to the node, its snapshot or _MISSING, suspend's result)
-        self.pending: dict[int, tuple[Any, Any, Any]] = {}
-        self.lock = threading.RLock()  # (reentrant: a node's death drops its record, anywhere)
-
-    def _forget(self, ref: Any) -> None:
-        with self.lock:
-            for key, held in list(self.pending.items()):
-                if held[0] is ref:
-                    del self.pending[key]
-
-    def clear(self, method: Callable[..., Any]) -> Callable[..., Any]:
-        def clear(node: Any, *args: Any, **kwargs: Any) -> Any:
-            try:
-                d = node.__dict__
-                before: Any = (dict(d), d.get("_pytree__nodes", _MISSING))
-                ref: Any = weakref.ref(node, self._forget)
-            except Exception:  # (an object these hooks do not know: always a change)
-                before, ref = _MISSING, None
-            suspended = self.suspend(node)
-            if ref is not None:
-                with self.lock:
-                    self.pending[id(node)] = (ref, before, suspended)
-            return method(node, *args, **kwargs)
-
-        return _named(clear, method)
-
-    def init(self, method: Callable[..., Any]) -> Callable[..., Any]:
-        def init(node: Any, *args: Any, **kwargs: Any) -> Any:
-            try:
-                result = method(node, *args, **kwargs)
-            finally:
-                with self.lock:
-                    held = self.pending.pop(id(node), None)
-            if held is None or held[0]() is not node:  # (a node made new, not rebuilt)
-                self.resume(node, False, [])
-                return result
-            _, before, suspended = held
-            try:
-                same = before is not _MISSING and _same_rebuild(before, node)
-            except Exception:
-                same = False
-            self.resume(node, same, suspended)
-            return result
-
-        return _named(init, method)
-
-
-def _named(wrapped: Callable[..., Any], method: Callable[..., Any]) -> Callable[..., Any]:
     wrapped.__name__ = getattr(method, "__name__", "hook")
     wrapped.__doc__ = method.__doc__
     wrapped._fastcall_original = method  # type: ignore[attr-defined]
     return wrapped
 
 
-def install(
-    notify: Callable[[Any], None], flipped: Callable[[Any, Any, Any], None], rebuilds: Rebuilds
-) -> list[str]:
+def install(notify: Callable[[Any], None], flipped: Callable[[Any, Any, Any], None]) -> list[str]:
     """Wrap every hook target present so that it calls `notify(obj)` after it ran (or, for
-    a static scalar attribute replaced by another, `flipped(obj, name, old value)`; for
-    NNX's in-place rebuild of a node, `rebuilds`' suspend and resume).
+    a static scalar attribute replaced by another, `flipped(obj, name, old value)`).
 
     Returns the problems found (see `problems`); any problem means the hooks
     must not be trusted. Idempotent: a second call installs nothing.
@@ -319,11 +214,7 @@ def install(
         return found
     for t in HOOK_TARGETS:
         original = getattr(t.owner, t.name, None)
-        if not callable(original):
-            continue
-        if t.rebuild is not None:
-            setattr(t.owner, t.name, rebuilds.clear(original) if t.rebuild == "clear" else rebuilds.init(original))
-        else:
+        if callable(original):
             setattr(t.owner, t.name, _notifying(original, notify, t, flipped))
     # NNX registers each graph node class's clear/init functions when the class is
     # created; classes created before this (every built-in layer) keep references to
@@ -334,7 +225,7 @@ def install(
         if isinstance(node_type, type) and issubclass(node_type, Pytree):
             try:
                 registry[node_type] = dataclasses.replace(
-                    impl, clear=rebuilds.clear(impl.clear), init=rebuilds.init(impl.init)
+                    impl, clear=_notifying(impl.clear, notify), init=_notifying(impl.init, notify)
                 )
             except Exception as err:  # a registry layout these hooks were not verified on
                 found.append(f"graph registry entry of {node_type.__name__} could not be hooked ({err})")

@@ -358,3 +358,61 @@ def test_no_warning_for_a_few_recompiles():
         warnings.simplefilter("error")
         for n in (1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3):
             f(jnp.ones(2), n)
+
+
+_GC_UNDER_THE_WATCH_LOCK = '''
+import gc
+import jax.numpy as jnp
+from flax import nnx
+import fastcall
+from fastcall import _nnx
+
+
+class Block(nnx.Module):
+    def __init__(self):
+        self.lin = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return self.lin(x)
+
+
+class CycleModel(nnx.Module):
+    def __init__(self):
+        self.c = Block()
+        self.c.owner = self  # (a back reference: cyclic garbage when dropped)
+
+    def __call__(self, x):
+        return self.c(x)
+
+
+class Watchers(dict):  # (the cyclic GC run at this allocation, as Python may run one)
+    def setdefault(self, *args):
+        gc.collect()
+        return super().setdefault(*args)
+
+
+f = fastcall.jit(lambda m, x: m(x))
+x = jnp.ones((1, 2))
+m = CycleModel()
+f(m, x)
+del m  # cyclic garbage with a cache entry, whose weak reference's callback unwatches it
+gc.disable()
+_nnx._watchers = Watchers(_nnx._watchers)
+f(CycleModel(), x)  # reads the new model's graph: watched under the lock
+print("done")
+'''
+
+
+def test_a_model_collected_while_another_is_watched_does_not_deadlock():
+    """(Found by review.) A model dropped in a reference cycle dies in a cyclic GC, which
+    Python may run at any allocation, including one made while fastcall registers another
+    model's graph under its watch lock; its cache entry's callback takes that lock too. Run
+    in a subprocess: a deadlock there fails the test instead of hanging the suite."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", _GC_UNDER_THE_WATCH_LOCK], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("done")
