@@ -300,8 +300,10 @@ def intern(spec: Any, key: Any) -> Any:
         if found is not None:
             return found
         spec.id = next(_next_id)
-        _spec_ids[key] = spec
+        # (findable by id before it is found by key: another thread that finds it by key,
+        # without the lock, at once looks its id up)
         _spec_by_id[spec.id] = spec
+        _spec_ids[key] = spec
         while len(_spec_ids) > MAX_SPECS:
             _spec_ids.pop(next(iter(_spec_ids)))
         return spec

@@ -416,3 +416,21 @@ def test_a_model_collected_while_another_is_watched_does_not_deadlock():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("done")
+
+
+def test_a_spec_found_by_key_is_found_by_id(monkeypatch):
+    """(Seen once as `KeyError(691)` in eight threads' first calls of one function.) A spec
+    is interned under the lock but found by key without it: another thread that finds it
+    by key, between the two publications, looks its id up at once. Replayed in one thread:
+    a lookup by id made the moment the spec becomes findable by key."""
+    seen = []
+
+    class Publishing(dict):
+        def __setitem__(self, key, spec):
+            super().__setitem__(key, spec)
+            seen.append(_flatten.spec_by_id(spec.id))  # (another thread, finding it now)
+
+    monkeypatch.setattr(_flatten, "_spec_ids", Publishing(_flatten._spec_ids))
+    f = fastcall.jit(lambda t, x: t[0] * x)
+    f((jnp.ones(3), "a new static, a new spec"), jnp.ones(3))
+    assert seen
