@@ -412,7 +412,7 @@ def test_a_model_collected_while_another_is_watched_does_not_deadlock():
     import sys
 
     done = subprocess.run(
-        [sys.executable, "-W", "error", "-c", _GC_UNDER_THE_WATCH_LOCK], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _GC_UNDER_THE_WATCH_LOCK], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("done")
