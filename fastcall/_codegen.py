@@ -480,9 +480,10 @@ class FlattenTemplate:
     def __init__(self, spec: Spec, example: Any, dynamic: list[Any]):
         if not (all(spec.mask) and not spec.has_nnx and all(type(x) in PLAIN_ARRAY_TYPES for x in dynamic)):
             raise _NoTemplate
-        treedef, flatten = spec.treedef, jax.tree_util.tree_flatten
-        # (the C path reads it so itself: `_accel.c` tree_leaves, the same steps)
-        read = TreeRead(jax.tree_util.default_registry.flatten, treedef, PLAIN_ARRAY_TYPES)
+        # The read, which the C path runs itself (`_accel.c` tree_leaves) and `extract` in
+        # Python: jax's registry flatten (what `tree_flatten` calls), the treedef compared.
+        read = TreeRead(jax.tree_util.default_registry.flatten, spec.treedef, PLAIN_ARRAY_TYPES)
+        treedef, flatten = read.treedef, read.flatten
 
         def extract(obj: Any) -> tuple[Any, ...] | None:
             try:
