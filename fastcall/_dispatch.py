@@ -575,6 +575,8 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
             first = args[0]
             call = None
             slot = index_get(id(first)) if fast_ok and not kwargs else None
+            if slot is None and fast_ok and not kwargs and (nnx := _nnx_gate.loaded()) is not None:
+                slot = nnx.slot_after_rebuild(first)  # (a model nnx.jit rebuilt in place: checked)
             if slot is not None and slot.ref() is first and (slot.guard is None or guard_holds(slot.guard)):
                 record = slot.records.get(state)
                 if record is not None and record.arity == len(args) and _all_plain(args, 1, plain):

@@ -87,6 +87,31 @@ def _notify(obj: Any) -> None:
                 _fast.withdraw(e.ref)
 
 
+# Guards each entry's `rebuilt` mark: a rebuild reported while a check of it runs is never lost.
+_rebuild_lock = threading.RLock()
+
+
+def _rebuilt(node: Any) -> None:
+    """Half of NNX's in-place rebuild of `node` (its clear or its init: nnx.jit's graph
+    updates on a model passed to it, nnx.update) ran. A rebuild mostly puts back what was
+    there, so it is not taken as a change: the entries watching the node leave the fast
+    path and are marked `rebuilt`; their next use checks every node of the graph against
+    what was read (`_rebuilt_as_read`) and serves again if nothing differs, else re-reads."""
+    _generation[0] += 1  # (a graph read while a rebuild runs may have seen it half done)
+    if not _watchers:
+        return
+    entries = _watchers.get(id(node))
+    if entries:
+        updating = getattr(_local, "updating", None)
+        for e in list(entries):
+            # (marked already: by this rebuild's report on another node, whose withdraw is
+            # done or under way; a check started since has replaced the mark by its own)
+            if e is not updating and e.rebuilt is not True:
+                with _rebuild_lock:
+                    e.rebuilt = True
+                _fast.withdraw(e.ref)
+
+
 def _flipped(obj: Any, name: str, old: Any) -> None:
     """A static scalar attribute of `obj` was replaced by another (`model.eval()`): the
     graphs holding it keep their Variables and nodes; only one static value differs.
@@ -105,7 +130,7 @@ def _flipped(obj: Any, name: str, old: Any) -> None:
 
 # Whether the hooks can be trusted on this flax (see _nnx_hooks): if not, every
 # entry is re-read on every call.
-TRUSTED = not _nnx_hooks.install(_notify, _flipped)
+TRUSTED = not _nnx_hooks.install(_notify, _flipped, _rebuilt)
 
 RAW_VALUE_SLOT: Any = inspect.getattr_static(Variable, "_raw_value", None)
 if type(RAW_VALUE_SLOT).__name__ == "member_descriptor":
@@ -267,7 +292,7 @@ class NodeEntry:
 
     __slots__ = ("ref", "spec_id", "spec", "items", "paths", "volatile", "guard", "direct", "stale", "fresh",
                  "provisional", "fast", "node_ids", "disjoint", "watched", "flips", "variants", "flipped", "spec_key",
-                 "version", "enumerated", "__weakref__")
+                 "version", "enumerated", "rebuilt", "layout", "__weakref__")
 
     def __init__(self, ref: _Ref) -> None:
         self.ref = ref
@@ -302,6 +327,10 @@ class NodeEntry:
         # nothing else (an nnx.State of Variables only): a call's outputs are linked to them
         # without a flatten (`_Link`)
         self.enumerated = False
+        # NNX rebuilt a node of the graph in place (`_rebuilt`): True, or a check of it under
+        # way (`_rebuilt_as_read`); not usable until that check says the graph is as read
+        self.rebuilt: Any = False
+        self.layout: _Layout | None = None  # every node as read, for that check (None: not kept)
 
     def values(self) -> list[Any]:
         """Current values of the leaves (see `read_leaf`)."""
@@ -412,6 +441,7 @@ def cached(obj: Any) -> NodeEntry | None:
         entry is not None
         and entry.ref() is obj
         and not entry.stale
+        and not entry.rebuilt
         and not entry.flipped
         and not entry.volatile
         and (entry.guard is None or _guard.holds(entry.guard))
@@ -430,6 +460,8 @@ def lookup(obj: Any, arg_name: str) -> tuple[NodeEntry, Any]:
         return found, None
     entry = by_id.get(id(obj))
     if entry is not None and entry.ref() is obj and not entry.stale:
+        if entry.rebuilt and (not _rebuilt_as_read(entry) or entry.stale):  # (stale: changed meanwhile)
+            return _build(obj, arg_name, entry)
         if entry.flipped:
             entry = _switch_variant(obj, arg_name, entry)
             if entry.stale:
@@ -463,8 +495,7 @@ def _switch_variant(obj: Any, arg_name: str, entry: NodeEntry) -> NodeEntry:
             entry.spec_key = key
             # (still flipped if a value changed meanwhile; the next use switches again)
             entry.flipped = entry.flip_key() != key
-            if entry.direct and not entry.flipped:
-                _fast.publish(entry.ref, entry.fast, entry.guard, entry)
+            _serve(entry)
             return entry
         # Kept only if nothing but flips changed since the variants were read: no plain
         # list or dict in the graph changed in place (the guard holds; such a change has
@@ -490,6 +521,172 @@ def _switch_variant(obj: Any, arg_name: str, entry: NodeEntry) -> NodeEntry:
             # place later (`_replace_variable`) is then replaced for all of them.
             new.items = entry.items
     return new
+
+
+# --------------------------------------------------------------------------
+# A graph NNX rebuilt in place: checked against the last read, not read again
+#
+# nnx.jit (and nnx.update) rebuild every node of a model passed to them in place after
+# the call: each node's attributes cleared, then set again, mostly to the very objects
+# they held. The check compares each node's attributes with a record of the read
+# (`_Layout`): no graph walk, no graphdef built or compared.
+
+_SAME, _SCALAR, _EQUAL, _ARRAY, _KIND = range(5)  # how an attribute is compared (`_NodeLayout`)
+_ABSENT = object()
+
+
+class _NodeLayout(NamedTuple):
+    node: Any  # weakref to the node (the entry must not keep its own object alive)
+    cls: type  # its class when read (a class assigned since is a change)
+    n: int  # how many attributes it had
+    # Attributes expected to hold the very same object, held strongly: Variables (which the
+    # entry's leaves hold anyway), static values that cannot be held weakly, NNX's record of
+    # which attributes are data; with how else each may compare (`_SCALAR`: an equal scalar,
+    # `_EQUAL`: an equal mapping; `_SAME`: no other way).
+    names: tuple[str, ...]
+    values: tuple[Any, ...]
+    kinds: tuple[int, ...]
+    # Attributes expected to hold the very same object, held weakly (submodules, functions and
+    # other static objects: one may refer back to the graph's root, which must not be kept
+    # alive by its own entry).
+    weak_names: tuple[str, ...]
+    weak_values: tuple[Any, ...]
+    # The others: name, how compared (`_ARRAY`: a raw data array, whose value is read at
+    # call time, stands for any array; `_KIND`: NNX's per-object bookkeeping, made anew by
+    # each rebuild, by its class), with what.
+    others: tuple[tuple[str, int, Any], ...]
+
+
+class _Layout(NamedTuple):
+    version: int  # the entry's version it describes (an entry changed in place since: not used)
+    nodes: tuple[_NodeLayout, ...]
+
+
+def _layout(refmap: Any, version: int) -> _Layout | None:
+    """A record of every node of a graph just read (`refmap`: its flatten's index of nodes
+    and Variables), or None where a node holds what the check cannot compare (a graph node
+    that is not an NNX Pytree, a data attribute that is a list, tuple or other pytree)."""
+    nodes = []
+    for node in refmap.keys():
+        if isinstance(node, Variable):
+            continue  # (changes to a Variable's metadata or type are hooked as changes)
+        node_layout = _node_layout(node) if isinstance(node, _nnx_hooks.Pytree) else None
+        if node_layout is None:
+            return None
+        nodes.append(node_layout)
+    return _Layout(version, tuple(nodes))
+
+
+def _node_layout(node: Any) -> _NodeLayout | None:
+    try:
+        attributes = vars(node)
+        data = attributes["_pytree__nodes"]  # (which attributes NNX holds as data)
+        ref = weakref.ref(node)
+    except Exception:
+        return None
+    strong: list[tuple[str, Any, int]] = []
+    weak: list[tuple[str, Any]] = []
+    others: list[tuple[str, int, Any]] = []
+    for name, value in attributes.items():
+        if name == "_pytree__nodes":
+            strong.append((name, value, _EQUAL))  # (a mapping of names to flags)
+        elif name == "_pytree__state":
+            others.append((name, _KIND, type(value)))
+        elif type(value) in _nnx_hooks.SCALARS:
+            strong.append((name, value, _SCALAR))
+        elif isinstance(value, Variable):
+            strong.append((name, value, _SAME))
+        elif type(value) is ArrayImpl and data.get(name) is True:
+            others.append((name, _ARRAY, None))
+        elif data.get(name) and not _is_node(value):
+            return None  # (data of another kind: a list or tuple of nodes, another pytree)
+        else:  # (a submodule, or a static value)
+            try:
+                weak.append((name, weakref.ref(value)))
+            except TypeError:
+                if data.get(name):
+                    return None
+                strong.append((name, value, _SAME))  # (a tuple, a dict: the graphdef holds it too)
+    names, values, kinds = (tuple(column) for column in zip(*strong)) if strong else ((), (), ())
+    weak_names, weak_values = (tuple(column) for column in zip(*weak)) if weak else ((), ())
+    return _NodeLayout(ref, type(node), len(attributes), names, values, kinds, weak_names, weak_values, tuple(others))
+
+
+def _as_read(layout: _Layout) -> bool:
+    """Whether every node of the graph holds what the read recorded: the same class and
+    attribute names; the very same object for each attribute (Variables, nodes, static
+    values); a data array replaced by an array; an equal static scalar of the same type
+    (as `_nnx_hooks` judges an assignment). With its nodes the same, the graph reachable
+    from the object is the one read."""
+    absent = itertools.repeat(_ABSENT)
+    for ref, cls, n, names, values, kinds, weak_names, weak_values, others in layout.nodes:
+        node = ref()
+        if node is None or type(node) is not cls:
+            return False
+        attributes = vars(node)
+        if len(attributes) != n:
+            return False
+        current = tuple(map(attributes.get, names, absent))
+        if not all(map(operator.is_, current, values)):
+            for value, expected, kind in zip(current, values, kinds):
+                if value is not expected and not (
+                    (kind == _SCALAR and _nnx_hooks.same_scalar(expected, value))
+                    or (kind == _EQUAL and type(value) is type(expected) and value == expected)
+                ):
+                    return False
+        if weak_names:
+            alive = tuple(map(operator.call, weak_values))  # (None: died, so not what is held)
+            if not all(map(operator.is_not, alive, itertools.repeat(None))) or not all(
+                map(operator.is_, map(attributes.get, weak_names, absent), alive)
+            ):
+                return False
+        for name, kind, expected in others:
+            value = attributes.get(name, _ABSENT)
+            if type(value) is not (ArrayImpl if kind == _ARRAY else expected):
+                return False
+    return True
+
+
+def _rebuilt_as_read(entry: NodeEntry) -> bool:
+    """After NNX rebuilt nodes of `entry`'s graph in place (`_rebuilt`): whether the graph
+    is as `entry` read it (`_as_read`); if so the entry is usable again, and serves from
+    the fast path again. A rebuild or change reported while this runs makes it fail (the
+    mark it clears must still be its own), as does an entry with flipped static attributes
+    (the record holds the values of its read, not of the variant in use)."""
+    layout = entry.layout
+    if layout is None or layout.version != entry.version or entry.flips:
+        return False
+    checking = _Checking()
+    with _rebuild_lock:
+        if entry.rebuilt is not True:
+            return False  # (another thread is checking it: this one reads the graph)
+        entry.rebuilt = checking
+    try:
+        same = _as_read(layout)
+    except Exception:  # (an attribute whose comparison raises: a change)
+        same = False
+    with _rebuild_lock:
+        if not same or entry.rebuilt is not checking:
+            return False
+        entry.rebuilt = False
+    _serve(entry)
+    return True
+
+
+def slot_after_rebuild(obj: Any) -> _fast.FastSlot | None:
+    """The fast path's slot of an NNX object whose graph NNX rebuilt in place since its
+    last call (nnx.jit on a shared model), if the check finds it as read and it serves
+    from the fast path again; None otherwise (and for any other object)."""
+    entry = by_id.get(id(obj))
+    if entry is None or entry.rebuilt is not True or entry.stale or entry.ref() is not obj:
+        return None
+    return _fast.INDEX.get(id(obj)) if _rebuilt_as_read(entry) else None
+
+
+class _Checking:
+    """The mark of a check under way (truthy: the entry is not usable meanwhile)."""
+
+    __slots__ = ()
 
 
 def read_cached(obj: Any, spec_id: int, values: list[Any], nnx_args: list[NnxArg]) -> bool:
@@ -615,7 +812,10 @@ def install_record(entry: NodeEntry, state: Any, spec_id: int, record: _fast.Fas
     """File a fast record made by a call that read `entry` with spec `spec_id`, if that is
     still the entry's current spec (another thread may have switched its variant since)."""
     with _variant_lock:
-        if entry.spec_id == spec_id and not entry.flipped and not entry.stale and state not in entry.fast:
+        if (
+            entry.spec_id == spec_id and not entry.flipped and not entry.stale and not entry.rebuilt
+            and state not in entry.fast
+        ):
             entry.fast[state] = record
 
 
@@ -769,12 +969,32 @@ def _new_entry(obj: Any, old: NodeEntry | None) -> NodeEntry:
 def _file(entry: NodeEntry, old: NodeEntry | None) -> None:
     """Make `entry` its object's entry (publish it to the fast path if it can serve)."""
     previous = by_id.get(entry.ref.oid)
-    if previous is not None and previous is not old and previous is not entry:
-        _fast.withdraw(previous.ref)  # another thread built one concurrently: keep one only
-        _unwatch(previous)
     by_id[entry.ref.oid] = entry
-    if entry.direct and not entry.stale:
+    # Withdrawn once replaced (`old` was when this read began, but another thread may have
+    # published it since: see `_serve`); `previous`, another thread's read filed meanwhile,
+    # is dropped (one entry per object).
+    for replaced in (old, previous):
+        if replaced is not None and replaced is not entry:
+            _fast.withdraw(replaced.ref)
+    if previous is not None and previous is not old and previous is not entry:
+        _unwatch(previous)
+    _serve(entry)
+
+
+def _serve(entry: NodeEntry) -> None:
+    """Publish `entry` to the fast path if it can serve: eligible (`direct`), current (no
+    change, flip or rebuild reported), and its object's entry. Whatever ends one of these
+    (a hook in another thread, another thread's read filing a new entry) marks it first,
+    then withdraws it: the marks are read again after publishing, so that a withdraw that
+    came before the publish is made good."""
+    if entry.direct and _current(entry):
         _fast.publish(entry.ref, entry.fast, entry.guard, entry)
+        if not _current(entry):
+            _fast.withdraw(entry.ref)
+
+
+def _current(entry: NodeEntry) -> bool:
+    return not (entry.stale or entry.rebuilt or entry.flipped) and by_id.get(entry.ref.oid) is entry
 
 
 def _read_plain_state(state: Any, plain: _PlainState, leaves: list[Any], nnx_args: list[NnxArg]) -> NodeSpec:
@@ -858,6 +1078,11 @@ def _read_graph(obj: Any, arg_name: str, old: NodeEntry | None, entry: NodeEntry
     entry.guard = None if entry.volatile else guard
     # (the fast path reads Variables and RawLeafs; a raw item of a plain list is read here)
     entry.direct = not entry.volatile and not any(type(x) is RawItem for x in entry.items)
+    # Kept for an object read again (a structure that changed, an NNX rebuild): what an
+    # NNX rebuild of it must put back to leave this read current (not for an object met
+    # once, as the new State of a functional loop).
+    if seen_before and not entry.volatile and not entry.provisional:
+        entry.layout = _layout(refmap, entry.version)
     if _generation[0] != generation or (entry.guard is not None and not _guard.holds(entry.guard)):
         entry.stale = True  # the graph may have changed while we were reading it
     return refmap
@@ -1369,6 +1594,12 @@ def explain_node(obj: Any) -> tuple[str, str]:
         )
     if entry.stale:
         return "NNX object whose structure changed", "re-read on its next call, then cached again"
+    if entry.rebuilt:
+        return (
+            "NNX object rebuilt in place by NNX (nnx.jit's graph update, nnx.update)",
+            "its nodes' attributes compared with the last read on its next call (no graph walk if they are the same; "
+            "else re-read)" if entry.layout is not None else "re-read on its next call, then cached again",
+        )
     if entry.volatile:
         if not TRUSTED:
             why = "the structure hooks are not verified on this flax"
@@ -2080,7 +2311,7 @@ def twin_states(nnx_out: NnxOutputs, result: Any, nnx_args: list[NnxArg]) -> Non
             plain = _plain_state_read(state)
             if plain is None or plain.spec is not source.spec or any(a is not b for a, b in zip(plain.variables, items)):
                 entry.stale = True
-        elif source.stale:
+        elif source.stale or source.rebuilt:
             entry.stale = True
         _file(entry, None)
 

@@ -4,7 +4,9 @@ fastcall caches each NNX object's structure (graphdef and Variable list) and
 must learn when it changes. Nothing in flax tracks mutation, so fastcall wraps
 the few methods through which a graph's structure changes (`HOOK_TARGETS`)
 and, after each call of one on an object that belongs to a cached graph,
-marks that cache entry stale.
+marks that cache entry stale. NNX's in-place rebuilds of a node (its clear,
+then its init: nnx.jit's graph updates, nnx.update) are reported apart: they
+mostly put back what was there, which the cache can check for itself.
 
 These are private parts of flax. A release that renames or removes one would
 make a hook silently miss changes, and a cache silently stale. So at load the
@@ -39,7 +41,7 @@ _ARRAY = ArrayImpl
 
 
 _MISSING = object()
-_SCALARS = (bool, int, float, complex, str, bytes, type(None))
+SCALARS = (bool, int, float, complex, str, bytes, type(None))
 
 
 def _attribute(obj: Any, name: Any, *_: Any) -> tuple[Any, Any]:
@@ -57,14 +59,17 @@ def _same_attribute(before: tuple[Any, Any], after: tuple[Any, Any]) -> bool:
         return False
     if old is new:
         return True
+    if type(old) is _ARRAY:
+        return type(new) is _ARRAY and old_data is True
+    return same_scalar(old, new)
+
+
+def same_scalar(old: Any, new: Any) -> bool:
+    """Whether static scalar `new` stands for `old`: of the same type and equal (a float
+    by its bits: -0.0 is not 0.0). The one rule for what a write of a static value leaves
+    unchanged (here, and in the check of a graph NNX rebuilt in place)."""
     t = type(old)
-    if t is not type(new):
-        return False
-    if t is _ARRAY:
-        return old_data is True
-    if t in _SCALARS:
-        return old == new and (t is not float or old.hex() == new.hex())
-    return False
+    return t in SCALARS and t is type(new) and old == new and (t is not float or old.hex() == new.hex())
 
 
 def _static_flip(before: tuple[Any, Any], after: tuple[Any, Any]) -> bool:
@@ -76,8 +81,8 @@ def _static_flip(before: tuple[Any, Any], after: tuple[Any, Any]) -> bool:
         old is not _MISSING
         and old_data is False
         and new_data is False
-        and type(old) in _SCALARS
-        and type(new) in _SCALARS
+        and type(old) in SCALARS
+        and type(new) in SCALARS
     )
 
 
@@ -100,6 +105,9 @@ class HookTarget(NamedTuple):
     # (optional, with `read`) `flip(before, after)` true means the call only replaced one
     # static scalar attribute by another: reported as `flipped(obj, name, old value)`
     flip: Callable[[Any, Any], bool] | None = None
+    # one half of NNX's in-place rebuild of a node (clear, init): reported as
+    # `rebuilt(obj)`, not as a change (see `install`)
+    rebuild: bool = False
 
 
 HOOK_TARGETS: tuple[HookTarget, ...] = (
@@ -112,8 +120,10 @@ HOOK_TARGETS: tuple[HookTarget, ...] = (
         _static_flip,
     ),
     HookTarget(Pytree, "__delattr__", "attribute deletion"),
-    HookTarget(Pytree, "_graph_node_clear", "NNX's in-place graph rebuilds (nnx.jit graph updates, nnx.update)"),
-    HookTarget(Pytree, "_graph_node_init", "NNX's in-place graph rebuilds"),
+    HookTarget(
+        Pytree, "_graph_node_clear", "NNX's in-place graph rebuilds (nnx.jit graph updates, nnx.update)", rebuild=True
+    ),
+    HookTarget(Pytree, "_graph_node_init", "NNX's in-place graph rebuilds", rebuild=True),
     HookTarget(Variable, "set_metadata", "Variable metadata changes"),
     HookTarget(Variable, "del_metadata", "Variable metadata deletion"),
     # (nnx.update and nnx.jit's write-back: metadata is replaced only when it differs)
@@ -200,9 +210,12 @@ def _notifying(
     return wrapped
 
 
-def install(notify: Callable[[Any], None], flipped: Callable[[Any, Any, Any], None]) -> list[str]:
+def install(
+    notify: Callable[[Any], None], flipped: Callable[[Any, Any, Any], None], rebuilt: Callable[[Any], None]
+) -> list[str]:
     """Wrap every hook target present so that it calls `notify(obj)` after it ran (or, for
-    a static scalar attribute replaced by another, `flipped(obj, name, old value)`).
+    a static scalar attribute replaced by another, `flipped(obj, name, old value)`; for
+    each half of NNX's in-place rebuild of a node, its clear and its init, `rebuilt(node)`).
 
     Returns the problems found (see `problems`); any problem means the hooks
     must not be trusted. Idempotent: a second call installs nothing.
@@ -215,7 +228,7 @@ def install(notify: Callable[[Any], None], flipped: Callable[[Any, Any, Any], No
     for t in HOOK_TARGETS:
         original = getattr(t.owner, t.name, None)
         if callable(original):
-            setattr(t.owner, t.name, _notifying(original, notify, t, flipped))
+            setattr(t.owner, t.name, _notifying(original, rebuilt if t.rebuild else notify, t, flipped))
     # NNX registers each graph node class's clear/init functions when the class is
     # created; classes created before this (every built-in layer) keep references to
     # the originals in the registry, so wrap those too. Classes created later are
@@ -225,7 +238,7 @@ def install(notify: Callable[[Any], None], flipped: Callable[[Any, Any, Any], No
         if isinstance(node_type, type) and issubclass(node_type, Pytree):
             try:
                 registry[node_type] = dataclasses.replace(
-                    impl, clear=_notifying(impl.clear, notify), init=_notifying(impl.init, notify)
+                    impl, clear=_notifying(impl.clear, rebuilt), init=_notifying(impl.init, rebuilt)
                 )
             except Exception as err:  # a registry layout these hooks were not verified on
                 found.append(f"graph registry entry of {node_type.__name__} could not be hooked ({err})")
