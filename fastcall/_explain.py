@@ -115,6 +115,8 @@ def _why_not_fast(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     if others:
         reasons.append(f"{', '.join(others)}: not an array or traced scalar (the fast path is f(obj, *arrays))")
     slot = _fast.INDEX.get(id(args[0]))
+    if slot is None and (nnx := _nnx_gate.loaded()) is not None:
+        slot = nnx.slot_as_checked(args[0])  # (a model NNX rebuilt in place since its last call)
     first = state.arg_name(0)
     if slot is None or slot.ref() is not args[0]:
         reasons.append(f"{first}: no fast record (see its line below)")

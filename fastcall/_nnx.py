@@ -40,8 +40,9 @@ import inspect
 import itertools
 import operator
 import threading
+import types
 import weakref
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 from flax import nnx
@@ -98,15 +99,12 @@ def _rebuilt(node: Any) -> None:
     path and are marked `rebuilt`; their next use checks every node of the graph against
     what was read (`_rebuilt_as_read`) and serves again if nothing differs, else re-reads."""
     _generation[0] += 1  # (a graph read while a rebuild runs may have seen it half done)
-    if not _watchers:
-        return
     entries = _watchers.get(id(node))
     if entries:
-        updating = getattr(_local, "updating", None)
-        for e in list(entries):
+        for e in tuple(entries):  # (the list may change under us in another thread)
             # (marked already: by this rebuild's report on another node, whose withdraw is
             # done or under way; a check started since has replaced the mark by its own)
-            if e is not updating and e.rebuilt is not True:
+            if e.rebuilt is not True and e is not getattr(_local, "updating", None):
                 with _rebuild_lock:
                     e.rebuilt = True
                 _fast.withdraw(e.ref)
@@ -531,7 +529,7 @@ def _switch_variant(obj: Any, arg_name: str, entry: NodeEntry) -> NodeEntry:
 # they held. The check compares each node's attributes with a record of the read
 # (`_Layout`): no graph walk, no graphdef built or compared.
 
-_SAME, _SCALAR, _EQUAL, _ARRAY, _KIND = range(5)  # how an attribute is compared (`_NodeLayout`)
+_SAME, _SCALAR, _EQUAL = range(3)  # how else an attribute may compare (`_NodeLayout`)
 _ABSENT = object()
 
 
@@ -539,11 +537,13 @@ class _NodeLayout(NamedTuple):
     node: Any  # weakref to the node (the entry must not keep its own object alive)
     cls: type  # its class when read (a class assigned since is a change)
     n: int  # how many attributes it had
+    state: type  # the class of NNX's per-object bookkeeping (`_pytree__state`, made anew by each rebuild)
     # Attributes expected to hold the very same object, held strongly: Variables (which the
-    # entry's leaves hold anyway), static values that cannot be held weakly, NNX's record of
+    # entry's leaves hold anyway), static values that keep no node alive, NNX's record of
     # which attributes are data; with how else each may compare (`_SCALAR`: an equal scalar,
-    # `_EQUAL`: an equal mapping; `_SAME`: no other way).
-    names: tuple[str, ...]
+    # `_EQUAL`: an equal mapping; `_SAME`: no other way). `get`: their current values, as a
+    # tuple (KeyError if one is missing).
+    get: Callable[[dict[str, Any]], tuple[Any, ...]]
     values: tuple[Any, ...]
     kinds: tuple[int, ...]
     # Attributes expected to hold the very same object, held weakly (submodules, functions and
@@ -551,10 +551,8 @@ class _NodeLayout(NamedTuple):
     # alive by its own entry).
     weak_names: tuple[str, ...]
     weak_values: tuple[Any, ...]
-    # The others: name, how compared (`_ARRAY`: a raw data array, whose value is read at
-    # call time, stands for any array; `_KIND`: NNX's per-object bookkeeping, made anew by
-    # each rebuild, by its class), with what.
-    others: tuple[tuple[str, int, Any], ...]
+    # Raw data arrays: each may now be another array (its value is read at call time).
+    arrays: tuple[str, ...]
 
 
 class _Layout(NamedTuple):
@@ -586,30 +584,66 @@ def _node_layout(node: Any) -> _NodeLayout | None:
         return None
     strong: list[tuple[str, Any, int]] = []
     weak: list[tuple[str, Any]] = []
-    others: list[tuple[str, int, Any]] = []
+    arrays: list[str] = []
+    state = _ABSENT
     for name, value in attributes.items():
         if name == "_pytree__nodes":
             strong.append((name, value, _EQUAL))  # (a mapping of names to flags)
         elif name == "_pytree__state":
-            others.append((name, _KIND, type(value)))
+            state = type(value)
         elif type(value) in _nnx_hooks.SCALARS:
             strong.append((name, value, _SCALAR))
         elif isinstance(value, Variable):
             strong.append((name, value, _SAME))
         elif type(value) is ArrayImpl and data.get(name) is True:
-            others.append((name, _ARRAY, None))
+            arrays.append(name)
         elif data.get(name) and not _is_node(value):
             return None  # (data of another kind: a list or tuple of nodes, another pytree)
-        else:  # (a submodule, or a static value)
+        elif not data.get(name) and _holds_no_object(value):
+            strong.append((name, value, _SAME))
+        else:  # (a submodule, or a static value that may refer to one)
             try:
                 weak.append((name, weakref.ref(value)))
             except TypeError:
                 if data.get(name):
                     return None
                 strong.append((name, value, _SAME))  # (a tuple, a dict: the graphdef holds it too)
+    if state is _ABSENT:
+        return None
     names, values, kinds = (tuple(column) for column in zip(*strong)) if strong else ((), (), ())
     weak_names, weak_values = (tuple(column) for column in zip(*weak)) if weak else ((), ())
-    return _NodeLayout(ref, type(node), len(attributes), names, values, kinds, weak_names, weak_values, tuple(others))
+    return _NodeLayout(
+        ref, type(node), len(attributes), state, _getter(names), values, kinds, weak_names, weak_values, tuple(arrays)
+    )
+
+
+def _getter(names: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
+    if len(names) > 1:
+        return operator.itemgetter(*names)
+    return lambda attributes: tuple(attributes[name] for name in names)
+
+
+def _holds_no_object(value: Any) -> bool:
+    """Whether a static value can be held strongly by a record without keeping any node
+    alive: a class, or a function with no closure and only scalar defaults (an initializer,
+    `jax.lax.dot_general`; a lambda over `self` or a bound method is held weakly)."""
+    if isinstance(value, type):
+        return True
+    if type(value) is not types.FunctionType or value.__closure__ is not None:
+        return False
+    defaults = (*(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values())
+    return all(type(d) in _nnx_hooks.SCALARS for d in defaults)
+
+
+def _checked_against(entry: NodeEntry) -> _Layout | None:
+    """The record `entry`'s check compares with, if there is one that describes the entry
+    as it is: none if the entry changed in place since (a Variable replaced by a call) or
+    has flipped static attributes (the record holds the values of its read, not of the
+    variant in use)."""
+    layout = entry.layout
+    if layout is None or layout.version != entry.version or entry.flips:
+        return None
+    return layout
 
 
 def _as_read(layout: _Layout) -> bool:
@@ -618,15 +652,22 @@ def _as_read(layout: _Layout) -> bool:
     values); a data array replaced by an array; an equal static scalar of the same type
     (as `_nnx_hooks` judges an assignment). With its nodes the same, the graph reachable
     from the object is the one read."""
+    try:
+        return _nodes_as_read(layout)
+    except Exception:  # (an attribute missing, or one whose comparison raises: a change)
+        return False
+
+
+def _nodes_as_read(layout: _Layout) -> bool:
     absent = itertools.repeat(_ABSENT)
-    for ref, cls, n, names, values, kinds, weak_names, weak_values, others in layout.nodes:
+    for ref, cls, n, state, get, values, kinds, weak_names, weak_values, arrays in layout.nodes:
         node = ref()
         if node is None or type(node) is not cls:
             return False
         attributes = vars(node)
-        if len(attributes) != n:
+        if len(attributes) != n or type(attributes.get("_pytree__state")) is not state:
             return False
-        current = tuple(map(attributes.get, names, absent))
+        current = get(attributes)  # (with the count equal, no attribute missing: the same names)
         if not all(map(operator.is_, current, values)):
             for value, expected, kind in zip(current, values, kinds):
                 if value is not expected and not (
@@ -640,9 +681,8 @@ def _as_read(layout: _Layout) -> bool:
                 map(operator.is_, map(attributes.get, weak_names, absent), alive)
             ):
                 return False
-        for name, kind, expected in others:
-            value = attributes.get(name, _ABSENT)
-            if type(value) is not (ArrayImpl if kind == _ARRAY else expected):
+        for name in arrays:
+            if type(attributes.get(name)) is not ArrayImpl:
                 return False
     return True
 
@@ -651,20 +691,17 @@ def _rebuilt_as_read(entry: NodeEntry) -> bool:
     """After NNX rebuilt nodes of `entry`'s graph in place (`_rebuilt`): whether the graph
     is as `entry` read it (`_as_read`); if so the entry is usable again, and serves from
     the fast path again. A rebuild or change reported while this runs makes it fail (the
-    mark it clears must still be its own), as does an entry with flipped static attributes
-    (the record holds the values of its read, not of the variant in use)."""
-    layout = entry.layout
-    if layout is None or layout.version != entry.version or entry.flips:
+    mark it clears must still be its own), as does an entry without a record that describes
+    it (`_checked_against`)."""
+    layout = _checked_against(entry)
+    if layout is None:
         return False
     checking = _Checking()
     with _rebuild_lock:
         if entry.rebuilt is not True:
             return False  # (another thread is checking it: this one reads the graph)
         entry.rebuilt = checking
-    try:
-        same = _as_read(layout)
-    except Exception:  # (an attribute whose comparison raises: a change)
-        same = False
+    same = _as_read(layout)
     with _rebuild_lock:
         if not same or entry.rebuilt is not checking:
             return False
@@ -677,10 +714,26 @@ def slot_after_rebuild(obj: Any) -> _fast.FastSlot | None:
     """The fast path's slot of an NNX object whose graph NNX rebuilt in place since its
     last call (nnx.jit on a shared model), if the check finds it as read and it serves
     from the fast path again; None otherwise (and for any other object)."""
+    entry = _rebuilt_entry(obj)
+    return _fast.INDEX.get(id(obj)) if entry is not None and _rebuilt_as_read(entry) else None
+
+
+def slot_as_checked(obj: Any) -> _fast.FastSlot | None:
+    """What `slot_after_rebuild` would serve `obj` from, changing nothing (for `explain`)."""
+    entry = _rebuilt_entry(obj)
+    layout = None if entry is None or not entry.direct else _checked_against(entry)
+    if layout is None or not _as_read(layout):
+        return None
+    return _fast.FastSlot(entry.ref, entry.fast, entry.guard, entry)
+
+
+def _rebuilt_entry(obj: Any) -> NodeEntry | None:
+    """`obj`'s entry if NNX rebuilt its graph since its last call, and nothing else made it
+    unusable."""
     entry = by_id.get(id(obj))
     if entry is None or entry.rebuilt is not True or entry.stale or entry.ref() is not obj:
         return None
-    return _fast.INDEX.get(id(obj)) if _rebuilt_as_read(entry) else None
+    return entry
 
 
 class _Checking:

@@ -348,6 +348,57 @@ def test_rebuilds_and_changes_from_threads_leave_the_model_current():
             assert_trees_equal(f(m, x), _call(m, x))
 
 
+def test_the_record_a_rebuild_is_checked_against_keeps_nothing_alive():
+    """The record kept for the check (from a model's second read on) holds submodules and
+    static objects that may refer back to the model weakly: a model with a submodule that
+    refers back to it, checked after nnx.jit's rebuilds, is freed when the user drops it."""
+    import gc
+    import weakref
+
+    from fastcall import _nnx
+
+    m = Mixed(nnx.Rngs(0))
+    m.layers[0].parent = m  # (a back reference: data, a node)
+    m.net.linear.activation = nnx.relu  # (a static function)
+    f, on_m = fastcall.jit(_call), nnx.jit(_call)
+    for _ in range(3):
+        f(m, X4), on_m(m, X4)
+    assert _nnx.by_id[id(m)].layout is not None
+    ref = weakref.ref(m)
+    del m
+    gc.collect()
+    assert ref() is None
+
+
+def _scale_by(x):
+    return x * 2.0
+
+
+def test_a_rebuild_putting_back_another_function_is_read_again(graph_reads, hot_path):
+    """A static function attribute put back as the same function is no change; as another
+    function (a lambda made anew, a closure), it is: read again, the eager call's result."""
+
+    class WithFn(nnx.Module):
+        def __init__(self) -> None:
+            self.w = nnx.Param(jnp.ones(3))
+            self.fn = _scale_by
+
+        def __call__(self, x):
+            return self.fn(x * self.w[...])
+
+    m, f, x = WithFn(), fastcall.jit(_call), jnp.arange(3.0)
+    f(m, x), _rebuild(m), f(m, x)
+    _rebuild(m)
+    reads = len(graph_reads)
+    y, route = served(f, m, x)
+    assert route != "general" and len(graph_reads) == reads
+    factor = 3.0
+    _rebuild(m, fn=lambda v: v * factor)
+    y, route = served(f, m, x)
+    assert route == "general" and len(graph_reads) == reads + 1
+    assert_trees_equal(y, _call(m, x))
+
+
 def test_a_rebuild_with_a_static_float_of_another_sign_is_read_again(graph_reads):
     """-0.0 equals 0.0 but is another static value (as `_nnx_hooks.same_scalar` judges an
     assignment): a rebuild putting it back is a change."""

@@ -96,6 +96,22 @@ def test_explain_says_why():
     assert "keyword arguments (x)" in text
 
 
+def test_explain_says_a_model_nnx_rebuilt_is_checked_not_read_again(hot_path):
+    """After nnx.jit ran on the same model (rebuilding its nodes in place), explain says the
+    model is compared with its last read and that the fast path serves the call, changing
+    nothing (the call that follows is still served after the check)."""
+    m = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    f, on_m = fastcall.jit(_call), nnx.jit(_call)
+    for _ in range(2):
+        f(m, X), on_m(m, X)
+    report = f.explain(m, X)
+    assert report.route == "fast"
+    assert report.arguments[0].kind.startswith("NNX object rebuilt in place by NNX")
+    assert "compared with the last read" in report.arguments[0].per_call
+    _, route = served(f, m, X)
+    assert route == "python_fast"
+
+
 def test_explain_promises_no_record_a_call_of_this_form_cannot_make():
     """`f(model, v, v, x)`, a module and one Variable passed twice, takes the general path
     every call (the second is a reference to the first, which has no cache entry to pin);
