@@ -543,6 +543,7 @@ class _NodeLayout(NamedTuple):
     # which attributes are data; with how else each may compare (`_SCALAR`: an equal scalar,
     # `_EQUAL`: an equal mapping; `_SAME`: no other way). `get`: their current values, as a
     # tuple (KeyError if one is missing).
+    names: tuple[str, ...]
     get: Callable[[dict[str, Any]], tuple[Any, ...]]
     values: tuple[Any, ...]
     kinds: tuple[int, ...]
@@ -556,11 +557,10 @@ class _NodeLayout(NamedTuple):
 
 
 class _Layout(NamedTuple):
-    version: int  # the entry's version it describes (an entry changed in place since: not used)
     nodes: tuple[_NodeLayout, ...]
 
 
-def _layout(refmap: Any, version: int) -> _Layout | None:
+def _layout(refmap: Any) -> _Layout | None:
     """A record of every node of a graph just read (`refmap`: its flatten's index of nodes
     and Variables), or None where a node holds what the check cannot compare (a graph node
     that is not an NNX Pytree, a data attribute that is a list, tuple or other pytree)."""
@@ -572,7 +572,7 @@ def _layout(refmap: Any, version: int) -> _Layout | None:
         if node_layout is None:
             return None
         nodes.append(node_layout)
-    return _Layout(version, tuple(nodes))
+    return _Layout(tuple(nodes))
 
 
 def _node_layout(node: Any) -> _NodeLayout | None:
@@ -613,7 +613,8 @@ def _node_layout(node: Any) -> _NodeLayout | None:
     names, values, kinds = (tuple(column) for column in zip(*strong)) if strong else ((), (), ())
     weak_names, weak_values = (tuple(column) for column in zip(*weak)) if weak else ((), ())
     return _NodeLayout(
-        ref, type(node), len(attributes), state, _getter(names), values, kinds, weak_names, weak_values, tuple(arrays)
+        ref, type(node), len(attributes), state, names, _getter(names), values, kinds, weak_names, weak_values,
+        tuple(arrays),
     )
 
 
@@ -635,32 +636,30 @@ def _holds_no_object(value: Any) -> bool:
     return all(type(d) in _nnx_hooks.SCALARS for d in defaults)
 
 
-def _checked_against(entry: NodeEntry) -> _Layout | None:
-    """The record `entry`'s check compares with, if there is one that describes the entry
-    as it is: none if the entry changed in place since (a Variable replaced by a call) or
-    has flipped static attributes (the record holds the values of its read, not of the
-    variant in use)."""
-    layout = entry.layout
-    if layout is None or layout.version != entry.version or entry.flips:
-        return None
-    return layout
-
-
-def _as_read(layout: _Layout) -> bool:
-    """Whether every node of the graph holds what the read recorded: the same class and
-    attribute names; the very same object for each attribute (Variables, nodes, static
-    values); a data array replaced by an array; an equal static scalar of the same type
-    (as `_nnx_hooks` judges an assignment). With its nodes the same, the graph reachable
-    from the object is the one read."""
+def _as_read(entry: NodeEntry, layout: _Layout) -> bool:
+    """Whether `entry`'s graph is the one its last read recorded (`layout`): every node
+    holds the same class and attribute names; the very same object for each attribute
+    (Variables, nodes, static values); a data array replaced by an array; an equal static
+    scalar of the same type (as `_nnx_hooks` judges an assignment). A static scalar that
+    has flipped since the read (`model.train()`: `entry.flips`) may differ from the record:
+    its value is the one the entry's spec is for (`spec_key`), unless a flip is pending
+    (`flipped`: the variant is switched to after this check). With its nodes the same, the
+    graph reachable from the object is the one read. (An entry changed in place by a call
+    since the read, a Variable replaced, holds other objects than the record: not the same.)"""
     try:
-        return _nodes_as_read(layout)
+        if not _nodes_as_read(layout, entry.flips):
+            return False
     except Exception:  # (an attribute missing, or one whose comparison raises: a change)
         return False
+    if not entry.flips:
+        return True
+    with _variant_lock:
+        return entry.flipped or entry.flip_key() == entry.spec_key
 
 
-def _nodes_as_read(layout: _Layout) -> bool:
+def _nodes_as_read(layout: _Layout, flips: dict[tuple[int, str], Any]) -> bool:
     absent = itertools.repeat(_ABSENT)
-    for ref, cls, n, state, get, values, kinds, weak_names, weak_values, arrays in layout.nodes:
+    for ref, cls, n, state, names, get, values, kinds, weak_names, weak_values, arrays in layout.nodes:
         node = ref()
         if node is None or type(node) is not cls:
             return False
@@ -669,9 +668,9 @@ def _nodes_as_read(layout: _Layout) -> bool:
             return False
         current = get(attributes)  # (with the count equal, no attribute missing: the same names)
         if not all(map(operator.is_, current, values)):
-            for value, expected, kind in zip(current, values, kinds):
+            for name, value, expected, kind in zip(names, current, values, kinds):
                 if value is not expected and not (
-                    (kind == _SCALAR and _nnx_hooks.same_scalar(expected, value))
+                    (kind == _SCALAR and (_nnx_hooks.same_scalar(expected, value) or (id(node), name) in flips))
                     or (kind == _EQUAL and type(value) is type(expected) and value == expected)
                 ):
                     return False
@@ -691,9 +690,8 @@ def _rebuilt_as_read(entry: NodeEntry) -> bool:
     """After NNX rebuilt nodes of `entry`'s graph in place (`_rebuilt`): whether the graph
     is as `entry` read it (`_as_read`); if so the entry is usable again, and serves from
     the fast path again. A rebuild or change reported while this runs makes it fail (the
-    mark it clears must still be its own), as does an entry without a record that describes
-    it (`_checked_against`)."""
-    layout = _checked_against(entry)
+    mark it clears must still be its own)."""
+    layout = entry.layout
     if layout is None:
         return False
     checking = _Checking()
@@ -701,7 +699,7 @@ def _rebuilt_as_read(entry: NodeEntry) -> bool:
         if entry.rebuilt is not True:
             return False  # (another thread is checking it: this one reads the graph)
         entry.rebuilt = checking
-    same = _as_read(layout)
+    same = _as_read(entry, layout)
     with _rebuild_lock:
         if not same or entry.rebuilt is not checking:
             return False
@@ -721,8 +719,8 @@ def slot_after_rebuild(obj: Any) -> _fast.FastSlot | None:
 def slot_as_checked(obj: Any) -> _fast.FastSlot | None:
     """What `slot_after_rebuild` would serve `obj` from, changing nothing (for `explain`)."""
     entry = _rebuilt_entry(obj)
-    layout = None if entry is None or not entry.direct else _checked_against(entry)
-    if layout is None or not _as_read(layout):
+    layout = None if entry is None or not entry.direct or entry.flipped else entry.layout
+    if layout is None or not _as_read(entry, layout):
         return None
     return _fast.FastSlot(entry.ref, entry.fast, entry.guard, entry)
 
@@ -1135,7 +1133,7 @@ def _read_graph(obj: Any, arg_name: str, old: NodeEntry | None, entry: NodeEntry
     # NNX rebuild of it must put back to leave this read current (not for an object met
     # once, as the new State of a functional loop).
     if seen_before and not entry.volatile and not entry.provisional:
-        entry.layout = _layout(refmap, entry.version)
+        entry.layout = _layout(refmap)
     if _generation[0] != generation or (entry.guard is not None and not _guard.holds(entry.guard)):
         entry.stale = True  # the graph may have changed while we were reading it
     return refmap

@@ -267,8 +267,8 @@ def test_what_happens_while_a_rebuild_is_checked_is_not_lost(meanwhile, monkeypa
     check = _nnx._as_read
     done = []
 
-    def as_read(layout):
-        same = check(layout)
+    def as_read(entry, layout):
+        same = check(entry, layout)
         if not done:
             done.append(meanwhile(m))
         return same
@@ -448,17 +448,39 @@ def test_a_rebuild_replacing_a_submodule_or_a_raw_array_is_checked(graph_reads, 
     assert_trees_equal(y, _call(m, X4))
 
 
-def test_a_rebuild_after_static_flips_is_read_again(graph_reads, hot_path):
-    """A model whose static attributes flipped (`model.train()` / `model.eval()`: variants
-    kept) is read again after a rebuild: the check's record holds the values of the read,
-    not of the variant in use."""
+def test_a_rebuild_after_static_flips_is_checked_against_the_variant_in_use(graph_reads, hot_path):
+    """A model switched between train and eval mode (`model.train()` / `model.eval()`: static
+    attributes flipped, each configuration's structure kept as a variant), with nnx.jit run
+    on it after each fastcall call: the rebuild is checked with the flipped attributes
+    compared with the variant in use, not read again; values and state as a model only
+    nnx.jit ran."""
     m, ref = Mixed(nnx.Rngs(0)), Mixed(nnx.Rngs(0))
     f, on_m, on_ref = fastcall.jit(_call), nnx.jit(_call), nnx.jit(_call)
-    for mode in ["eval", "train", "eval", "train"]:
+    reads = []
+    for mode in ["eval", "train"] * 4:
         getattr(m, mode)(), getattr(ref, mode)()
         assert_trees_equal(f(m, X4), on_ref(ref, X4))
         assert_trees_equal(on_m(m, X4), on_ref(ref, X4))
         assert_trees_equal(state_of(m), state_of(ref))
+        reads.append(len(graph_reads))
+    # (eval: read, then read after the first rebuild; train: its variant read once)
+    assert reads[-1] == reads[2] == 3
+
+
+def test_a_rebuild_that_changes_a_flipped_static_without_a_flip_is_read_again(graph_reads, hot_path):
+    """A flipped static attribute that a rebuild puts back with another value (no
+    assignment, so no flip reported) differs from the variant in use: read again."""
+    m = Mixed(nnx.Rngs(0))
+    f = fastcall.jit(_call)
+    m.eval()
+    f(m, X4), _rebuild(m), f(m, X4)
+    m.train()
+    f(m, X4), _rebuild(m), f(m, X4)  # (a variant per mode; the rebuild checked)
+    drop = m.net.drop
+    _rebuild(drop, deterministic=True)  # (eval mode's value, put back by a rebuild)
+    reads = len(graph_reads)
+    assert_trees_equal(f(m, X4), _call(m, X4))
+    assert len(graph_reads) == reads + 1
 
 
 def _grow(m, x):
