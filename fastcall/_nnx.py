@@ -585,7 +585,7 @@ def _node_layout(node: Any) -> _NodeLayout | None:
     strong: list[tuple[str, Any, int]] = []
     weak: list[tuple[str, Any]] = []
     arrays: list[str] = []
-    state = _ABSENT
+    state: type | None = None
     for name, value in attributes.items():
         if name == "_pytree__nodes":
             strong.append((name, value, _EQUAL))  # (a mapping of names to flags)
@@ -608,7 +608,7 @@ def _node_layout(node: Any) -> _NodeLayout | None:
                 if data.get(name):
                     return None
                 strong.append((name, value, _SAME))  # (a tuple, a dict: the graphdef holds it too)
-    if state is _ABSENT:
+    if state is None:
         return None
     names, values, kinds = (tuple(column) for column in zip(*strong)) if strong else ((), (), ())
     weak_names, weak_values = (tuple(column) for column in zip(*weak)) if weak else ((), ())
@@ -719,8 +719,9 @@ def slot_after_rebuild(obj: Any) -> _fast.FastSlot | None:
 def slot_as_checked(obj: Any) -> _fast.FastSlot | None:
     """What `slot_after_rebuild` would serve `obj` from, changing nothing (for `explain`)."""
     entry = _rebuilt_entry(obj)
-    layout = None if entry is None or not entry.direct or entry.flipped else entry.layout
-    if layout is None or not _as_read(entry, layout):
+    if entry is None or not entry.direct or entry.flipped or entry.layout is None:
+        return None
+    if not _as_read(entry, entry.layout):
         return None
     return _fast.FastSlot(entry.ref, entry.fast, entry.guard, entry)
 
