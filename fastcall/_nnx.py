@@ -537,7 +537,9 @@ class _NodeLayout(NamedTuple):
     node: Any  # weakref to the node (the entry must not keep its own object alive)
     cls: type  # its class when read (a class assigned since is a change)
     n: int  # how many attributes it had
-    state: type  # the class of NNX's per-object bookkeeping (`_pytree__state`, made anew by each rebuild)
+    # NNX's per-object bookkeeping (`_pytree__state`, made anew by each rebuild): its class and
+    # the flags its graphdef records (`_pytree_state_key`)
+    state: tuple[Any, ...]
     # Attributes expected to hold the very same object, held strongly: Variables (which the
     # entry's leaves hold anyway), static values that keep no node alive, NNX's record of
     # which attributes are data; with how else each may compare (`_SCALAR`: an equal scalar,
@@ -585,12 +587,12 @@ def _node_layout(node: Any) -> _NodeLayout | None:
     strong: list[tuple[str, Any, int]] = []
     weak: list[tuple[str, Any]] = []
     arrays: list[str] = []
-    state: type | None = None
-    for name, value in attributes.items():
+    state: tuple[Any, ...] | None = None
+    for name, value in tuple(attributes.items()):  # (one step: another thread may rebuild it)
         if name == "_pytree__nodes":
             strong.append((name, value, _EQUAL))  # (a mapping of names to flags)
         elif name == "_pytree__state":
-            state = type(value)
+            state = _pytree_state_key(value)
         elif type(value) in _nnx_hooks.SCALARS:
             strong.append((name, value, _SCALAR))
         elif isinstance(value, Variable):
@@ -616,6 +618,12 @@ def _node_layout(node: Any) -> _NodeLayout | None:
         ref, type(node), len(attributes), state, names, _getter(names), values, kinds, weak_names, weak_values,
         tuple(arrays),
     )
+
+
+def _pytree_state_key(state: Any) -> tuple[Any, ...]:
+    """What of NNX's per-object bookkeeping the graphdef records: its flags (set around
+    nnx.bridge's setup and init; a module may read them), with its class."""
+    return (type(state), getattr(state, "initializing", None), getattr(state, "is_setup", None))
 
 
 def _getter(names: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
@@ -664,7 +672,7 @@ def _nodes_as_read(layout: _Layout, flips: dict[tuple[int, str], Any]) -> bool:
         if node is None or type(node) is not cls:
             return False
         attributes = vars(node)
-        if len(attributes) != n or type(attributes.get("_pytree__state")) is not state:
+        if len(attributes) != n or _pytree_state_key(attributes.get("_pytree__state")) != state:
             return False
         current = get(attributes)  # (with the count equal, no attribute missing: the same names)
         if not all(map(operator.is_, current, values)):
@@ -1011,6 +1019,9 @@ def _build(obj: Any, arg_name: str, old: NodeEntry | None) -> tuple[NodeEntry, A
 
 def _new_entry(obj: Any, old: NodeEntry | None) -> NodeEntry:
     if old is not None:
+        # (stale before it is unwatched: a thread publishing it meanwhile, a check passing
+        # or a variant switched to, sees that after publishing and withdraws it: `_serve`)
+        old.stale = True
         _fast.withdraw(old.ref)
         _unwatch(old)
     ref = _Ref(obj, _evict)
@@ -1134,7 +1145,10 @@ def _read_graph(obj: Any, arg_name: str, old: NodeEntry | None, entry: NodeEntry
     # NNX rebuild of it must put back to leave this read current (not for an object met
     # once, as the new State of a functional loop).
     if seen_before and not entry.volatile and not entry.provisional:
-        entry.layout = _layout(refmap)
+        try:
+            entry.layout = _layout(refmap)
+        except Exception:  # (a node another thread is rebuilding: the generation says so below)
+            entry.layout = None
     if _generation[0] != generation or (entry.guard is not None and not _guard.holds(entry.guard)):
         entry.stale = True  # the graph may have changed while we were reading it
     return refmap

@@ -312,6 +312,81 @@ def test_a_check_ending_while_another_call_reads_the_model_leaves_no_stale_slot(
         assert_trees_equal(f(m, x), _call(m, x))
 
 
+def test_a_check_passing_while_another_call_reads_the_model_again_publishes_nothing(monkeypatch, hot_path):
+    """Thread B's check passes after thread C began reading the model again (C unwatched
+    the old entry); a change is then made and the model called (thread A) before C files
+    its new entry. B must not have published the old entry, which no hook reaches any
+    more: A's call gives the eager call's result. Replayed in one thread (found by review)."""
+    from fastcall import _nnx
+
+    m, f, x, _ = _rebuilt_model()
+    _rebuild(m)
+    old = _nnx.by_id[id(m)]
+    read_graph = _nnx._read_graph
+    seen = []
+
+    def reading(obj, arg_name, previous, entry):
+        if not seen:
+            seen.append(None)
+            assert _nnx._rebuilt_as_read(old)  # (thread B's check)
+            m.w = nnx.Param(jnp.full(3, 5.0))  # (thread A's change, then its call)
+            seen.append((f(m, x), _call(m, x)))
+        return read_graph(obj, arg_name, previous, entry)
+
+    monkeypatch.setattr(_nnx, "_read_graph", reading)
+    _nnx._build(m, "m", old)  # (thread C)
+    monkeypatch.setattr(_nnx, "_read_graph", read_graph)
+    assert_trees_equal(*seen[1])
+    for _ in range(2):
+        assert_trees_equal(f(m, x), _call(m, x))
+
+
+def test_a_rebuild_putting_back_other_nnx_bookkeeping_flags_is_read_again(graph_reads):
+    """NNX's per-object bookkeeping (`_pytree__state`, made anew by each rebuild) carries flags
+    its graphdef records and a module may read (nnx.bridge's `is_initializing()`): a rebuild
+    that puts back other flags is a change (found by review)."""
+
+    class ReadsFlag(nnx.Module):
+        def __init__(self) -> None:
+            self.w = nnx.Param(jnp.ones(3))
+
+        def __call__(self, x):
+            return x * self.w[...] + (100.0 if self._pytree__state.initializing else 0.0)
+
+    @nnx.jit
+    def mark(m):
+        m._pytree__state._initializing = True
+
+    m, f, x = ReadsFlag(), fastcall.jit(_call), jnp.ones(3)
+    f(m, x), _rebuild(m), f(m, x)
+    _rebuild(m)
+    reads = len(graph_reads)
+    assert_trees_equal(f(m, x), _call(m, x))
+    assert len(graph_reads) == reads
+    mark(m)
+    assert m._pytree__state.initializing
+    assert_trees_equal(f(m, x), _call(m, x))
+    assert len(graph_reads) == reads + 1
+
+
+def test_a_record_that_cannot_be_made_is_not_kept(monkeypatch, graph_reads):
+    """Making the record for the check can fail (a node another thread rebuilds meanwhile:
+    found by review, a RuntimeError out of the call): the call goes on without one, and the
+    next rebuild is read again."""
+    from fastcall import _nnx
+
+    def failing(refmap):
+        raise RuntimeError("dictionary changed size during iteration")
+
+    monkeypatch.setattr(_nnx, "_layout", failing)
+    m, f, x, _ = _rebuilt_model()
+    assert _nnx.by_id[id(m)].layout is None
+    _rebuild(m)
+    reads = len(graph_reads)
+    assert_trees_equal(f(m, x), _call(m, x))
+    assert len(graph_reads) == reads + 1
+
+
 def test_rebuilds_and_changes_from_threads_leave_the_model_current():
     """Threads rebuilding a model in place (NNX's clear and init: one putting back what was
     there, one flipping a static each time) while two others call the fastcall function on
