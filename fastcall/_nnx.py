@@ -505,6 +505,8 @@ def _switch_variant(obj: Any, arg_name: str, entry: NodeEntry) -> NodeEntry:
             unchanged
             and not new.stale
             and not new.volatile
+            and not new.flips  # (a flip reported to the new entry since its read: it keeps its own)
+            and not new.flipped
             and entry.flip_key() == key  # (no flip since the key was read)
             and new.paths == entry.paths
             and new.watched == entry.watched
@@ -678,7 +680,13 @@ def _nodes_as_read(layout: _Layout, flips: dict[tuple[int, str], Any]) -> bool:
         if not all(map(operator.is_, current, values)):
             for name, value, expected, kind in zip(names, current, values, kinds):
                 if value is not expected and not (
-                    (kind == _SCALAR and (_nnx_hooks.same_scalar(expected, value) or (id(node), name) in flips))
+                    (
+                        kind == _SCALAR
+                        and (
+                            _nnx_hooks.same_scalar(expected, value)
+                            or (type(value) in _nnx_hooks.SCALARS and (id(node), name) in flips)
+                        )
+                    )
                     or (kind == _EQUAL and type(value) is type(expected) and value == expected)
                 ):
                     return False
@@ -2336,6 +2344,9 @@ def _replace_variable(arg: NnxArg, index: int, value: Any) -> None:
             entry.watched = [id(new) if w == id(old) else w for w in entry.watched]
             entry.node_ids = frozenset(entry.watched)
             entry.version += 1
+            # (the record of the read holds `old`, which a rebuild may put back: the entry,
+            # which holds `new`, would then pass the check; and the record kept `old` alive)
+            entry.layout = None
 
 
 def twin_states(nnx_out: NnxOutputs, result: Any, nnx_args: list[NnxArg]) -> None:

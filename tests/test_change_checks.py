@@ -387,6 +387,95 @@ def test_a_record_that_cannot_be_made_is_not_kept(monkeypatch, graph_reads):
     assert len(graph_reads) == reads + 1
 
 
+class _Replaces(nnx.Module):
+    def __init__(self) -> None:
+        self.kl = nnx.Variable(jnp.zeros(()))
+        self.w = nnx.Param(jnp.ones(()))
+
+
+def _replace_kl(m):
+    m.kl = nnx.Variable(m.kl[...] + 1.0)  # (a new Variable object every call)
+    return m.kl[...]
+
+
+def _read_kl(m):
+    return m.kl[...] * m.w[...]
+
+
+def test_a_replaced_variable_put_back_by_a_rebuild_is_read_again(hot_path):
+    """A call replaces a Variable (fastcall puts the new one in the caller's node and in its
+    entry); nnx.jit then puts the old Variable back (a rebuild, no assignment seen). The
+    record of the read held the old one: the check must not pass with the entry holding the
+    new one (found by review: stale values, wrong state written)."""
+    m, ref = _Replaces(), _Replaces()
+    f, g = fastcall.jit(_replace_kl), fastcall.jit(_read_kl)
+    f(m), _replace_kl(ref)
+    nnx.jit(lambda m: None)(m)  # (a rebuild: the next read keeps a record)
+    saved, saved_ref = m.kl, ref.kl
+    assert_trees_equal(f(m), _replace_kl(ref))
+    nnx.jit(lambda m, v: setattr(m, "kl", v))(m, saved)
+    ref.kl = saved_ref
+    for _ in range(2):
+        assert_trees_equal(g(m), _read_kl(ref))
+    assert_trees_equal(f(m), _replace_kl(ref))
+    assert_trees_equal(state_of(m), state_of(ref))
+
+
+class _Mode(nnx.Module):
+    def __init__(self) -> None:
+        self.w = nnx.Param(jnp.ones(3))
+        self.mode = "a"
+        self.scale = 1
+
+    def __call__(self, x):
+        return x * self.w[...] * (2.0 if self.mode == "a" else 3.0) * self.scale
+
+
+def test_a_rebuild_putting_a_value_of_another_kind_in_a_flipped_attribute_is_read_again(hot_path):
+    """A flipped static attribute (its variants kept) put back by a rebuild as a list, while
+    a flip is pending: not a flip (a static scalar replaced by another) but a change; the
+    call is the eager call's, not a TypeError from the variants' lookup (found by review)."""
+    m, f, x = _Mode(), fastcall.jit(_call), jnp.arange(3.0)
+    f(m, x), _rebuild(m), f(m, x)
+    m.mode = "b"
+    f(m, x)
+    m.mode = "a"  # (a flip pending)
+    _rebuild(m, mode=["c"])
+    for _ in range(2):
+        assert_trees_equal(f(m, x), _call(m, x))
+
+
+def test_a_flip_reported_while_a_new_variant_is_read_is_not_lost(monkeypatch, hot_path):
+    """While a call reads the structure for a configuration of flipped attributes not seen
+    yet, another thread flips an attribute not flipped before: the new entry, which saw it,
+    keeps its own flips (the variants kept so far are not carried over). Replayed in one
+    thread (found by review; the race predates the rebuild check)."""
+    from fastcall import _nnx
+
+    m, f, x = _Mode(), fastcall.jit(_call), jnp.arange(3.0)
+    f(m, x), f(m, x)
+    m.mode = "b"
+    f(m, x)
+    m.mode = "a"
+    f(m, x)  # (two variants kept)
+    build, done = _nnx._build, []
+
+    def building(obj, arg_name, old):
+        out = build(obj, arg_name, old)
+        if old is not None and old.flips and not done:
+            done.append(True)
+            m.scale = 3  # (thread B's flip, right after thread A's read)
+        return out
+
+    monkeypatch.setattr(_nnx, "_build", building)
+    m.mode = "c"  # (a configuration not seen yet: read by the variant switch)
+    f(m, x)
+    monkeypatch.setattr(_nnx, "_build", build)
+    assert done
+    for _ in range(3):
+        assert_trees_equal(f(m, x), _call(m, x))
+
+
 def test_rebuilds_and_changes_from_threads_leave_the_model_current():
     """Threads rebuilding a model in place (NNX's clear and init: one putting back what was
     there, one flipping a static each time) while two others call the fastcall function on
