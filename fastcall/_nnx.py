@@ -654,8 +654,8 @@ def _as_read(entry: NodeEntry, layout: _Layout) -> bool:
     has flipped since the read (`model.train()`: `entry.flips`) may differ from the record:
     its value is the one the entry's spec is for (`spec_key`), unless a flip is pending
     (`flipped`: the variant is switched to after this check). With its nodes the same, the
-    graph reachable from the object is the one read. (An entry changed in place by a call
-    since the read, a Variable replaced, holds other objects than the record: not the same.)"""
+    graph reachable from the object is the one read. (A call that replaced a Variable in
+    place dropped the record: `_replace_variable`.)"""
     try:
         if not _nodes_as_read(layout, entry.flips):
             return False
