@@ -94,7 +94,7 @@ _rebuild_lock = threading.RLock()
 
 def _rebuilt(node: Any) -> None:
     """Half of NNX's in-place rebuild of `node` (its clear or its init: nnx.jit's graph
-    updates on a model passed to it, nnx.update) ran. A rebuild mostly puts back what was
+    updates on a model passed to it, and NNX's other transforms': nnx.grad, nnx.vmap) ran. A rebuild mostly puts back what was
     there, so it is not taken as a change: the entries watching the node leave the fast
     path and are marked `rebuilt`; their next use checks every node of the graph against
     what was read (`_rebuilt_as_read`) and serves again if nothing differs, else re-reads."""
@@ -526,7 +526,7 @@ def _switch_variant(obj: Any, arg_name: str, entry: NodeEntry) -> NodeEntry:
 # --------------------------------------------------------------------------
 # A graph NNX rebuilt in place: checked against the last read, not read again
 #
-# nnx.jit (and nnx.update) rebuild every node of a model passed to them in place after
+# nnx.jit (and NNX's other transforms) rebuild every node of a model passed to them in place after
 # the call: each node's attributes cleared, then set again, mostly to the very objects
 # they held. The check compares each node's attributes with a record of the read
 # (`_Layout`): no graph walk, no graphdef built or compared.
@@ -1670,7 +1670,7 @@ def explain_node(obj: Any) -> tuple[str, str]:
         return "NNX object whose structure changed", "re-read on its next call, then cached again"
     if entry.rebuilt:
         return (
-            "NNX object rebuilt in place by NNX (nnx.jit's graph update, nnx.update)",
+            "NNX object rebuilt in place by NNX (the graph update of nnx.jit or another NNX transform)",
             "its nodes' attributes compared with the last read on its next call (no graph walk if they are the same; "
             "else re-read)" if entry.layout is not None else "re-read on its next call, then cached again",
         )

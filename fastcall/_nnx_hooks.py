@@ -5,7 +5,7 @@ must learn when it changes. Nothing in flax tracks mutation, so fastcall wraps
 the few methods through which a graph's structure changes (`HOOK_TARGETS`)
 and, after each call of one on an object that belongs to a cached graph,
 marks that cache entry stale. NNX's in-place rebuilds of a node (its clear,
-then its init: nnx.jit's graph updates, nnx.update) are reported apart: they
+then its init: the graph updates of nnx.jit and NNX's other transforms) are reported apart: they
 mostly put back what was there, which the cache can check for itself.
 
 These are private parts of flax. A release that renames or removes one would
@@ -121,7 +121,8 @@ HOOK_TARGETS: tuple[HookTarget, ...] = (
     ),
     HookTarget(Pytree, "__delattr__", "attribute deletion"),
     HookTarget(
-        Pytree, "_graph_node_clear", "NNX's in-place graph rebuilds (nnx.jit graph updates, nnx.update)", rebuild=True
+        Pytree, "_graph_node_clear", "NNX's in-place graph rebuilds (graph updates of nnx.jit and other transforms)",
+        rebuild=True,
     ),
     HookTarget(Pytree, "_graph_node_init", "NNX's in-place graph rebuilds", rebuild=True),
     HookTarget(Variable, "set_metadata", "Variable metadata changes"),

@@ -161,6 +161,26 @@ def test_nnx_jit_graph_updates_on_a_shared_model_keep_the_fast_path(mode, graph_
         assert_trees_equal(state_of(m), state_of(ref))
 
 
+@pytest.mark.parametrize("transform", ["grad", "vmap", "cond"])
+def test_other_nnx_transforms_on_a_shared_model_keep_the_fast_path(transform, graph_reads, hot_path):
+    """NNX's other transforms rebuild the model they are given in place after the call too
+    (`nnx.grad`, `nnx.vmap`, `nnx.cond`): checked, not read again; the eager call's result."""
+    m = Mixed(nnx.Rngs(0))
+    m.eval()
+    f = fastcall.jit(_call)
+    run = {
+        "grad": lambda: nnx.grad(lambda m: _call(m, X4).sum())(m),
+        "vmap": lambda: nnx.vmap(_call, in_axes=(None, 0))(m, jnp.stack([X4, X4])),
+        "cond": lambda: nnx.cond(True, _call, _call, m, X4),
+    }[transform]
+    for _ in range(3):
+        assert_trees_equal(f(m, X4), _call(m, X4))
+        run()
+    y, route = served(f, m, X4)
+    assert route == "python_fast" and len(graph_reads) == 2
+    assert_trees_equal(y, _call(m, X4))
+
+
 def _rebuild(node, **replaced):
     """NNX's in-place rebuild of `node` (its clear, then its init, as nnx.jit's graph update
     runs them), putting back its attributes, with `replaced` ones replaced."""
