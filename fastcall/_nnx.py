@@ -684,7 +684,7 @@ def _nodes_as_read(layout: _Layout, flips: dict[tuple[int, str], Any]) -> bool:
                         kind == _SCALAR
                         and (
                             _nnx_hooks.same_scalar(expected, value)
-                            or (type(value) in _nnx_hooks.SCALARS and (id(node), name) in flips)
+                            or (_nnx_hooks.scalar_flip(expected, value) and (id(node), name) in flips)
                         )
                     )
                     or (kind == _EQUAL and type(value) is type(expected) and value == expected)

@@ -77,13 +77,14 @@ def _static_flip(before: tuple[Any, Any], after: tuple[Any, Any]) -> bool:
     (`model.train()` / `model.eval()` flipping `deterministic`): the graph's structure is
     as it was but for that one static value."""
     (old, old_data), (new, new_data) = before, after
-    return (
-        old is not _MISSING
-        and old_data is False
-        and new_data is False
-        and type(old) in SCALARS
-        and type(new) in SCALARS
-    )
+    return old is not _MISSING and old_data is False and new_data is False and scalar_flip(old, new)
+
+
+def scalar_flip(old: Any, new: Any) -> bool:
+    """Whether replacing static `old` by `new` may be a flip (one static scalar by another:
+    the structure kept as a variant). The one rule (here, and in the check of a graph NNX
+    rebuilt in place)."""
+    return type(old) in SCALARS and type(new) in SCALARS
 
 
 def _metadata_object(variable: Any, *_: Any) -> Any:
