@@ -51,6 +51,7 @@ from ._fast import (
 )
 from ._flatten import ArrayImpl
 from ._outputs import on_error
+from ._stats import WHOLE_READS
 from ._trace import TOP_LEVEL_PROBE, StepAside, currently_jitting
 
 
@@ -624,6 +625,7 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
                 else:
                     return out if post is None else post(out, first, variables)
         # ---- 2. the general path: resolve every argument, run the compiled entry ----
+        whole_reads = WHOLE_READS.count
         try:
             resolved = resolve_call(state, fun_leaves, args, kwargs)
         except StepAside:
@@ -631,7 +633,10 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
         if resolved is None:  # (or the arguments do not fit: the function raises)
             return fun(*args, **kwargs)
         entry = state.table.get(resolved.key) or state.entry(resolved.key)
-        counts.general += 1
+        if WHOLE_READS.count == whole_reads:
+            counts.general_cached += 1
+        else:
+            counts.general_read += 1
         out = run(state, entry, resolved)
         _install_fast(state, fun_leaves, resolved, state.table.get(resolved.key) or entry, tuple(kwargs))
         return out

@@ -36,12 +36,13 @@ class PathCounts:
     """Calls served by each route (see `JitStats.paths`). The C fast path counts its
     own calls on each C wrapper."""
 
-    __slots__ = ("python_fast", "python_structure", "general")
+    __slots__ = ("python_fast", "python_structure", "general_cached", "general_read")
 
     def __init__(self) -> None:
         self.python_fast = 0
         self.python_structure = 0
-        self.general = 0
+        self.general_cached = 0
+        self.general_read = 0
 
 
 class FunctionState:
@@ -230,7 +231,8 @@ class FunctionState:
             "python_fast": self.counts.python_fast,
             "c_structure": sum(w._fastcall_c_structure_calls for w in wrappers),
             "python_structure": self.counts.python_structure,
-            "general": self.counts.general,
+            "general_cached": self.counts.general_cached,
+            "general_read": self.counts.general_read,
         }
         calls = sum(paths.values())
         return _stats.JitStats(

@@ -51,6 +51,7 @@ from flax.nnx import variablelib
 from flax.nnx.variablelib import Variable, is_array_ref
 
 from . import _fast, _guard, _nnx_gate, _nnx_hooks
+from ._stats import read_whole
 from ._errors import FastcallError, describe_arg
 from ._flatten import ArrayImpl, intern
 from ._flatten import flatten_generic as _flatten_generic
@@ -898,6 +899,8 @@ def forget_function(state: Any) -> None:
 
 
 def _flatten_node(obj: Any, arg_name: str, **kwargs: Any) -> tuple[Any, Any]:
+    """NNX's graph walk of `obj` (every read of an NNX object's graph goes through here)."""
+    read_whole()
     try:
         graphdef, flat = graphlib.flatten(obj, with_paths=True, **kwargs)
     except Exception as err:
@@ -1184,6 +1187,7 @@ _plain_state_specs: dict[Any, NodeSpec] = {}
 def _plain_state_read(state: Any) -> _PlainState | None:
     """A State's Variables by jax's pytree flatten, if it holds Variables only, each once,
     with hashable metadata; with the spec remembered for their structure, if any."""
+    read_whole()
     variables, treedef = jax.tree_util.tree_flatten(state, is_leaf=_is_node_fast)
     if not all(map(_is_variable, variables)) or len(set(map(id, variables))) != len(variables):
         return None
@@ -1447,44 +1451,75 @@ def _static_containers(graphdef: Any) -> list[Any] | None:
         return None
     found: list[Any] = []
     seen: set[int] = set()
-
-    def walk(x: Any, depth: int) -> bool:
-        try:
-            hash(x)
-            return True
-        except TypeError:
-            pass
-        if id(x) in seen:
-            return True
-        if depth > 64:
-            return False
-        seen.add(id(x))
-        t = type(x)
-        if t is list or t is tuple:
-            if t is list:
-                found.append(x)
-            return all(walk(i, depth + 1) for i in x)
-        if t is dict:
-            found.append(x)
-            return all(walk(v, depth + 1) for v in x.values())
-        if dataclasses.is_dataclass(x) and not isinstance(x, type):
-            if isinstance(x, (list, tuple, dict)):
-                return False  # (a dataclass that is also a container: its items are keyed too)
-            attributes = _guard.Attributes(x)
-            if not _guard.is_guardable(attributes):
-                return False  # (no attribute dict to watch: slots)
-            d = vars(x)
-            if any(f.name not in d or hasattr(inspect.getattr_static(t, f.name, None), "__set__")
-                   for f in dataclasses.fields(x)):
-                return False  # (a field kept out of the attribute dict: a slot, a descriptor)
-            found.append(attributes)
-            return all(walk(v, depth + 1) for v in vars(x).values())
-        return False
-
     for _, attr in graphdef.attributes:
-        if type(attr) is graphlib.Static and not walk(attr.value, 0):
+        if type(attr) is graphlib.Static and _unwatchable(attr.value, found, seen, 0) is not _WATCHABLE:
             return None
     return found
+
+
+_WATCHABLE = object()  # (what `_unwatchable` returns for a value a guard can watch)
+
+
+def _unwatchable(x: Any, found: list[Any], seen: set[int], depth: int) -> Any:
+    """The part of static value `x` that no guard can watch (a set, an object of another
+    kind, a dataclass keeping a field out of its attribute dict, or `x` itself nested too
+    deep), or `_WATCHABLE`; appends to `found` the lists, dicts and dataclass attribute
+    dicts a guard must watch (`_static_containers`)."""
+    try:
+        hash(x)
+        return _WATCHABLE
+    except TypeError:
+        pass
+    if id(x) in seen:
+        return _WATCHABLE
+    if depth > 64:
+        return x
+    seen.add(id(x))
+    t = type(x)
+    if t is list or t is tuple or t is dict:
+        if t is not tuple:
+            found.append(x)
+        for item in x.values() if t is dict else x:
+            part = _unwatchable(item, found, seen, depth + 1)
+            if part is not _WATCHABLE:
+                return part
+        return _WATCHABLE
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        if isinstance(x, (list, tuple, dict)):
+            return x  # (a dataclass that is also a container: its items are keyed too)
+        attributes = _guard.Attributes(x)
+        if not _guard.is_guardable(attributes):
+            return x  # (no attribute dict to watch: slots)
+        d = vars(x)
+        if any(f.name not in d or hasattr(inspect.getattr_static(t, f.name, None), "__set__")
+               for f in dataclasses.fields(x)):
+            return x  # (a field kept out of the attribute dict: a slot, a descriptor)
+        found.append(attributes)
+        for item in vars(x).values():
+            part = _unwatchable(item, found, seen, depth + 1)
+            if part is not _WATCHABLE:
+                return part
+        return _WATCHABLE
+    return x
+
+
+def unwatchable_statics(obj: Any) -> list[tuple[str, Any]]:
+    """(attribute path, the part no guard can watch) for each static attribute of `obj`'s
+    graph that `_static_containers` refuses, for `f.explain`."""
+    graphdef, _ = graphlib.flatten(obj)
+    refused = {}
+    for _, attr in graphdef.attributes:
+        if type(attr) is graphlib.Static:
+            part = _unwatchable(attr.value, [], set(), 0)
+            if part is not _WATCHABLE:
+                refused[id(attr.value)] = part
+    where = []
+    for path, node in nnx.iter_graph(obj):
+        attributes = getattr(node, "__dict__", None) if _is_node_fast(node) else None
+        for name, value in (attributes or {}).items():
+            if id(value) in refused:
+                where.append((".".join(map(str, (*path, name))), refused.pop(id(value))))
+    return where
 
 
 def _has_mutable_statics(graphdef: Any) -> bool:
@@ -1564,6 +1599,7 @@ def read_container(
             return _read_plain_state(value, plain, leaves, nnx_args).id
         if plain is not None or _plain_state(value):
             return _read_node(value, leaves, arg_name, nnx_args, None).id
+    read_whole()
     items, treedef = jax.tree_util.tree_flatten(value, is_leaf=_is_node_fast)
     layout: list[Any] = []
     codes: list[Any] = []
@@ -1678,9 +1714,13 @@ def explain_node(obj: Any) -> tuple[str, str]:
         if not TRUSTED:
             why = "the structure hooks are not verified on this flax"
         elif entry.spec.mutable_statics:
+            where = "; ".join(
+                f"{path} holds {_describe_part(part)}" for path, part in unwatchable_statics(obj)
+            ) or "a static attribute holds one"
             why = (
                 "a mutable static attribute holding what a guard cannot watch (a set, an object that is "
-                "not a list, dict or dataclass): its graph is walked and compared by value"
+                f"not a list, dict or dataclass): {where}; its graph is walked and compared by value. "
+                "For the fast path, keep hashable values there (a tuple, a frozenset, a frozen dataclass)"
             )
         else:
             why = "a container in its graph that cannot be guarded, or a raw leaf fastcall cannot address"
@@ -1692,6 +1732,11 @@ def explain_node(obj: Any) -> tuple[str, str]:
         kind += "; raw arrays inside plain lists/dicts keep it on the general path"
     n_leaves = len(entry.items)
     return kind, f"{n_leaves} leaf value{'' if n_leaves == 1 else 's'} read{checks}"
+
+
+def _describe_part(part: Any) -> str:
+    kind = type(part).__name__
+    return f"an {kind}" if kind[:1] in "aeiou" else f"a {kind}"
 
 
 def describe_node(obj: Any) -> tuple[Any, list[tuple[str, Any]]]:

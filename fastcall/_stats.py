@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import reprlib
+import threading
 from typing import Any, Iterable
 
 import jax
@@ -56,9 +57,12 @@ class JitStats:
       `"python_fast"` (the same fast path in Python, when the C one is not
       built or is disabled), `"c_structure"` / `"python_structure"` (a new
       object of a structure this function has run, read by that structure's
-      generated code: the structure path, in C or in Python), `"general"`
-      (everything else: arguments resolved through the identity cache or read
-      afresh). They add up to `calls`.
+      generated code: the structure path, in C or in Python), and the general
+      path, everything else: `"general_cached"` (every argument found in a
+      cache: the identity cache, an NNX object's cached structure, a structure's
+      generated extractor) or `"general_read"` (at least one argument read whole,
+      by jax's flatten or NNX's graph walk: what the peer does on every call).
+      They add up to `calls`.
     """
 
     calls: int
@@ -140,6 +144,22 @@ def _around_first_difference(a: str, b: str, width: int = 50) -> tuple[str, str]
     start = max(0, i - width)
     clip = lambda s: ("..." if start else "") + s[start : i + width] + ("..." if len(s) > i + width else "")  # noqa: E731
     return clip(a), clip(b)
+
+
+class _WholeReads(threading.local):
+    """How many arguments this thread has read whole (`read_whole`)."""
+
+    count = 0
+
+
+WHOLE_READS = _WholeReads()
+
+
+def read_whole() -> None:
+    """Count one argument read whole (jax's flatten of it, NNX's graph walk of it): the
+    general path compares the count around resolving a call, to tell `"general_read"`
+    from `"general_cached"` (per thread: another thread's read is not this call's)."""
+    WHOLE_READS.count += 1
 
 
 class RecompileWarning(UserWarning):

@@ -16,7 +16,7 @@ from flax import nnx
 
 import fastcall
 
-from .conftest import FAST_PATH, STRUCTURE_PATH, assert_trees_equal, served
+from .conftest import FAST_PATH, STRUCTURE_PATH, assert_trees_equal, served, served_exactly
 
 pytestmark = pytest.mark.usefixtures("hot_path")
 
@@ -29,21 +29,22 @@ def test_same_equinox_model_takes_the_fast_path(hot_path):
     m = eqx.nn.MLP(4, 3, 8, 2, key=jax.random.PRNGKey(0))
     f = fastcall.jit(forward)
     x = jnp.ones(4)
-    out, path = served(f, m, x)
-    assert path == "general"  # first call: resolved, compiled, cached by identity
-    out, path = served(f, m, x)
-    assert path == "general"  # seen before: its fast record is installed now
+    out, path = served_exactly(f, m, x)
+    assert path == "general_read"  # first call: read whole, compiled, cached by identity
+    out, path = served_exactly(f, m, x)
+    assert path == "general_cached"  # seen before: its fast record is installed now
     out2, path2 = served(f, m, x)
     assert path2 == FAST_PATH[hot_path]
     assert_trees_equal(out2, m(x))
     assert_trees_equal(out2, eqx.filter_jit(forward)(m, x))
     # Another model of the same structure is a new object: the structure path serves it;
-    # passed again, it is cached by identity (general), then served fast.
+    # passed again, it is cached by identity (general, read by its structure's extractor,
+    # then found in the cache), then served fast.
     m2 = eqx.nn.MLP(4, 3, 8, 2, key=jax.random.PRNGKey(1))
     out3, path3 = served(f, m2, x)
     assert path3 == STRUCTURE_PATH[hot_path]
     assert_trees_equal(out3, m2(x))
-    assert [served(f, m2, x)[1] for _ in range(2)] == ["general", "general"]
+    assert [served_exactly(f, m2, x)[1] for _ in range(2)] == ["general_cached", "general_cached"]
     out4, path4 = served(f, m2, x)
     assert path4 == FAST_PATH[hot_path]
     assert_trees_equal(out4, m2(x))
@@ -74,30 +75,36 @@ def test_nnx_fast_path_reads_values_and_writes_state_back(hot_path):
     x = jnp.arange(6.0).reshape(2, 3)
     paths = []
     for i in range(3):
-        y, path = served(f, ours, x + i)
+        y, path = served_exactly(f, ours, x + i)
         paths.append(path)
         assert_trees_equal(y, g(theirs, x + i))
         assert_trees_equal(nnx.state(ours), nnx.state(theirs))
-    assert paths == ["general", FAST_PATH[hot_path], FAST_PATH[hot_path]]
+    assert paths == ["general_read", FAST_PATH[hot_path], FAST_PATH[hot_path]]
     # A value changed outside is read by the fast path.
     ours.lin.kernel[...] = ours.lin.kernel[...] * 2
     theirs.lin.kernel[...] = theirs.lin.kernel[...] * 2
     y, path = served(f, ours, x)
     assert path == FAST_PATH[hot_path]
     assert_trees_equal(y, g(theirs, x))
-    # A structure change sends the next call to the general path, then fast again.
+    # A structure change sends the next call to the general path, which reads the graph
+    # again; then fast again.
     ours.lin = nnx.Linear(3, 3, rngs=nnx.Rngs(5))
     theirs.lin = nnx.Linear(3, 3, rngs=nnx.Rngs(5))
-    y, path = served(f, ours, x)
-    assert path == "general"
+    y, path = served_exactly(f, ours, x)
+    assert path == "general_read"
     assert_trees_equal(y, g(theirs, x))
     y, path = served(f, ours, x)
     assert path == FAST_PATH[hot_path]
     assert_trees_equal(y, g(theirs, x))
-    ours.eval()  # a static attribute: another compiled program
+    ours.eval()  # a static attribute: another compiled program (its first time: read again)
     theirs.eval()
-    y, path = served(f, ours, x)
-    assert path == "general"
+    y, path = served_exactly(f, ours, x)
+    assert path == "general_read"
+    assert_trees_equal(y, g(theirs, x))
+    ours.train()  # back to the variant read before: switched to, not read
+    theirs.train()
+    y, path = served_exactly(f, ours, x)
+    assert path == "general_cached"
     assert_trees_equal(y, g(theirs, x))
 
 
@@ -178,3 +185,157 @@ def test_c_wrapper_checks_the_record_layout():
         _dispatch.configure_accel()  # (a failed configure changes nothing; restore anyway)
     f = fastcall.jit(lambda x: x + 1)
     assert int(f(jnp.ones(()))) == 2
+
+
+class _WithSet(nnx.Module):
+    """A mutable static attribute holding a set, which no guard watches: read every call."""
+
+    def __init__(self):
+        self.config = {"scale": 2.0, "tags": {"a"}}
+        self.w = nnx.Param(jnp.arange(3.0))
+
+    def __call__(self, x):
+        return self.w[...] * x * self.config["scale"]
+
+
+def test_general_calls_that_read_an_argument_whole_are_counted_apart(hot_path, monkeypatch):
+    """`paths["general_read"]` counts the general path's calls that read an argument whole
+    (NNX's graph walk, jax's flatten); `"general_cached"` those served from the caches. A
+    call for which fastcall built a new entry for the model counts as read; one counted
+    cached built none."""
+    from fastcall import _nnx
+
+    builds = []
+    original = _nnx._build
+    monkeypatch.setattr(_nnx, "_build", lambda *a: builds.append(a[0]) or original(*a))
+
+    def route(f, *args):
+        before = len(builds)
+        out, path = served_exactly(f, *args)
+        if len(builds) > before:
+            assert path == "general_read"
+        if path == "general_cached":
+            assert len(builds) == before
+        return out, path
+
+    ours, theirs = Block(nnx.Rngs(0)), Block(nnx.Rngs(0))
+    f, g = fastcall.jit(forward), nnx.jit(forward)
+    x = jnp.arange(6.0).reshape(2, 3)
+    seen = []
+    for step in range(8):
+        if step == 2:  # a structure change: read again
+            ours.extra = theirs.extra = nnx.Param(jnp.ones(3))
+        if step == 4:  # nnx.jit rebuilds the model in place: checked (in Python), not read again
+            g(ours, x)
+            g(theirs, x)
+        if step == 6:  # a new variant: read; back to the old one: switched to, not read
+            ours.eval(), theirs.eval()
+        if step == 7:
+            ours.train(), theirs.train()
+        y, path = route(f, ours, x)
+        seen.append(path)
+        assert_trees_equal(y, g(theirs, x))
+        assert_trees_equal(nnx.state(ours), nnx.state(theirs))
+    fast = FAST_PATH[hot_path]
+    assert seen == [
+        "general_read", fast, "general_read", fast, "python_fast", fast, "general_read", "general_cached"
+    ], seen
+    # A module the caches cannot hold (a set among its statics) is read on every call.
+    h, peer = fastcall.jit(lambda m, x: m(x)), nnx.jit(forward)  # (h: stats of its own)
+    m, twin = _WithSet(), _WithSet()
+    for _ in range(3):
+        y, path = route(h, m, jnp.ones(3))
+        assert path == "general_read"
+        assert_trees_equal(y, peer(twin, jnp.ones(3)))
+    assert h.stats().paths["general_read"] == 3
+
+
+def test_an_equinox_list_changed_in_place_is_read_by_its_structures_extractor(hot_path):
+    """A list in an Equinox model changed in place between calls: the next call reads the
+    model by its structure's generated extractor (`"general_cached"`: no flatten), then the
+    fast path serves it again; a list grown in place is a structure not seen: read whole."""
+
+    class Net(eqx.Module):
+        layers: list
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    m = Net([eqx.nn.Linear(3, 3, key=keys[0]), eqx.nn.Linear(3, 3, key=keys[1])])
+    f, peer = fastcall.jit(forward), eqx.filter_jit(forward)
+    x = jnp.ones(3)
+    routes = [served_exactly(f, m, x)[1] for _ in range(3)]
+    assert routes == ["general_read", "general_cached", FAST_PATH[hot_path]]
+    m.layers[0] = eqx.nn.Linear(3, 3, key=keys[2])
+    routes = []
+    for _ in range(2):
+        y, path = served_exactly(f, m, x)
+        routes.append(path)
+        assert_trees_equal(y, peer(m, x))
+        assert_trees_equal(y, m(x))
+    assert routes == ["general_cached", FAST_PATH[hot_path]]
+    m.layers.append(eqx.nn.Linear(3, 3, key=keys[0]))
+    y, path = served_exactly(f, m, x)
+    assert path == "general_read"
+    assert_trees_equal(y, peer(m, x))
+    assert_trees_equal(y, m(x))
+
+
+def test_a_read_in_another_thread_is_not_counted_as_this_calls(hot_path, monkeypatch):
+    """Reads are counted per thread: a call served from the caches while another thread
+    reads a model whole (here, inside this call's resolving) still counts as cached."""
+    import threading
+
+    from fastcall import _args
+
+    m = eqx.nn.Linear(3, 3, key=jax.random.PRNGKey(0))
+    other = fastcall.jit(lambda m, x: m(x))  # (called in the other thread on new NNX models)
+    x = jnp.ones(3)
+    fastcall.jit(forward)(m, x)  # (`m` read and cached by identity)
+    original = _args.resolve_call
+
+    def resolve_while_another_thread_reads(*a):
+        t = threading.Thread(target=other, args=(nnx.Linear(3, 3, rngs=nnx.Rngs(1)), x))
+        t.start()
+        t.join()
+        return original(*a)
+
+    monkeypatch.setattr(_args, "resolve_call", resolve_while_another_thread_reads)
+    g = fastcall.jit(lambda m, x: m(x) * 2.0)  # (made now: its wrapper binds the patched function)
+    y, path = served_exactly(g, m, x)  # (its first call: the general path, `m` from the cache)
+    assert path == "general_cached"
+    assert_trees_equal(y, m(x) * 2.0)
+    assert other.stats().paths["general_read"] == 1
+
+
+def test_containers_and_states_flattened_every_call_are_counted_as_read(hot_path, monkeypatch):
+    """An NNX model in a tuple beside an array, passed again (the tuple is flattened each
+    call, the model taken from its cache entry), and a new `nnx.split` State each call (read
+    by jax's flatten, as jax.jit reads it): each such call counts as `"general_read"`, with
+    the model's graph read only at the first call."""
+    from fastcall import _nnx
+
+    builds = []
+    original = _nnx._build
+    monkeypatch.setattr(_nnx, "_build", lambda *a: builds.append(a[0]) or original(*a))
+    m, twin = nnx.Linear(3, 3, rngs=nnx.Rngs(0)), nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+    x = jnp.arange(3.0)
+    pair = (m, x)
+    f, peer = fastcall.jit(lambda p, x: p[0](x) + p[1]), nnx.jit(lambda p, x: p[0](x) + p[1])
+    for _ in range(3):
+        y, path = served_exactly(f, pair, x)
+        assert path == "general_read"
+        assert_trees_equal(y, peer((twin, x), x))
+    assert builds == [m]
+    builds.clear()
+    h = fastcall.jit(lambda state, x: state["kernel"][...] @ x + state["bias"][...])
+    h_peer = jax.jit(lambda state, x: state["kernel"][...] @ x + state["bias"][...])
+    for _ in range(3):
+        state = nnx.split(m)[1]
+        y, path = served_exactly(h, state, x)
+        assert path == "general_read"
+        assert_trees_equal(y, h_peer(state, x))
+    assert len(builds) <= 1  # (a State's first read builds its entry; later ones are flattened)

@@ -28,3 +28,26 @@ def test_public_api_is_listed_in_readme():
     public = [n for n in dir(fastcall) if not n.startswith("_")]
     for name in public:
         assert f"fastcall.{name}" in readme, name
+
+
+def test_the_performance_sections_route_example_prints_what_readme_shows(capsys):
+    """README's "Which route your calls take" snippet, run, prints the output shown below
+    it; with the tuple the text names instead of the set, the fast path serves it."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import fastcall
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("**Which route your calls take.**")[1]
+    code = section.split("```python\n")[1].split("```")[0]
+    shown = section.split("```python\n")[1].split("```\n")[2].split("```")[0]
+    namespace = {"jnp": jnp, "nnx": nnx, "fastcall": fastcall}
+    exec(code, namespace)
+    assert capsys.readouterr().out == shown
+    exec(code.replace('{"cls", "seg"}', '("cls", "seg")'), namespace)
+    out = " ".join(capsys.readouterr().out.split())
+    sentence = section.split("With `{\"task\": (\"cls\", \"seg\")}` instead")[1].split("\n\n")[0]
+    counts, route, argument = " ".join(sentence.split()).split("`")[1:6:2]
+    assert all(count in out for count in counts.split(", ")), (counts, out)
+    assert route in out and argument in out, out

@@ -11,7 +11,7 @@ from flax import nnx
 
 import fastcall
 
-from .conftest import served
+from .conftest import assert_trees_equal, served
 
 
 class ListNet(eqx.Module):
@@ -92,6 +92,29 @@ def test_explain_says_why():
     f(m, X)
     text = str(f.explain(m, X))
     assert "mutable static attribute" in text and "route: general" in text
+    assert "config holds a set" in text and "keep hashable values there" in text  # (where, and what to do)
+
+
+def test_explain_names_the_static_attribute_no_guard_can_watch_at_any_depth():
+    """The attribute that keeps a model off the fast path is named by its path in the graph,
+    with the part no guard can watch (a set inside a dict of a submodule, a set in a list
+    in a tuple); hashable parts and watchable containers are not named."""
+
+    class Outer(nnx.Module):
+        def __init__(self):
+            self.inner = WithConfig()
+            self.fine = {"sizes": [1, 2], "name": ("a", "b")}
+            self.hooks = ("a", [{"b"}])
+
+        def __call__(self, x):
+            return self.inner(x)
+
+    f = fastcall.jit(_call)
+    m = Outer()
+    assert_trees_equal(f(m, X), nnx.jit(_call)(Outer(), X))
+    text = str(f.explain(m, X))
+    assert "inner.config holds a set" in text and "hooks holds a set" in text, text
+    assert "fine" not in text, text
     text = str(f.explain(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), x=X))
     assert "keyword arguments (x)" in text
 
