@@ -24,7 +24,8 @@ import jax
 from . import _native
 from ._fast import SequenceRead, TreeRead
 from ._flatten import (
-    ARRAY_TYPES, PLAIN_ARRAY_TYPES, PY_SCALARS, STATE_TYPE, ArrayImpl, Spec, plain_leaf_types, static_equal,
+    ARRAY_TYPES, PLAIN_ARRAY_TYPES, PY_SCALARS, STATE_TYPE, ArrayImpl, Spec, is_traced_leaf, plain_leaf_types,
+    static_equal,
 )
 
 
@@ -346,7 +347,7 @@ class _BuilderGen:
         if self.nodes > _MAX_TEMPLATE_NODES:
             raise _NoTemplate
         t = type(value)
-        if isinstance(value, ARRAY_TYPES) or (self.trace_scalars and not self.in_module and t in PY_SCALARS):
+        if is_traced_leaf(value, self.trace_scalars and not self.in_module):
             e = f"d[{self.pos}]"
             self.recipe += (_LEAF, self.pos)
             self.pos += 1

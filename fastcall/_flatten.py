@@ -89,7 +89,9 @@ def plain_leaf_types(trace_scalars: bool) -> frozenset[type]:
 
 def is_traced_leaf(x: Any, trace_scalars: bool) -> bool:
     """Whether a leaf outside any Equinox module is traced: an array, and under
-    `fastcall.jit`'s rule (`trace_scalars`) a Python scalar."""
+    `fastcall.jit`'s rule (`trace_scalars`) a Python scalar. (The one statement of the
+    rule, for arguments and outputs alike: a leaf inside an Equinox module is asked with
+    `trace_scalars=False`.)"""
     return type(x) is ArrayImpl or isinstance(x, ARRAY_TYPES) or (trace_scalars and type(x) in PY_SCALARS)
 
 
@@ -99,9 +101,9 @@ def traced_mask(value: Any, leaves: list[Any]) -> tuple[bool, ...]:
     mask: list[bool] = []
     for top in jax.tree_util.tree_leaves(value, is_leaf=lambda x: isinstance(x, eqx.Module)):
         if isinstance(top, eqx.Module):
-            mask += [isinstance(x, ARRAY_TYPES) for x in jax.tree_util.tree_leaves(top)]
+            mask += [is_traced_leaf(x, False) for x in jax.tree_util.tree_leaves(top)]
         else:
-            mask.append(isinstance(top, ARRAY_TYPES) or type(top) in PY_SCALARS)
+            mask.append(is_traced_leaf(top, True))
     assert len(mask) == len(leaves)
     return tuple(mask)
 
