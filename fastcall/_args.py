@@ -17,7 +17,6 @@ from typing import Any, NamedTuple
 from . import _codegen, _fast, _flatten, _nnx_gate
 from ._errors import FastcallError, describe_arg
 from ._flatten import ArrayImpl, Spec, remember
-from ._stats import read_whole
 from ._trace import StepAside, contains_tracer, currently_jitting
 
 
@@ -135,7 +134,6 @@ def resolve(
         return scalar
     if _nnx_gate.is_graphdef(value):  # (the functional API: static, compared by value)
         return _nnx_gate.adapter().read_graphdef(value, arg_name, trace_scalars)
-    read_whole()
     spec, dynamic = _flatten.flatten_generic(value, arg_name, trace_scalars)
     if spec.has_nnx:  # NNX objects inside a container: each read as if passed on its own
         return _nnx_gate.adapter().read_container(value, leaves, arg_name, nnx_args, joint, trace_scalars)

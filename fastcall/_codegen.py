@@ -22,6 +22,7 @@ import equinox as eqx
 import jax
 
 from . import _native
+from ._stats import read_whole
 from ._fast import SequenceRead, TreeRead
 from ._flatten import (
     ARRAY_TYPES, PLAIN_ARRAY_TYPES, PY_SCALARS, STATE_TYPE, ArrayImpl, Spec, is_traced_leaf, plain_leaf_types,
@@ -487,6 +488,7 @@ class FlattenTemplate:
         treedef, flatten = read.treedef, read.flatten
 
         def extract(obj: Any) -> tuple[Any, ...] | None:
+            read_whole()  # (jax's flatten of the whole argument: `JitStats.paths` counts it a read)
             try:
                 leaves, found = flatten(obj)
                 if found != treedef:

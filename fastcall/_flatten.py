@@ -41,6 +41,7 @@ from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path
 
 from . import _fast, _guard, _native, _nnx_gate
 from ._errors import FastcallError, describe_arg
+from ._stats import read_whole
 
 # jax's concrete array class, named directly: making an array here to learn it would start
 # jax's backend at import, fixing the device count before a program sets XLA_FLAGS.
@@ -342,6 +343,7 @@ def flatten_generic(value: Any, arg_name: str, trace_scalars: bool = False) -> t
     """Split `value` into its Spec and dynamic leaves with `tree_flatten` (the slow path).
     `trace_scalars`: `fastcall.jit`'s rule (Python scalars outside Equinox modules are
     traced) instead of `eqx.filter_jit`'s (every non-array leaf is static)."""
+    read_whole()
     leaves, treedef = tree_flatten(value)
     mask = tuple(isinstance(x, ARRAY_TYPES) for x in leaves)
     rule_free = True
@@ -492,6 +494,7 @@ def seen_before(obj: Any) -> bool:
 def _guard_of(obj: Any, leaves: Sequence[Any], spec: Any) -> Any:
     """A guard over every list and dict in `obj`, taken in a second flatten; None if that
     flatten did not see the very leaves `leaves` came from (a change in between)."""
+    read_whole()
     containers: list[Any] = []
 
     def collect(x: Any) -> bool:

@@ -1503,9 +1503,10 @@ def _unwatchable(x: Any, found: list[Any], seen: set[int], depth: int) -> Any:
     return x
 
 
-def unwatchable_statics(obj: Any) -> list[tuple[str, Any]]:
-    """(attribute path, the part no guard can watch) for each static attribute of `obj`'s
-    graph that `_static_containers` refuses, for `f.explain`."""
+def unwatchable_statics(obj: Any) -> list[str]:
+    """Where `obj`'s graph holds what makes `_static_containers` refuse it, for `f.explain`:
+    each static value holding a part no guard can watch ("tags holds a set", at every path
+    that holds it), and each Variable whose metadata cannot be hashed."""
     graphdef, _ = graphlib.flatten(obj)
     refused = {}
     for _, attr in graphdef.attributes:
@@ -1514,11 +1515,15 @@ def unwatchable_statics(obj: Any) -> list[tuple[str, Any]]:
             if part is not _WATCHABLE:
                 refused[id(attr.value)] = part
     where = []
-    for path, node in nnx.iter_graph(obj):
-        attributes = getattr(node, "__dict__", None) if _is_node_fast(node) else None
-        for name, value in (attributes or {}).items():
-            if id(value) in refused:
-                where.append((".".join(map(str, (*path, name))), refused.pop(id(value))))
+    for path, value in nnx.iter_graph(obj):  # (static values too, at each path that holds them)
+        name = ".".join(map(str, path))
+        if id(value) in refused:
+            where.append(f"{name} holds {_describe_part(refused[id(value)])}")
+        elif _is_variable(value):
+            try:
+                hash(tuple(_var_metadata(value).items()))
+            except TypeError:
+                where.append(f"{name} has metadata that cannot be hashed")
     return where
 
 
@@ -1714,13 +1719,12 @@ def explain_node(obj: Any) -> tuple[str, str]:
         if not TRUSTED:
             why = "the structure hooks are not verified on this flax"
         elif entry.spec.mutable_statics:
-            where = "; ".join(
-                f"{path} holds {_describe_part(part)}" for path, part in unwatchable_statics(obj)
-            ) or "a static attribute holds one"
+            where = "; ".join(unwatchable_statics(obj)) or "not found where"
             why = (
                 "a mutable static attribute holding what a guard cannot watch (a set, an object that is "
-                f"not a list, dict or dataclass): {where}; its graph is walked and compared by value. "
-                "For the fast path, keep hashable values there (a tuple, a frozenset, a frozen dataclass)"
+                f"not a list, dict or dataclass), or a Variable with unhashable metadata: {where}; its graph "
+                "is walked and compared by value. For the fast path, keep hashable values there (a tuple, "
+                "a frozenset, a frozen dataclass)"
             )
         else:
             why = "a container in its graph that cannot be guarded, or a raw leaf fastcall cannot address"
@@ -1736,7 +1740,7 @@ def explain_node(obj: Any) -> tuple[str, str]:
 
 def _describe_part(part: Any) -> str:
     kind = type(part).__name__
-    return f"an {kind}" if kind[:1] in "aeiou" else f"a {kind}"
+    return f"an {kind}" if kind[:1].lower() in "aeiou" else f"a {kind}"
 
 
 def describe_node(obj: Any) -> tuple[Any, list[tuple[str, Any]]]:

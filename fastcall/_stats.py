@@ -61,7 +61,8 @@ class JitStats:
       path, everything else: `"general_cached"` (every argument found in a
       cache: the identity cache, an NNX object's cached structure, a structure's
       generated extractor) or `"general_read"` (at least one argument read whole,
-      by jax's flatten or NNX's graph walk: what the peer does on every call).
+      by jax's flatten or NNX's graph walk: what the peer does on every call; so is
+      the flatten that takes a guard over an object's lists and dicts).
       They add up to `calls`.
     """
 

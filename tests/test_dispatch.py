@@ -250,10 +250,11 @@ def test_general_calls_that_read_an_argument_whole_are_counted_apart(hot_path, m
     assert h.stats().paths["general_read"] == 3
 
 
-def test_an_equinox_list_changed_in_place_is_read_by_its_structures_extractor(hot_path):
-    """A list in an Equinox model changed in place between calls: the next call reads the
-    model by its structure's generated extractor (`"general_cached"`: no flatten), then the
-    fast path serves it again; a list grown in place is a structure not seen: read whole."""
+def test_an_equinox_list_changed_in_place_is_counted_as_read_again(hot_path):
+    """An Equinox model holding a list: its first call reads it whole, and so does its
+    second, which flattens it once more to take the guard over its list; a list changed in
+    place between calls (the guard fails) is read whole again, the same way, then the fast
+    path serves it again; a list grown in place is a structure not seen: read whole."""
 
     class Net(eqx.Module):
         layers: list
@@ -268,7 +269,7 @@ def test_an_equinox_list_changed_in_place_is_read_by_its_structures_extractor(ho
     f, peer = fastcall.jit(forward), eqx.filter_jit(forward)
     x = jnp.ones(3)
     routes = [served_exactly(f, m, x)[1] for _ in range(3)]
-    assert routes == ["general_read", "general_cached", FAST_PATH[hot_path]]
+    assert routes == ["general_read", "general_read", FAST_PATH[hot_path]]
     m.layers[0] = eqx.nn.Linear(3, 3, key=keys[2])
     routes = []
     for _ in range(2):
@@ -276,7 +277,7 @@ def test_an_equinox_list_changed_in_place_is_read_by_its_structures_extractor(ho
         routes.append(path)
         assert_trees_equal(y, peer(m, x))
         assert_trees_equal(y, m(x))
-    assert routes == ["general_cached", FAST_PATH[hot_path]]
+    assert routes == ["general_read", FAST_PATH[hot_path]]
     m.layers.append(eqx.nn.Linear(3, 3, key=keys[0]))
     y, path = served_exactly(f, m, x)
     assert path == "general_read"
@@ -339,3 +340,48 @@ def test_containers_and_states_flattened_every_call_are_counted_as_read(hot_path
         assert path == "general_read"
         assert_trees_equal(y, h_peer(state, x))
     assert len(builds) <= 1  # (a State's first read builds its entry; later ones are flattened)
+
+
+@jax.tree_util.register_pytree_node_class
+class _Pair:
+    """A pytree node type of its own (read by jax's flatten, as jax.jit reads it)."""
+
+    def __init__(self, w, b):
+        self.w, self.b = w, b
+
+    def tree_flatten(self):
+        return (self.w, self.b), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+
+def test_every_whole_flatten_on_the_general_path_is_counted_as_read(hot_path):
+    """Each of the general path's other whole flattens counts the call as read: a params
+    dict's second call (held for the fast path, under a guard its flatten takes); a pytree
+    node type of its own, read by jax's flatten on a function's first call although another
+    function has read it before; a GraphDef not seen before, flattened to its spec."""
+    x = jnp.arange(3.0)
+    params = {"w": x, "b": x + 1}
+    f = fastcall.jit(lambda p, x: p["w"] * x + p["b"])
+    routes = [served_exactly(f, params, x)[1] for _ in range(3)]
+    assert routes == ["general_read", "general_read", FAST_PATH[hot_path]]
+    assert_trees_equal(f(params, x), jax.jit(lambda p, x: p["w"] * x + p["b"])(params, x))
+
+    pair = _Pair(x, x + 1)
+    fastcall.jit(lambda p, x: p.w * x)(pair, x)  # (its structure learned by another function)
+    g = fastcall.jit(lambda p, x: p.w - p.b * x)
+    y, path = served_exactly(g, pair, x)
+    assert path == "general_read"
+    assert_trees_equal(y, jax.jit(lambda p, x: p.w - p.b * x)(pair, x))
+
+    m = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(m)
+    h = fastcall.jit(lambda g, s, x: nnx.merge(g, s)(x))
+    routes = []
+    for _ in range(2):
+        y, path = served_exactly(h, nnx.graphdef(m), state, x)  # (a new GraphDef object each call)
+        routes.append(path)
+        assert_trees_equal(y, m(x))
+    assert routes == ["general_read", "general_read"]

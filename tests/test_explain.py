@@ -197,3 +197,27 @@ def test_explain_says_why_the_structure_path_declines_a_call(monkeypatch):
     _, route = served(f, m, offset, X)
     assert route == "general"  # (which records this form again)
     assert f.explain(m, offset, X).route == "structure"
+
+
+def test_explain_names_every_path_to_what_no_guard_can_watch():
+    """A set shared by two attributes is named at both (fixing one leaves the other); one in
+    a data list is named by its index; a Variable whose metadata cannot be hashed is named
+    as such, not as a static attribute."""
+
+    class Shared(nnx.Module):
+        def __init__(self):
+            tags = {"a"}
+            self.first, self.second = tags, tags
+            self.items = nnx.data([{"b"}, jnp.ones(4)])
+            self.w = nnx.Param(jnp.ones(4), labels=["x"])
+
+        def __call__(self, x):
+            return self.w[...] * x + self.items[1]
+
+    f = fastcall.jit(_call)
+    m, twin = Shared(), Shared()
+    for _ in range(2):  # (an object holding plain lists is watched from its second call)
+        assert_trees_equal(f(m, X), nnx.jit(_call)(twin, X))
+    text = str(f.explain(m, X))
+    for named in ("first holds a set", "second holds a set", "items.0 holds a set", "w has metadata that cannot be hashed"):
+        assert named in text, (named, text)
