@@ -249,6 +249,98 @@ def linen_train_state(name: str, description: str, width: int, depth: int, batch
     )
 
 
+def nnx_train_state(name: str, description: str, width: int, batch: int) -> Workload:
+    """Flax's toy example 03 (`examples/nnx_toy_examples/03_train_state.py`): an NNX model
+    kept as `nnx.split` States inside a `flax.training.train_state.TrainState` subclass (the
+    params State, a counts State and the graphdef as fields), `state = train_step(state,
+    batch)` merging them inside (a copy: the call counter is returned in the new state), as
+    the example writes it, under `jax.jit`. Peer: `jax.jit`, what the example uses. Floor:
+    jax.jit on the state's flat leaves, the new leaves rebound by hand."""
+    import optax
+    from flax.training import train_state
+
+    class Count(nnx.Variable):
+        pass
+
+    class Linear(nnx.Module):
+        def __init__(self, din: int, dout: int, *, rngs: nnx.Rngs):
+            self.w = nnx.Param(jax.random.uniform(rngs.params(), (din, dout)))
+            self.b = nnx.Param(jnp.zeros((dout,)))
+
+        def __call__(self, x: Any) -> Any:
+            return x @ self.w[...] + self.b[...]
+
+    class MLP(nnx.Module):
+        def __init__(self, din: int, dhidden: int, dout: int, *, rngs: nnx.Rngs):
+            self.count = Count(jnp.array(0))
+            self.linear1 = Linear(din, dhidden, rngs=rngs)
+            self.linear2 = Linear(dhidden, dout, rngs=rngs)
+
+        def __call__(self, x: Any) -> Any:
+            self.count[...] += 1
+            return self.linear2(jax.nn.relu(self.linear1(x)))
+
+    class TrainState(train_state.TrainState):  # (as the example declares it)
+        counts: Any
+        graphdef: Any
+
+    graphdef, params, counts = nnx.split(MLP(1, width, 1, rngs=nnx.Rngs(0)), nnx.Param, Count)
+    start = TrainState.create(apply_fn=None, graphdef=graphdef, params=params, tx=optax.sgd(0.1), counts=counts)
+    start = jax.jit(lambda s: s.replace(step=jnp.asarray(s.step)))(start)  # (as the first step leaves it)
+    x = jnp.linspace(0.0, 1.0, batch)[:, None]
+    y = 0.8 * x**2 + 0.1
+
+    def train_step(state: Any, batch: Any) -> Any:
+        x, y = batch
+
+        def loss_fn(params: Any) -> Any:
+            model = nnx.merge(state.graphdef, params, state.counts, copy=True)
+            loss = jnp.mean((y - model(x)) ** 2)
+            return loss, nnx.state(model, Count)
+
+        grads, counts = jax.grad(loss_fn, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads, counts=counts)
+
+    def stateful(wrap: Callable[[Any], Any]):
+        def make():
+            f = wrap(train_step)
+            current = [start]
+
+            def run():
+                current[0] = f(current[0], (x, y))
+                return current[0].params, current[0].counts
+
+            return run
+
+        return make
+
+    def make_floor():
+        leaves, treedef = jax.tree_util.tree_flatten(start)
+        n = len(leaves)
+        f = jax.jit(lambda *a: jax.tree_util.tree_leaves(train_step(treedef.unflatten(a[:n]), (a[n], a[n + 1]))))
+        current = [tuple(leaves)]
+
+        def run():
+            current[0] = tuple(f(*current[0], x, y))  # every leaf changes: all rebound
+            new = treedef.unflatten(current[0])
+            return new.params, new.counts
+
+        return run
+
+    return Workload(
+        name,
+        description,
+        [
+            Variant("eager", stateful(lambda f: f), timed=False),
+            Variant("floor", make_floor, note="flat leaves in and out, rebound by hand"),
+            Variant("fastcall.jit", stateful(fastcall.jit)),
+            Variant("jax.jit", stateful(jax.jit), note="as the example jits the step"),
+        ],
+        compare_arrays,
+        peers={"fastcall.jit": ("jax.jit",)},
+    )
+
+
 def build(quick: bool) -> dict[str, Callable[[], Workload]]:
     out = {
         "first_call": lambda: first_call(
@@ -263,6 +355,12 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
             32,
             3,
             8,
+        ),
+        "nnx_train_state": lambda: nnx_train_state(
+            "nnx_train_state",
+            "flax's toy example 03: nnx.split States and graphdef in a Linen TrainState, state = step(state, batch)",
+            32,
+            32,
         ),
     }
     if not quick:

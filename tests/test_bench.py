@@ -306,6 +306,7 @@ ISSUE12_WORKLOADS = (
     "params_config",
     "params_in_turn",
     "linen_train_state",
+    "nnx_train_state",
     "eqx_stateful",
     "eqx_stateful_partial",
     "eqx_step_noopt",
