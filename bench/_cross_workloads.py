@@ -335,9 +335,10 @@ def nnx_train_state(name: str, description: str, width: int, batch: int) -> Work
             Variant("floor", make_floor, note="flat leaves in and out, rebound by hand"),
             Variant("fastcall.jit", stateful(fastcall.jit)),
             Variant("jax.jit", stateful(jax.jit), note="as the example jits the step"),
+            Variant("nnx.jit", stateful(nnx.jit), note="whose rule for NNX objects fastcall.jit keeps"),
         ],
         compare_arrays,
-        peers={"fastcall.jit": ("jax.jit",)},
+        peers={"fastcall.jit": ("jax.jit", "nnx.jit")},
     )
 
 
