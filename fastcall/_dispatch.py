@@ -633,15 +633,15 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
         if resolved is None:  # (or the arguments do not fit: the function raises)
             return fun(*args, **kwargs)
         entry = state.table.get(resolved.key) or state.entry(resolved.key)
-        read_whole = WHOLE_READS.count != whole_reads
-        if read_whole:
+        was_read = WHOLE_READS.count != whole_reads  # (an argument read whole while resolving)
+        if was_read:
             counts.general_read += 1
         else:
             counts.general_cached += 1
         out = run(state, entry, resolved)  # (not counting the trace's reads: a compile reads no argument)
         whole_reads = WHOLE_READS.count
         _install_fast(state, fun_leaves, resolved, state.table.get(resolved.key) or entry, tuple(kwargs))
-        if not read_whole and WHOLE_READS.count != whole_reads:  # (holding a list or dict flattens it again)
+        if not was_read and WHOLE_READS.count != whole_reads:  # (holding a list or dict flattens it again)
             counts.general_cached -= 1
             counts.general_read += 1
         return out

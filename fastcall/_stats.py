@@ -158,8 +158,9 @@ WHOLE_READS = _WholeReads()
 
 def read_whole() -> None:
     """Count one argument read whole (jax's flatten of it, NNX's graph walk of it): the
-    general path compares the count around resolving a call, to tell `"general_read"`
-    from `"general_cached"` (per thread: another thread's read is not this call's)."""
+    general path compares the count around resolving a call and around installing its
+    fast record, to tell `"general_read"` from `"general_cached"` (per thread: another
+    thread's read is not this call's)."""
     WHOLE_READS.count += 1
 
 
