@@ -107,6 +107,13 @@ static const char *NODE_READ_FIELDS[] = {"spec_id", NULL};
 #define NODES_ELEMENTS 2
 #define NODES_KEYS 3
 static const char *NODES_READ_FIELDS[] = {"spec_id", "kind", "elements", "keys", NULL};
+/* MixedRead(spec_id, flatten, is_leaf, treedef, layout) */
+#define MIXED_FLATTEN 1
+#define MIXED_IS_LEAF 2
+#define MIXED_TREEDEF 3
+#define MIXED_LAYOUT 4
+#define MIXED_N_FIELDS 5
+static const char *MIXED_READ_FIELDS[] = {"spec_id", "flatten", "is_leaf", "treedef", "layout", NULL};
 /* JointRead(spec_id, entry, node_ids, keep) */
 #define JOINT_ENTRY 1
 #define JOINT_NODE_IDS 2
@@ -175,7 +182,7 @@ static struct {
     PyObject *jitting;     /* currently_jitting(): whether a JAX trace is running */
     PyObject *top_level;   /* _trace.TOP_LEVEL_PROBE: (holder, name, value) triples, or None */
     PyObject *arg_read, *node_read, *joint_read, *shared_variable_read, *nodes_read, *variable_read, *graphdef_read, *static_read,
-        *nnx_arg, *write_back, *raw_leaf, *watched, *tree_read; /* record classes */
+        *nnx_arg, *write_back, *raw_leaf, *watched, *tree_read, *mixed_read; /* record classes */
     PyObject *empty_ids;   /* frozenset(): NnxArg.ids of an object read from its entry */
     PyObject *s_spec_id, *s_fresh, *s_items, *s_paths, *s_disjoint, *s_node_ids; /* NodeEntry attributes */
     PyObject *s_static_cache; /* "tmp_static_cache" */
@@ -193,6 +200,9 @@ static struct {
     int context_pending;
     /* NodeEntry's slot descriptors for s_spec_id .. s_node_ids, of `entry_type` (see entry_field) */
     PyObject *entry_type, *entry_slots[N_ENTRY_FIELDS];
+    /* node_test's table (`_nnx_gate.node_types`: type -> whether its instances are NNX
+     * objects) and its test of a type the table lacks (`_nnx._is_node_fast`, which fills it) */
+    PyObject *node_table, *node_fallback;
 } G;
 
 /* A dict's version tag (PEP 509): changed by every dict operation that changes what the
@@ -1433,27 +1443,43 @@ known_disjoint(const Refs *entries)
     return 1;
 }
 
-/* Whether the Variables a structure-path call read on their own (the arguments `given`
- * whose read in `reads` is a VariableRead) share nothing: none passed twice, none a
- * Variable of an NNX object read from its cache entry (`entries`: each entry's node_ids,
- * the ids of its nodes and Variables), as `_nnx.overlapping` says. 1 yes; 0 no (the Python
- * copy decides: the general path reads such a call jointly); -1 error. */
-ONE_KIND static int
-variables_apart(PyObject *reads, PyObject *const *given, Py_ssize_t nargs, const Refs *entries)
+static int
+compare_addresses(const void *x, const void *y)
 {
-    for (Py_ssize_t i = 0; i < nargs; i++) {
-        if ((PyObject *)Py_TYPE(PyTuple_GET_ITEM(reads, i)) != G.variable_read) {
-            continue;
+    uintptr_t a = (uintptr_t)*(PyObject *const *)x, b = (uintptr_t)*(PyObject *const *)y;
+    return (a > b) - (a < b);
+}
+
+/* Whether the Variables a structure-path call read on their own (`loose`: the arguments
+ * read by a VariableRead, and those inside an argument read by a MixedRead) share nothing:
+ * none read twice, none a Variable of an NNX object read from its cache entry (`entries`:
+ * each entry's node_ids, the ids of its nodes and Variables), as `_nnx.overlapping` says.
+ * 1 yes; 0 no (the Python copy decides: the general path reads such a call jointly); -1
+ * error. */
+ONE_KIND static int
+variables_apart(const Refs *loose, const Refs *entries)
+{
+    Py_ssize_t n = loose->n;
+    if (n > 1) { /* (sorted by address, a repeat is next to its twin) */
+        PyObject *small[SMALL_STACK];
+        PyObject **sorted = n <= SMALL_STACK ? small : PyMem_Malloc(n * sizeof(PyObject *));
+        if (sorted == NULL) {
+            PyErr_NoMemory();
+            return -1;
         }
-        for (Py_ssize_t j = 0; j < i; j++) {
-            if (given[j] == given[i] && (PyObject *)Py_TYPE(PyTuple_GET_ITEM(reads, j)) == G.variable_read) {
-                return 0;
-            }
+        memcpy(sorted, loose->items, n * sizeof(PyObject *));
+        qsort(sorted, n, sizeof(PyObject *), compare_addresses);
+        int apart = 1;
+        for (Py_ssize_t i = 1; i < n && apart; i++) {
+            apart = sorted[i] != sorted[i - 1];
         }
-        if (entries->n == 0) {
-            continue;
+        if (sorted != small) PyMem_Free(sorted);
+        if (!apart) {
+            return 0;
         }
-        PyObject *key = PyLong_FromVoidPtr(given[i]);
+    }
+    for (Py_ssize_t i = 0; i < n && entries->n > 0; i++) {
+        PyObject *key = PyLong_FromVoidPtr(loose->items[i]);
         if (key == NULL) {
             return -1;
         }
@@ -1872,6 +1898,69 @@ static_matches(PyObject *a, PyObject *read)
     return 0;
 }
 
+/* The structure path's reading of a pytree holding NNX objects beside other leaves
+ * (`read`, a MixedRead; `_dispatch._read_mixed` is the Python copy): jax's flatten of `a`
+ * down to its NNX objects, its treedef equal to the record's, then each leaf as the
+ * record's layout says: a plain leaf (None) appended to `values`; a static one (StaticRead)
+ * compared; a Variable (VariableRead) read by read_variable, and also appended to `loose`
+ * (checked with the call's other Variables: variables_apart); an NNX object (its spec id)
+ * read by read_node from its cache entry. 1; 0 if not (a flatten or comparison that raises
+ * too: the general path reads it again, and names the argument); -1 on error. */
+ONE_KIND static int
+read_mixed(FastWrapper *self, PyObject *a, PyObject *read, Refs *values, Refs *entries, Refs *loose,
+           PyObject *nnx_args)
+{
+    PyObject *layout = PyTuple_GET_ITEM(read, MIXED_LAYOUT);
+    if (!PyTuple_CheckExact(layout)) {
+        return 0;
+    }
+    PyObject *call_args[2] = {a, PyTuple_GET_ITEM(read, MIXED_IS_LEAF)};
+    PyObject *flat = PyObject_Vectorcall(PyTuple_GET_ITEM(read, MIXED_FLATTEN), call_args, 2, NULL);
+    int got = flat != NULL && PyTuple_CheckExact(flat) && PyTuple_GET_SIZE(flat) == 2
+              && PyList_CheckExact(PyTuple_GET_ITEM(flat, 0));
+    if (got == 1) {
+        got = PyObject_RichCompareBool(PyTuple_GET_ITEM(flat, 1), PyTuple_GET_ITEM(read, MIXED_TREEDEF), Py_EQ);
+    }
+    if (got < 0 || flat == NULL) {
+        Py_XDECREF(flat);
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+            return -1;
+        }
+        PyErr_Clear();
+        return 0;
+    }
+    /* (the leaves list is this call's own: nothing run below can change it) */
+    PyObject *items = PyTuple_GET_ITEM(flat, 0);
+    Py_ssize_t n = PyTuple_GET_SIZE(layout);
+    if (got == 1 && PyList_GET_SIZE(items) != n) {
+        got = 0;
+    }
+    for (Py_ssize_t j = 0; got == 1 && j < n; j++) {
+        PyObject *x = PyList_GET_ITEM(items, j);
+        PyObject *code = PyTuple_GET_ITEM(layout, j);
+        PyObject *kind = (PyObject *)Py_TYPE(code);
+        if (code == Py_None) {
+            got = is_plain(self, x);
+            if (got == 1) {
+                got = refs_push(values, Py_NewRef(x)) < 0 ? -1 : 1;
+            }
+        } else if (kind == G.static_read && PyTuple_GET_SIZE(code) == 3) {
+            got = static_matches(x, code);
+        } else if (kind == G.variable_read && PyTuple_GET_SIZE(code) == 4) {
+            got = read_variable(self, x, code, values, nnx_args);
+            if (got == 1) {
+                got = refs_push(loose, Py_NewRef(x)) < 0 ? -1 : 1;
+            }
+        } else if (PyLong_CheckExact(code)) {
+            got = read_node(self, x, -1, code, NULL, values, entries, nnx_args);
+        } else {
+            got = 0;
+        }
+    }
+    Py_DECREF(flat);
+    return got;
+}
+
 /* Whether the structure record `record` (held) fits this call's arguments on the cheap
  * checks (its arity and keyword names; its reads, `order` and `last` of that length; each
  * plain argument plain, each other read of a known kind): 1, 0 (not: the fallback serves
@@ -1925,10 +2014,11 @@ structure_fits(FastWrapper *self, PyObject *record, PyObject *const *args, Py_ss
                           : kind == G.arg_read || kind == G.nodes_read || kind == G.variable_read
                                     || kind == G.joint_read || kind == G.shared_variable_read
                               ? 4
-                              : 1;
+                          : kind == G.mixed_read ? MIXED_N_FIELDS
+                                                 : 1;
         if ((kind != G.arg_read && kind != G.node_read && kind != G.nodes_read && kind != G.variable_read
              && kind != G.graphdef_read && kind != G.static_read && kind != G.joint_read
-             && kind != G.shared_variable_read)
+             && kind != G.shared_variable_read && kind != G.mixed_read)
             || PyTuple_GET_SIZE(read) != size) {
             return 0;
         }
@@ -1982,12 +2072,12 @@ structure_call(FastWrapper *self, PyObject *record, PyObject *const *args, size_
      * argument order, and their cache entries in `entries` */
     ArgLeaves small_reads[SMALL_STACK];
     ArgLeaves *leaves = nargs <= SMALL_STACK ? small_reads : PyMem_Calloc(nargs, sizeof(ArgLeaves));
-    Refs values, entries;
+    Refs values, entries, loose;
     refs_init(&values);
     refs_init(&entries);
+    refs_init(&loose); /* the Variables read on their own (VariableRead, and inside a MixedRead) */
     PyObject *nnx_args = NULL; /* (made at the first NNX object read, for a `post`) */
     int nnx_read = 0;
-    Py_ssize_t n_variables = 0; /* Variables read (VariableRead): each must share nothing (variables_apart) */
     Py_ssize_t n_joint = 0; /* NNX objects read jointly (JointRead): then every one must be */
     PyObject *small[SMALL_STACK];
     PyObject **stack = NULL;
@@ -2018,7 +2108,8 @@ structure_call(FastWrapper *self, PyObject *record, PyObject *const *args, size_
             continue;
         }
         if (kind != G.arg_read) {
-            /* an NNX object, a container of them (NodesRead), a Variable, or a GraphDef (no leaves) */
+            /* an NNX object, a container of them (NodesRead), one holding them beside other leaves
+             * (MixedRead), a Variable, or a GraphDef (no leaves) */
             int got = 0;
             Py_ssize_t before = values.n;
             if (kind == G.graphdef_read) {
@@ -2039,7 +2130,11 @@ structure_call(FastWrapper *self, PyObject *record, PyObject *const *args, size_
                     n_joint++;
                 } else if (kind == G.variable_read) {
                     got = read_variable(self, a, read, &values, nnx_args);
-                    n_variables++;
+                    if (got == 1) {
+                        got = refs_push(&loose, Py_NewRef(a)) < 0 ? -1 : 1;
+                    }
+                } else if (kind == G.mixed_read) {
+                    got = read_mixed(self, a, read, &values, &entries, &loose, nnx_args);
                 } else if (kind == G.shared_variable_read) {
                     got = read_shared_variable(a, read, reads, &values, nnx_args);
                     n_joint++;
@@ -2105,7 +2200,7 @@ structure_call(FastWrapper *self, PyObject *record, PyObject *const *args, size_
         }
         total += PySequence_Fast_GET_SIZE(leaves[i].part);
     }
-    if (nnx_read && (entries.n > 0 || n_variables > 0 || n_joint > 0)) {
+    if (nnx_read && (entries.n > 0 || loose.n > 0 || n_joint > 0)) {
         /* NNX objects: sharing nothing (a Variable read on its own, in no entry read and
          * not passed twice), or all read jointly from the entries the record pins, no
          * nnx.cached_partial cache pending, and, for a call that may change state or that jax
@@ -2113,10 +2208,10 @@ structure_call(FastWrapper *self, PyObject *record, PyObject *const *args, size_
          * FunctionState.serves_nested): the Python copy decides otherwise */
         int ok = 1;
         if (n_joint > 0) {
-            ok = entries.n == 0 && n_variables == 0;
+            ok = entries.n == 0 && loose.n == 0;
         } else {
-            if (n_variables > 0 && (n_variables > 1 || entries.n > 0)) {
-                ok = variables_apart(reads, given, nargs, &entries);
+            if (loose.n > 0 && (loose.n > 1 || entries.n > 0)) {
+                ok = variables_apart(&loose, &entries);
             }
             if (ok == 1 && entries.n > 1) {
                 ok = known_disjoint(&entries);
@@ -2191,6 +2286,7 @@ done:
     if (given != small_given) PyMem_Free(given);
     refs_release(&values);
     refs_release(&entries);
+    refs_release(&loose);
     Py_XDECREF(nnx_args);
     Py_DECREF(record);
     if (declined) {
@@ -2501,18 +2597,19 @@ py_configure(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "configure: latest must be a list");
         return NULL;
     }
-    enum { N_RECORDS = 20 };
+    enum { N_RECORDS = 21 };
     PyObject *cls[N_RECORDS];
     const char *names[N_RECORDS] = {"FastSlot", "FastRecord", "StructureRecord", "CacheEntry", "ArgRead",
                                     "NodeRead", "NodesRead", "GraphdefRead", "KnownGraphdef", "NnxArg",
                                     "WriteBack", "RawLeaf", "VariableRead", "Registration", "Watched",
-                                    "SequenceRead", "StaticRead", "JointRead", "SharedVariableRead", "TreeRead"};
+                                    "SequenceRead", "StaticRead", "JointRead", "SharedVariableRead", "TreeRead",
+                                    "MixedRead"};
     const char **layouts[N_RECORDS] = {SLOT_FIELDS, RECORD_FIELDS, STRUCTURE_FIELDS, CACHE_FIELDS,
                                        READ_FIELDS, NODE_READ_FIELDS, NODES_READ_FIELDS, NODE_READ_FIELDS,
                                        KNOWN_GRAPHDEF_FIELDS, NNX_ARG_FIELDS, WRITE_BACK_FIELDS, RAW_LEAF_FIELDS,
                                        VARIABLE_READ_FIELDS, REGISTRATION_FIELDS, WATCHED_FIELDS,
                                        SEQUENCE_READ_FIELDS, STATIC_READ_FIELDS, JOINT_READ_FIELDS,
-                                       SHARED_VARIABLE_READ_FIELDS, TREE_READ_FIELDS};
+                                       SHARED_VARIABLE_READ_FIELDS, TREE_READ_FIELDS, MIXED_READ_FIELDS};
     for (int i = 0; i < N_RECORDS; i++) {
         cls[i] = record_class(records, names[i], layouts[i]);
         if (cls[i] == NULL) {
@@ -2567,6 +2664,7 @@ py_configure(PyObject *module, PyObject *args)
     SET_SHARED(joint_read, cls[17]);
     SET_SHARED(shared_variable_read, cls[18]);
     SET_SHARED(tree_read, cls[19]);
+    SET_SHARED(mixed_read, cls[20]);
     Py_INCREF(index); SET_SHARED(index, index);
     Py_INCREF(by_id); SET_SHARED(by_id, by_id);
     Py_INCREF(latest); SET_SHARED(latest, latest);
@@ -3320,7 +3418,54 @@ py_evict(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* `_nnx._is_node_fast` in C: whether `x` is an NNX object, by its type, as the table says
+ * (a type it lacks: the Python test, which adds it). jax's flatten calls it once per node
+ * of an argument a MixedRead reads (a Python call there cost more than the rest of the
+ * read of each leaf). */
+static PyObject *
+py_node_test(PyObject *module, PyObject *x)
+{
+    (void)module;
+    if (G.node_table == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "node_test: configure_node_test has not run");
+        return NULL;
+    }
+    PyObject *known = PyDict_GetItemWithError(G.node_table, (PyObject *)Py_TYPE(x)); /* borrowed */
+    if (known != NULL) {
+        return Py_NewRef(known);
+    }
+    if (PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_TypeError)) {
+            return NULL;
+        }
+        PyErr_Clear(); /* (a type whose metaclass cannot be hashed: as the Python test, not one) */
+        Py_RETURN_FALSE;
+    }
+    return PyObject_CallOneArg(G.node_fallback, x);
+}
+
+static PyObject *
+py_configure_node_test(PyObject *module, PyObject *args)
+{
+    (void)module;
+    PyObject *table, *fallback;
+    if (!PyArg_UnpackTuple(args, "configure_node_test", 2, 2, &table, &fallback)) {
+        return NULL;
+    }
+    if (!PyDict_CheckExact(table) || !PyCallable_Check(fallback)) {
+        PyErr_SetString(PyExc_TypeError, "configure_node_test: a dict and a callable");
+        return NULL;
+    }
+    Py_INCREF(table);
+    SET_SHARED(node_table, table);
+    Py_INCREF(fallback);
+    SET_SHARED(node_fallback, fallback);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef accel_methods[] = {
+    {"node_test", py_node_test, METH_O, "Whether an object is an NNX object, by its type (_nnx._is_node_fast)."},
+    {"configure_node_test", py_configure_node_test, METH_VARARGS, "Set node_test's table and its test of a new type."},
     {"guard_holds", py_guard_holds, METH_O, "Whether a guard's containers are unchanged (see _guard.py)."},
     {"configure", py_configure, METH_VARARGS, "Set the tables and record classes every FastWrapper reads."},
     {"build", (PyCFunction)(void (*)(void))py_build, METH_FASTCALL, "An output rebuilt from a call's dynamic outputs by its recipe."},

@@ -38,6 +38,7 @@ calls of the same shape can take the fast path, and leaves a structure record.
 from __future__ import annotations
 
 import functools
+import itertools
 import weakref
 from typing import Any
 
@@ -46,8 +47,8 @@ import jax
 from . import _args, _codegen, _fast, _flatten, _guard, _native, _nnx_gate
 from ._build import Entry, StructureVaries
 from ._fast import (
-    ArgRead, FastRecord, FastSlot, GraphdefRead, JointRead, NodeRead, NodesRead, PytreeShape, SharedVariableRead,
-    StaticRead, StructureRecord, VariableRead, WriteBack,
+    ArgRead, FastRecord, FastSlot, GraphdefRead, JointRead, MixedRead, NodeRead, NodesRead, PytreeShape,
+    SharedVariableRead, StaticRead, StructureRecord, VariableRead, WriteBack,
 )
 from ._flatten import ArrayImpl
 from ._outputs import on_error
@@ -61,7 +62,7 @@ def configure_accel() -> None:
     records = (
         FastSlot, FastRecord, StructureRecord, _flatten.CacheEntry, ArgRead, NodeRead, NodesRead, VariableRead,
         GraphdefRead, _fast.KnownGraphdef, _fast.NnxArg, WriteBack, _fast.RawLeaf, _flatten.Registration,
-        _guard.Watched, _fast.SequenceRead, StaticRead, JointRead, SharedVariableRead, _fast.TreeRead,
+        _guard.Watched, _fast.SequenceRead, StaticRead, JointRead, SharedVariableRead, _fast.TreeRead, MixedRead,
     )
     _native.BUILT.configure(
         _fast.INDEX, _flatten.by_id, _flatten.LATEST, _fast.GRAPHDEFS, _fast.VALUE_SLOT, _fast.GRAPH_CONTEXT, ArrayImpl,
@@ -170,7 +171,8 @@ def _publish_structure(
     if kwnames and order is None:
         return
     reads: list[
-        ArgRead | NodeRead | JointRead | SharedVariableRead | NodesRead | VariableRead | GraphdefRead | StaticRead | None
+        ArgRead | NodeRead | JointRead | SharedVariableRead | NodesRead | MixedRead | VariableRead | GraphdefRead
+        | StaticRead | None
     ] = []
     nnx_args = iter(resolved.nnx_args)
     loose: list[tuple[int, Any, int]] = []  # (position, NnxArg, spec id) of Variables read jointly
@@ -218,10 +220,20 @@ def _publish_structure(
         if container is not None:
             # (a container of NNX objects only, `(model, optimizer)`, a dict or dataclass of
             # them: each read on its own)
-            nodes = _nodes_read(a, container, spec_id, nnx_args, before if resolved.joint else None)
-            if nodes is None:
+            ahead, nnx_args = itertools.tee(nnx_args)
+            nodes = _nodes_read(a, container, spec_id, ahead, before if resolved.joint else None)
+            if nodes is not None:
+                nnx_args = ahead
+                reads.append(nodes)
+                continue
+            # (else one cannot be read from a cache entry: a Variable, which has none)
+        if resolved.nnx_args and not resolved.joint and _flatten.spec_by_id(spec_id).kind == "nnx-tree":
+            # (NNX objects beside arrays and static values in a pytree, flax's TrainState
+            # holding `nnx.split`'s States; or Variables, which have no cache entry)
+            mixed = _nnx_gate.adapter().mixed_read(spec_id, nnx_args)
+            if mixed is None:
                 return
-            reads.append(nodes)
+            reads.append(mixed)
             continue
         if _nnx_gate.is_graphdef(a):  # (the functional API's GraphDef: static, known by identity)
             reads.append(GraphdefRead(spec_id))
@@ -505,6 +517,12 @@ def read_arguments(
                 elif not _nnx_gate.adapter().read_cached(x, element, values, nnx_args):
                     return _declined(why, i, "holds an NNX object not of the structure the recorded call read")
             continue
+        if isinstance(read, MixedRead):
+            if not _read_mixed(a, read, values, nnx_args, plain):
+                return _declined(
+                    why, i, "not a pytree of the structure, static values and NNX objects the recorded call passed"
+                )
+            continue
         if isinstance(read, VariableRead):
             if not _nnx_gate.adapter().read_variable_again(a, read, values, nnx_args):
                 return _declined(why, i, "not a Variable of the type and metadata the recorded call passed")
@@ -544,6 +562,35 @@ def read_arguments(
         if type(read) is ArgRead:
             last[i] = _fast.last_mark(args[i], i == 0 and known.hold_first) if read.by_identity else None
     return values, nnx_args
+
+
+def _read_mixed(a: Any, read: MixedRead, values: list[Any], nnx_args: list[Any], plain: frozenset[type]) -> bool:
+    """`read_arguments`' reading of a pytree holding NNX objects beside other leaves
+    (`MixedRead`): its leaves appended to `values` and its NNX objects' NnxArgs to
+    `nnx_args`, in the order the general path's `read_container` reads them; False if it
+    does not read as recorded."""
+    try:
+        items, treedef = read.flatten(a, read.is_leaf)
+        if treedef != read.treedef:
+            return False
+    except Exception:  # (a node data whose `==` raises: the general path names it)
+        return False
+    adapter = _nnx_gate.adapter()
+    for x, code in zip(items, read.layout):
+        if code is None:
+            t = type(x)
+            if t is not ArrayImpl and t not in plain:
+                return False
+            values.append(x)
+        elif type(code) is VariableRead:
+            if not adapter.read_variable_again(x, code, values, nnx_args):
+                return False
+        elif type(code) is StaticRead:
+            if not static_matches(code, x):
+                return False
+        elif not read.is_leaf(x) or not adapter.read_cached(x, code, values, nnx_args):
+            return False
+    return True
 
 
 def _declined(

@@ -252,6 +252,24 @@ class PytreeShape:
         return objs if same and len(objs) == count else None
 
 
+class MixedRead(NamedTuple):
+    """How the structure path reads a pytree holding NNX objects beside other leaves (flax's
+    `TrainState` keeping `nnx.split`'s States with its step count and optimizer state; what
+    the general path reads as an `_nnx.TreeSpec`): jax's flatten down to its NNX objects
+    (`tree_flatten` with each NNX object a leaf, as the general path flattens it), the
+    treedef compared (`==`: node types and node data) with this one, then each leaf as
+    `layout` says: None, an array or a Python scalar the function passes as it is (its
+    `plain_leaves`); a StaticRead, a static value compared; a VariableRead, a Variable read
+    as one passed on its own is; an int, an NNX object read from its cache entry, of that
+    spec (as NodeRead). (C: `read_mixed`.)"""
+
+    spec_id: int
+    flatten: Callable[[Any, Any], Any]  # jax's registry flatten: (obj, is_leaf) -> (leaves list, treedef)
+    is_leaf: Callable[[Any], bool]  # whether a node is an NNX object (the general path's own test)
+    treedef: Any
+    layout: tuple[None | StaticRead | VariableRead | int, ...]
+
+
 class StaticRead(NamedTuple):
     """How the structure path reads an argument with no dynamic leaves (a static scalar under
     `fastcall.filter_jit`'s rule, None, a string, an optax transformation, an argument named
@@ -314,7 +332,8 @@ class StructureRecord(NamedTuple):
     # per argument, in the order the general path resolves them (`order`); None: a plain
     # leaf (FunctionState.plain_leaves)
     reads: tuple[
-        ArgRead | NodeRead | JointRead | SharedVariableRead | NodesRead | VariableRead | GraphdefRead | StaticRead | None,
+        ArgRead | NodeRead | JointRead | SharedVariableRead | NodesRead | MixedRead | VariableRead | GraphdefRead
+        | StaticRead | None,
         ...,
     ]
     call: Callable[..., Any]  # the compiled function

@@ -42,7 +42,7 @@ import operator
 import threading
 import types
 import weakref
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 from flax import nnx
@@ -50,10 +50,10 @@ from flax.nnx import graphlib
 from flax.nnx import variablelib
 from flax.nnx.variablelib import Variable, is_array_ref
 
-from . import _fast, _guard, _nnx_gate, _nnx_hooks
+from . import _fast, _guard, _native, _nnx_gate, _nnx_hooks
 from ._stats import read_whole
 from ._errors import FastcallError, describe_arg
-from ._flatten import ArrayImpl, intern
+from ._flatten import ArrayImpl, intern, spec_by_id
 from ._flatten import flatten_generic as _flatten_generic
 from ._flatten import interned as _interned
 from ._flatten import is_traced_leaf
@@ -176,6 +176,16 @@ def _is_node_fast(x: Any) -> bool:
     except TypeError:  # (a class whose metaclass cannot be hashed: NNX registers no such class)
         return False
     return _nnx_gate.is_node_type(t) if known is None else known
+
+
+if _native.BUILT is not None:  # (the same test in C, for jax's flatten to call: `node_test`)
+    _native.BUILT.configure_node_test(_node_types, _is_node_fast)
+
+
+def node_test() -> Callable[[Any], bool]:
+    """`_is_node_fast`, in C where calls use the extension (a MixedRead's flatten calls it
+    once per node of its argument)."""
+    return _native.ACCEL.node_test if _native.ACCEL is not None else _is_node_fast
 
 
 # --------------------------------------------------------------------------
@@ -1636,6 +1646,42 @@ def read_container(
         ) from None
 
 
+def mixed_read(spec_id: int, nnx_args: Iterator[NnxArg]) -> _fast.MixedRead | None:
+    """How the structure path reads again an argument `read_container` read under this
+    spec (a TreeSpec: NNX objects beside other leaves in a pytree), taking its objects'
+    NnxArgs from the iterator `nnx_args` (in the order the general path read them): each
+    Variable as `variable_read` reads it, each other NNX object from its cache entry (as
+    `readable_argument` allows), each static value if its identity (or a scalar's value)
+    fixes it (`_fast.static_read`); None if one cannot be read so."""
+    spec = spec_by_id(spec_id)
+    if not isinstance(spec, TreeSpec):
+        return None
+    statics = iter(spec.statics)
+    layout: list[Any] = []
+    for code in spec.layout:
+        if code == _DYNAMIC:
+            layout.append(None)
+        elif code == _STATIC:
+            static = _fast.static_read(spec_id, next(statics))
+            if static is None:
+                return None
+            layout.append(static)
+        else:
+            arg = next(nnx_args, None)
+            if arg is None:
+                return None
+            if arg.entry is None:
+                variable = variable_read(arg, code.id)
+                if variable is None:
+                    return None
+                layout.append(variable)
+            elif readable_argument(arg, code.id):
+                layout.append(code.id)
+            else:
+                return None
+    return _fast.MixedRead(spec_id, jax.tree_util.default_registry.flatten, node_test(), spec.treedef, tuple(layout))
+
+
 def _plain_state(state: Any) -> bool:
     """Whether an nnx.State holds Variables only (in its dicts and nested States, at any
     depth): no module (which keeps its graph updates), no raw leaf (which nnx.jit does not
@@ -2152,8 +2198,10 @@ class TracedInputs:
                 after.append({id(obj) for obj in refmap})
             return after[0]
 
+        loose = self._loose_variables(out, outer_index, inner_ref)
+
         def mark(x: Any) -> Any:
-            if not _is_node(x):
+            if not _is_node(x) or id(x) in loose:
                 return x
             marks.found = True
             if refuse_inputs and id(x) in input_ids:
@@ -2178,6 +2226,27 @@ class TracedInputs:
         marked = jax.tree_util.tree_map(mark, out, is_leaf=_is_node)
         marks.sub_objects = tuple(sub_objects)
         return marked, marks
+
+
+    @staticmethod
+    def _loose_variables(out: Any, outer_index: Any, inner_ref: Any) -> frozenset[int]:
+        """The ids of the Variables in `out` that stay in it as pytree nodes, for jax to
+        build anew after each call from their values, type and metadata (what the graph
+        rebuild of a new Variable does too: it takes the one jax built): those the function
+        made (none of the arguments' objects, none put into a restructured argument),
+        each returned once, in an output holding no other NNX object (which might hold
+        one). A returned `nnx.split` State of new Variables (a training step's `params`)
+        then costs what jax.jit's output costs."""
+        nodes = [x for x in jax.tree_util.tree_leaves(out, is_leaf=_is_node) if _is_node(x)]
+        if not nodes or not all(map(_is_variable, nodes)):
+            return frozenset()
+        ids = frozenset(map(id, nodes))
+        if len(ids) != len(nodes):
+            return frozenset()
+        for v in nodes:
+            if v in outer_index or v in inner_ref or is_array_ref(raw_value(v)) or v.get_metadata().get("hijax"):
+                return frozenset()
+        return ids
 
 
 def _owner(root: Any, path: Any) -> Any:

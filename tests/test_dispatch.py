@@ -161,7 +161,7 @@ def test_c_wrapper_checks_the_record_layout():
         pytest.skip("the C accelerator is not built")
     records = ["FastSlot", "FastRecord", "StructureRecord", "CacheEntry", "ArgRead", "NodeRead", "NodesRead",
                "GraphdefRead", "KnownGraphdef", "NnxArg", "WriteBack", "RawLeaf", "VariableRead", "Registration",
-               "Watched", "SequenceRead", "StaticRead", "JointRead", "SharedVariableRead", "TreeRead"]
+               "Watched", "SequenceRead", "StaticRead", "JointRead", "SharedVariableRead", "TreeRead", "MixedRead"]
     real = _native.BUILT.configure
     calls = []
     try:
@@ -314,8 +314,9 @@ def test_a_read_in_another_thread_is_not_counted_as_this_calls(hot_path, monkeyp
 
 def test_containers_and_states_flattened_every_call_are_counted_as_read(hot_path, monkeypatch):
     """An NNX model in a tuple beside an array, passed again (the tuple is flattened each
-    call, the model taken from its cache entry), and a new `nnx.split` State each call (read
-    by jax's flatten, as jax.jit reads it): each such call counts as `"general_read"`, with
+    call, the model taken from its cache entry: after the first call, by the structure
+    path's MixedRead), and a new `nnx.split` State each call (read by jax's flatten, as
+    jax.jit reads it): each such call on the general path counts as `"general_read"`, with
     the model's graph read only at the first call."""
     from fastcall import _nnx
 
@@ -326,10 +327,12 @@ def test_containers_and_states_flattened_every_call_are_counted_as_read(hot_path
     x = jnp.arange(3.0)
     pair = (m, x)
     f, peer = fastcall.jit(lambda p, x: p[0](x) + p[1]), nnx.jit(lambda p, x: p[0](x) + p[1])
+    paths = []
     for _ in range(3):
         y, path = served_exactly(f, pair, x)
-        assert path == "general_read"
+        paths.append(path)
         assert_trees_equal(y, peer((twin, x), x))
+    assert paths == ["general_read", STRUCTURE_PATH[hot_path], STRUCTURE_PATH[hot_path]]
     assert builds == [m]
     builds.clear()
     h = fastcall.jit(lambda state, x: state["kernel"][...] @ x + state["bias"][...])

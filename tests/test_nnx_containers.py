@@ -976,6 +976,211 @@ def test_nnx_state_holding_variables():
     compare(fn, make, XS, check=check)
 
 
+
+# ---- a pytree holding Variables beside arrays and static values (MixedRead) ----
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Holder:
+    """A mutable registered dataclass: Variables beside an array and a static value."""
+
+    w: Any
+    count: Any
+    scale: Any
+    name: str = dataclasses.field(default="run", metadata={"static": True})
+
+
+def _holder() -> Holder:
+    return Holder(nnx.Param(jnp.eye(4) * 2.0), nnx.Variable(jnp.array(0)), jnp.asarray(1.5))
+
+
+def scaled(h, x):
+    h.count[...] += 1
+    return x @ h.w[...] * h.scale + h.count[...]
+
+
+def _variable_order(h: Holder) -> list[Any]:
+    return [h.w[...], h.count[...], h.w.get_metadata(), h.count.get_metadata()]
+
+
+def _mutations() -> dict[str, Callable[[Holder], None]]:
+    return {
+        "value set outside": lambda h: h.w.set_value(h.w[...] + 1.0),
+        "Variable replaced": lambda h: setattr(h, "w", nnx.Param(jnp.eye(4) * 3.0)),
+        "metadata changed": lambda h: h.w.set_metadata("tag", "changed"),
+        "Variable type changed": lambda h: setattr(h, "w", nnx.BatchStat(h.w[...])),
+        "Variable replaced by an array": lambda h: setattr(h, "w", jnp.eye(4)),
+        "Variable shared": lambda h: setattr(h, "scale", h.count),
+        "array replaced by a scalar": lambda h: setattr(h, "scale", 2.5),
+        "array replaced by a Variable": lambda h: setattr(h, "scale", nnx.Variable(jnp.asarray(0.5))),
+        "static changed": lambda h: setattr(h, "name", "other"),
+        "nothing": lambda h: None,
+    }
+
+
+def test_variables_beside_arrays_in_a_pytree_take_the_structure_path(hot_path):
+    """A pytree holding Variables beside arrays (no other NNX object): from the second call
+    on, read by the structure path (jax's flatten down to its Variables, each checked as a
+    Variable passed on its own is), with the change made inside written back, as nnx.jit."""
+    f, g = fastcall.jit(scaled), nnx.jit(scaled)
+    mine, theirs = _holder(), _holder()
+    routes = []
+    for x in (X, X * 2.0, X - 0.5, X):
+        got, route = served(f, mine, x)
+        routes.append(route)
+        assert_trees_equal(got, g(theirs, x))
+        assert_trees_equal(_variable_order(mine), _variable_order(theirs))
+    assert routes == ["general"] + [STRUCTURE_PATH[hot_path]] * 3
+    assert int(mine.count[...]) == 4
+
+
+@pytest.mark.parametrize("change", list(_mutations()))
+def test_a_pytree_of_variables_changed_between_calls_is_never_stale(change, hot_path):
+    """Every kind of change to a pytree the structure path reads, made between calls: the
+    same outputs, state written back and compiles as nnx.jit; only a change of values (and
+    a Variable replaced by one of its type and metadata) keeps the structure path."""
+    traces = {"fastcall": 0, "nnx": 0}
+
+    def counted(who):
+        def fn(h, x):
+            traces[who] += 1
+            return scaled(h, x)
+
+        return fn
+
+    f, g = fastcall.jit(counted("fastcall")), nnx.jit(counted("nnx"))
+    mine, theirs = _holder(), _holder()
+    for _ in range(2):
+        assert_trees_equal(f(mine, X), g(theirs, X))
+    _mutations()[change](mine)
+    _mutations()[change](theirs)
+    routes = []
+    for _ in range(2):
+        got, route = served(f, mine, X)
+        routes.append(route)
+        assert_trees_equal(got, g(theirs, X))
+        assert jax.tree_util.tree_structure(mine) == jax.tree_util.tree_structure(theirs)
+        assert_trees_equal(jax.tree_util.tree_leaves(mine), jax.tree_util.tree_leaves(theirs))
+    structure = STRUCTURE_PATH[hot_path]
+    if change in ("value set outside", "Variable replaced", "nothing", "array replaced by a scalar"):
+        assert routes == [structure, structure]  # (a scalar is passed as an array is: jax.jit retraces)
+    elif change == "Variable shared":
+        assert routes == ["general", "general"]  # (read jointly, as nnx.jit reads it)
+    else:  # read once by the general path, which records the new structure
+        assert routes == ["general", structure]
+    assert traces["fastcall"] <= traces["nnx"], traces
+
+
+def test_a_functional_train_state_of_split_states_loops_on_the_structure_path(hot_path):
+    """flax's toy example 03: `nnx.split` States and the graphdef kept in a TrainState (a
+    flax.struct dataclass), `state = train_step(state, batch)`. The same losses, parameters
+    and counts as nnx.jit (whose rule for the Variables it is given fastcall keeps) and as
+    jax.jit; the returned States' Variables of the types and metadata nnx.jit gives; every
+    call after the first served by the structure path, and its output built by jax (no NNX
+    object rebuilt by graph: `unmark_nodes` never runs)."""
+    from flax.training import train_state
+
+    class Count(nnx.Variable):
+        pass
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.count = Count(jnp.array(0))
+            self.linear = nnx.Linear(1, 8, rngs=rngs)
+            self.out = nnx.Linear(8, 1, rngs=rngs)
+
+        def __call__(self, x):
+            self.count[...] += 1
+            return self.out(jax.nn.relu(self.linear(x)))
+
+    class TrainState(train_state.TrainState):
+        counts: Any
+        graphdef: Any
+
+    tx = optax.sgd(0.1)  # (one for all: the state's treedef holds its functions)
+
+    def start():
+        graphdef, params, counts = nnx.split(MLP(nnx.Rngs(0)), nnx.Param, Count)
+        return TrainState.create(apply_fn=None, graphdef=graphdef, params=params, tx=tx, counts=counts)
+
+    x = jnp.linspace(0.0, 1.0, 16)[:, None]
+    y = 0.8 * x**2 + 0.1
+
+    def train_step(state, batch):
+        x, y = batch
+
+        def loss_fn(params):
+            model = nnx.merge(state.graphdef, params, state.counts, copy=True)
+            loss = jnp.mean((y - model(x)) ** 2)
+            return loss, nnx.state(model, Count)
+
+        (loss, counts), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads, counts=counts), loss
+
+    from fastcall import _nnx
+
+    rebuilt = []
+    real = _nnx.unmark_nodes
+    f = fastcall.jit(train_step)
+    states = {"fastcall": start(), "nnx.jit": start(), "jax.jit": start()}
+    runners = {"nnx.jit": nnx.jit(train_step), "jax.jit": jax.jit(train_step)}
+    routes = []
+    try:
+        _nnx.unmark_nodes = lambda *a: rebuilt.append(a) or real(*a)
+        for _ in range(4):
+            (states["fastcall"], loss), route = served(f, states["fastcall"], (x, y))
+            routes.append(route)
+            for who, run in runners.items():
+                states[who], want = run(states[who], (x, y))
+                assert_trees_equal(loss, want)
+                assert_trees_equal(states["fastcall"], states[who])  # (Variable metadata too)
+    finally:
+        _nnx.unmark_nodes = real
+    assert routes == ["general"] + [STRUCTURE_PATH[hot_path]] * 3
+    assert not rebuilt
+    for got, want in zip(
+        jax.tree_util.tree_leaves(states["fastcall"], is_leaf=lambda v: isinstance(v, nnx.Variable)),
+        jax.tree_util.tree_leaves(states["nnx.jit"], is_leaf=lambda v: isinstance(v, nnx.Variable)),
+    ):
+        assert type(got) is type(want)
+        if isinstance(got, nnx.Variable):
+            assert list(got.get_metadata().items()) == list(want.get_metadata().items())
+    assert int(states["fastcall"].counts["count"][...]) == 4
+
+
+def test_new_variables_returned_keep_their_identity_as_under_nnx_jit():
+    """New Variables returned are built by jax from their values only where that cannot
+    differ from nnx.jit's rebuild: each once, no NNX object beside them that might hold one,
+    none put into an argument. Otherwise, one object where the function returned one."""
+
+    def twice(m, x):
+        v = nnx.Param(m.linear(x))
+        return v, v
+
+    def beside_a_module(m, x):
+        v = nnx.Param(m.linear(x))
+        holder = nnx.Module()
+        holder.v = v
+        return v, holder
+
+    def put_in_the_argument(m, x):
+        v = nnx.Param(m.linear(x))
+        m.extra = v
+        return {"v": v, "w": nnx.Param(x)}
+
+    for fn, same in [
+        (twice, lambda out, m: out[0] is out[1]),
+        (beside_a_module, lambda out, m: out[0] is out[1].v),
+        (put_in_the_argument, lambda out, m: out["v"] is m.extra and out["w"] is not m.extra),
+    ]:
+        compare(fn, lambda: World((Counted(4, 4, 0),)), XS)
+        for jit in (nnx.jit, fastcall.jit):  # the oracle, then fastcall
+            f, m = jit(fn), Counted(4, 4, 0)
+            for _ in range(3):
+                assert same(f(m, X), m), (fn.__name__, jit)
+
+
 def test_plain_list_of_kv_cache_decoders():
     def fn(decoders, tokens):
         return jnp.stack([d(tokens[i]) for i, d in enumerate(decoders)])
