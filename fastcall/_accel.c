@@ -1899,7 +1899,7 @@ static_matches(PyObject *a, PyObject *read)
 }
 
 /* The structure path's reading of a pytree holding NNX objects beside other leaves
- * (`read`, a MixedRead; `_dispatch._read_mixed` is the Python copy): jax's flatten of `a`
+ * (`read`, a MixedRead; `_dispatch.read_mixed` is the Python copy): jax's flatten of `a`
  * down to its NNX objects, its treedef equal to the record's, then each leaf as the
  * record's layout says: a plain leaf (None) appended to `values`; a static one (StaticRead)
  * compared; a Variable (VariableRead) read by read_variable, and also appended to `loose`

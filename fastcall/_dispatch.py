@@ -518,7 +518,7 @@ def read_arguments(
                     return _declined(why, i, "holds an NNX object not of the structure the recorded call read")
             continue
         if isinstance(read, MixedRead):
-            if not _read_mixed(a, read, values, nnx_args, plain):
+            if not read_mixed(a, read, values, nnx_args, plain):
                 return _declined(
                     why, i, "not a pytree of the structure, static values and NNX objects the recorded call passed"
                 )
@@ -564,7 +564,7 @@ def read_arguments(
     return values, nnx_args
 
 
-def _read_mixed(a: Any, read: MixedRead, values: list[Any], nnx_args: list[Any], plain: frozenset[type]) -> bool:
+def read_mixed(a: Any, read: MixedRead, values: list[Any], nnx_args: list[Any], plain: frozenset[type]) -> bool:
     """`read_arguments`' reading of a pytree holding NNX objects beside other leaves
     (`MixedRead`): its leaves appended to `values` and its NNX objects' NnxArgs to
     `nnx_args`, in the order the general path's `read_container` reads them; False if it

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import _codegen, _fast, _flatten, _guard, _nnx_gate
-from ._dispatch import arguments_as_read, read_arguments, static_matches
+from ._dispatch import arguments_as_read, read_arguments, read_mixed, static_matches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +215,16 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
             "flattened down to its NNX objects and its tree structure compared, each object read from its cache"
             " entry (the objects are not flattened)",
         )
+    if type(read) is _fast.MixedRead and read_mixed(value, read, [], [], state.plain_leaves):
+        n_variables = sum(type(code) is _fast.VariableRead for code in read.layout)
+        n_objects = sum(type(code) is int for code in read.layout)
+        return ArgumentReport(
+            name,
+            f"{type(value).__name__} holding NNX objects beside other leaves, of a tree structure this function has"
+            " run",
+            f"flattened down to its NNX objects and its tree structure compared; {n_variables} Variables' types,"
+            f" metadata and values read, {n_objects} other objects read from their cache entries",
+        )
     if adapter is not None and adapter.holds_nodes(value):
         return ArgumentReport(name, "container holding NNX objects", "the container flattened, each object read")
     if _nnx_gate.is_graphdef(value):
@@ -225,6 +235,13 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
         return ArgumentReport(name, f"cannot be read: {err}", "")
     if spec.kind != "tree":
         return ArgumentReport(name, spec.kind, "")
+    if spec.has_nnx:
+        return ArgumentReport(
+            name,
+            f"{type(value).__name__} holding NNX objects beside other leaves",
+            "flattened, each NNX object read as if passed on its own; the call records this structure for the"
+            " structure path, unless its NNX objects share Variables",
+        )
     if type(read) is _fast.ArgRead and read.extract is not None and read.extract(value) is not None:
         by_rule = any(t.extract is read.extract and t.rule is not None for t in _codegen.templates.get(type(value), ()))
         if by_rule:

@@ -221,3 +221,31 @@ def test_explain_names_every_path_to_what_no_guard_can_watch():
     text = str(f.explain(m, X))
     for named in ("first holds a set", "second holds a set", "items.0 holds a set", "w has metadata that cannot be hashed"):
         assert named in text, (named, text)
+
+
+def test_explain_says_a_pytree_of_variables_beside_arrays_is_read_by_its_flatten(hot_path):
+    """A pytree holding Variables beside an array (flax's TrainState with `nnx.split`'s
+    States): explain names how the general path reads it, then how the structure path does,
+    counting its Variables; and, once a Variable's metadata changed, that the record
+    declines, as the call then shows."""
+    from .test_nnx_containers import X as X2
+    from .test_nnx_containers import _holder, scaled
+
+    f = fastcall.jit(scaled)
+    h = _holder()
+    first = f.explain(h, X2)
+    assert first.arguments[0].kind == "Holder holding NNX objects beside other leaves"
+    assert "each NNX object read as if passed on its own" in first.arguments[0].per_call
+    f(h, X2)
+    report = f.explain(h, X2)
+    _, route = served(f, h, X2)
+    assert report.route == "structure" == ROUTE[route]
+    assert report.arguments[0].kind.endswith("of a tree structure this function has run")
+    assert "2 Variables' types, metadata and values read" in report.arguments[0].per_call
+    h.w.set_metadata("tag", "changed")
+    report = f.explain(h, X2)
+    _, route = served(f, h, X2)
+    assert report.route == "general" == route
+    assert report.reasons[-1] == (
+        "not structure: h: not a pytree of the structure, static values and NNX objects the recorded call passed"
+    )
