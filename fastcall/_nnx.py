@@ -1975,6 +1975,11 @@ class NnxOutputs(NamedTuple):
     # without graph updates: (ordinal, leaf index, metadata) of each Variable given whose
     # metadata the function changed in place, set on the caller's Variable after each call
     metadata: tuple[tuple[int, int, dict[str, Any]], ...] = ()
+    # new Variables returned on their own, as `_FreshVariable` nodes: the output is built
+    # from the entry's own treedef (`OutInfo.result`), which holds them; jax's output tree
+    # would not keep them (it re-flattens its first output, where they are Variables, by
+    # flax's pytree node, which rebuilds the metadata sorted)
+    fresh: bool = False
 
 
 class TracedInputs:
@@ -2084,11 +2089,11 @@ class TracedInputs:
         twins = self._twins(out, {k for k, _ in replaced} | {k for k, _, _ in restructure}) if not joint else ()
         out, marks = self._mark_nodes(out, refuse_aliasing, inner_ref, outer_index, outer_ref)
         extra = restructured + written
-        if not (writes or restructure or marks.found or metadata):
+        if not (writes or restructure or marks.found or metadata or marks.fresh):
             return out, None, []
         nnx_out = NnxOutputs(
             tuple(writes), tuple(restructure), marks.found, marks.sub_objects, len(extra), frozenset(replaced),
-            joint, marks.links_outer, marks.new_objects, twins, tuple(metadata),
+            joint, marks.links_outer, marks.new_objects, twins, tuple(metadata), marks.fresh,
         )
         return out, nnx_out, extra
 
@@ -2201,8 +2206,11 @@ class TracedInputs:
         loose = self._loose_variables(out, outer_index, inner_ref)
 
         def mark(x: Any) -> Any:
-            if not _is_node(x) or id(x) in loose:
+            if not _is_node(x):
                 return x
+            if id(x) in loose:
+                marks.fresh = True
+                return _FreshVariable(type(x), tuple(_var_metadata(x).items()), raw_value(x))
             marks.found = True
             if refuse_inputs and id(x) in input_ids:
                 raise aliasing_error("both an input and an output")
@@ -2230,13 +2238,13 @@ class TracedInputs:
 
     @staticmethod
     def _loose_variables(out: Any, outer_index: Any, inner_ref: Any) -> frozenset[int]:
-        """The ids of the Variables in `out` that stay in it as pytree nodes, for jax to
-        build anew after each call from their values, type and metadata (what the graph
-        rebuild of a new Variable does too: it takes the one jax built): those the function
-        made (none of the arguments' objects, none put into a restructured argument),
-        each returned once, in an output holding no other NNX object (which might hold
-        one). A returned `nnx.split` State of new Variables (a training step's `params`)
-        then costs what jax.jit's output costs."""
+        """The ids of the Variables in `out` that the output's build makes anew after each
+        call, from the `_FreshVariable` nodes put in their place (what the graph rebuild of
+        a new Variable holding an array does: its type, metadata and value): those the
+        function made (none of the arguments' objects, none put into a restructured
+        argument), each returned once, holding an array, in an output holding no other NNX
+        object (which might hold one). A returned `nnx.split` State of new Variables (a
+        training step's `params`) then costs what jax.jit's output costs."""
         nodes = [x for x in jax.tree_util.tree_leaves(out, is_leaf=_is_node) if _is_node(x)]
         if not nodes or not all(map(_is_variable, nodes)):
             return frozenset()
@@ -2244,7 +2252,10 @@ class TracedInputs:
         if len(ids) != len(nodes):
             return frozenset()
         for v in nodes:
-            if v in outer_index or v in inner_ref or is_array_ref(raw_value(v)) or v.get_metadata().get("hijax"):
+            if (
+                v in outer_index or v in inner_ref or not isinstance(raw_value(v), jax.Array)
+                or _var_metadata(v).get("hijax")
+            ):
                 return frozenset()
         return ids
 
@@ -2263,10 +2274,11 @@ def _owner(root: Any, path: Any) -> Any:
 class _Marks:
     """What `_mark_nodes` found in an output."""
 
-    __slots__ = ("found", "sub_objects", "links_outer", "new_objects")
+    __slots__ = ("found", "sub_objects", "links_outer", "new_objects", "fresh")
 
     def __init__(self) -> None:
-        self.found = False  # any NNX object
+        self.found = False  # any NNX object marked (a `_FreshVariable` is not: see `fresh`)
+        self.fresh = False  # any new Variable returned on its own (a `_FreshVariable`)
         self.new_objects = False  # any new one
         self.sub_objects: tuple[int, ...] = ()  # outer indices of the arguments' sub-objects returned
         self.links_outer = False  # a new object holds an object of the arguments
@@ -2340,6 +2352,28 @@ class _NewNode:
 
 jax.tree_util.register_pytree_node(
     _NewNode, lambda n: (n.values, n.graphdef), lambda gd, vals: _NewNode(gd, list(vals))
+)
+
+
+class _FreshVariable:
+    """Output marker: a new Variable returned on its own (`TracedInputs._loose_variables`),
+    a pytree node whose unflatten makes the Variable itself, as NNX's graph rebuild makes it
+    (`from_metadata`: its type, its metadata in the order it had, its value). Built from the
+    entry's own output tree (`NnxOutputs.fresh`). (Not flax's pytree node for a Variable,
+    which rebuilds the metadata sorted.)"""
+
+    __slots__ = ("kind", "metadata", "value")
+
+    def __init__(self, kind: type, metadata: tuple[tuple[str, Any], ...], value: Any) -> None:
+        self.kind = kind
+        self.metadata = metadata
+        self.value = value
+
+
+jax.tree_util.register_pytree_node(
+    _FreshVariable,
+    lambda n: ((n.value,), (n.kind, n.metadata)),
+    lambda aux, children: aux[0].from_metadata(children[0], dict(aux[1])),
 )
 
 

@@ -177,9 +177,10 @@ class OutInfo:
     def plain_writes(self) -> tuple[tuple[int, int], ...] | None:
         """The (NNX object ordinal, leaf index) of each leaf written back, if writing new
         values into the caller's Variables and raw leaves is all a call does to its NNX
-        objects (no structural change, no Variable replaced, no NNX object returned): none
-        where it has no NNX state to write back; else None. (None too where jax's output is
-        the user's output: nothing to do.)"""
+        objects (no structural change, no Variable replaced, no NNX object returned but new
+        Variables on their own, which `result` builds): none where it has no NNX state to
+        write back; else None. (None too where jax's output is the user's output: nothing
+        to do.)"""
         nnx = self.nnx
         if self.passthrough:
             return None
@@ -187,7 +188,7 @@ class OutInfo:
             return ()
         if nnx.restructure or nnx.replaced or nnx.has_nodes or nnx.metadata:
             return None
-        if not nnx.writes or nnx.n_written != len(nnx.writes):
+        if nnx.n_written != len(nnx.writes) or not (nnx.writes or nnx.fresh):
             return None
         return nnx.writes
 

@@ -1181,6 +1181,46 @@ def test_new_variables_returned_keep_their_identity_as_under_nnx_jit():
                 assert same(f(m, X), m), (fn.__name__, jit)
 
 
+def test_new_variables_returned_on_their_own_are_as_nnx_jit_builds_them(hot_path, monkeypatch):
+    """A new Variable returned on its own is built from the entry's own output tree (no
+    graph rebuild: `unmark_nodes` never runs), of its type, with its metadata in the order
+    it had (as nnx.jit and eager code give it; jax's output tree would sort it), on every
+    call, whichever path serves it. A new Variable holding another is left to the graph
+    rebuild, as nnx.jit rebuilds it (its value an array)."""
+    from fastcall import _nnx
+
+    rebuilt = []
+    real = _nnx.unmark_nodes
+    monkeypatch.setattr(_nnx, "unmark_nodes", lambda *a: rebuilt.append(a) or real(*a))
+
+    def made(x):
+        return {"p": nnx.Param(x * 2.0, zeta=1, alpha=2), "s": nnx.BatchStat(jnp.sum(x))}
+
+    f, g = fastcall.jit(made), nnx.jit(made)
+    routes = []
+    for i in range(3):
+        got, route = served(f, X + i)
+        routes.append(route)
+        want, eager = g(X + i), made(X + i)
+        for k in ("p", "s"):
+            assert type(got[k]) is type(want[k])
+            assert list(got[k].get_metadata().items()) == list(want[k].get_metadata().items())
+            assert list(got[k].get_metadata().items()) == list(eager[k].get_metadata().items())
+            assert_trees_equal(got[k][...], want[k][...])
+    assert routes[1:] == [STRUCTURE_PATH[hot_path]] * 2
+    assert not rebuilt
+
+    def nested(x):
+        return nnx.Variable(nnx.Param(x))
+
+    f, g = fastcall.jit(nested), nnx.jit(nested)
+    for _ in range(2):
+        got, want = f(X), g(X)
+        assert type(got.get_raw_value()) is type(want.get_raw_value())
+        assert_trees_equal(got.get_raw_value(), want.get_raw_value())
+    assert rebuilt  # (the graph rebuild, as before)
+
+
 def test_plain_list_of_kv_cache_decoders():
     def fn(decoders, tokens):
         return jnp.stack([d(tokens[i]) for i, d in enumerate(decoders)])
