@@ -1930,7 +1930,7 @@ read_mixed(FastWrapper *self, PyObject *a, PyObject *read, Refs *values, Refs *e
         return 0;
     }
     /* (the leaves list is this call's own: nothing run below can change it) */
-    PyObject *items = PyTuple_GET_ITEM(flat, 0);
+    PyObject *items = got == 1 ? PyTuple_GET_ITEM(flat, 0) : NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(layout);
     if (got == 1 && PyList_GET_SIZE(items) != n) {
         got = 0;

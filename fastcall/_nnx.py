@@ -2235,7 +2235,6 @@ class TracedInputs:
         marks.sub_objects = tuple(sub_objects)
         return marked, marks
 
-
     @staticmethod
     def _loose_variables(out: Any, outer_index: Any, inner_ref: Any) -> frozenset[int]:
         """The ids of the Variables in `out` that the output's build makes anew after each

@@ -1038,8 +1038,11 @@ def test_variables_beside_arrays_in_a_pytree_take_the_structure_path(hot_path):
 @pytest.mark.parametrize("change", list(_mutations()))
 def test_a_pytree_of_variables_changed_between_calls_is_never_stale(change, hot_path):
     """Every kind of change to a pytree the structure path reads, made between calls: the
-    same outputs, state written back and compiles as nnx.jit; only a change of values (and
-    a Variable replaced by one of its type and metadata) keeps the structure path."""
+    same outputs, state written back and compiles as nnx.jit. A change of values, a Variable
+    replaced by one of its type and metadata, and an array replaced by a Python scalar
+    (passed as an array is) keep the structure path; a Variable shared is read jointly by
+    the general path every call; any other change is read once by the general path, which
+    records the new structure."""
     traces = {"fastcall": 0, "nnx": 0}
 
     def counted(who):
