@@ -2254,6 +2254,8 @@ class TracedInputs:
             if (
                 v in outer_index or v in inner_ref or not isinstance(raw_value(v), jax.Array)
                 or _var_metadata(v).get("hijax")
+                or (inspect.getattr_static(type(v), "from_metadata"), inspect.getattr_static(type(v), "_new"))
+                != _OWN_MAKERS
             ):
                 return frozenset()
         return ids
@@ -2357,7 +2359,8 @@ jax.tree_util.register_pytree_node(
 class _FreshVariable:
     """Output marker: a new Variable returned on its own (`TracedInputs._loose_variables`),
     a pytree node whose unflatten makes the Variable itself, as NNX's graph rebuild makes it
-    (`from_metadata`: its type, its metadata in the order it had, its value). Built from the
+    (its type's `from_metadata`, Variable's own, which for a Variable that is not hijax is
+    its `_new`: its type, its metadata in the order it had, its value). Built from the
     entry's own output tree (`NnxOutputs.fresh`). (Not flax's pytree node for a Variable,
     which rebuilds the metadata sorted.)"""
 
@@ -2369,11 +2372,16 @@ class _FreshVariable:
         self.value = value
 
 
-jax.tree_util.register_pytree_node(
-    _FreshVariable,
-    lambda n: ((n.value,), (n.kind, n.metadata)),
-    lambda aux, children: aux[0].from_metadata(children[0], dict(aux[1])),
-)
+def _fresh_variable(aux: tuple[Any, tuple[tuple[str, Any], ...]], children: Any) -> Any:
+    kind, metadata = aux  # (a Variable type)
+    return kind._new(children[0], dict(metadata))
+
+
+jax.tree_util.register_pytree_node(_FreshVariable, lambda n: ((n.value,), (n.kind, n.metadata)), _fresh_variable)
+
+# Variable's own ways to make one from its value and metadata: a Variable type with others is
+# rebuilt by NNX's graph rebuild, which calls them (`_loose_variables`)
+_OWN_MAKERS = (inspect.getattr_static(Variable, "from_metadata"), inspect.getattr_static(Variable, "_new"))
 
 
 # --------------------------------------------------------------------------

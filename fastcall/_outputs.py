@@ -96,7 +96,11 @@ class OutInfo:
         # it does: no wait, and a C builder
         recipe = _codegen.recipe_of(self.build)
         self.fast_result: Callable[[list[Any]], Any] = self.result
-        if recipe is not None and not block and (accel is not None or not self.regs):
+        if self.build is None and not (block or self.statics or self.regs):
+            # (all `result` does then: jax's C++ unflatten, called directly; an output holding
+            # new Variables on their own, `NnxOutputs.fresh`)
+            self.fast_result = self.treedef.unflatten
+        elif recipe is not None and not block and (accel is not None or not self.regs):
             on_death = self.on_death if self.regs else None
             self.fast_result = functools.partial(_native.ACCEL.finish_output, recipe, on_death, self.regs, self.held)
 

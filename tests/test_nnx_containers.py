@@ -1222,6 +1222,22 @@ def test_new_variables_returned_on_their_own_are_as_nnx_jit_builds_them(hot_path
         assert type(got.get_raw_value()) is type(want.get_raw_value())
         assert_trees_equal(got.get_raw_value(), want.get_raw_value())
     assert rebuilt  # (the graph rebuild, as before)
+    rebuilt.clear()
+
+    class Tagged(nnx.Variable):  # (makes itself its own way: left to the graph rebuild, which calls it)
+        @classmethod
+        def from_metadata(cls, value, attributes):
+            return super().from_metadata(value, {**attributes, "rebuilt": True})
+
+    def tagged(x):
+        return Tagged(x * 3.0)
+
+    f, g = fastcall.jit(tagged), nnx.jit(tagged)
+    for _ in range(2):
+        got, want = f(X), g(X)
+        assert list(got.get_metadata().items()) == list(want.get_metadata().items())
+        assert_trees_equal(got[...], want[...])
+    assert rebuilt
 
 
 def test_plain_list_of_kv_cache_decoders():
