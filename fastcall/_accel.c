@@ -178,7 +178,7 @@ static struct {
     PyObject *value_slot;  /* one-element list: the Variable._raw_value descriptor, or None */
     PyObject *graph_context; /* one-element list: NNX's (thread-local) graph context, or None */
     PyObject *array_type;  /* jaxlib ArrayImpl */
-    PyObject *varies_exc;  /* StructureVaries: retry through the fallback */
+    PyObject *varying_type; /* _outputs.Varying: an output carrying its own structure */
     PyObject *jitting;     /* currently_jitting(): whether a JAX trace is running */
     PyObject *top_level;   /* _trace.TOP_LEVEL_PROBE: (holder, name, value) triples, or None */
     PyObject *arg_read, *node_read, *joint_read, *shared_variable_read, *nodes_read, *variable_read, *graphdef_read, *static_read,
@@ -239,7 +239,8 @@ typedef struct {
     PyObject *fallback;    /* the Python wrapper: handles every other case */
     PyObject *structures;  /* dict: type(first) -> StructureRecord (this function's) */
     PyObject *state;       /* key of this wrapped function in slot.records */
-    PyObject *on_error;    /* on_error(exception, args): re-raises it, made clearer */
+    PyObject *on_error;    /* on_error(exception, args, kwargs or None): re-raises it, made clearer */
+    PyObject *finish_varying; /* finish_varying(output, args, kwargs or None): see fw_varying */
     Py_ssize_t calls;      /* calls served here (JitStats.paths["c_fast"]) */
     Py_ssize_t structure_calls; /* calls served by the structure path (paths["c_structure"]) */
     int serves_nested;     /* FunctionState.serves_nested: a read-only call may run nested in a trace */
@@ -457,43 +458,44 @@ ref_is(PyObject *ref, PyObject *obj)
 #endif
 }
 
-/* After a failed call of the compiled function: retry through the fallback for
- * StructureVaries (the call is then counted there, not here); otherwise hand the
- * exception to on_error, which re-raises it (translated where it can). */
+/* fn(head, args as a tuple, keyword arguments as a dict or None): a call's arguments handed
+ * to Python. */
 COLD static PyObject *
-fw_failed(FastWrapper *self, Py_ssize_t *counter, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+call_with_arguments(PyObject *fn, PyObject *head, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
-    if (PyErr_ExceptionMatches(G.varies_exc)) {
-        PyErr_Clear();
-        (*counter)--;
-        return fw_fallback(self, args, nargsf, kwnames);
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *res = NULL;
+    PyObject *argtuple = PyTuple_New(nargs);
+    PyObject *kwargs = kwnames == NULL ? Py_NewRef(Py_None) : PyDict_New();
+    for (Py_ssize_t j = 0; kwargs != NULL && kwnames != NULL && j < PyTuple_GET_SIZE(kwnames); j++) {
+        if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, j), args[nargs + j]) < 0) {
+            Py_CLEAR(kwargs);
+        }
     }
+    if (argtuple != NULL && kwargs != NULL) {
+        for (Py_ssize_t i = 0; i < nargs; i++) {
+            Py_INCREF(args[i]);
+            PyTuple_SET_ITEM(argtuple, i, args[i]);
+        }
+        res = PyObject_CallFunctionObjArgs(fn, head, argtuple, kwargs, NULL);
+    }
+    Py_XDECREF(argtuple);
+    Py_XDECREF(kwargs);
+    return res;
+}
+
+/* After a failed call of the compiled function: hand the exception to on_error, which
+ * re-raises it (translated where it can). */
+COLD static PyObject *
+fw_failed(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
     if (tb != NULL && value != NULL) {
         PyException_SetTraceback(value, tb);
     }
-    PyObject *res = NULL;
-    if (value != NULL) { /* on_error(exception, args, kwargs or None) */
-        Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-        PyObject *argtuple = PyTuple_New(nargs);
-        PyObject *kwargs = kwnames == NULL ? Py_NewRef(Py_None) : PyDict_New();
-        for (Py_ssize_t j = 0; kwargs != NULL && kwnames != NULL && j < PyTuple_GET_SIZE(kwnames); j++) {
-            if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, j), args[nargs + j]) < 0) {
-                Py_CLEAR(kwargs);
-            }
-        }
-        if (argtuple != NULL && kwargs != NULL) {
-            for (Py_ssize_t i = 0; i < nargs; i++) {
-                Py_INCREF(args[i]);
-                PyTuple_SET_ITEM(argtuple, i, args[i]);
-            }
-            res = PyObject_CallFunctionObjArgs(self->on_error, value, argtuple, kwargs, NULL);
-        }
-        Py_XDECREF(argtuple);
-        Py_XDECREF(kwargs);
-    }
+    PyObject *res = value == NULL ? NULL : call_with_arguments(self->on_error, value, args, nargsf, kwnames);
     Py_XDECREF(type);
     Py_XDECREF(value);
     Py_XDECREF(tb);
@@ -502,6 +504,19 @@ fw_failed(FastWrapper *self, Py_ssize_t *counter, PyObject *const *args, size_t 
         PyErr_SetString(PyExc_RuntimeError, "fastcall: error handler returned");
     }
     return NULL;
+}
+
+/* A call whose output carries its own structure (a `Varying`: its trace met another output
+ * structure than the one the record was made for): the general path finishes it, and counts
+ * it. Steals `out`. */
+COLD static PyObject *
+fw_varying(FastWrapper *self, Py_ssize_t *counter, PyObject *out, PyObject *const *args, size_t nargsf,
+           PyObject *kwnames)
+{
+    (*counter)--;
+    PyObject *res = call_with_arguments(self->finish_varying, out, args, nargsf, kwnames);
+    Py_DECREF(out);
+    return res;
 }
 
 /* `table[id(obj)]` (borrowed), or NULL: not there, or an error (check PyErr_Occurred). The
@@ -2270,7 +2285,11 @@ structure_call(FastWrapper *self, PyObject *record, PyObject *const *args, size_
     self->structure_calls++;
     out = PyObject_Vectorcall(PyTuple_GET_ITEM(record, STR_CALL), stack, total, NULL);
     if (out == NULL) {
-        out = fw_failed(self, &self->structure_calls, args, nargsf, kwnames);
+        out = fw_failed(self, args, nargsf, kwnames);
+        goto done;
+    }
+    if ((PyObject *)Py_TYPE(out) == G.varying_type) {
+        out = fw_varying(self, &self->structure_calls, out, args, nargsf, kwnames);
         goto done;
     }
     out = apply_post(post, out, args[0], nnx_args != NULL ? nnx_args : Py_None, NULL);
@@ -2450,7 +2469,13 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
     if (out == NULL) {
         for (Py_ssize_t i = 0; i < filled; i++) Py_DECREF(stack[i]);
         filled = 0;
-        out = fw_failed(self, &self->calls, args, nargsf, kwnames);
+        out = fw_failed(self, args, nargsf, kwnames);
+        goto done;
+    }
+    if ((PyObject *)Py_TYPE(out) == G.varying_type) {
+        for (Py_ssize_t i = 0; i < filled; i++) Py_DECREF(stack[i]);
+        filled = 0;
+        out = fw_varying(self, &self->calls, out, args, nargsf, kwnames);
         goto done;
     }
     out = apply_post(PyTuple_GET_ITEM(record, REC_POST), out, first, Py_None,
@@ -2486,6 +2511,7 @@ fw_traverse(PyObject *op, visitproc visit, void *arg)
     Py_VISIT(self->structures);
     Py_VISIT(self->state);
     Py_VISIT(self->on_error);
+    Py_VISIT(self->finish_varying);
     Py_VISIT(self->plain);
     Py_VISIT(self->dict);
 #ifdef HAVE_DICT_VERSION
@@ -2502,6 +2528,7 @@ fw_clear(PyObject *op)
     Py_CLEAR(self->structures);
     Py_CLEAR(self->state);
     Py_CLEAR(self->on_error);
+    Py_CLEAR(self->finish_varying);
     Py_CLEAR(self->plain);
     Py_CLEAR(self->dict);
 #ifdef HAVE_DICT_VERSION
@@ -2559,7 +2586,7 @@ record_class(PyObject *records, const char *name, const char **expected)
 
 #define SET_SHARED(field, value) do { PyObject *old_ = G.field; G.field = (value); Py_XDECREF(old_); } while (0)
 
-/* configure(index, by_id, latest, graphdefs, value_slot, graph_context, array_type, varies_exc, jitting,
+/* configure(index, by_id, latest, graphdefs, value_slot, graph_context, array_type, varying_type, jitting,
  *           top_level, records):
  * the tables and types every wrapper reads (see the struct G); `records` maps each record
  * class's name to the class, whose fields are checked against the layout read here.
@@ -2567,10 +2594,10 @@ record_class(PyObject *records, const char *name, const char **expected)
 static PyObject *
 py_configure(PyObject *module, PyObject *args)
 {
-    PyObject *index, *by_id, *latest, *graphdefs, *value_slot, *graph_context, *array_type, *varies_exc, *jitting,
+    PyObject *index, *by_id, *latest, *graphdefs, *value_slot, *graph_context, *array_type, *varying_type, *jitting,
         *top_level, *records;
     if (!PyArg_UnpackTuple(args, "configure", 11, 11, &index, &by_id, &latest, &graphdefs, &value_slot,
-                           &graph_context, &array_type, &varies_exc, &jitting, &top_level, &records)) {
+                           &graph_context, &array_type, &varying_type, &jitting, &top_level, &records)) {
         return NULL;
     }
     int probe_ok = top_level == Py_None || PyTuple_CheckExact(top_level);
@@ -2672,23 +2699,24 @@ py_configure(PyObject *module, PyObject *args)
     Py_INCREF(value_slot); SET_SHARED(value_slot, value_slot);
     Py_INCREF(graph_context); SET_SHARED(graph_context, graph_context);
     Py_INCREF(array_type); SET_SHARED(array_type, array_type);
-    Py_INCREF(varies_exc); SET_SHARED(varies_exc, varies_exc);
+    Py_INCREF(varying_type); SET_SHARED(varying_type, varying_type);
     Py_INCREF(jitting); SET_SHARED(jitting, jitting);
     Py_INCREF(top_level); SET_SHARED(top_level, top_level);
     Py_RETURN_NONE;
 }
 
-/* FastWrapper(fallback, state, structures, on_error, serves_nested, plain), once `configure` has run. */
+/* FastWrapper(fallback, state, structures, on_error, finish_varying, serves_nested, plain), once `configure`
+ * has run. */
 static PyObject *
 fw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    PyObject *fallback, *state, *structures, *on_error, *serves_nested, *plain;
+    PyObject *fallback, *state, *structures, *on_error, *finish_varying, *serves_nested, *plain;
     if (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) {
         PyErr_SetString(PyExc_TypeError, "FastWrapper takes positional arguments only");
         return NULL;
     }
-    if (!PyArg_UnpackTuple(args, "FastWrapper", 6, 6, &fallback, &state, &structures, &on_error, &serves_nested,
-                           &plain)) {
+    if (!PyArg_UnpackTuple(args, "FastWrapper", 7, 7, &fallback, &state, &structures, &on_error, &finish_varying,
+                           &serves_nested, &plain)) {
         return NULL;
     }
     int nested = PyObject_IsTrue(serves_nested);
@@ -2716,6 +2744,7 @@ fw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     Py_INCREF(structures); self->structures = structures;
     Py_INCREF(state); self->state = state;
     Py_INCREF(on_error); self->on_error = on_error;
+    Py_INCREF(finish_varying); self->finish_varying = finish_varying;
     Py_INCREF(plain); self->plain = plain;
     self->calls = 0;
     self->structure_calls = 0;

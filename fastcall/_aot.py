@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from . import _args, _dispatch
-from ._build import StructureVaries
 from ._errors import FastcallError
 from ._trace import StepAside
 
@@ -29,11 +28,7 @@ def lower(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], kwargs
         state.fun(*args, **kwargs)  # raises the function's own TypeError
         raise FastcallError("fastcall.jit(...).lower: could not bind the arguments.")
     entry = state.table.get(resolved.key) or state.entry(resolved.key)
-    try:
-        lowered = entry.fn.lower(*resolved.leaves)
-    except StructureVaries:
-        entry = state.make_varying(resolved.key, entry)
-        lowered = entry.fn.lower(*resolved.leaves)
+    lowered = entry.fn.lower(*resolved.leaves)
     return Lowered(lowered, entry, state, fun_leaves, resolved.key)
 
 

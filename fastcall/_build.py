@@ -25,55 +25,51 @@ from ._outputs import OutInfo, Varying
 from ._trace import current_trace_has_callback
 
 
-class StructureVaries(Exception):
-    """Raised inside a trace whose output structure differs from an earlier trace's:
-    the caller retries with the entry's varying replacement."""
-
-
 class Entry:
     """One static signature of a wrapped function: a jax.jit over flat leaves."""
 
     __slots__ = ("fn", "out", "varies", "passthrough", "lock", "on_varies", "__weakref__")
 
-    def __init__(self, varies: bool) -> None:
+    def __init__(self) -> None:
         self.fn: Any = None  # fn(*leaves) runs it
-        self.out: OutInfo | None = None  # the output structure, known after the first trace
-        # True: the output structure depends on input shapes, and each call returns
-        # `(flat, Varying(info))` carrying it through jax's output tree.
-        self.varies = varies
+        self.out: OutInfo | None = None  # the output structure of the first trace
+        # True once a trace met another output structure (it depends on input shapes): the
+        # outputs of such traces carry theirs (`Varying`); every other trace's is `out`.
+        self.varies = False
         self.passthrough = False  # jax's output is the user's output: nothing to do after
         self.lock = threading.Lock()
-        self.on_varies: Callable[[], Any] | None = None  # installs the varying replacement
+        self.on_varies: Callable[[], Any] | None = None  # called once, when it starts to vary
 
     def finish(self, out: Any, nnx_args: Sequence[Any]) -> Any:
-        """The user's output from one call's flat outputs (NNX state written back)."""
-        if self.varies:
-            out, box = out
-            return box.info.finish(out, nnx_args)
+        """The user's output from one call's outputs (NNX state written back)."""
+        if type(out) is Varying:
+            return out.finish(nnx_args)
         assert self.out is not None
         return self.out.finish(out, nnx_args)
 
-    def record_output(self, info: OutInfo) -> None:
-        """At trace time: remember the output structure, or raise StructureVaries if it
-        differs from the one recorded by an earlier trace."""
-        varied = False
+    def record_output(self, info: OutInfo) -> bool:
+        """At trace time: remember the output structure of the first trace; for a later
+        one, whether its output must carry its own (it differs from the first's). The trace
+        that finds it differing carries on, so jax compiles it once, as jax.jit would; the
+        fast and structure records, which read the first structure, are dropped then
+        (`on_varies`), and a call one of them had under way finds a `Varying` output."""
         with self.lock:
             if self.out is None:
                 self.out = info
                 self.passthrough = info.passthrough
-            elif not self.out.same_as(info):
-                varied = True
-        if varied:
-            # Install the replacement now, so that the caller's retry finds it and this
-            # shape is traced once more, not twice.
-            if self.on_varies is not None:
-                self.on_varies()
-            raise StructureVaries
+                return False
+            if self.out.same_as(info):
+                return False
+            first_time = not self.varies
+            self.varies = True
+        if first_time and self.on_varies is not None:
+            self.on_varies()
+        return True
 
 
-def build(state: Any, key: tuple[Any, ...], fun: Any, varies: bool = False) -> Entry:
+def build(state: Any, key: tuple[Any, ...], fun: Any) -> Entry:
     """The compiled entry of `state`'s function `fun` for the static signature `key`."""
-    e = Entry(varies)
+    e = Entry()
     layout = state.layout(key)
     pos_specs = [spec_by_id(k) for k in layout.positional]
     kw_specs = [spec_by_id(k) for k in layout.keyword_ids]
@@ -140,10 +136,7 @@ def build(state: Any, key: tuple[Any, ...], fun: Any, varies: bool = False) -> E
             )
         info = OutInfo(out, current_trace_has_callback(), nnx_out, trace_scalars)
         flat = info.flat_outputs(out, nnx_extra)
-        if varies:
-            return flat, Varying(info)
-        e.record_output(info)
-        return flat
+        return Varying(flat, info) if e.record_output(info) else flat
 
     name = getattr(fun, "__name__", None) or type(fun).__name__
     flat_fn.__name__ = flat_fn.__qualname__ = str(name)

@@ -27,12 +27,15 @@ whole route of a call:
    arrays, identity-cache hits, NNX objects, new objects), the tuple of spec
    ids selects the compiled entry, and `run` runs it.
 
-`run` is the one place the general path calls a compiled entry through: retry
-once if the output structure turned out to vary, translate errors, rebuild the
-output and write NNX state back. The wrapper, `lower(...).compile()` and
-`fastcall.partial` all go through it. After a general call, `_install_fast`
-decides (the one eligibility rule, for Equinox and NNX alike) whether later
-calls of the same shape can take the fast path, and leaves a structure record.
+`run` is the one place the general path calls a compiled entry through:
+translate errors, rebuild the output and write NNX state back. A call whose
+trace met another output structure than the entry's first (it depends on input
+shapes) returns a `Varying` carrying its own; the fast and structure paths hand
+such a call, already run, to the general path (`general`), which finishes it.
+The wrapper, `lower(...).compile()` and `fastcall.partial` all go through it.
+After a general call, `_install_fast` decides (the one eligibility rule, for
+Equinox and NNX alike) whether later calls of the same shape can take the fast
+path, and leaves a structure record.
 """
 
 from __future__ import annotations
@@ -45,13 +48,13 @@ from typing import Any
 import jax
 
 from . import _args, _codegen, _fast, _flatten, _guard, _native, _nnx_gate
-from ._build import Entry, StructureVaries
+from ._build import Entry
 from ._fast import (
     ArgRead, FastRecord, FastSlot, GraphdefRead, JointRead, MixedRead, NodeRead, NodesRead, PytreeShape,
     SharedVariableRead, StaticRead, StructureRecord, VariableRead, WriteBack,
 )
 from ._flatten import ArrayImpl
-from ._outputs import on_error
+from ._outputs import Varying, on_error
 from ._stats import WHOLE_READS
 from ._trace import TOP_LEVEL_PROBE, StepAside, currently_jitting
 
@@ -66,7 +69,7 @@ def configure_accel() -> None:
     )
     _native.BUILT.configure(
         _fast.INDEX, _flatten.by_id, _flatten.LATEST, _fast.GRAPHDEFS, _fast.VALUE_SLOT, _fast.GRAPH_CONTEXT, ArrayImpl,
-        StructureVaries, currently_jitting, TOP_LEVEL_PROBE,
+        Varying, currently_jitting, TOP_LEVEL_PROBE,
         {cls.__name__: cls for cls in records},
     )
 
@@ -75,22 +78,21 @@ if _native.BUILT is not None:
     configure_accel()
 
 
-def run(state: Any, entry: Entry, resolved: Any, executable: Any = None) -> Any:
+def run(state: Any, entry: Entry, resolved: Any, executable: Any = None, ran: Varying | None = None) -> Any:
     """Run one call of `entry` on the resolved arguments and return the user's output.
 
-    `executable`: an ahead-of-time compiled program to call instead of `entry.fn`
-    (its output structure is fixed, so there is nothing to retry)."""
+    `executable`: an ahead-of-time compiled program to call instead of `entry.fn`.
+    `ran`: the output of this very call, already run by the fast or structure path and
+    found to carry an output structure of its own (`Varying`): finished here, with the
+    NNX arguments the general path resolves."""
+    if ran is not None:
+        return ran.finish(resolved.nnx_args)
     try:
-        if executable is not None:
-            out = executable(*resolved.leaves)
-        else:
-            try:
-                out = entry.fn(*resolved.leaves)
-            except StructureVaries:
-                entry = state.make_varying(resolved.key, entry)
-                out = entry.fn(*resolved.leaves)
+        out = entry.fn(*resolved.leaves) if executable is None else executable(*resolved.leaves)
     except (RuntimeError, ValueError) as err:
         on_error(err, list(state.named_args(resolved.args, resolved.kwargs)))
+    if type(out) is Varying:  # (before `passthrough`: an entry whose output structure varies)
+        return out.finish(resolved.nnx_args)
     if entry.passthrough:
         return out
     return entry.finish(out, resolved.nnx_args)
@@ -662,16 +664,22 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
                     counts.python_fast += 1
                 try:
                     out = call(*values)
-                except StructureVaries:  # counted once, by the general path
-                    if structure:
-                        counts.python_structure -= 1
-                    else:
-                        counts.python_fast -= 1
                 except (RuntimeError, ValueError) as err:
                     on_error(err, list(state.named_args(args, kwargs)))
-                else:
+                if type(out) is not Varying:
                     return out if post is None else post(out, first, variables)
-        # ---- 2. the general path: resolve every argument, run the compiled entry ----
+                # (its trace met a new output structure: finished, and counted, by the general path)
+                if structure:
+                    counts.python_structure -= 1
+                else:
+                    counts.python_fast -= 1
+                return general(out, args, kwargs)
+        return general(None, args, kwargs)
+
+    def general(ran: Varying | None, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
+        # ---- 2. the general path: resolve every argument, run the compiled entry (or
+        # finish the output `ran`, of a call the fast or structure path ran) ----
+        kwargs = kwargs or {}
         whole_reads = WHOLE_READS.count
         try:
             resolved = resolve_call(state, fun_leaves, args, kwargs)
@@ -685,7 +693,7 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
             counts.general_read += 1
         else:
             counts.general_cached += 1
-        out = run(state, entry, resolved)  # (not counting the trace's reads: a compile reads no argument)
+        out = run(state, entry, resolved, ran=ran)  # (not counting the trace's reads: a compile reads no argument)
         whole_reads = WHOLE_READS.count
         _install_fast(state, fun_leaves, resolved, state.table.get(resolved.key) or entry, tuple(kwargs))
         if not was_read and WHOLE_READS.count != whole_reads:  # (holding a list or dict flattens it again)
@@ -698,7 +706,7 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
         return wrapper
     # The same fast path in C (see _accel.c); every other call falls back to `wrapper`.
     public = _native.ACCEL.FastWrapper(
-        wrapper, state, state.structures, functools.partial(_c_error, state), state.serves_nested, plain
+        wrapper, state, state.structures, functools.partial(_c_error, state), general, state.serves_nested, plain
     )
     functools.update_wrapper(public, user_fun)
     state.c_wrappers.add(public)

@@ -7,6 +7,7 @@ step does not recompile.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 import warnings
@@ -137,23 +138,12 @@ class FunctionState:
                 return found
             e = _build.build(self, key, self.fun)
             state_ref = weakref.ref(self)
-            e.on_varies = lambda: (s := state_ref()) is not None and s.make_varying(key, e)
+            e.on_varies = functools.partial(_forget_records, state_ref)
             if len(self.table) >= MAX_SIGNATURES:
                 # Drop the oldest static signature (its compiled programs go with it).
                 self.table.pop(next(iter(self.table)))
                 self.forget_records()
             self.table[key] = e
-            return e
-
-    def make_varying(self, key: tuple[Any, ...], old: Entry) -> Entry:
-        """Swap in an entry that carries its output structure through jax (rare)."""
-        with self.lock:
-            current = self.table.get(key)
-            if current is not None and current is not old and current.varies:
-                return current
-            e = _build.build(self, key, self.fun, varies=True)
-            self.table[key] = e
-            self.forget_records()
             return e
 
     def layout(self, key: tuple[Any, ...]) -> KeyLayout:
@@ -270,3 +260,11 @@ def clear_all() -> None:
         _states.clear()
     for state in list(_all_states):
         state.clear()
+
+
+def _forget_records(state_ref: weakref.ref[FunctionState]) -> None:
+    """Drop the records of a function whose entry started to vary, if it is alive (an entry
+    holds its function weakly: jax may keep a trace's function alive longer)."""
+    state = state_ref()
+    if state is not None:
+        state.forget_records()

@@ -2041,6 +2041,7 @@ class TracedInputs:
         flattened = self._flatten_all()
         changed = [self._changed(t, graphdef, list(flat.leaves), out, flattened)
                    for t, (graphdef, flat) in zip(self.args, flattened)]
+        _refuse_outer_variables(out, [t for t, c in zip(self.args, changed) if c])
         joint = bool(self.args) and self.args[0].spec.joint  # (jointly: all of a call's arguments, or none)
         if joint and any(changed):
             # Arguments that share objects are restructured together, in one index space,
@@ -2259,6 +2260,29 @@ class TracedInputs:
             ):
                 return frozenset()
         return ids
+
+
+def _refuse_outer_variables(out: Any, restructured: list[_Traced]) -> None:
+    """Refuse, as nnx.jit does, a Variable made outside the trace (one the function closes
+    over) returned, or put into an argument: what comes back would be a copy made after the
+    call, not that Variable, and its changes would be lost. (Trace time only.)"""
+    places = [("the output", out)] + [(f"argument {t.name}", t.node) for t in restructured]
+    for where, tree in places:
+        try:
+            found = [(path, v) for path, v in graphlib.iter_graph(tree) if _is_variable(v)]
+        except Exception:  # (a graph that cannot be walked: its flatten names the error)
+            continue
+        for path, v in found:
+            trace_state = getattr(v, "_trace_state", None)
+            if trace_state is None or _var_metadata(v).get("hijax") or trace_state.is_valid():
+                continue
+            at = "".join(f"[{k!r}]" for k in path) or " itself"
+            raise ValueError(
+                f"fastcall.jit: {where}{' at ' + at if path else at} holds a {type(v).__name__} made outside "
+                "this function's trace (a Variable it closes over, say); nnx.jit refuses it too (\"Cannot "
+                "extract graph node from different trace level\"). Pass the Variable (or the object holding "
+                "it) as an argument, or make a new one inside the function."
+            )
 
 
 def _owner(root: Any, path: Any) -> Any:

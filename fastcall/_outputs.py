@@ -275,16 +275,24 @@ def _registrations(out: Any, mask: tuple[bool, ...]):
 
 
 class Varying:
-    """Carries an OutInfo through jax's output pytree, for a function whose output
-    structure depends on input shapes (its entry then returns `(flat, Varying(info))`)."""
+    """A call's output that carries its own structure: what a compiled function returns for
+    input shapes whose output structure differs from the one its first trace recorded
+    (`_build.Entry.record_output`). Made by jax's unflatten, as the top of its output tree,
+    so a caller tells it apart by its type, whichever path ran the call."""
 
-    __slots__ = ("info",)
+    __slots__ = ("flat", "info")
 
-    def __init__(self, info: OutInfo) -> None:
+    def __init__(self, flat: Any, info: OutInfo) -> None:
+        self.flat = flat  # the flat outputs (`OutInfo.flat_outputs`)
         self.info = info
 
+    def finish(self, nnx_args: Sequence[Any]) -> Any:
+        return self.info.finish(self.flat, nnx_args)
 
-jax.tree_util.register_pytree_node(Varying, lambda b: ((), b.info), lambda info, _: Varying(info))
+
+jax.tree_util.register_pytree_node(
+    Varying, lambda v: ((v.flat,), v.info), lambda info, children: Varying(children[0], info)
+)
 
 
 # --------------------------------------------------------------------------

@@ -1925,8 +1925,8 @@ def test_a_fast_record_is_filed_with_the_variant_it_was_compiled_for(hot_path):
     real_run = _dispatch.run
     done = []
 
-    def run(state, entry, resolved, executable=None):
-        out = real_run(state, entry, resolved, executable)
+    def run(state, entry, resolved, executable=None, ran=None):
+        out = real_run(state, entry, resolved, executable, ran)
         if not done and state is f._fastcall_state:
             done.append(1)
             m.flag = True

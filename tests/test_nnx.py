@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 from typing import Any, Callable
 
 import equinox as eqx
@@ -1547,6 +1548,50 @@ def test_metadata_changed_inside_is_written_back_with_graph_updates_as_the_eager
         assert_trees_equal(jax.tree.leaves(nnx.state(ours)), jax.tree.leaves(nnx.state(theirs)))  # (values)
         assert_same_state(ours, eager)
         assert ours.bias.get_metadata()["tag"] == 1
+
+
+class _Holder(nnx.Module):
+    def __init__(self, inner):
+        self.inner = inner
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["returned", "module returned", "in a new module", "in a list", "put into the argument"],
+)
+def test_a_variable_made_outside_the_trace_is_refused_like_nnx_jit(case):
+    """A Variable the function closes over, returned (on its own, inside a module it closes
+    over, a new module or a list) or put into an argument: nnx.jit refuses it ("different
+    trace level"); so does fastcall, naming where it is, where it once returned a copy
+    made after the call. The wrapper keeps working after."""
+    closed = nnx.Param(jnp.ones(2))
+    outer = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+    def f(m, x):
+        if case == "returned":
+            return closed
+        if case == "module returned":
+            return outer
+        if case == "in a new module":
+            return _Holder(closed)
+        if case == "in a list":
+            return [x, closed]
+        if case == "put into the argument" and x.shape[0] == 2:
+            m.extra = closed
+        return m(x)
+
+    where = {"returned": "the output itself", "module returned": "the output at ['bias']",
+             "in a new module": "the output at ['inner']", "in a list": "the output at [1]",
+             "put into the argument": "argument m at ['extra']"}[case]
+    with pytest.raises(ValueError, match="different trace level"):
+        nnx.jit(f)(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), jnp.ones(2))
+    ours = fastcall.jit(f)
+    m = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=re.escape(where) + ".*made outside this function's trace"):
+        ours(m, jnp.ones(2))
+    assert not hasattr(m, "extra")
+    if case == "put into the argument":  # (another shape: the function leaves m as it is)
+        assert_trees_equal(ours(m, jnp.ones((3, 2))), nnx.jit(f)(m, jnp.ones((3, 2))))
 
 
 @needs_graph_updates
