@@ -1393,7 +1393,12 @@ nodes_of(PyObject *a, PyObject *read)
     for (Py_ssize_t j = 0; objs != NULL && j < n; j++) {
         PyObject *x = PyDict_GetItemWithError(a, PyTuple_GET_ITEM(keys, j)); /* borrowed */
         if (x == NULL) {
-            Py_CLEAR(objs); /* (a key missing: declined; or the lookup raised) */
+            /* a key missing, or its lookup raised (a key's __eq__): declined; the general path
+             * reads it again, and names any error */
+            if (PyErr_Occurred() && PyErr_ExceptionMatches(PyExc_Exception)) {
+                PyErr_Clear();
+            }
+            Py_CLEAR(objs);
             break;
         }
         Py_INCREF(x);
@@ -1808,10 +1813,10 @@ sequence_leaves(PyObject *a, PyObject *sequence)
     int got;
     if (PyTuple_GET_ITEM(sequence, SEQ_ITEMS) == Py_None) { /* leaves only: its items */
         leaves = sequence_items(a, sequence);
-        if (leaves == NULL || leaves == Py_None) {
+        if (leaves == Py_None) {
             return leaves;
         }
-        got = 1;
+        got = leaves == NULL ? -1 : 1;
         for (Py_ssize_t j = 0; got == 1 && j < PyTuple_GET_SIZE(leaves); j++) {
             got = is_sequence_leaf(PyTuple_GET_ITEM(leaves, j), leaf_types);
         }
@@ -1833,11 +1838,11 @@ sequence_leaves(PyObject *a, PyObject *sequence)
     if (got == 1) {
         return leaves;
     }
-    Py_DECREF(leaves);
+    Py_XDECREF(leaves);
     if (got < 0) {
-        /* as the extractor: these errors of its checks say "not of this structure" */
-        if (!PyErr_ExceptionMatches(PyExc_KeyError) && !PyErr_ExceptionMatches(PyExc_AttributeError)
-            && !PyErr_ExceptionMatches(PyExc_IndexError) && !PyErr_ExceptionMatches(PyExc_TypeError)) {
+        /* as the extractor: an error of its checks (a dict key's __eq__ may raise too) says "not
+         * of this structure"; the general path reads it again, and names any error */
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) {
             return NULL;
         }
         PyErr_Clear();

@@ -283,8 +283,8 @@ class Template:
             "def _extract(obj):\n"
             "    try:\n"
             "        return _inner(obj)\n"
-            "    except (KeyError, AttributeError, IndexError, TypeError):\n"
-            "        return None\n"
+            "    except Exception:\n"  # (not of this structure: a dict key's __eq__ may raise too;
+            "        return None\n"  # the general path reads it again, and names any error)
             "def _inner(obj):\n"
             f"{body}\n"
         )

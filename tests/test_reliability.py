@@ -17,7 +17,7 @@ from flax import nnx
 import fastcall
 from fastcall import _fast, _flatten, _nnx
 
-from .conftest import assert_trees_equal, run_threads
+from .conftest import STRUCTURE_PATH, assert_trees_equal, run_threads
 
 
 # ---- threads ----
@@ -271,6 +271,46 @@ def test_static_leaf_whose_eq_raises():
     assert_trees_equal(f({"bad": BadEq()}, jnp.ones(1)), jnp.ones(1))  # nothing cached to compare with yet
     with pytest.raises(fastcall.FastcallError, match=r"argument 'cfg' at leaf \['bad'\].*no comparisons"):
         f({"bad": BadEq()}, jnp.ones(1))  # the lookup compares with the cached key: __eq__ raises
+
+
+def test_dict_key_whose_eq_raises_is_read_as_jax_reads_it(hot_path):
+    """A dict keyed by objects whose `__eq__` raises for other types (equal to themselves,
+    hashing like the ints 1 and 2): the same keys in new dicts each call are read as jax.jit
+    reads them, whichever path serves the call (the structure path's read of a dict looks
+    its keys up: a raising comparison there means "not this structure", not an error).
+    Another function given int keys of those hashes afterwards is refused with an error
+    naming the argument (fastcall's structures are shared by all functions; jax.jit's cache
+    is per function), not the comparison's own error from inside fastcall."""
+
+    class Key:
+        def __init__(self, n):
+            self.n = n
+
+        def __hash__(self):
+            return hash(self.n)
+
+        def __eq__(self, other):
+            if isinstance(other, Key):
+                return self.n == other.n
+            raise RuntimeError("no comparisons with other types")
+
+        def __lt__(self, other):
+            return self.n < other.n
+
+    keys = Key(1), Key(2)
+
+    def total(d, x):
+        return sum(d.values()) + x
+
+    f, g = fastcall.jit(total), jax.jit(total)
+    for _ in range(4):
+        d = {keys[0]: jnp.ones(2), keys[1]: jnp.full(2, 2.0)}
+        assert_trees_equal(f(d, jnp.ones(2)), g(d, jnp.ones(2)))
+    assert f.stats().paths[STRUCTURE_PATH[hot_path]] >= 2
+    h = fastcall.jit(lambda d, x: total(d, x) * 2)
+    with pytest.raises(fastcall.FastcallError, match=r"argument 'd'.*no comparisons"):
+        h({1: jnp.ones(2), 2: jnp.ones(2)}, jnp.ones(2))
+    assert_trees_equal(h({"a": jnp.ones(2)}, jnp.ones(2)), jnp.full(2, 4.0))
 
 
 def test_static_leaf_whose_hash_raises():
