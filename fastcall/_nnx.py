@@ -2492,7 +2492,7 @@ def _replace_variable(arg: NnxArg, index: int, value: Any) -> None:
     caller's object holds its `index`-th leaf, as nnx.jit's graph updates do for a Variable
     the function replaced; the object's cache entry follows (no re-read)."""
     old = arg.variables[index]
-    new = old.replace(value)
+    new = _renewed(old, value)
     entry: NodeEntry | None = arg.entry if arg.entry is not None else by_id.get(id(arg.obj))
     if entry is not None and (entry.ref() is not arg.obj or entry.items is not arg.variables):
         entry = None  # (not the entry this call read: it is left to the hooks)
@@ -2507,10 +2507,17 @@ def _replace_variable(arg: NnxArg, index: int, value: Any) -> None:
         owner = _child(owner, key)
     _local.updating = entry
     try:
-        if isinstance(owner, _nnx_hooks.Pytree):
-            setattr(owner, str(path[-1]), new)
+        name = path[-1]
+        if not isinstance(owner, _nnx_hooks.Pytree):
+            owner[name] = new
+        elif type(name) is str and _holds_data(owner, name, old):
+            # A data attribute holding the Variable replaced by another: all NNX's __setattr__
+            # would do (its checks pass for it; the attribute stays data), done directly; the
+            # hooks' report, which other entries watching the object must see, made here.
+            owner.__dict__[name] = new
+            _notify(owner)
         else:
-            owner[path[-1]] = new
+            setattr(owner, str(name), new)
     finally:
         _local.updating = None
     arg.variables[index] = new
@@ -2524,12 +2531,55 @@ def _replace_variable(arg: NnxArg, index: int, value: Any) -> None:
                 if not lst:
                     del _watchers[id(old)]
             _watchers.setdefault(id(new), []).append(entry)
-            entry.watched = [id(new) if w == id(old) else w for w in entry.watched]
-            entry.node_ids = frozenset(entry.watched)
+            watched = list(entry.watched)
+            for i, w in enumerate(watched):
+                if w == id(old):
+                    watched[i] = id(new)
+            entry.watched = watched
+            entry.node_ids = frozenset(watched)
             entry.version += 1
             # (the record of the read holds `old`, which a rebuild may put back: the entry,
             # which holds `new`, would then pass the check; and the record kept `old` alive)
             entry.layout = None
+
+
+def _renewed(old: Any, value: Any) -> Any:
+    """A new Variable of `old`'s type and metadata holding `value`: what `old.replace(value)`
+    (NNX's copy) makes, made directly where NNX's copy would come to `_new` with a copy of
+    the metadata (a jax array as the value, no reference, not hijax, a type making Variables
+    Variable's own way)."""
+    metadata = _var_metadata(old)
+    if type(value) is ArrayImpl and not metadata.get("ref") and not metadata.get("hijax") and _own_maker(type(old)):
+        return type(old)._new(value, dict(metadata))
+    return old.replace(value)
+
+
+_own_makers: dict[type, bool] = {}
+
+
+def _own_maker(kind: type) -> bool:
+    """Whether Variable type `kind` makes Variables with Variable's own `from_metadata` and
+    `_new` (cached per type)."""
+    known = _own_makers.get(kind)
+    if known is None:
+        known = _own_makers[kind] = (
+            inspect.getattr_static(kind, "from_metadata"), inspect.getattr_static(kind, "_new")
+        ) == _OWN_MAKERS
+    return known
+
+
+def _holds_data(owner: Any, name: str, old: Any) -> bool:
+    """Whether NNX object `owner` holds `old` in its data attribute `name`, where NNX's own
+    __setattr__ runs (no class of its own sets attributes otherwise) and may be used now
+    (the object is of this trace level)."""
+    try:
+        return (
+            owner.__dict__.get(name) is old and owner._pytree__nodes.get(name) is True
+            and type(owner).__setattr__ is _nnx_hooks.Pytree.__setattr__
+            and owner._pytree__state.trace_state.is_valid()
+        )
+    except Exception:  # (a flax laid out otherwise: its __setattr__ does it)
+        return False
 
 
 def twin_states(nnx_out: NnxOutputs, result: Any, nnx_args: list[NnxArg]) -> None:

@@ -1549,6 +1549,28 @@ def test_a_variable_replaced_every_call_is_replaced_in_the_caller_without_a_re_r
     assert routes[-2:] == [routes[-1]] * 2 and routes[-1] != "general"
 
 
+def test_a_variable_replaced_every_call_is_seen_by_a_function_reading_its_owner(hot_path):
+    """The replaced Variable goes into its owner directly (no NNX __setattr__): another
+    function whose cached read of that owner (the submodule passed on its own) holds the old
+    Variable must see the new one on its next call, as under nnx.jit, not serve stale."""
+    m, ref = WithLoss(nnx.Rngs(0)), WithLoss(nnx.Rngs(0))
+    f, peer = fastcall.jit(_call), nnx.jit(_call)
+
+    def read_loss(linear):
+        return linear.kl_loss[...] * 1.0
+
+    g, peer_g = fastcall.jit(read_loss), nnx.jit(read_loss)
+    f(m, X4), peer(ref, X4)
+    for i in range(4):
+        for _ in range(2):  # (the second read of the submodule from its cache entry)
+            assert_trees_equal(g(m.linear), peer_g(ref.linear))
+        y, route = served(f, m, X4 * (i + 2))
+        assert_trees_equal(y, peer(ref, X4 * (i + 2)))
+        assert_trees_equal(g(m.linear), peer_g(ref.linear))
+        assert float(g(m.linear)) == float(m.linear.kl_loss[...])
+    assert route in (FAST_PATH[hot_path], STRUCTURE_PATH[hot_path])
+
+
 def test_a_replaced_variable_that_is_also_returned():
     # (the output holds the new Variable: applied as a structure change; the Variable
     # returned is the one now in the caller's object, as under nnx.jit)
