@@ -686,6 +686,10 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
         except StepAside:
             resolved = None  # traced arguments: run inline below, outside this handler
         if resolved is None:  # (or the arguments do not fit: the function raises)
+            if ran is not None and ran.info.nnx is None:
+                # (a call the fast path served inside an outer trace, read-only: it ran, and
+                # its output needs no NNX argument to finish; not run inline a second time)
+                return ran.finish(())
             return fun(*args, **kwargs)
         entry = state.table.get(resolved.key) or state.entry(resolved.key)
         was_read = WHOLE_READS.count != whole_reads  # (an argument read whole while resolving)

@@ -2041,7 +2041,11 @@ class TracedInputs:
         flattened = self._flatten_all()
         changed = [self._changed(t, graphdef, list(flat.leaves), out, flattened)
                    for t, (graphdef, flat) in zip(self.args, flattened)]
-        _refuse_outer_variables(out, [t for t, c in zip(self.args, changed) if c])
+        # (the arguments only where the call's changes to their graphs are propagated: graph
+        # mode with graph updates, as nnx.jit checks them)
+        _refuse_outer_variables(
+            out, [] if refuse_aliasing else [(t.name, flat) for t, (_, flat) in zip(self.args, flattened)]
+        )
         joint = bool(self.args) and self.args[0].spec.joint  # (jointly: all of a call's arguments, or none)
         if joint and any(changed):
             # Arguments that share objects are restructured together, in one index space,
@@ -2262,19 +2266,25 @@ class TracedInputs:
         return ids
 
 
-def _refuse_outer_variables(out: Any, restructured: list[_Traced]) -> None:
+def _refuse_outer_variables(out: Any, arguments: list[tuple[str, Any]]) -> None:
     """Refuse, as nnx.jit does, a Variable made outside the trace (one the function closes
-    over) returned, or put into an argument: what comes back would be a copy made after the
-    call, not that Variable, and its changes would be lost. (Trace time only.)"""
-    places = [("the output", out)] + [(f"argument {t.name}", t.node) for t in restructured]
-    for where, tree in places:
-        try:
-            found = [(path, v) for path, v in graphlib.iter_graph(tree) if _is_variable(v)]
-        except Exception:  # (a graph that cannot be walked: its flatten names the error)
-            continue
+    over) returned, or put into an argument (`arguments`: each one's name and its graph as
+    flattened after the call, where its changes are propagated): what comes back would be a
+    copy made after the call, not that Variable, and its changes would be lost. (Trace time
+    only.)"""
+    places: list[tuple[str, Any]] = []
+    try:
+        places.append(("the output", [(path, v) for path, v in graphlib.iter_graph(out) if _is_variable(v)]))
+    except Exception:  # (an output that cannot be walked: its flatten names the error)
+        pass
+    for name, flat in arguments:
+        places.append((f"argument {name}", [(path, v) for path, v in zip(flat.paths, flat.leaves) if _is_variable(v)]))
+    for where, found in places:
         for path, v in found:
+            if getattr(v, "hijax", False):  # (read through: a hijax Variable in a trace forwards)
+                continue
             trace_state = getattr(v, "_trace_state", None)
-            if trace_state is None or _var_metadata(v).get("hijax") or trace_state.is_valid():
+            if trace_state is None or trace_state.is_valid():
                 continue
             at = "".join(f"[{k!r}]" for k in path) or " itself"
             raise ValueError(

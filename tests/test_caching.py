@@ -277,6 +277,28 @@ def test_output_structure_varying_on_the_fast_path_writes_nnx_state_back():
     assert routes[2] in ("general_cached", "general_read")
 
 
+def test_output_structure_varying_inside_an_outer_jit_runs_the_function_once():
+    """A read-only NNX call the fast path serves inside an outer jax.jit (it may: nothing is
+    written back), whose trace meets another output structure there: finished from what it
+    ran, not run inline a second time (the function traced once, as jax.jit traces it)."""
+    nnx = pytest.importorskip("flax.nnx")
+    traces = []
+
+    def fn(m, x):
+        traces.append(x.shape)
+        y = m(x)
+        return y if x.shape[0] == 2 else (y, y.sum())
+
+    f = fastcall.jit(fn)
+    m = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+    f(m, jnp.ones((2, 3))), f(m, jnp.ones((2, 3)))
+    x3 = jnp.ones((3, 3))
+    traces.clear()
+    out = jax.jit(lambda z: f(m, x3)[0] + z)(1.0)
+    assert traces == [(3, 3)]
+    assert_trees_equal(out, m(x3) + 1.0)
+
+
 def test_ahead_of_time_lowering_of_a_varying_output_structure():
     f = fastcall.jit(lambda x: x if x.shape[0] % 2 else (x, x + 1))
     f(jnp.ones(1))

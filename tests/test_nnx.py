@@ -1557,7 +1557,8 @@ class _Holder(nnx.Module):
 
 @pytest.mark.parametrize(
     "case",
-    ["returned", "module returned", "in a new module", "in a list", "put into the argument"],
+    ["returned", "module returned", "in a new module", "in a list", "put into the argument",
+     "replacing one of its type", "put into a State"],
 )
 def test_a_variable_made_outside_the_trace_is_refused_like_nnx_jit(case):
     """A Variable the function closes over, returned (on its own, inside a module it closes
@@ -1578,20 +1579,42 @@ def test_a_variable_made_outside_the_trace_is_refused_like_nnx_jit(case):
             return [x, closed]
         if case == "put into the argument" and x.shape[0] == 2:
             m.extra = closed
+        if case == "replacing one of its type" and x.shape[0] == 2:
+            m.bias = closed
         return m(x)
 
+    def g(s, x):  # ("put into a State": an nnx.State argument)
+        s["bias"] = closed
+        return x
+
+    fn = g if case == "put into a State" else f
     where = {"returned": "the output itself", "module returned": "the output at ['bias']",
              "in a new module": "the output at ['inner']", "in a list": "the output at [1]",
-             "put into the argument": "argument m at ['extra']"}[case]
+             "put into the argument": "argument m at ['extra']",
+             "replacing one of its type": "argument m at ['bias']", "put into a State": "argument s at ['bias']"}[case]
+    in_argument = where.startswith("argument")
+
+    def arg():
+        m = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+        return nnx.state(m) if case == "put into a State" else m
+
     with pytest.raises(ValueError, match="different trace level"):
-        nnx.jit(f)(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), jnp.ones(2))
-    ours = fastcall.jit(f)
-    m = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+        nnx.jit(fn)(arg(), jnp.ones(2))
+    ours = fastcall.jit(fn)
+    m = arg()
     with pytest.raises(ValueError, match=re.escape(where) + ".*made outside this function's trace"):
         ours(m, jnp.ones(2))
     assert not hasattr(m, "extra")
-    if case == "put into the argument":  # (another shape: the function leaves m as it is)
+    if case in ("put into the argument", "replacing one of its type"):  # (another shape: m left as it is)
         assert_trees_equal(ours(m, jnp.ones((3, 2))), nnx.jit(f)(m, jnp.ones((3, 2))))
+    if in_argument and "graph_updates" in inspect.signature(nnx.jit).parameters:
+        # Where nnx.jit propagates no graph change (without graph updates, or in tree mode),
+        # it accepts the call and leaves the argument as it was: so does fastcall.
+        for kwargs in ({"graph_updates": False}, {"graph": False}):
+            theirs, mine = arg(), arg()
+            assert_trees_equal(fastcall.jit(fn, **kwargs)(mine, jnp.ones(2)), nnx.jit(fn, **kwargs)(theirs, jnp.ones(2)))
+            assert_trees_equal(nnx.state(mine), nnx.state(theirs))
+            assert not hasattr(mine, "extra") and mine is not closed
 
 
 @needs_graph_updates
