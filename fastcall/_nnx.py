@@ -2521,10 +2521,12 @@ def _replace_variable(arg: NnxArg, index: int, value: Any) -> None:
         if not isinstance(owner, _nnx_hooks.Pytree):
             owner[name] = new
         elif type(name) is str and _holds_data(owner, name, old):
-            # A data attribute holding the Variable replaced by another: all NNX's __setattr__
-            # would do (its checks pass for it; the attribute stays data), done directly; the
-            # hooks' report, which other entries watching the object must see, made here.
-            owner.__dict__[name] = new
+            # A data attribute holding the Variable replaced by another: written as NNX's own
+            # in-place rebuild (nnx.jit's graph update) writes it, `object.__setattr__` (a
+            # property's setter runs; a class's own __setattr__, NNX's checks and the hooks do
+            # not: the attribute stays data), and the hooks' report, which other entries
+            # watching the object must see, made here.
+            object.__setattr__(owner, name, new)
             _notify(owner)
         else:
             setattr(owner, str(name), new)
@@ -2564,28 +2566,25 @@ def _renewed(old: Any, value: Any) -> Any:
     return old.replace(value)
 
 
-_own_makers: dict[type, bool] = {}
-
-
-def _own_maker(kind: type) -> bool:
+def _own_maker(kind: Any) -> bool:
     """Whether Variable type `kind` makes Variables with Variable's own `from_metadata` and
-    `_new` (cached per type)."""
-    known = _own_makers.get(kind)
-    if known is None:
-        known = _own_makers[kind] = (
-            inspect.getattr_static(kind, "from_metadata"), inspect.getattr_static(kind, "_new")
-        ) == _OWN_MAKERS
-    return known
+    `_new` (looked up each time: a class may be given others later)."""
+    return (
+        getattr(kind.from_metadata, "__func__", None) is _VARIABLE_FROM_METADATA
+        and getattr(kind._new, "__func__", None) is _VARIABLE_NEW
+    )
+
+
+_VARIABLE_FROM_METADATA = Variable.from_metadata.__func__  # type: ignore[attr-defined]
+_VARIABLE_NEW = Variable._new.__func__  # type: ignore[attr-defined]
 
 
 def _holds_data(owner: Any, name: str, old: Any) -> bool:
-    """Whether NNX object `owner` holds `old` in its data attribute `name`, where NNX's own
-    __setattr__ runs (no class of its own sets attributes otherwise) and may be used now
-    (the object is of this trace level)."""
+    """Whether NNX object `owner` holds `old` in its data attribute `name` and may be
+    changed now (the object is of this trace level)."""
     try:
         return (
             owner.__dict__.get(name) is old and owner._pytree__nodes.get(name) is True
-            and type(owner).__setattr__ is _nnx_hooks.Pytree.__setattr__
             and owner._pytree__state.trace_state.is_valid()
         )
     except Exception:  # (a flax laid out otherwise: its __setattr__ does it)

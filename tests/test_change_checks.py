@@ -1571,6 +1571,56 @@ def test_a_variable_replaced_every_call_is_seen_by_a_function_reading_its_owner(
     assert route in (FAST_PATH[hot_path], STRUCTURE_PATH[hot_path])
 
 
+_SET_THROUGH_PROPERTY: list[int] = []
+
+
+class _WithLossProperty(nnx.Module):
+    """kl_loss behind a property whose setter records each Variable set."""
+
+    def __init__(self):
+        self.kl_loss = Loss(jnp.zeros(()))
+
+    @property
+    def kl_loss(self):
+        return self.__dict__["kl_loss"]
+
+    @kl_loss.setter
+    def kl_loss(self, v):
+        _SET_THROUGH_PROPERTY.append(id(v))
+        self.__dict__["kl_loss"] = v
+
+    def __call__(self, x):
+        self.kl_loss = Loss(jnp.mean(x))
+        return x * 2.0
+
+
+def test_a_variable_replaced_every_call_is_written_as_nnx_jit_writes_it(hot_path):
+    """The new Variable goes into the caller's object as nnx.jit's graph update puts it
+    there: through a property's setter (which runs, with the Variable now held), made by the
+    type's `from_metadata` where the class is given another after the first call."""
+    ours, theirs = _WithLossProperty(), _WithLossProperty()
+    f, peer = fastcall.jit(_call), nnx.jit(_call)
+    for i in range(3):
+        x = X4 * (i + 1)
+        assert_trees_equal(f(ours, x), peer(theirs, x))
+        assert id(ours.kl_loss) in _SET_THROUGH_PROPERTY and id(theirs.kl_loss) in _SET_THROUGH_PROPERTY
+        assert_trees_equal(ours.kl_loss[...], theirs.kl_loss[...])
+    made = []
+    original = Loss.from_metadata.__func__
+
+    def from_metadata(cls, value, metadata):
+        v = original(cls, value, metadata)
+        made.append(id(v))
+        return v
+
+    Loss.from_metadata = classmethod(from_metadata)
+    try:
+        f(ours, X4), peer(theirs, X4)
+        assert id(ours.kl_loss) in made and id(theirs.kl_loss) in made
+    finally:
+        del Loss.from_metadata
+
+
 def test_a_replaced_variable_that_is_also_returned():
     # (the output holds the new Variable: applied as a structure change; the Variable
     # returned is the one now in the caller's object, as under nnx.jit)
