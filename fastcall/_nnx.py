@@ -1928,7 +1928,11 @@ class _Traced:
         for i, (v, given) in enumerate(zip(self.inner, self.given)):
             now = v if after is None else after[i]
             if isinstance(v, Variable) and now is not v and replace:
-                out.append((i, now.get_raw_value(), True))
+                value = now.get_raw_value()
+                # (a new Variable holding a mutable array reference made in the trace, under
+                # `nnx.var_defaults(ref=True)`: its value goes out; the caller's new Variable,
+                # made as its metadata says, holds a reference of its own, as under nnx.jit)
+                out.append((i, value[...] if is_array_ref(value) else value, True))
                 continue
             # (without graph updates, a Variable the function replaced still gives back the
             # value it has now: it may have been changed before being moved or dropped)

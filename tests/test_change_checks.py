@@ -1621,6 +1621,24 @@ def test_a_variable_replaced_every_call_is_written_as_nnx_jit_writes_it(hot_path
         del Loss.from_metadata
 
 
+@pytest.mark.skipif(not hasattr(nnx, "var_defaults"), reason="a flax without nnx.var_defaults")
+def test_a_variable_replaced_every_call_under_mutable_references_like_nnx_jit(hot_path):
+    """Under `nnx.var_defaults(ref=True)` the Variable made inside holds a mutable array
+    reference of the trace: its value goes out, and the caller's new Variable holds a
+    reference of its own, as under nnx.jit (fastcall once returned the reference: jax
+    refused it)."""
+    with nnx.var_defaults(ref=True):
+        ours, theirs = WithLoss(nnx.Rngs(0)), WithLoss(nnx.Rngs(0))
+        f, peer = fastcall.jit(_call), nnx.jit(_call)
+        for i in range(3):
+            x = X4 * (i + 1)
+            assert_trees_equal(f(ours, x), peer(theirs, x))
+            mine, want = ours.linear.kl_loss, theirs.linear.kl_loss
+            assert type(mine) is type(want) is Loss and type(mine.get_raw_value()) is type(want.get_raw_value())
+            assert mine.get_metadata() == want.get_metadata()
+            assert_trees_equal(mine[...], want[...])
+
+
 def test_a_replaced_variable_that_is_also_returned():
     # (the output holds the new Variable: applied as a structure change; the Variable
     # returned is the one now in the caller's object, as under nnx.jit)
