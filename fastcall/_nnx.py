@@ -2263,8 +2263,7 @@ class TracedInputs:
             if (
                 v in outer_index or v in inner_ref or not isinstance(raw_value(v), jax.Array)
                 or _var_metadata(v).get("hijax")
-                or (inspect.getattr_static(type(v), "from_metadata"), inspect.getattr_static(type(v), "_new"))
-                != _OWN_MAKERS
+                or not _own_maker(type(v))
             ):
                 return frozenset()
         return ids
@@ -2416,10 +2415,6 @@ def _fresh_variable(aux: tuple[Any, tuple[tuple[str, Any], ...]], children: Any)
 
 
 jax.tree_util.register_pytree_node(_FreshVariable, lambda n: ((n.value,), (n.kind, n.metadata)), _fresh_variable)
-
-# Variable's own ways to make one from its value and metadata: a Variable type with others is
-# rebuilt by NNX's graph rebuild, which calls them (`_loose_variables`)
-_OWN_MAKERS = (inspect.getattr_static(Variable, "from_metadata"), inspect.getattr_static(Variable, "_new"))
 
 
 # --------------------------------------------------------------------------
