@@ -35,10 +35,14 @@ class Resolved(NamedTuple):
     read_before: tuple[Any, ...] = ()
 
 
-def resolve_call(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Resolved | None:
+def resolve_call(
+    state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any], note: bool = True
+) -> Resolved | None:
     """Resolve every argument of one call. Returns None if the arguments do not fit the
     function's signature (the caller then lets the function raise its own TypeError).
-    NNX arguments that share objects are flattened jointly (as nnx.jit does)."""
+    NNX arguments that share objects are flattened jointly (as nnx.jit does). `note=False`
+    (the agreement mode's second reading of a call a hit served) resolves it without noting
+    what it read for later calls (`resolve`): the routes later calls take stay as they were."""
     # (called by nnx.cached_partial, which hands its static cache to the next NNX transform:
     # consumed here, whatever the arguments; the fast paths leave such calls to this path)
     _fast.consume_static_cache()
@@ -48,7 +52,7 @@ def resolve_call(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...],
         except TypeError:
             return None
         args, kwargs = bound.args, bound.kwargs
-    resolved = _resolve_all(state, fun_leaves, args, kwargs, None)
+    resolved = _resolve_all(state, fun_leaves, args, kwargs, None, note)
     if resolved.nnx_args and currently_jitting():
         # NNX objects inside an outer transformation (nnx.grad, nnx.checkify, jax.jit, ...):
         # NNX state changed inside must stay in that trace, so run inline, as nnx.jit
@@ -60,12 +64,14 @@ def resolve_call(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...],
         before = tuple(
             (a.obj, a.entry, a.entry.version) if a.entry is not None else None for a in resolved.nnx_args
         )
-        resolved = _resolve_all(state, fun_leaves, args, kwargs, _nnx_gate.adapter().joint_index())
+        resolved = _resolve_all(state, fun_leaves, args, kwargs, _nnx_gate.adapter().joint_index(), note)
         resolved = resolved._replace(read_before=before)
     return resolved
 
 
-def _resolve_all(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any], joint: Any) -> Resolved:
+def _resolve_all(
+    state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any], joint: Any, note: bool
+) -> Resolved:
     leaves = list(fun_leaves)
     key: list[Any] = []
     nnx_args: list[Any] = []
@@ -81,7 +87,7 @@ def _resolve_all(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...],
             leaves.append(a)
             key.append(0)
         else:
-            key.append(resolve(a, leaves, state.arg_name(i), nnx_args, joint, trace_scalars))
+            key.append(resolve(a, leaves, state.arg_name(i), nnx_args, joint, trace_scalars, note))
     if kwargs:
         names = tuple(sorted(kwargs))
         key.append(names)
@@ -89,12 +95,18 @@ def _resolve_all(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...],
             if name in state.static_argnames:
                 key.append(static_spec(kwargs[name], name).id)
             else:
-                key.append(resolve(kwargs[name], leaves, name, nnx_args, joint, trace_scalars))
+                key.append(resolve(kwargs[name], leaves, name, nnx_args, joint, trace_scalars, note))
     return Resolved(leaves, tuple(key), nnx_args, args, kwargs, first_known, joint is not None)
 
 
 def resolve(
-    value: Any, leaves: list[Any], arg_name: str, nnx_args: list[Any], joint: Any = None, trace_scalars: bool = False
+    value: Any,
+    leaves: list[Any],
+    arg_name: str,
+    nnx_args: list[Any],
+    joint: Any = None,
+    trace_scalars: bool = False,
+    note: bool = True,
 ) -> int:
     """Append `value`'s dynamic leaves to `leaves`; return its spec id.
 
@@ -102,6 +114,7 @@ def resolve(
     by the call's NNX arguments), NNX objects are flattened together. `trace_scalars`:
     Python scalars outside Equinox modules are traced (`fastcall.jit`, as jax.jit and
     nnx.jit do) rather than static (`fastcall.filter_jit`, as eqx.filter_jit does).
+    `note=False`: nothing is cached by identity, marked as seen or learnt as a template.
     """
     hit = _flatten.lookup(value)
     if hit is not None:  # seen before, same object (and every list or dict in it unchanged)
@@ -116,7 +129,7 @@ def resolve(
         if found is not None:
             leaves += found
             spec = template.spec
-            if template.rule is not None:  # (read by this scalar rule: not cached by identity, below)
+            if template.rule is not None or not note:  # (a scalar rule's read: not cached by identity)
                 return spec.id
             if spec.cacheable:
                 remember(value, found, spec)
@@ -138,7 +151,7 @@ def resolve(
     if spec.has_nnx:  # NNX objects inside a container: each read as if passed on its own
         return _nnx_gate.adapter().read_container(value, leaves, arg_name, nnx_args, joint, trace_scalars)
     leaves.extend(dynamic)
-    if contains_tracer(dynamic):  # (tracers are never cached)
+    if contains_tracer(dynamic) or not note:  # (tracers are never cached)
         return spec.id
     # The identity cache is shared by functions of either scalar rule: it holds no object
     # that the two read differently. (The template made next knows which rule it reads by.)

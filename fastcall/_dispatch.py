@@ -47,7 +47,7 @@ from typing import Any
 
 import jax
 
-from . import _args, _codegen, _fast, _flatten, _guard, _native, _nnx_gate
+from . import _agreement, _args, _codegen, _fast, _flatten, _guard, _native, _nnx_gate
 from ._build import Entry
 from ._fast import (
     ArgRead, FastRecord, FastSlot, GraphdefRead, JointRead, MixedRead, NodeRead, NodesRead, PytreeShape,
@@ -617,6 +617,7 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
     fast_ok = not (state.static_argnums or state.static_argnames)
     serves_nested = state.serves_nested
     plain = state.plain_leaves
+    checking = _agreement.ENABLED  # (FASTCALL_CHECK_HITS: see _agreement)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         # ---- 1. the fast path: f(first, *arrays) with a record for `first`; else the
@@ -679,6 +680,8 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
     def general(ran: Varying | None, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
         # ---- 2. the general path: resolve every argument, run the compiled entry (or
         # finish the output `ran`, of a call the fast or structure path ran) ----
+        if checking:
+            _agreement.miss_taken()
         kwargs = kwargs or {}
         whole_reads = WHOLE_READS.count
         try:
@@ -707,13 +710,16 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
 
     functools.update_wrapper(wrapper, user_fun)
     if _native.ACCEL is None:
-        return wrapper
-    # The same fast path in C (see _accel.c); every other call falls back to `wrapper`.
-    public = _native.ACCEL.FastWrapper(
-        wrapper, state, state.structures, functools.partial(_c_error, state), general, state.serves_nested, plain
-    )
-    functools.update_wrapper(public, user_fun)
-    state.c_wrappers.add(public)
+        public: Any = wrapper
+    else:
+        # The same fast path in C (see _accel.c); every other call falls back to `wrapper`.
+        public = _native.ACCEL.FastWrapper(
+            wrapper, state, state.structures, functools.partial(_c_error, state), general, state.serves_nested, plain
+        )
+        functools.update_wrapper(public, user_fun)
+        state.c_wrappers.add(public)
+    if checking:
+        public = functools.update_wrapper(_agreement.checking_wrapper(public, state, fun_leaves), user_fun)
     return public
 
 

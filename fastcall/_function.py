@@ -14,7 +14,7 @@ import warnings
 import weakref
 from typing import Any, Iterator, NamedTuple
 
-from . import _build, _fast, _flatten, _nnx_gate, _stats
+from . import _agreement, _build, _fast, _flatten, _nnx_gate, _stats
 from ._build import Entry
 from ._flatten import Spec
 from ._options import UNSPECIFIED, JitOptions
@@ -137,6 +137,8 @@ class FunctionState:
             if found is not None:
                 return found
             e = _build.build(self, key, self.fun)
+            if _agreement.ENABLED:
+                _agreement.check_entry(e)
             state_ref = weakref.ref(self)
             e.on_varies = functools.partial(_forget_records, state_ref)
             if len(self.table) >= MAX_SIGNATURES:

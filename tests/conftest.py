@@ -104,6 +104,18 @@ def hot_path(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture
+def unchecked(monkeypatch):
+    """The agreement mode (FASTCALL_CHECK_HITS=1, under which CI runs the suite again) off for
+    the wrappers this test makes. For the few tests it cannot serve: those whose arguments are
+    changed by user code while a hit reads them (the general path, reading them after, sees
+    the change by design), those that count the reads a call makes (the mode reads each call
+    a second time), and those that inspect the C wrapper object itself (the mode wraps it)."""
+    from fastcall import _agreement
+
+    monkeypatch.setattr(_agreement, "ENABLED", False)
+
+
 FAST_PATH = {"c": "c_fast", "python": "python_fast"}  # hot_path fixture value -> stats path
 STRUCTURE_PATH = {"c": "c_structure", "python": "python_structure"}  # (a new object, known structure)
 

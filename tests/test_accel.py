@@ -16,7 +16,7 @@ import fastcall
 from .conftest import assert_trees_equal, served
 
 
-def test_c_accelerator_is_built_and_used():
+def test_c_accelerator_is_built_and_used(unchecked):
     """CI builds the C fast path; a silent fallback would only show up as lost speed."""
     from fastcall import _native
 
@@ -35,7 +35,7 @@ def test_c_accelerator_is_built_and_used():
     }
 
 
-def test_c_wrapper_behaves_like_a_function():
+def test_c_wrapper_behaves_like_a_function(unchecked):
     from fastcall import _native
 
     if _native.BUILT is None:

@@ -8,9 +8,12 @@ from .conftest import ROOT
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
-    command = [line for line in ci.splitlines() if "pytest" in line and not line.startswith("#")]
-    assert len(command) == 1
-    assert command[0].strip() in readme
+    commands = [line.strip() for line in ci.splitlines() if "pytest" in line and not line.startswith("#")]
+    # README's test command, then the suite again in the agreement mode (README shows both)
+    assert len(commands) == 2, commands
+    assert commands[0].startswith("python3 -m venv") and commands[0] in readme.split("## Why")[0]
+    assert commands[1] == "FASTCALL_CHECK_HITS=1 python -m pytest -n auto --maxprocesses 4"
+    assert f"```bash\n{commands[1]}\n```" in readme
     assert 'pip install -q -e ".[bench]" && python -m bench' in readme.split("## Why")[0]
 
 

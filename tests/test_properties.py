@@ -31,6 +31,9 @@ settings.register_profile(
 )
 settings.register_profile("thorough", max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
 settings.load_profile(os.environ.get("FASTCALL_HYPOTHESIS", "ci"))
+# Each property runs through the C hot path and the pure-Python one (the `hot_path` fixture,
+# constant across a test's examples; each example clears the caches and makes new wrappers).
+through_both = settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
 # ---- Equinox ----
@@ -38,8 +41,9 @@ settings.load_profile(os.environ.get("FASTCALL_HYPOTHESIS", "ci"))
 EQX_OPS = ["call", "call", "new", "tree_at", "static", "drop", "donate", "callable"]
 
 
+@through_both
 @given(st.lists(st.sampled_from(EQX_OPS), min_size=1, max_size=10), st.integers(0, 1000))
-def test_equinox_never_stale(ops, seed):
+def test_equinox_never_stale(hot_path, ops, seed):
     fastcall.clear_caches()
     f = fastcall.jit(lambda m, x: m(x))
     donating = fastcall.jit(lambda m, x: (m(x), m.weight + 0), donate="all")
@@ -106,8 +110,9 @@ NNX_MUTATIONS = {
 NNX_OPS = ["call", "call", "call"] + list(NNX_MUTATIONS)
 
 
+@through_both
 @given(st.lists(st.sampled_from(NNX_OPS), min_size=1, max_size=10), st.booleans())
-def test_nnx_never_stale(ops, use_partial):
+def test_nnx_never_stale(hot_path, ops, use_partial):
     fastcall.clear_caches()
     ours, twin = Net(nnx.Rngs(0)), Net(nnx.Rngs(0))
 
@@ -125,3 +130,49 @@ def test_nnx_never_stale(ops, use_partial):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
         assert_trees_equal(state_of(ours), state_of(twin))
         assert (ours.layers[-1].bias is ours.layers[0].bias) == (twin.layers[-1].bias is twin.layers[0].bias)
+
+
+# ---- plain containers (lists and dicts passed as they are, changed in place) ----
+
+CONTAINER_MUTATIONS = {
+    "set_item": lambda p, i: p.__setitem__("b", jnp.full(4, 0.1 * i)),
+    "add_key": lambda p, i: p.__setitem__(f"extra{i % 2}", jnp.full(4, 1.0 + i)),
+    "del_key": lambda p, i: p.pop("extra0", None),
+    "append": lambda p, i: p["layers"].append(jnp.full(4, -0.5 * i)),
+    "pop": lambda p, i: (p["layers"].pop() if len(p["layers"]) > 1 else None),
+    "list_item": lambda p, i: p["layers"].__setitem__(0, jnp.full(4, 0.2 * i)),
+    "static": lambda p, i: p.__setitem__("name", "abc"[i % 3]),
+    "copy": lambda p, i: None,  # (a new dict of the same items: below)
+}
+CONTAINER_OPS = ["call", "call", "call"] + list(CONTAINER_MUTATIONS)
+
+
+@through_both
+@given(st.lists(st.sampled_from(CONTAINER_OPS), min_size=1, max_size=12), st.booleans())
+def test_containers_never_stale(hot_path, ops, as_second):
+    fastcall.clear_caches()
+
+    def fwd(p, x):
+        total = x * p["b"] + sum(p["layers"]) + sum(v for k, v in p.items() if k.startswith("extra"))
+        return total * len(p["name"]) if isinstance(p["name"], str) else total
+
+    f = fastcall.jit(fwd)
+    g = fastcall.jit(lambda x, p: fwd(p, x))
+    params = {"b": jnp.arange(4.0), "layers": [jnp.ones(4), jnp.full(4, 2.0)], "name": "ab"}
+    x = jnp.linspace(-1.0, 1.0, 4)
+    for i, op in enumerate(ops):
+        if op == "copy":
+            params = {k: (list(v) if type(v) is list else v) for k, v in params.items()}
+        elif op != "call":
+            CONTAINER_MUTATIONS[op](params, i)
+        out = g(x, params) if as_second else f(params, x)
+        eager = fwd(params, x)
+        np.testing.assert_allclose(out, eager, rtol=1e-6)
+        np.testing.assert_allclose(out, _peer_call(fwd, params, x), rtol=1e-6)
+
+
+def _peer_call(fwd, params, x):
+    """jax.jit on the same call (it cannot take a str leaf: closed over, as its user would)."""
+    name = params["name"]
+    arrays = {k: v for k, v in params.items() if k != "name"}
+    return jax.jit(lambda a, x: fwd({**a, "name": name}, x))(arrays, x)

@@ -688,7 +688,7 @@ def test_a_lone_variables_metadata_is_remembered_equal_only_while_it_holds_the_r
     assert float(out[0]) == 3.0
 
 
-def test_metadata_changed_while_it_is_compared_is_not_remembered(hot_path):
+def test_metadata_changed_while_it_is_compared_is_not_remembered(hot_path, unchecked):
     """A metadata value whose `==` changes the dict it is compared from (user code runs in
     the comparison): what the structure path remembers is the dict as it was compared, so
     the next call sees the change and takes the program it selects."""
@@ -989,7 +989,7 @@ class _OddArray(np.ndarray, metaclass=_HashRunsCode):
 
 
 @pytest.mark.parametrize("change", ["replace", "clear"])
-def test_a_batch_list_changed_while_it_is_read_gives_the_items_read(change, hot_path):
+def test_a_batch_list_changed_while_it_is_read_gives_the_items_read(change, hot_path, unchecked):
     """The batch is read as it was when the call began: a list changed by code its type
     test runs neither passes an item that was not checked nor reads freed memory."""
     f, peer = fastcall.jit(_batch_step), eqx.filter_jit(_batch_step)
@@ -1231,7 +1231,7 @@ class _EqRunsCode(str):
         return str.__eq__(self, other)
 
 
-def test_a_batch_dict_changed_while_it_is_read_gives_the_items_read(hot_path):
+def test_a_batch_dict_changed_while_it_is_read_gives_the_items_read(hot_path, unchecked):
     """A dict changed by code that a key's comparison runs while the dict is read neither
     passes a value that was not read nor reads freed memory: the call gives what the dict
     held as each value was read ("image" first: keys are read sorted)."""
@@ -1549,7 +1549,7 @@ def _flatten_counted(c):
 jax.tree_util.register_pytree_node(_Counted, _flatten_counted, lambda tag, ch: _Counted(ch[0], tag))
 
 
-def test_the_record_that_served_last_is_tried_first(hot_path):
+def test_the_record_that_served_last_is_tried_first(hot_path, unchecked):
     """After calls of other structures, a loop over one structure is served by its record
     without the newer records reading each call first (`FastWrapper.last_served`,
     `FunctionState.last_structure`): one read per call, where each newer record read the
