@@ -36,24 +36,28 @@ class Resolved(NamedTuple):
 
 
 def resolve_call(
-    state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any], note: bool = True
+    state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any], check_only: bool = False
 ) -> Resolved | None:
     """Resolve every argument of one call. Returns None if the arguments do not fit the
     function's signature (the caller then lets the function raise its own TypeError).
-    NNX arguments that share objects are flattened jointly (as nnx.jit does). `note=False`
-    (the agreement mode's second reading of a call a hit served) resolves it without noting
-    what it read for later calls (`resolve`): the routes later calls take stay as they were."""
+    NNX arguments that share objects are flattened jointly (as nnx.jit does).
+
+    `check_only`: the agreement mode's second reading of a call a hit served, as the hit
+    dispatches it. It notes nothing for later calls (`resolve`), so the routes they take stay
+    as they were, and it reads NNX arguments inside an outer trace too (the hit served the
+    call nested there; a call resolved to be run raises `StepAside` instead)."""
     # (called by nnx.cached_partial, which hands its static cache to the next NNX transform:
     # consumed here, whatever the arguments; the fast paths leave such calls to this path)
-    _fast.consume_static_cache()
+    if not check_only:  # (the agreement mode compares no call while the cache waits)
+        _fast.consume_static_cache()
     if kwargs and state.signature is not None:
         try:
             bound = state.signature.bind(*args, **kwargs)
         except TypeError:
             return None
         args, kwargs = bound.args, bound.kwargs
-    resolved = _resolve_all(state, fun_leaves, args, kwargs, None, note)
-    if resolved.nnx_args and currently_jitting():
+    resolved = _resolve_all(state, fun_leaves, args, kwargs, None, check_only)
+    if resolved.nnx_args and not check_only and currently_jitting():
         # NNX objects inside an outer transformation (nnx.grad, nnx.checkify, jax.jit, ...):
         # NNX state changed inside must stay in that trace, so run inline, as nnx.jit
         # effectively does (NNX itself then refuses to mutate objects from outside it).
@@ -64,13 +68,13 @@ def resolve_call(
         before = tuple(
             (a.obj, a.entry, a.entry.version) if a.entry is not None else None for a in resolved.nnx_args
         )
-        resolved = _resolve_all(state, fun_leaves, args, kwargs, _nnx_gate.adapter().joint_index(), note)
+        resolved = _resolve_all(state, fun_leaves, args, kwargs, _nnx_gate.adapter().joint_index(), check_only)
         resolved = resolved._replace(read_before=before)
     return resolved
 
 
 def _resolve_all(
-    state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any], joint: Any, note: bool
+    state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any], joint: Any, check_only: bool
 ) -> Resolved:
     leaves = list(fun_leaves)
     key: list[Any] = []
@@ -79,7 +83,7 @@ def _resolve_all(
     trace_scalars = state.options.trace_scalars
     first_known = False
     if args:
-        first_known = _flatten.lookup(args[0]) is not None
+        first_known = _flatten.lookup(args[0], adopt=not check_only) is not None
     for i, a in enumerate(args):
         if i in static_argnums:
             key.append(static_spec(a, state.arg_name(i)).id)
@@ -87,7 +91,7 @@ def _resolve_all(
             leaves.append(a)
             key.append(0)
         else:
-            key.append(resolve(a, leaves, state.arg_name(i), nnx_args, joint, trace_scalars, note))
+            key.append(resolve(a, leaves, state.arg_name(i), nnx_args, joint, trace_scalars, check_only))
     if kwargs:
         names = tuple(sorted(kwargs))
         key.append(names)
@@ -95,7 +99,7 @@ def _resolve_all(
             if name in state.static_argnames:
                 key.append(static_spec(kwargs[name], name).id)
             else:
-                key.append(resolve(kwargs[name], leaves, name, nnx_args, joint, trace_scalars, note))
+                key.append(resolve(kwargs[name], leaves, name, nnx_args, joint, trace_scalars, check_only))
     return Resolved(leaves, tuple(key), nnx_args, args, kwargs, first_known, joint is not None)
 
 
@@ -106,7 +110,7 @@ def resolve(
     nnx_args: list[Any],
     joint: Any = None,
     trace_scalars: bool = False,
-    note: bool = True,
+    check_only: bool = False,
 ) -> int:
     """Append `value`'s dynamic leaves to `leaves`; return its spec id.
 
@@ -114,9 +118,9 @@ def resolve(
     by the call's NNX arguments), NNX objects are flattened together. `trace_scalars`:
     Python scalars outside Equinox modules are traced (`fastcall.jit`, as jax.jit and
     nnx.jit do) rather than static (`fastcall.filter_jit`, as eqx.filter_jit does).
-    `note=False`: nothing is cached by identity, marked as seen or learnt as a template.
+    `check_only`: nothing is cached by identity, marked as seen or learnt as a template.
     """
-    hit = _flatten.lookup(value)
+    hit = _flatten.lookup(value, adopt=not check_only)
     if hit is not None:  # seen before, same object (and every list or dict in it unchanged)
         leaves += hit.leaves
         return hit.spec_id
@@ -129,7 +133,7 @@ def resolve(
         if found is not None:
             leaves += found
             spec = template.spec
-            if template.rule is not None or not note:  # (a scalar rule's read: not cached by identity)
+            if template.rule is not None or check_only:  # (a scalar rule's read: not cached by identity)
                 return spec.id
             if spec.cacheable:
                 remember(value, found, spec)
@@ -151,7 +155,7 @@ def resolve(
     if spec.has_nnx:  # NNX objects inside a container: each read as if passed on its own
         return _nnx_gate.adapter().read_container(value, leaves, arg_name, nnx_args, joint, trace_scalars)
     leaves.extend(dynamic)
-    if contains_tracer(dynamic) or not note:  # (tracers are never cached)
+    if contains_tracer(dynamic) or check_only:  # (tracers are never cached)
         return spec.id
     # The identity cache is shared by functions of either scalar rule: it holds no object
     # that the two read differently. (The template made next knows which rule it reads by.)

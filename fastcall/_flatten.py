@@ -378,10 +378,12 @@ class CacheEntry(NamedTuple):
     guard: Any = None  # (lists or dicts inside) valid only while `_guard.holds(guard)`
 
 
-def lookup(obj: Any) -> CacheEntry | None:
+def lookup(obj: Any, adopt: bool = True) -> CacheEntry | None:
     """The identity cache's entry for `obj` if it is current (the one place that decides).
     An object the latest call of a recent entry returned (`latest`) is taken into the cache
-    here (a module by weak reference; a tuple is given an entry held only by the caller)."""
+    here (a module by weak reference; a tuple is given an entry held only by the caller),
+    unless `adopt` is False (the agreement mode's reading, which changes no cache): then it
+    too gets an entry held only by the caller."""
     hit = by_id.get(id(obj))
     if hit is not None and hit.ref() is obj:
         if hit.guard is not None and not _guard.holds(hit.guard):
@@ -391,7 +393,7 @@ def lookup(obj: Any) -> CacheEntry | None:
     if found is None:
         return None
     leaves, spec, guard = found
-    if type(obj) is tuple:
+    if type(obj) is tuple or not adopt:
         return CacheEntry(_Strong(obj), leaves, spec.id, spec, guard)
     remember(obj, leaves, spec, guard)
     hit = by_id.get(id(obj))

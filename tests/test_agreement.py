@@ -143,3 +143,41 @@ def test_off_by_default_in_a_child_process():
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout == "False\n"
     env["FASTCALL_CHECK_HITS"] = "1"
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout == "True\n"
+
+
+def test_nested_nnx_hit_is_compared(agreement, hot_path):
+    """A read-only NNX call served by a hit inside an outer trace (the model closed over):
+    compared too, though the general path would run such a call inline."""
+    model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+    f = fastcall.jit(lambda m, x: m(x))
+    x = jnp.ones(4)
+    for _ in range(3):
+        f(model, x)
+    outer = jax.jit(lambda y: f(model, x).sum() + y)
+    checked, skipped = _agreement.checked, _agreement.skipped
+    hits = f.stats().paths[FAST_PATH[hot_path]]
+    assert jnp.allclose(outer(1.0), model(x).sum() + 1.0)
+    assert f.stats().paths[FAST_PATH[hot_path]] == hits + 1  # (served by the hit, nested)
+    assert (_agreement.checked - checked, _agreement.skipped - skipped) == (1, 0)
+
+
+def test_a_returned_model_is_not_adopted_by_the_check(agreement, hot_path):
+    """The check's reading takes nothing into the identity cache (a model the latest call
+    returned is read from that call's record, not remembered): the routes stay as without it."""
+    from fastcall import _flatten
+
+    step = fastcall.jit(lambda m: eqx.tree_at(lambda t: t.bias, m, m.bias + 1.0))
+    g = fastcall.jit(lambda m, x: m(x))
+    x = jnp.ones(4)
+    m0 = eqx.nn.Linear(4, 3, key=jax.random.PRNGKey(0))
+    for _ in range(2):
+        g(eqx.nn.Linear(4, 3, key=jax.random.PRNGKey(1)), x)  # (a structure record for g)
+    m1 = step(m0)
+    m1 = step(m1)
+    in_cache = id(m1) in _flatten.by_id and _flatten.by_id[id(m1)].ref() is m1
+    checked = _agreement.checked
+    _, route = served(g, m1, x)
+    assert route == STRUCTURE_PATH[hot_path] and _agreement.checked == checked + 1
+    # (the Python structure path takes it into the cache as it reads it, the C one does not:
+    # a difference between the two hit paths, not made by the check)
+    assert (id(m1) in _flatten.by_id and _flatten.by_id[id(m1)].ref() is m1) == (in_cache or hot_path == "python")
