@@ -17,9 +17,13 @@ import jax
 from jaxtyping import PyTree
 
 from . import _aot, _args, _codegen, _dispatch, _explain, _fast, _flatten, _function, _nnx_gate, _stats
+from . import _nnx
 from ._build import broadcast_prefix
 from ._options import UNSPECIFIED, Donate, make_options
 from ._trace import StepAside
+
+# The core reaches Flax NNX only through the gate; this module plugs the NNX plugin in.
+_nnx_gate.register(_nnx.load)
 
 P = ParamSpec("P")
 R = TypeVar("R")

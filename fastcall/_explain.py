@@ -4,7 +4,7 @@ It answers "why is this call not at the floor?" without running the function:
 the fast path's conditions are checked as the wrapper checks them, and the
 structure path's by its own reading of the arguments (`_dispatch`),
 and each argument is described by what the caches know about it (`_flatten`,
-`_nnx`). Explaining reads the arguments as a call would (NNX structures may be
+`fastcall._nnx`). Explaining reads the arguments as a call would (NNX structures may be
 read and cached), but never traces, compiles or runs anything.
 """
 

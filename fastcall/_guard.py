@@ -1,7 +1,7 @@
 """Guards: the cheap check that a cached object holding lists or dicts is unchanged.
 
 An Equinox module, a tuple or an NNX graph is cached by identity (`_flatten`,
-`_nnx`): the same object means the same structure and leaves, because nothing
+`fastcall._nnx`): the same object means the same structure and leaves, because nothing
 in it can change without a new object (Equinox) or a hooked write (NNX). A
 plain `list` or `dict` inside breaks that: `layers[0] = new`, `append`, `del`,
 `d[k] = v` change it in place and nothing is told. So an object holding any is
@@ -80,7 +80,7 @@ def make(containers: list[Any]) -> Guard | None:
             continue
         seen.add(id(c))
         # (tuple.__new__: a Watched without the Python frame of its generated __new__; a
-        # guard is made on every call that returns a new nnx.State, see _nnx.twin_states)
+        # guard is made on every call that returns a new nnx.State, see _nnx._adapter.twin_states)
         if type(c) is list:
             watched.append(_new(Watched, (c, tuple(c), None, owner)))
         else:

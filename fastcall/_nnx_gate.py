@@ -1,36 +1,116 @@
-"""The gate to the Flax NNX adapter: loads it only when NNX is in use.
+"""The gate to the Flax NNX plugin (`fastcall._nnx`): what the core needs of it, and when it loads.
 
-No module but `_nnx` (and its hooks, `_nnx_hooks`) imports flax. Everything
-else asks this gate, which never imports flax itself: while `flax.nnx` has not
-been imported by anyone, no NNX object can exist, so `is_node` answers False
-without loading anything and an Equinox-only program never pays for flax.
-Once the user has imported `flax.nnx`, the first NNX object that reaches
-fastcall loads the adapter (which installs its structure hooks on NNX's
-classes; objects created earlier are covered, since the hooks patch classes).
+The core never imports the plugin, nor flax. It asks this gate. `NnxAdapter` is the whole
+contract: the functions and classes the core calls on NNX objects. The plugin is loaded
+through the loader the public API registers (`register`; `fastcall._api` registers
+`fastcall._nnx.load`), the first time it is needed: while `flax.nnx` has not been imported
+by anyone, no NNX object can exist, so `is_node` answers False without loading anything and
+an Equinox-only program never pays for flax. Once the user has imported `flax.nnx`, the
+first NNX object that reaches fastcall loads the plugin (which installs its structure hooks
+on NNX's classes; objects created earlier are covered, since the hooks patch classes).
 """
 
 from __future__ import annotations
 
 import sys
-from types import ModuleType
-from typing import Any
+from typing import Any, Callable, Iterator, Protocol
 
-_adapter: ModuleType | None = None
+
+class NnxAdapter(Protocol):
+    """What the core calls on the NNX plugin (the module `fastcall._nnx._adapter` is one).
+
+    Arguments and records named here are the core's own: `NnxArg`, the read records of
+    `_fast` (`JointRead`, `VariableRead`, ...), the `FunctionState` of a wrapped function
+    (`state`), the identity cache's spec ids. Each function says, in its own docstring,
+    what it promises; the groups below say where the core uses it."""
+
+    # ---- kinds of object (`_nnx_gate`, `_flatten`, `_args`) ----
+    @property
+    def GraphDef(self) -> type: ...
+    @property
+    def State(self) -> type: ...
+    @property
+    def NnxArg(self) -> Callable[..., Any]: ...  # (`_fast.NnxArg`: an NNX argument of one call)
+
+    def is_node_type(self, t: type) -> bool: ...
+    def holds_nodes(self, value: Any) -> bool: ...
+
+    # ---- the general path: resolving a call's NNX arguments (`_args`) ----
+    def read_argument(self, obj: Any, leaves: list[Any], arg_name: str, nnx_args: list[Any], joint: Any) -> int: ...
+    def read_container(
+        self, value: Any, leaves: list[Any], arg_name: str, nnx_args: list[Any], joint: Any, trace_scalars: bool
+    ) -> int: ...
+    def read_graphdef(self, graphdef: Any, arg_name: str, trace_scalars: bool) -> int: ...
+    def overlapping(self, nnx_args: list[Any]) -> bool: ...
+    def joint_index(self) -> Any: ...
+    def aliasing_error(self, where: str) -> Exception: ...
+
+    # ---- records for later calls (`_dispatch._install_fast`, `_publish_structure`) ----
+    def install_record(self, entry: Any, state: Any, spec_id: int, record: Any) -> None: ...
+    def readable_argument(self, arg: Any, spec_id: int) -> bool: ...
+    def read_as_one_object(self, state: Any) -> bool: ...
+    def joint_read(self, arg: Any, before: Any) -> Any: ...
+    def variable_read(self, arg: Any, spec_id: int) -> Any: ...
+    def shared_variable_read(self, arg: Any, spec_id: int, reads: list[Any], at: int) -> Any: ...
+    def mixed_read(self, spec_id: int, nnx_args: Iterator[Any]) -> Any: ...
+    def forget_function(self, state: Any) -> None: ...
+
+    # ---- the structure path: reading an argument as a record says (`_dispatch.read_arguments`) ----
+    def read_cached(self, obj: Any, spec_id: Any, values: list[Any], nnx_args: list[Any]) -> bool: ...
+    def read_joint(self, obj: Any, read: Any, values: list[Any], nnx_args: list[Any]) -> bool: ...
+    def read_shared_variable(
+        self, v: Any, read: Any, owner: Any, values: list[Any], nnx_args: list[Any]
+    ) -> bool: ...
+    def read_variable_again(self, v: Any, read: Any, values: list[Any], nnx_args: list[Any]) -> bool: ...
+    def slot_after_rebuild(self, obj: Any) -> Any: ...
+    def slot_as_checked(self, obj: Any) -> Any: ...
+
+    # ---- inside the trace and after the call (`_build`, `_outputs`) ----
+    @property
+    def TracedInputs(self) -> Callable[[], Any]: ...  # (rebuild, rebuild_tree, snapshot, outputs)
+    @property
+    def ShardingContext(self) -> Callable[[], Any]: ...  # (leaf_shardings)
+
+    def write_back(self, nnx_out: Any, written: Any, nnx_args: list[Any]) -> Any: ...
+    def unmark_nodes(self, nnx_out: Any, result: Any, nnx_args: list[Any], link: Any) -> Any: ...
+    def unmark_leaves(self, nnx_out: Any, leaves: Any, nnx_args: list[Any], link: Any) -> list[Any]: ...
+    def twin_states(self, nnx_out: Any, result: Any, nnx_args: list[Any]) -> None: ...
+    def named_leaves(self, obj: Any) -> list[tuple[str, Any]]: ...
+
+    # ---- options, shardings, caches, reports (`_api`, `_stats`, `_explain`) ----
+    def resolve_options(
+        self, graph: bool | None, graph_updates: bool | None, in_shardings: Any, out_shardings: Any
+    ) -> tuple[bool, bool]: ...
+    def constrain(self, node: Any, sharding: Any) -> None: ...
+    def clear(self) -> None: ...
+    def describe_node(self, obj: Any) -> tuple[Any, list[tuple[str, Any]]]: ...
+    def explain_node(self, obj: Any) -> tuple[str, str]: ...
+    def explain_graphdef(self, graphdef: Any) -> tuple[str, str]: ...
+
+
+_loader: Callable[[], NnxAdapter] | None = None
+_adapter: NnxAdapter | None = None
 node_types: dict[type, bool] = {}  # filled only once flax.nnx is loaded
 
 
-def adapter() -> ModuleType:
-    """The NNX adapter module, loaded (and its hooks installed) on first use."""
+def register(loader: Callable[[], NnxAdapter]) -> None:
+    """Say how to load the NNX plugin (called once, by the public API's module)."""
+    global _loader
+    _loader = loader
+
+
+def adapter() -> NnxAdapter:
+    """The NNX plugin, loaded (and its hooks installed) on first use."""
     global _adapter
     if _adapter is None:
-        from . import _nnx
-
-        _adapter = _nnx
+        if _loader is None:  # pragma: no cover - fastcall/__init__ imports _api, which registers it
+            raise RuntimeError("fastcall: the NNX plugin was not registered (import fastcall first)")
+        _adapter = _loader()
     return _adapter
 
 
-def loaded() -> ModuleType | None:
-    """The adapter if it is loaded, else None (nothing NNX has reached fastcall)."""
+def loaded() -> NnxAdapter | None:
+    """The plugin if it is loaded, else None (nothing NNX has reached fastcall)."""
     return _adapter
 
 

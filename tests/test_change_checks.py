@@ -264,9 +264,9 @@ def _flag_flipped(m):
 
 
 def _read_by_another_call(m):
-    from fastcall import _nnx
+    from fastcall._nnx import _adapter
 
-    _nnx._build(m, "m", _nnx.by_id[id(m)])
+    _adapter._build(m, "m", _adapter.by_id[id(m)])
 
 
 @pytest.mark.parametrize(
@@ -280,11 +280,11 @@ def test_what_happens_while_a_rebuild_is_checked_is_not_lost(meanwhile, monkeypa
     changes a static, a Variable replaced, a static flipped, the model read again by another
     call. Every later call gives the eager call's result, and the model keeps serving
     (a real change after the check is seen)."""
-    from fastcall import _nnx
+    from fastcall._nnx import _adapter
 
     m, f, x, impl = _rebuilt_model()
     _rebuild(m)
-    check = _nnx._as_read
+    check = _adapter._as_read
     done = []
 
     def as_read(entry, layout):
@@ -293,11 +293,11 @@ def test_what_happens_while_a_rebuild_is_checked_is_not_lost(meanwhile, monkeypa
             done.append(meanwhile(m))
         return same
 
-    monkeypatch.setattr(_nnx, "_as_read", as_read)
+    monkeypatch.setattr(_adapter, "_as_read", as_read)
     for _ in range(2):
         assert_trees_equal(f(m, x), _call(m, x))
     assert done
-    monkeypatch.setattr(_nnx, "_as_read", check)
+    monkeypatch.setattr(_adapter, "_as_read", check)
     m.w = nnx.Param(jnp.full(3, 3.0))
     for _ in range(2):
         assert_trees_equal(f(m, x), _call(m, x))
@@ -312,22 +312,22 @@ def test_a_check_ending_while_another_call_reads_the_model_leaves_no_stale_slot(
     entry); a rebuild then changes a static before C files its new entry, which is therefore
     not current. The old entry, no longer watched, must not stay in the fast path. Replayed
     in one thread (the thread test below met this interleaving about once in thirty runs)."""
-    from fastcall import _nnx
+    from fastcall._nnx import _adapter
 
     m, f, x, _ = _rebuilt_model()
     _rebuild(m)
-    old = _nnx.by_id[id(m)]
-    read_graph = _nnx._read_graph
+    old = _adapter.by_id[id(m)]
+    read_graph = _adapter._read_graph
 
     def reading(obj, arg_name, previous, entry):
-        assert _nnx._rebuilt_as_read(old)  # (thread B's check, published)
+        assert _adapter._rebuilt_as_read(old)  # (thread B's check, published)
         refmap = read_graph(obj, arg_name, previous, entry)
         _rebuild(m, flag=True)  # (a change before C files its entry)
         return refmap
 
-    monkeypatch.setattr(_nnx, "_read_graph", reading)
-    _nnx._build(m, "m", old)  # (thread C)
-    monkeypatch.setattr(_nnx, "_read_graph", read_graph)
+    monkeypatch.setattr(_adapter, "_read_graph", reading)
+    _adapter._build(m, "m", old)  # (thread C)
+    monkeypatch.setattr(_adapter, "_read_graph", read_graph)
     for _ in range(2):
         assert_trees_equal(f(m, x), _call(m, x))
 
@@ -337,25 +337,25 @@ def test_a_check_passing_while_another_call_reads_the_model_again_publishes_noth
     the old entry); a change is then made and the model called (thread A) before C files
     its new entry. B must not have published the old entry, which no hook reaches any
     more: A's call gives the eager call's result. Replayed in one thread (found by review)."""
-    from fastcall import _nnx
+    from fastcall._nnx import _adapter
 
     m, f, x, _ = _rebuilt_model()
     _rebuild(m)
-    old = _nnx.by_id[id(m)]
-    read_graph = _nnx._read_graph
+    old = _adapter.by_id[id(m)]
+    read_graph = _adapter._read_graph
     seen = []
 
     def reading(obj, arg_name, previous, entry):
         if not seen:
             seen.append(None)
-            assert _nnx._rebuilt_as_read(old)  # (thread B's check)
+            assert _adapter._rebuilt_as_read(old)  # (thread B's check)
             m.w = nnx.Param(jnp.full(3, 5.0))  # (thread A's change, then its call)
             seen.append((f(m, x), _call(m, x)))
         return read_graph(obj, arg_name, previous, entry)
 
-    monkeypatch.setattr(_nnx, "_read_graph", reading)
-    _nnx._build(m, "m", old)  # (thread C)
-    monkeypatch.setattr(_nnx, "_read_graph", read_graph)
+    monkeypatch.setattr(_adapter, "_read_graph", reading)
+    _adapter._build(m, "m", old)  # (thread C)
+    monkeypatch.setattr(_adapter, "_read_graph", read_graph)
     assert_trees_equal(*seen[1])
     for _ in range(2):
         assert_trees_equal(f(m, x), _call(m, x))
@@ -393,14 +393,14 @@ def test_a_record_that_cannot_be_made_is_not_kept(monkeypatch, graph_reads):
     """Making the record for the check can fail (a node another thread rebuilds meanwhile:
     found by review, a RuntimeError out of the call): the call goes on without one, and the
     next rebuild is read again."""
-    from fastcall import _nnx
+    from fastcall._nnx import _adapter
 
     def failing(refmap):
         raise RuntimeError("dictionary changed size during iteration")
 
-    monkeypatch.setattr(_nnx, "_layout", failing)
+    monkeypatch.setattr(_adapter, "_layout", failing)
     m, f, x, _ = _rebuilt_model()
-    assert _nnx.by_id[id(m)].layout is None
+    assert _adapter.by_id[id(m)].layout is None
     _rebuild(m)
     reads = len(graph_reads)
     assert_trees_equal(f(m, x), _call(m, x))
@@ -470,7 +470,7 @@ def test_a_flip_reported_while_a_new_variant_is_read_is_not_lost(monkeypatch, ho
     yet, another thread flips an attribute not flipped before: the new entry, which saw it,
     keeps its own flips (the variants kept so far are not carried over). Replayed in one
     thread (found by review; the race predates the rebuild check)."""
-    from fastcall import _nnx
+    from fastcall._nnx import _adapter
 
     m, f, x = _Mode(), fastcall.jit(_call), jnp.arange(3.0)
     f(m, x), f(m, x)
@@ -478,7 +478,7 @@ def test_a_flip_reported_while_a_new_variant_is_read_is_not_lost(monkeypatch, ho
     f(m, x)
     m.mode = "a"
     f(m, x)  # (two variants kept)
-    build, done = _nnx._build, []
+    build, done = _adapter._build, []
 
     def building(obj, arg_name, old):
         out = build(obj, arg_name, old)
@@ -487,10 +487,10 @@ def test_a_flip_reported_while_a_new_variant_is_read_is_not_lost(monkeypatch, ho
             m.scale = 3  # (thread B's flip, right after thread A's read)
         return out
 
-    monkeypatch.setattr(_nnx, "_build", building)
+    monkeypatch.setattr(_adapter, "_build", building)
     m.mode = "c"  # (a configuration not seen yet: read by the variant switch)
     f(m, x)
-    monkeypatch.setattr(_nnx, "_build", build)
+    monkeypatch.setattr(_adapter, "_build", build)
     assert done
     for _ in range(3):
         assert_trees_equal(f(m, x), _call(m, x))
@@ -539,7 +539,7 @@ def test_the_record_a_rebuild_is_checked_against_keeps_nothing_alive():
     import gc
     import weakref
 
-    from fastcall import _nnx
+    from fastcall._nnx import _adapter
 
     m = Mixed(nnx.Rngs(0))
     m.layers[0].parent = m  # (a back reference: data, a node)
@@ -547,7 +547,7 @@ def test_the_record_a_rebuild_is_checked_against_keeps_nothing_alive():
     f, on_m = fastcall.jit(_call), nnx.jit(_call)
     for _ in range(3):
         f(m, X4), on_m(m, X4)
-    assert _nnx.by_id[id(m)].layout is not None
+    assert _adapter.by_id[id(m)].layout is not None
     ref = weakref.ref(m)
     del m
     gc.collect()
@@ -584,7 +584,7 @@ def test_a_rebuild_putting_back_another_function_is_read_again(graph_reads, hot_
 
 
 def test_a_rebuild_with_a_static_float_of_another_sign_is_read_again(graph_reads):
-    """-0.0 equals 0.0 but is another static value (as `_nnx_hooks.same_scalar` judges an
+    """-0.0 equals 0.0 but is another static value (as `_hooks.same_scalar` judges an
     assignment): a rebuild putting it back is a change."""
     from flax.nnx import graphlib
 
@@ -735,7 +735,7 @@ def test_a_rebuild_ending_while_another_thread_reads_the_model_leaves_no_stale_s
     interleaving in a design that resumed cached structures after a rebuild)."""
     from flax.nnx import graphlib
 
-    from fastcall import _nnx
+    from fastcall._nnx import _adapter
 
     m = Flagged()
     f = fastcall.jit(_call)
@@ -744,7 +744,7 @@ def test_a_rebuild_ending_while_another_thread_reads_the_model_leaves_no_stale_s
     impl = graphlib.GRAPH_REGISTRY[type(m)]
     saved = list(vars(m).items())
     impl.clear(m)  # (thread A, nnx.jit's write-back, starts its rebuild ...)
-    walk = _nnx._flatten_node
+    walk = _adapter._flatten_node
 
     def flatten_node(*args, **kwargs):
         if saved:
@@ -752,9 +752,9 @@ def test_a_rebuild_ending_while_another_thread_reads_the_model_leaves_no_stale_s
             saved.clear()
         return walk(*args, **kwargs)
 
-    monkeypatch.setattr(_nnx, "_flatten_node", flatten_node)
+    monkeypatch.setattr(_adapter, "_flatten_node", flatten_node)
     assert_trees_equal(f(m, x), _call(m, x))
-    monkeypatch.setattr(_nnx, "_flatten_node", walk)
+    monkeypatch.setattr(_adapter, "_flatten_node", walk)
     m.flag = True
     for _ in range(2):
         assert_trees_equal(f(m, x), _call(m, x))
@@ -769,7 +769,7 @@ def test_a_rebuild_does_not_undo_a_change_seen_while_the_graph_was_read(monkeypa
     Replayed in one thread (as the test above)."""
     from flax.nnx import graphlib
 
-    from fastcall import _nnx
+    from fastcall._nnx import _adapter
 
     m = Flagged()
     f = fastcall.jit(_call)
@@ -778,7 +778,7 @@ def test_a_rebuild_does_not_undo_a_change_seen_while_the_graph_was_read(monkeypa
     m.w = nnx.Param(jnp.ones(3))  # (a real change: the next call reads the graph)
     impl = graphlib.GRAPH_REGISTRY[type(m)]
     saved = []
-    walk, items = _nnx._flatten_node, _nnx._leaf_items
+    walk, items = _adapter._flatten_node, _adapter._leaf_items
 
     def flatten_node(*args, **kwargs):
         out = walk(*args, **kwargs)
@@ -790,11 +790,11 @@ def test_a_rebuild_does_not_undo_a_change_seen_while_the_graph_was_read(monkeypa
         impl.clear(m)  # (thread A's rebuild starts)
         return items(*args, **kwargs)
 
-    monkeypatch.setattr(_nnx, "_flatten_node", flatten_node)
-    monkeypatch.setattr(_nnx, "_leaf_items", leaf_items)
+    monkeypatch.setattr(_adapter, "_flatten_node", flatten_node)
+    monkeypatch.setattr(_adapter, "_leaf_items", leaf_items)
     f(m, x)
-    monkeypatch.setattr(_nnx, "_flatten_node", walk)
-    monkeypatch.setattr(_nnx, "_leaf_items", items)
+    monkeypatch.setattr(_adapter, "_flatten_node", walk)
+    monkeypatch.setattr(_adapter, "_leaf_items", items)
     impl.init(m, saved)  # (thread A's rebuild ends: the same structure, flag already set)
     for _ in range(2):
         assert_trees_equal(f(m, x), _call(m, x))
@@ -1797,16 +1797,16 @@ def _train_loss(m, x):
 @pytest.fixture
 def graph_reads(monkeypatch):
     """Counts full graph reads of NNX objects (fastcall's cache entries being built)."""
-    from fastcall import _nnx
+    from fastcall._nnx import _adapter
 
     calls = []
-    original = _nnx._build
+    original = _adapter._build
 
     def counting(obj, arg_name, old):
         calls.append(obj)
         return original(obj, arg_name, old)
 
-    monkeypatch.setattr(_nnx, "_build", counting)
+    monkeypatch.setattr(_adapter, "_build", counting)
     return calls
 
 
@@ -1981,7 +1981,7 @@ def _both_variants(f, m):
 def test_a_flip_while_a_variant_is_switched_to_is_not_lost(hot_path):
     # (the value changes after the switch read the flipped attributes: forced here from
     # inside the lookup of the variants, where another thread could land)
-    from fastcall import _nnx
+    from fastcall._nnx import _adapter
 
     f, m = fastcall.jit(_call), Flag()
     _both_variants(f, m)
@@ -1997,7 +1997,7 @@ def test_a_flip_while_a_variant_is_switched_to_is_not_lost(hot_path):
             return found
 
     m.flag = True
-    entry = _nnx.by_id[id(m)]
+    entry = _adapter.by_id[id(m)]
     entry.variants = Interleave(entry.variants)
     f(m, X4)
     for flag in (False, False, True, True, False, False):
@@ -2034,14 +2034,14 @@ def test_a_fast_record_is_filed_with_the_variant_it_was_compiled_for(hot_path):
 
 
 def test_clear_cache_reaches_every_variant(hot_path):
-    from fastcall import _nnx
+    from fastcall._nnx import _adapter
 
     f, m = fastcall.jit(_call), Flag()
     for flag in (False, False, True, True, False, False):
         m.flag = flag
         f(m, X4)
     f.clear_cache()
-    entry = _nnx.by_id[id(m)]
+    entry = _adapter.by_id[id(m)]
     assert all(f._fastcall_state not in fast for _, fast in entry.variants.values())
     m.flag = True
     for _ in range(3):

@@ -203,11 +203,11 @@ def test_general_calls_that_read_an_argument_whole_are_counted_apart(hot_path, m
     (NNX's graph walk, jax's flatten); `"general_cached"` those served from the caches. A
     call for which fastcall built a new entry for the model counts as read; one counted
     cached built none."""
-    from fastcall import _nnx
+    from fastcall._nnx import _adapter
 
     builds = []
-    original = _nnx._build
-    monkeypatch.setattr(_nnx, "_build", lambda *a: builds.append(a[0]) or original(*a))
+    original = _adapter._build
+    monkeypatch.setattr(_adapter, "_build", lambda *a: builds.append(a[0]) or original(*a))
 
     def route(f, *args):
         before = len(builds)
@@ -318,11 +318,11 @@ def test_containers_and_states_flattened_every_call_are_counted_as_read(hot_path
     path's MixedRead), and a new `nnx.split` State each call (read by jax's flatten, as
     jax.jit reads it): each such call on the general path counts as `"general_read"`, with
     the model's graph read only at the first call."""
-    from fastcall import _nnx
+    from fastcall._nnx import _adapter
 
     builds = []
-    original = _nnx._build
-    monkeypatch.setattr(_nnx, "_build", lambda *a: builds.append(a[0]) or original(*a))
+    original = _adapter._build
+    monkeypatch.setattr(_adapter, "_build", lambda *a: builds.append(a[0]) or original(*a))
     m, twin = nnx.Linear(3, 3, rngs=nnx.Rngs(0)), nnx.Linear(3, 3, rngs=nnx.Rngs(0))
     x = jnp.arange(3.0)
     pair = (m, x)

@@ -504,13 +504,13 @@ def _loop_three_ways(
 def test_the_state_a_call_returns_is_read_from_its_own_entry(monkeypatch, hot_path):
     """`loss, state = step(graphdef, state, x)`: the first State is read by one graph walk;
     each State a call returns holding the argument's Variables gets a cache entry of its own
-    (`_nnx.twin_states`), so the next call reads it as a known object, on the structure
+    (`_adapter.twin_states`), so the next call reads it as a known object, on the structure
     path: no graph walk, no pytree flatten. Losses, state, and the returned State holding the
     caller's own Variables, as nnx.jit."""
-    from fastcall import _nnx
+    from fastcall._nnx import _adapter
 
-    pytree_reads = _spy(monkeypatch, _nnx, "_read_plain_state")
-    graph_reads = _spy(monkeypatch, _nnx, "_flatten_node")
+    pytree_reads = _spy(monkeypatch, _adapter, "_read_plain_state")
+    graph_reads = _spy(monkeypatch, _adapter, "_flatten_node")
     routes, f = _loop_three_ways([X, X * 2.0, X - 0.5, X])
     assert routes == ["general"] + [STRUCTURE_PATH[hot_path]] * 3, routes
     assert len(pytree_reads) == 0 and len(graph_reads) == 1
@@ -564,12 +564,12 @@ def test_the_performance_guides_loop_reads_its_returned_state_from_its_entry(hot
 def test_a_new_state_the_caller_builds_is_read_as_a_pytree(monkeypatch):
     """A new State the caller built (not one a call returned) is read by its pytree flatten
     under the spec its structure was given (no graph walk)."""
-    from fastcall import _nnx
+    from fastcall._nnx import _adapter
 
     f = fastcall.jit(_loop_step)
     (graphdef, state), (eager_graphdef, eager_state) = _split_loop_state(), _split_loop_state()
-    pytree_reads = _spy(monkeypatch, _nnx, "_read_plain_state")
-    graph_reads = _spy(monkeypatch, _nnx, "_flatten_node")
+    pytree_reads = _spy(monkeypatch, _adapter, "_read_plain_state")
+    graph_reads = _spy(monkeypatch, _adapter, "_flatten_node")
     for x in [X, X * 2.0, X - 0.5, X]:
         loss, state = f(graphdef, nnx.State(dict(state.raw_mapping)), x)  # (a copy: unknown)
         eager_loss, eager_state = _loop_step(eager_graphdef, eager_state, x)
@@ -649,11 +649,11 @@ def test_metadata_changed_while_a_call_runs_is_seen_by_the_state_it_returns(monk
     nnx.jit given the same change. In the first call (`when` 0) the State read is new to
     fastcall (its entry unwatched: the returned State's key is read again); in the third,
     it is one a call returned (watched)."""
-    from fastcall import _nnx
+    from fastcall._nnx import _adapter
 
     f, peer = fastcall.jit(_loop_step), nnx.jit(_loop_step)
     (graphdef, state), (peer_graphdef, peer_state) = _split_loop_state(), _split_loop_state()
-    real = _nnx.write_back
+    real = _adapter.write_back
     armed = []
 
     def write_back(nnx_out, values, nnx_args):
@@ -662,7 +662,7 @@ def test_metadata_changed_while_a_call_runs_is_seen_by_the_state_it_returns(monk
             _set_metadata(armed.pop())
         return link
 
-    monkeypatch.setattr(_nnx, "write_back", write_back)
+    monkeypatch.setattr(_adapter, "write_back", write_back)
     routes = []
     for i, x in enumerate([X, X * 2.0, X - 0.5, X + 1.0, X]):
         if i == when:
@@ -674,7 +674,7 @@ def test_metadata_changed_while_a_call_runs_is_seen_by_the_state_it_returns(monk
         assert_trees_equal(loss, peer_loss)
         assert_trees_equal(state_of(state), state_of(peer_state))
         if i == when:
-            assert _nnx.by_id[id(state)].stale
+            assert _adapter.by_id[id(state)].stale
     assert routes[when + 1] == "general" and routes[-1] == STRUCTURE_PATH[hot_path], routes
 
 
@@ -705,7 +705,7 @@ def _returns_the_params_only(graphdef, state, x):
 
 
 def test_a_returned_state_of_another_structure_gets_no_entry():
-    from fastcall import _nnx
+    from fastcall._nnx import _adapter
 
     f = fastcall.jit(_returns_the_params_only)
     graphdef, state = _split_loop_state()
@@ -715,7 +715,7 @@ def test_a_returned_state_of_another_structure_gets_no_entry():
     assert f.stats().compiles == 1
     given = {id(v) for v in _variables(state)}
     assert len(_variables(params)) < len(given) and all(id(v) in given for v in _variables(params))
-    assert _nnx.by_id.get(id(params)) is None
+    assert _adapter.by_id.get(id(params)) is None
 
 
 def _passes_a_model_through(state, aux, other, x):
@@ -753,7 +753,7 @@ def _tagged_forward(graphdef, state, x):
 def test_a_new_state_of_other_variable_types_or_metadata_is_read_by_its_graph(monkeypatch):
     """A new State of the same keys whose Variables differ in type or metadata is not read
     under the spec of another: a graph read, the program for its structure."""
-    from fastcall import _nnx
+    from fastcall._nnx import _adapter
 
     def new_state_each_call(w: World, i: int) -> None:
         (model,) = w.keep
@@ -767,7 +767,7 @@ def test_a_new_state_of_other_variable_types_or_metadata_is_read_by_its_graph(mo
         model = Counted(4, 3, 0)
         return World(nnx.split(model), keep=(model,))
 
-    pytree_reads = _spy(monkeypatch, _nnx, "_read_plain_state")
+    pytree_reads = _spy(monkeypatch, _adapter, "_read_plain_state")
     data = [(X,), (X * 2.0,), (X,), (X - 0.5,), (X,), (X * 3.0,)]
     worlds, traces = compare(_tagged_forward, make, data, mutate=new_state_each_call)
     assert traces["fastcall"] == 3 and len(pytree_reads) == 3  # (calls 1, 3 and 5)
@@ -777,7 +777,7 @@ def test_a_state_holding_a_variable_twice_is_read_by_its_graph(monkeypatch):
     """A State with one Variable under two keys (a shared reference in NNX's graph) is
     never read as a pytree, which would see two Variables: not even after a State of the
     same keys, types and metadata with two Variables there."""
-    from fastcall import _nnx
+    from fastcall._nnx import _adapter
 
     def fn(state, x):
         state["alias"][...] += 1.0  # (seen through the other key too, where it is one Variable)
@@ -793,7 +793,7 @@ def test_a_state_holding_a_variable_twice_is_read_by_its_graph(monkeypatch):
     def make() -> World:
         return World((), keep=(Counted(4, 3, 0),))
 
-    pytree_reads = _spy(monkeypatch, _nnx, "_read_plain_state")
+    pytree_reads = _spy(monkeypatch, _adapter, "_read_plain_state")
     data = [(X,), (X * 2.0,), (X - 0.5,), (X,)]
     worlds, _ = compare(fn, make, data, eager=False, mutate=new_state_each_call)
     (model,) = worlds["fastcall"].keep
@@ -1121,16 +1121,16 @@ def test_a_functional_train_state_of_split_states_loops_on_the_structure_path(ho
         (loss, counts), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         return state.apply_gradients(grads=grads, counts=counts), loss
 
-    from fastcall import _nnx
+    from fastcall._nnx import _adapter
 
     rebuilt = []
-    real = _nnx.unmark_nodes
+    real = _adapter.unmark_nodes
     f = fastcall.jit(train_step)
     states = {"fastcall": start(), "nnx.jit": start(), "jax.jit": start()}
     runners = {"nnx.jit": nnx.jit(train_step), "jax.jit": jax.jit(train_step)}
     routes = []
     try:
-        _nnx.unmark_nodes = lambda *a: rebuilt.append(a) or real(*a)
+        _adapter.unmark_nodes = lambda *a: rebuilt.append(a) or real(*a)
         for _ in range(4):
             (states["fastcall"], loss), route = served(f, states["fastcall"], (x, y))
             routes.append(route)
@@ -1139,7 +1139,7 @@ def test_a_functional_train_state_of_split_states_loops_on_the_structure_path(ho
                 assert_trees_equal(loss, want)
                 assert_trees_equal(states["fastcall"], states[who])  # (Variable metadata too)
     finally:
-        _nnx.unmark_nodes = real
+        _adapter.unmark_nodes = real
     assert routes == ["general"] + [STRUCTURE_PATH[hot_path]] * 3
     assert not rebuilt
     for got, want in zip(
@@ -1190,11 +1190,11 @@ def test_new_variables_returned_on_their_own_are_as_nnx_jit_builds_them(hot_path
     it had (as nnx.jit and eager code give it; jax's output tree would sort it), on every
     call, whichever path serves it. A new Variable holding another is left to the graph
     rebuild, as nnx.jit rebuilds it (its value an array)."""
-    from fastcall import _nnx
+    from fastcall._nnx import _adapter
 
     rebuilt = []
-    real = _nnx.unmark_nodes
-    monkeypatch.setattr(_nnx, "unmark_nodes", lambda *a: rebuilt.append(a) or real(*a))
+    real = _adapter.unmark_nodes
+    monkeypatch.setattr(_adapter, "unmark_nodes", lambda *a: rebuilt.append(a) or real(*a))
 
     def made(x):
         return {"p": nnx.Param(x * 2.0, zeta=1, alpha=2), "s": nnx.BatchStat(jnp.sum(x))}

@@ -75,14 +75,14 @@ print(all(ok), len(ok))
 
 
 def test_problems_reports_missing_targets_and_unverified_versions():
-    from fastcall import _nnx_hooks
+    from fastcall._nnx import _hooks
 
-    low, high = _nnx_hooks.VERIFIED_FLAX
-    assert _nnx_hooks.problems(".".join(map(str, low))) == []
-    assert _nnx_hooks.problems(".".join(map(str, high))) == []
-    assert any("outside the versions" in p for p in _nnx_hooks.problems("0.99.0"))
-    bogus = _nnx_hooks.HookTarget(_nnx_hooks.Variable, "no_such_method", "a test")
-    found = _nnx_hooks.problems(".".join(map(str, low)), (*_nnx_hooks.HOOK_TARGETS, bogus))
+    low, high = _hooks.VERIFIED_FLAX
+    assert _hooks.problems(".".join(map(str, low))) == []
+    assert _hooks.problems(".".join(map(str, high))) == []
+    assert any("outside the versions" in p for p in _hooks.problems("0.99.0"))
+    bogus = _hooks.HookTarget(_hooks.Variable, "no_such_method", "a test")
+    found = _hooks.problems(".".join(map(str, low)), (*_hooks.HOOK_TARGETS, bogus))
     assert found == ["Variable.no_such_method is missing (a test)"]
 
 
@@ -118,6 +118,6 @@ def test_a_missing_hook_target_warns_once_and_never_goes_stale():
 
 def test_hooks_are_trusted_on_this_flax():
     """The installed flax is inside the verified range (the suite would warn otherwise)."""
-    from fastcall import _nnx
+    from fastcall._nnx import _adapter
 
-    assert _nnx.TRUSTED
+    assert _adapter.TRUSTED

@@ -295,7 +295,7 @@ def _steps_against_the_peer(build, n):
 XB, YB = jnp.ones((2, 4)), jnp.zeros((2, 4))
 
 # An NNX object holding plain lists or dicts (an optimizer's optax state, an nnx.State) is
-# read once on its first call and walked for them on its second (`_nnx._build`): two calls
+# read once on its first call and walked for them on its second (`_adapter._build`): two calls
 # on the general path before a structure record serves it.
 _READ_TWICE = ["general"] * 2
 
@@ -588,11 +588,11 @@ def test_write_back_of_new_values_is_applied_in_c(raw, alone, hot_path, monkeypa
     """A call that changes NNX objects only by new values of Variables (and raw array
     leaves): the C paths set them themselves (no Python write-back). Either way: values,
     returned structure and state as nnx.jit, every call."""
-    from fastcall import _nnx
+    from fastcall._nnx import _adapter
 
     python_writes = []
-    real = _nnx.write_back
-    monkeypatch.setattr(_nnx, "write_back", lambda *a: python_writes.append(1) or real(*a))
+    real = _adapter.write_back
+    monkeypatch.setattr(_adapter, "write_back", lambda *a: python_writes.append(1) or real(*a))
     step = (lambda m, x: m(x)) if alone else (lambda pair, x: pair[0](x)[0] + pair[1](x)[0])
     ours, theirs = [_Counting(raw), _Counting(raw)], [_Counting(raw), _Counting(raw)]
     f, peer = fastcall.jit(step), nnx.jit(step)

@@ -29,8 +29,8 @@ from flax import nnx
 from flax.nnx import graphlib
 from flax.nnx.variablelib import Variable
 
-from ._errors import UnverifiedFlaxWarning
-from ._flatten import ArrayImpl
+from .._errors import UnverifiedFlaxWarning
+from .._flatten import ArrayImpl
 
 # Flax releases on which every hook below was verified (by the test suite, the
 # version matrix in tests/matrix.py and the conformance runner); inclusive.

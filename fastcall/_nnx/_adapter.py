@@ -12,7 +12,7 @@ function, fastcall keeps per object (validated by weakref), in a `NodeEntry`:
   walk), so `v[...] = ...`, `nnx.update` and optimizer steps made outside are
   seen by the next call.
 
-Structure changes are seen through the hooks of `_nnx_hooks` (its table lists
+Structure changes are seen through the hooks of `_hooks` (its table lists
 each method wrapped): a call of one on a node that belongs to a cached graph
 marks that entry stale, and a stale entry is re-read on its next use. Plain
 lists and dicts in the graph (which change in place without any hook) are
@@ -50,15 +50,17 @@ from flax.nnx import graphlib
 from flax.nnx import variablelib
 from flax.nnx.variablelib import Variable, is_array_ref
 
-from . import _fast, _guard, _native, _nnx_gate, _nnx_hooks
-from ._stats import read_whole
-from ._errors import FastcallError, describe_arg
-from ._flatten import ArrayImpl, intern, spec_by_id
-from ._flatten import flatten_generic as _flatten_generic
-from ._flatten import interned as _interned
-from ._flatten import is_traced_leaf
-from ._flatten import leaf_key as _leaf_key
-from ._trace import StepAside, contains_tracer
+from .. import _fast, _guard, _native, _nnx_gate
+from .._build import broadcast_prefix
+from .._errors import FastcallError, describe_arg
+from .._flatten import ArrayImpl, intern, spec_by_id
+from .._flatten import flatten_generic as _flatten_generic
+from .._flatten import interned as _interned
+from .._flatten import is_traced_leaf
+from .._flatten import leaf_key as _leaf_key
+from .._stats import read_whole
+from .._trace import StepAside, contains_tracer
+from . import _hooks
 
 # --------------------------------------------------------------------------
 # Watching for structure changes
@@ -127,9 +129,9 @@ def _flipped(obj: Any, name: str, old: Any) -> None:
                 e.flip(obj, name, old)
 
 
-# Whether the hooks can be trusted on this flax (see _nnx_hooks): if not, every
+# Whether the hooks can be trusted on this flax (see _hooks): if not, every
 # entry is re-read on every call.
-TRUSTED = not _nnx_hooks.install(_notify, _flipped, _rebuilt)
+TRUSTED = not _hooks.install(_notify, _flipped, _rebuilt)
 
 RAW_VALUE_SLOT: Any = inspect.getattr_static(Variable, "_raw_value", None)
 if type(RAW_VALUE_SLOT).__name__ == "member_descriptor":
@@ -155,7 +157,7 @@ _HIJAX_TYPE = getattr(variablelib, "HijaxVariable", None)
 def is_node_type(t: type) -> bool:
     """Whether instances of `t` are NNX graph nodes, Variables or mutable array references
     (NNX decides this by type: registration in its graph registry)."""
-    return issubclass(t, (_nnx_hooks.Pytree, Variable)) or t in graphlib.GRAPH_REGISTRY or t is _REF_TYPE
+    return issubclass(t, (_hooks.Pytree, Variable)) or t in graphlib.GRAPH_REGISTRY or t is _REF_TYPE
 
 
 State = nnx.State
@@ -268,7 +270,7 @@ def _leaf_items(root: Any, flat: Any) -> tuple[list[Any], bool]:
             key = path[-1]
             # (the owner through a weak proxy: the entry must not keep the object alive)
             item: Any = (
-                RawLeaf(weakref.proxy(owner), str(key)) if isinstance(owner, _nnx_hooks.Pytree) else RawItem(owner, key)
+                RawLeaf(weakref.proxy(owner), str(key)) if isinstance(owner, _hooks.Pytree) else RawItem(owner, key)
             )
             if read_leaf(item) is not leaf:
                 raise LookupError(key)
@@ -279,7 +281,7 @@ def _leaf_items(root: Any, flat: Any) -> tuple[list[Any], bool]:
 
 
 def _child(node: Any, key: Any) -> Any:
-    if isinstance(node, _nnx_hooks.Pytree):
+    if isinstance(node, _hooks.Pytree):
         return getattr(node, str(key))
     if isinstance(node, (list, dict, collections.abc.Mapping)):
         return node[key]
@@ -583,7 +585,7 @@ def _layout(refmap: Any) -> _Layout | None:
     for node in refmap.keys():
         if isinstance(node, Variable):
             continue  # (changes to a Variable's metadata or type are hooked as changes)
-        node_layout = _node_layout(node) if isinstance(node, _nnx_hooks.Pytree) else None
+        node_layout = _node_layout(node) if isinstance(node, _hooks.Pytree) else None
         if node_layout is None:
             return None
         nodes.append(node_layout)
@@ -606,7 +608,7 @@ def _node_layout(node: Any) -> _NodeLayout | None:
             strong.append((name, value, _EQUAL))  # (a mapping of names to flags)
         elif name == "_pytree__state":
             state = _pytree_state_key(value)
-        elif type(value) in _nnx_hooks.SCALARS:
+        elif type(value) in _hooks.SCALARS:
             strong.append((name, value, _SCALAR))
         elif isinstance(value, Variable):
             strong.append((name, value, _SAME))
@@ -654,14 +656,14 @@ def _holds_no_object(value: Any) -> bool:
     if type(value) is not types.FunctionType or value.__closure__ is not None:
         return False
     defaults = (*(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values())
-    return all(type(d) in _nnx_hooks.SCALARS for d in defaults)
+    return all(type(d) in _hooks.SCALARS for d in defaults)
 
 
 def _as_read(entry: NodeEntry, layout: _Layout) -> bool:
     """Whether `entry`'s graph is the one its last read recorded (`layout`): every node
     holds the same class and attribute names; the very same object for each attribute
     (Variables, nodes, static values); a data array replaced by an array; an equal static
-    scalar of the same type (as `_nnx_hooks` judges an assignment). A static scalar that
+    scalar of the same type (as `_hooks` judges an assignment). A static scalar that
     has flipped since the read (`model.train()`: `entry.flips`) may differ from the record:
     its value is the one the entry's spec is for (`spec_key`), unless a flip is pending
     (`flipped`: the variant is switched to after this check). With its nodes the same, the
@@ -694,8 +696,8 @@ def _nodes_as_read(layout: _Layout, flips: dict[tuple[int, str], Any]) -> bool:
                     (
                         kind == _SCALAR
                         and (
-                            _nnx_hooks.same_scalar(expected, value)
-                            or (_nnx_hooks.scalar_flip(expected, value) and (id(node), name) in flips)
+                            _hooks.same_scalar(expected, value)
+                            or (_hooks.scalar_flip(expected, value) and (id(node), name) in flips)
                         )
                     )
                     or (kind == _EQUAL and type(value) is type(expected) and value == expected)
@@ -2517,7 +2519,7 @@ def _replace_variable(arg: NnxArg, index: int, value: Any) -> None:
     _local.updating = entry
     try:
         name = path[-1]
-        if not isinstance(owner, _nnx_hooks.Pytree):
+        if not isinstance(owner, _hooks.Pytree):
             owner[name] = new
         elif type(name) is str and _holds_data(owner, name, old):
             # A data attribute holding the Variable replaced by another: written as NNX's own
@@ -2770,7 +2772,6 @@ class ShardingContext:
     def leaf_shardings(self, spec: NodeSpec | TreeSpec, prefix: Any, arg_name: str) -> list[Any]:
         """One sharding per leaf of an NNX argument, or of a container holding NNX objects
         (`prefix` a pytree prefix of it; at each NNX object, any of the forms below)."""
-        from ._build import broadcast_prefix
 
         if isinstance(spec, NodeSpec) and spec.values_only:
             # An nnx.State read as one object: a pytree of Variables to nnx.jit, so `prefix`
