@@ -19,7 +19,7 @@ from jaxtyping import PyTree
 from . import _aot, _args, _codegen, _dispatch, _explain, _fast, _flatten, _function, _nnx_gate, _stats
 from . import _nnx
 from ._build import broadcast_prefix
-from ._options import UNSPECIFIED, Donate, make_options
+from ._options import UNSPECIFIED, Donate, check_signature, make_options
 from ._trace import StepAside
 
 # The core reaches Flax NNX only through the gate; this module plugs the NNX plugin in.
@@ -239,6 +239,7 @@ def _wrap(fun: Any, options: Any) -> Any:
             "and pass the object: fastcall.jit(type(obj).method)(obj, ...)."
         )
     user_fun = fun
+    check_signature(options, fun)
     if options.out_shardings is not UNSPECIFIED:
         fun = _OutShardings(fun, options.out_shardings)
     fun_spec, leaves = _flatten.flatten_generic(fun, "fun")

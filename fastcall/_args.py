@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import jax
+
 from . import _codegen, _fast, _flatten, _nnx_gate
 from ._errors import FastcallError, describe_arg
 from ._flatten import ArrayImpl, Spec, remember
@@ -172,6 +174,15 @@ def resolve(
 
 def static_spec(value: Any, arg_name: str) -> Spec:
     """The Spec of an argument marked static (static_argnums / static_argnames)."""
+    if _nnx_gate.flax_imported() and _holds_nnx(value):
+        # (nnx.jit refuses it too, in graph mode; jax.jit and nnx.jit(graph=False) key the
+        # program on the object's identity, and its later changes are never seen)
+        raise FastcallError(
+            f"fastcall.jit: {describe_arg(arg_name)} is marked static (static_argnums/static_argnames) but "
+            "holds an NNX object: its Variables would be baked into the compiled program and go stale "
+            "when they change. Pass it as an ordinary argument: its Variables are traced, and what the "
+            "function changes in them is written back."
+        )
     if _flatten.is_array(value):
         raise FastcallError(
             f"fastcall.jit: {describe_arg(arg_name)} is marked static "
@@ -192,6 +203,15 @@ def static_spec(value: Any, arg_name: str) -> Spec:
             f"({type(err).__name__}: {err}). Pass a hashable value, or drop it from "
             "static_argnums/static_argnames so that its arrays are traced."
         ) from None
+
+
+def _holds_nnx(value: Any) -> bool:
+    """Whether a static argument is, or holds in a pytree, an NNX object or State."""
+    try:
+        leaves = jax.tree_util.tree_leaves(value, is_leaf=_nnx_gate.reads_as_node)
+    except Exception:  # (a container jax cannot flatten: as a leaf)
+        leaves = [value]
+    return any(_nnx_gate.reads_as_node(x) for x in leaves)
 
 
 _SCALARS = (int, float, bool, str, complex, type(None))

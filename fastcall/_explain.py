@@ -58,7 +58,7 @@ def explain(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallRe
         names = arguments_as_read(known, tuple(map(state.arg_name, range(len(args)))), {k: k for k in kwargs})
         named = list(zip(names or (), given))
     if reasons and known is None:
-        form = f"whose first argument is a {type(args[0]).__name__}" if args else "without positional arguments"
+        form = f"whose first argument is {_a(type(args[0]).__name__)}" if args else "without positional arguments"
         reasons.append(
             f"not structure: no record for calls {form}"
             + (f" and whose keywords are {', '.join(kwargs)}" if kwargs else "")
@@ -281,3 +281,8 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
     if spec.cacheable or spec.guardable:
         return ArgumentReport(name, "not cached yet (seen for the first time)", "cached after its first calls")
     return ArgumentReport(name, "holds a pytree node that can change in place and cannot be guarded", every_call)
+
+
+def _a(noun: str) -> str:
+    """`noun` with its indefinite article ("an ArrayImpl", "a Linear")."""
+    return ("an " if noun[:1].lower() in "aeiou" else "a ") + noun

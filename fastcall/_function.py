@@ -14,6 +14,8 @@ import warnings
 import weakref
 from typing import Any, Iterator, NamedTuple
 
+import jax
+
 from . import _agreement, _build, _fast, _flatten, _nnx_gate, _stats
 from ._build import Entry
 from ._flatten import Spec
@@ -206,7 +208,10 @@ class FunctionState:
                 self.recompiles.append(_stats.Recompile(_stats.diff(self.last_signature, signature)))
                 del self.recompiles[: -_stats.MAX_RECOMPILE_RECORDS]
             self.last_signature = signature
-            if not self.storm_warned:
+            # (only where the user asked jax to explain its cache misses: a program that
+            # compiles once per length, as nnx.jit's users' do, must not fail under
+            # filterwarnings=error; .stats().recompiles keeps the explanations anyway)
+            if not self.storm_warned and getattr(jax.config, "jax_explain_cache_misses", False):
                 storm = _stats.storm(self.traces, self.recompiles)
                 self.storm_warned = storm is not None
         if storm is not None:

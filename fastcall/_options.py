@@ -7,7 +7,9 @@ wrappers of equal functions with equal options share compiled programs.
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple
+import inspect
+import operator
+from typing import Any, Callable, Literal, NamedTuple
 
 Donate = Literal["all", "all-except-first", "warn", "warn-except-first", "none"]
 DONATE_MODES = ("all", "all-except-first", "warn", "warn-except-first", "none")
@@ -49,11 +51,68 @@ def make_options(**given: Any) -> JitOptions:
             "fastcall.jit(donate=...) must be one of 'all', 'all-except-first', 'warn', "
             f"'warn-except-first' or 'none'; got {donate!r}."
         )
-    for name in ("static_argnums", "static_argnames", "donate_argnums", "donate_argnames"):
-        given[name] = _as_tuple(given[name])
+    for name in ("static_argnums", "donate_argnums"):  # (ints, as jax.jit takes them: TypeError else)
+        given[name] = tuple(operator.index(i) for i in _as_tuple(given[name]))
+    for name in ("static_argnames", "donate_argnames"):
+        given[name] = _as_names(given[name])
     for name in ("in_shardings", "out_shardings", "compiler_options"):
         given[name] = _hashable(given[name])
     return JitOptions(**given)
+
+
+def check_signature(options: JitOptions, fun: Callable[..., Any]) -> None:
+    """At decoration, as jax.jit checks them: the argument numbers and names of `options`
+    against `fun`'s signature (nothing to check where it has none): a ValueError, with
+    jax.jit's message, for a number past the positional parameters (unless `*args`
+    takes it), a name the function does not take (unless `**kwargs` does) or takes only
+    by position, and an argument both static and donated."""
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        return
+    kinds = inspect.Parameter
+    positional = [p.name for p in params if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
+    by_position_only = {p.name for p in params if p.kind is kinds.POSITIONAL_ONLY}
+    by_name = {p.name for p in params if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)}
+    var_positional = any(p.kind is kinds.VAR_POSITIONAL for p in params)
+    var_keyword = any(p.kind is kinds.VAR_KEYWORD for p in params)
+    n = len(positional)
+    for option in ("static_argnums", "donate_argnums"):
+        nums = getattr(options, option)
+        if not var_positional and any(not -n <= i < n for i in nums):
+            raise ValueError(f"Jitted function has {option}={nums}, but only accepts {n} positional arguments.")
+    for option in ("static_argnames", "donate_argnames"):
+        names = getattr(options, option)
+        only_positional = {a for a in names if a in by_position_only}
+        unknown = set() if var_keyword else {a for a in names if a not in by_name} - only_positional
+        if unknown:
+            raise ValueError(
+                f"Jitted function has invalid argnames {unknown} in {option}. Function does not take these args."
+            )
+        if only_positional:
+            raise ValueError(
+                f"Jitted function has invalid argnames {only_positional} in {option}. These are positional-only"
+            )
+
+    def named(nums: tuple[int, ...], names: tuple[str, ...]) -> set[str]:
+        return set(names) | {positional[i] for i in nums if -n <= i < n}
+
+    both = named(options.static_argnums, options.static_argnames) & named(
+        options.donate_argnums, options.donate_argnames
+    )
+    if both:
+        raise ValueError(
+            "static_argnames and donate_argnames cannot intersect. Argument names "
+            f"{both} appear in both static_argnames and donate_argnames"
+        )
+
+
+def _as_names(x: Any) -> tuple[Any, ...]:
+    if x is None:
+        return ()
+    if isinstance(x, str):
+        return (x,)
+    return tuple(x)
 
 
 def _as_tuple(x: Any) -> tuple[Any, ...]:

@@ -249,3 +249,9 @@ def test_explain_says_a_pytree_of_variables_beside_arrays_is_read_by_its_flatten
     assert report.reasons[-1] == (
         "not structure: h: not a pytree of the structure, static values and NNX objects the recorded call passed"
     )
+
+
+def test_explain_names_the_first_argument_with_its_article():
+    f = fastcall.jit(lambda x, m: m(x))
+    text = str(f.explain(X, nnx.Linear(4, 4, rngs=nnx.Rngs(0))))
+    assert "whose first argument is an ArrayImpl" in text and "a ArrayImpl" not in text

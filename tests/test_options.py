@@ -1,0 +1,89 @@
+"""Options checked at decoration as jax.jit checks them, with jax.jit's error types and
+messages; an NNX object marked static refused as nnx.jit refuses it (and never baked in)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import fastcall
+
+
+def train_step(x, train):
+    return x * 2 if train else x
+
+
+def with_var_args(x, *rest):
+    return x
+
+
+def with_var_keywords(x, **options):
+    return x
+
+
+def positional_only(x, /, y, *, z):
+    return x + y + z
+
+
+OPTIONS = [
+    (train_step, dict(static_argnames="trian")),
+    (train_step, dict(static_argnums=5)),
+    (train_step, dict(static_argnums=-3)),
+    (train_step, dict(static_argnums="1")),
+    (train_step, dict(static_argnums=1.0)),
+    (train_step, dict(static_argnames=1)),
+    (train_step, dict(donate_argnums=5)),
+    (train_step, dict(donate_argnames="y")),
+    (train_step, dict(static_argnums=0, donate_argnums=0)),
+    (train_step, dict(static_argnames="x", donate_argnums=0)),
+    (positional_only, dict(static_argnames="x")),
+    (positional_only, dict(static_argnums=2)),
+    # accepted by both:
+    (train_step, dict(static_argnums=(1, 1))),
+    (train_step, dict(static_argnums=-1)),
+    (train_step, dict(static_argnums=(0,), static_argnames="x")),
+    (with_var_args, dict(static_argnums=5)),
+    (with_var_keywords, dict(static_argnames="anything")),
+    (positional_only, dict(static_argnames="z")),
+]
+
+
+def _outcome(make):
+    try:
+        make()
+    except Exception as err:  # (what the decorator raises is the subject)
+        return type(err), str(err)
+    return None
+
+
+@pytest.mark.parametrize("fun, options", OPTIONS, ids=[f"{f.__name__}-{o}" for f, o in OPTIONS])
+def test_options_checked_at_decoration_as_jax_jit(fun, options):
+    expected = _outcome(lambda: jax.jit(fun, **options))
+    assert _outcome(lambda: fastcall.jit(fun, **options)) == expected
+    # (as a decorator factory and through fastcall.partial, the same check)
+    assert _outcome(lambda: fastcall.jit(**options)(fun)) == expected
+
+
+def test_a_misspelt_static_name_is_named_before_any_call():
+    with pytest.raises(ValueError, match=r"invalid argnames \{'trian'\} in static_argnames"):
+        fastcall.jit(train_step, static_argnames="trian")
+    with pytest.raises(ValueError, match=r"invalid argnames \{'trian'\} in static_argnames"):
+        fastcall.partial(train_step, jnp.ones(2), static_argnames="trian")
+    f = fastcall.jit(train_step, static_argnames="train")  # (the right name works)
+    assert jnp.array_equal(f(jnp.ones(2), train=True), jnp.full(2, 2.0))
+
+
+@pytest.mark.parametrize("graph", [None, False])
+def test_an_nnx_object_marked_static_is_refused(graph):
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    f = fastcall.jit(lambda m, x: m(x), static_argnums=0, graph=graph)
+    with pytest.raises(ValueError, match=r"argument 'm' is marked static .* holds an NNX object"):
+        f(model, jnp.ones(2))
+    g = fastcall.jit(lambda ms, x: ms[0](x), static_argnames="ms")
+    with pytest.raises(ValueError, match=r"argument 'ms' is marked static .* holds an NNX object"):
+        g(x=jnp.ones(2), ms=(model,))
+    if graph is None:  # (nnx.jit's graph mode refuses it too)
+        with pytest.raises(ValueError, match="Non-hashable static arguments are not supported"):
+            nnx.jit(lambda m, x: m(x), static_argnums=0)(model, jnp.ones(2))
