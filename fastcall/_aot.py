@@ -16,8 +16,22 @@ from ._errors import FastcallError
 from ._trace import StepAside
 
 
-def lower(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lowered:
-    """Trace and lower `state`'s function for these arguments (as `jax.jit(...).lower`)."""
+def lowering(state: Any, fun_leaves: tuple[Any, ...], bound: tuple[Any, ...]) -> Any:
+    """A wrapper's `.lower`: `bound`, the leading arguments `fastcall.partial` bound (the
+    `Compiled` it gives takes the remaining ones too)."""
+
+    def lower_call(*args: Any, **kwargs: Any) -> Lowered:
+        return lower(state, fun_leaves, (*bound, *args), kwargs, len(bound))
+
+    lower_call.__doc__ = "Trace and lower for these arguments (as `jax.jit(...).lower`)."
+    return lower_call
+
+
+def lower(
+    state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any], n_bound: int = 0
+) -> Lowered:
+    """Trace and lower `state`'s function for these arguments (as `jax.jit(...).lower`); the
+    first `n_bound` were bound by `fastcall.partial`."""
     try:
         resolved = _args.resolve_call(state, fun_leaves, args, kwargs)
     except StepAside:
@@ -29,19 +43,20 @@ def lower(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], kwargs
         raise FastcallError("fastcall.jit(...).lower: could not bind the arguments.")
     entry = state.table.get(resolved.key) or state.entry(resolved.key)
     lowered = entry.fn.lower(*resolved.leaves)
-    return Lowered(lowered, entry, state, fun_leaves, resolved.key)
+    return Lowered(lowered, entry, state, fun_leaves, resolved.key, tuple(args[:n_bound]))
 
 
 class Lowered:
     """A lowered fastcall function (from `wrapped.lower(...)`). `.compile()` gives a
     callable taking the same arguments (static ones included)."""
 
-    def __init__(self, lowered: Any, entry: Any, state: Any, fun_leaves: Any, key: Any):
+    def __init__(self, lowered: Any, entry: Any, state: Any, fun_leaves: Any, key: Any, bound: tuple[Any, ...] = ()):
         self._lowered = lowered
         self._entry = entry
         self._state = state
         self._fun_leaves = fun_leaves
         self._key = key
+        self._bound = bound  # (bound by fastcall.partial: the Compiled takes the rest)
 
     def compile(self, *args: Any, **kwargs: Any) -> Compiled:
         return Compiled(self._lowered.compile(*args, **kwargs), self)
@@ -61,7 +76,7 @@ class Compiled:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         low = self._lowered
-        resolved = _args.resolve_call(low._state, low._fun_leaves, args, kwargs)
+        resolved = _args.resolve_call(low._state, low._fun_leaves, (*low._bound, *args), kwargs)
         if resolved is None:
             raise FastcallError("fastcall Compiled: could not bind the arguments.")
         if resolved.key != low._key:

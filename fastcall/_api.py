@@ -249,8 +249,8 @@ def _wrap(fun: Any, options: Any) -> Any:
     public._fastcall_state = state
     # (a top-level list or dict the function holds for the fast path dies with the wrapper)
     weakref.finalize(public, _flatten.release_held, state.held_box).atexit = False
-    public.lower = lambda *args, **kwargs: _aot.lower(state, fun_leaves, args, kwargs)
-    public.lower.__doc__ = "Trace and lower for these arguments (as `jax.jit(...).lower`)."
+    public._fastcall_fun_leaves = fun_leaves
+    public.lower = _aot.lowering(state, fun_leaves, ())
     public.stats = state.stats
     public.explain = lambda *args, **kwargs: _explain.explain(state, args, kwargs)
     public.explain.__doc__ = "Which route a call with these arguments would take, and why (runs nothing)."
@@ -342,4 +342,10 @@ def partial(fun: Callable, *bound: Any, **jit_options: Any) -> Callable:
                 pass
     bound_call = functools.partial(wrapped, *bound)
     functools.update_wrapper(bound_call, wrapped)  # type: ignore[arg-type]
+    # (its lower and explain take what a call takes: the bound arguments go first)
+    bound_call.lower = _aot.lowering(state, wrapped._fastcall_fun_leaves, bound)  # type: ignore[attr-defined]
+    bound_call.explain = lambda *args, **kwargs: _explain.explain(  # type: ignore[attr-defined]
+        state, (*bound, *args), kwargs
+    )
+    bound_call.explain.__doc__ = wrapped.explain.__doc__  # type: ignore[attr-defined]
     return bound_call

@@ -146,6 +146,15 @@ def _container_note(state: Any, first: bool) -> str:
     return "(held for the fast path if passed first again, beside plain arrays only)"
 
 
+def _marked_static(state: Any, name: str) -> bool:
+    """Whether the argument called `name` (`FunctionState.arg_name`) is marked static."""
+    if name in state.static_argnames:
+        return True
+    if name in state.param_names:
+        return state.param_names.index(name) in state.static_argnums
+    return name.startswith("args[") and int(name[5:-1]) in state.static_argnums
+
+
 def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> ArgumentReport:
     if type(value) is np.ndarray or (type(value) in _flatten.PLAIN_ARRAY_TYPES and isinstance(value, np.generic)):
         kind = "NumPy array" if type(value) is np.ndarray else "NumPy scalar"
@@ -157,6 +166,12 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
             name,
             f"{type(value).__name__}, static, as in a call this function ran",
             "compared with that call's (by identity, a scalar by value)",
+        )
+    if _marked_static(state, name):
+        return ArgumentReport(
+            name,
+            f"{type(value).__name__}, static (static_argnums/static_argnames): part of the compile key",
+            "hashed and compared (a new value compiles a new program)",
         )
     if type(value) in _flatten.PY_SCALARS:
         if state.options.trace_scalars:

@@ -344,7 +344,9 @@ def on_error(err: BaseException, named_args: Sequence[tuple[str, Any]]) -> None:
     """Re-raise an exception from running a compiled function, made clearer where we can:
     a deleted (e.g. donated) input array is named by argument and leaf path; an
     `eqx.error_if` failure becomes `eqx.EquinoxRuntimeError`. Always raises."""
-    if isinstance(err, RuntimeError) and "has been deleted" in str(err):
+    # (jax raises a RuntimeError for an array deleted before the call; XLA a ValueError,
+    # "Buffer has been deleted or donated", for one donated to an earlier call)
+    if isinstance(err, (RuntimeError, ValueError)) and "has been deleted" in str(err):
         culprit = _find_deleted(named_args)
         if culprit is not None:
             raise FastcallError(

@@ -255,3 +255,31 @@ def test_explain_names_the_first_argument_with_its_article():
     f = fastcall.jit(lambda x, m: m(x))
     text = str(f.explain(X, nnx.Linear(4, 4, rngs=nnx.Rngs(0))))
     assert "whose first argument is an ArrayImpl" in text and "a ArrayImpl" not in text
+
+
+def test_explain_says_a_static_argument_is_static():
+    def fwd(x, scale):
+        return x * scale
+
+    g = fastcall.jit(fwd, static_argnames="scale")
+    for call in (lambda: g.explain(X, scale=4.0), lambda: g.explain(X, 4.0)):
+        scale = next(a for a in call().arguments if a.name == "scale")
+        assert "static (static_argnums/static_argnames)" in scale.kind, scale
+    g(X, scale=4.0)
+    assert g(X, scale=5.0).tolist() == [5.0] * 4 and g.stats().compiles == 2  # (as explain says: static)
+    h = fastcall.jit(fwd)  # (not marked: traced, as the call does)
+    assert "traced" in next(a for a in h.explain(X, 4.0).arguments if a.name == "scale").kind
+
+
+def test_partial_lower_and_explain_take_what_a_call_takes(hot_path):
+    m = ListNet(jax.random.PRNGKey(0))
+    p = fastcall.partial(_call, m)
+    for _ in range(3):
+        p(X)
+    report = p.explain(X)
+    assert [a.name for a in report.arguments] == ["m", "x"]
+    _, route = served(p, X)
+    assert ROUTE[route] == report.route == "fast"
+    compiled = p.lower(X).compile()
+    assert_trees_equal(compiled(X), m(X))
+    assert_trees_equal(compiled(X), p(X))
