@@ -207,6 +207,8 @@ def static_spec(value: Any, arg_name: str) -> Spec:
 
 def _holds_nnx(value: Any) -> bool:
     """Whether a static argument is, or holds in a pytree, an NNX object or State."""
+    if type(value) in _SCALARS:
+        return False  # (the common static argument: a flag, a size, a name)
     try:
         leaves = jax.tree_util.tree_leaves(value, is_leaf=_nnx_gate.reads_as_node)
     except Exception:  # (a container jax cannot flatten: as a leaf)
