@@ -63,7 +63,7 @@ def table(rows: list[Row], markdown: bool) -> str:
     fmt = "  ".join("{:<%d}" % w for w in widths)
     out = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
     out += [fmt.format(*line) for line in lines]
-    return "\n".join(out)
+    return "\n".join(line.rstrip() for line in out)  # (no padding after the last column)
 
 
 def machine_line(info: dict[str, Any]) -> str:

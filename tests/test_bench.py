@@ -371,3 +371,15 @@ def test_a_gap_must_be_found_again_to_count(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "re-measured, not found again (not counted): fastcall slower than its peer: once_slow" in err
     assert measurements["n"] == 4  # measured twice
+
+
+def test_the_plain_table_has_no_trailing_padding():
+    from bench import _report
+
+    rows = [
+        _harness.Row("w", "floor", 10.0, 9.0, 11.0, 3, 100, 1.0, None, None, "jax.jit on the flat leaves, a long note"),
+        _harness.Row("w", "fastcall.jit", 10.5, 9.5, 11.5, 3, 100, 1.05, 1.0),
+    ]
+    lines = _report.table(rows, markdown=False).splitlines()
+    assert len(lines) == 4 and all(line == line.rstrip() for line in lines)
+    assert lines[2].endswith("a long note") and lines[3].endswith("1.00")
