@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import _args, _dispatch
-from ._errors import FastcallError
+from ._errors import FastcallError, for_decorator
 from ._trace import StepAside
 
 
@@ -36,11 +36,13 @@ def lower(
         resolved = _args.resolve_call(state, fun_leaves, args, kwargs)
     except StepAside:
         raise FastcallError(
-            "fastcall.jit(...).lower: the arguments contain tracers; lower outside of any jax transformation."
+            f"{state.decorator}(...).lower: the arguments contain tracers; lower outside of any jax transformation."
         ) from None
+    except FastcallError as err:
+        raise for_decorator(err, state.decorator) from err.__cause__
     if resolved is None:
         state.fun(*args, **kwargs)  # raises the function's own TypeError
-        raise FastcallError("fastcall.jit(...).lower: could not bind the arguments.")
+        raise FastcallError(f"{state.decorator}(...).lower: could not bind the arguments.")
     entry = state.table.get(resolved.key) or state.entry(resolved.key)
     lowered = entry.fn.lower(*resolved.leaves)
     return Lowered(lowered, entry, state, fun_leaves, resolved.key, tuple(args[:n_bound]))

@@ -19,6 +19,7 @@ from jaxtyping import PyTree
 from . import _aot, _args, _codegen, _dispatch, _explain, _fast, _flatten, _function, _nnx_gate, _stats
 from . import _nnx
 from ._build import broadcast_prefix
+from ._errors import FastcallError, for_decorator
 from ._options import UNSPECIFIED, Donate, check_signature, make_options
 from ._trace import StepAside
 
@@ -228,12 +229,12 @@ def filter_jit(fun: Callable | None = None, *, donate: Donate = "none") -> Any:
 
 def _wrap(fun: Any, options: Any) -> Any:
     if not callable(fun):
-        raise TypeError(f"fastcall.jit expects a callable, got {type(fun).__name__}.")
+        raise TypeError(f"{options.decorator} expects a callable, got {type(fun).__name__}.")
     if inspect.ismethod(fun) and _nnx_gate.is_node(fun.__self__):
         # The object would be closed over: its state neither traced nor written back, and
         # its current weights baked into the program (stale after an update). As nnx.jit.
         raise ValueError(
-            f"fastcall.jit: {fun.__qualname__} is a bound method of an NNX object; bound methods "
+            f"{options.decorator}: {fun.__qualname__} is a bound method of an NNX object; bound methods "
             "are not supported (the object's state would not be tracked). Decorate the method "
             "in the class body (@fastcall.jit def method(self, ...)), or wrap the unbound method "
             "and pass the object: fastcall.jit(type(obj).method)(obj, ...)."
@@ -340,6 +341,8 @@ def partial(fun: Callable, *bound: Any, **jit_options: Any) -> Callable:
                 _args.resolve(arg, scratch, state.arg_name(i), [], None, state.options.trace_scalars)
             except StepAside:
                 pass
+            except FastcallError as err:
+                raise for_decorator(err, state.decorator) from err.__cause__
     bound_call = functools.partial(wrapped, *bound)
     functools.update_wrapper(bound_call, wrapped)  # type: ignore[arg-type]
     # (its lower and explain take what a call takes: the bound arguments go first)

@@ -53,6 +53,7 @@ from ._fast import (
     ArgRead, FastRecord, FastSlot, GraphdefRead, JointRead, MixedRead, NodeRead, NodesRead, PytreeShape,
     SharedVariableRead, StaticRead, StructureRecord, VariableRead, WriteBack,
 )
+from ._errors import FastcallError, for_decorator
 from ._flatten import ArrayImpl
 from ._outputs import Varying, on_error
 from ._stats import WHOLE_READS
@@ -90,7 +91,7 @@ def run(state: Any, entry: Entry, resolved: Any, executable: Any = None, ran: Va
     try:
         out = entry.fn(*resolved.leaves) if executable is None else executable(*resolved.leaves)
     except (RuntimeError, ValueError) as err:
-        on_error(err, list(state.named_args(resolved.args, resolved.kwargs)))
+        on_error(err, list(state.named_args(resolved.args, resolved.kwargs)), state.decorator)
     if type(out) is Varying:  # (before `passthrough`: an entry whose output structure varies)
         return out.finish(resolved.nnx_args)
     if entry.passthrough:
@@ -666,7 +667,7 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
                 try:
                     out = call(*values)
                 except (RuntimeError, ValueError) as err:
-                    on_error(err, list(state.named_args(args, kwargs)))
+                    on_error(err, list(state.named_args(args, kwargs)), state.decorator)
                 if type(out) is not Varying:
                     return out if post is None else post(out, first, variables)
                 # (its trace met a new output structure: finished, and counted, by the general path)
@@ -688,6 +689,8 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
             resolved = resolve_call(state, fun_leaves, args, kwargs)
         except StepAside:
             resolved = None  # traced arguments: run inline below, outside this handler
+        except FastcallError as err:  # (bad input: named as the wrapper the user wrote)
+            raise for_decorator(err, state.decorator) from err.__cause__
         if resolved is None:  # (or the arguments do not fit: the function raises)
             if ran is not None and ran.info.nnx is None:
                 # (a call the fast path served inside an outer trace, read-only: it ran, and
@@ -724,4 +727,4 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
 
 
 def _c_error(state: Any, err: BaseException, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:
-    on_error(err, list(state.named_args(args, kwargs)))
+    on_error(err, list(state.named_args(args, kwargs)), state.decorator)

@@ -22,6 +22,15 @@ class UnverifiedFlaxWarning(UserWarning):
     once, when NNX support loads; filter it if that is acceptable."""
 
 
+def for_decorator(err: BaseException, decorator: str) -> BaseException:
+    """`err` as the decorator the user wrote reports it. fastcall's messages are written
+    as `fastcall.jit`'s ("fastcall.jit: ..."); under `fastcall.filter_jit` they say so."""
+    message = str(err)
+    if decorator == "fastcall.jit" or type(err) is not FastcallError or not message.startswith("fastcall.jit"):
+        return err
+    return FastcallError(decorator + message[len("fastcall.jit") :])
+
+
 def describe_arg(arg_name: str, path: str = "") -> str:
     """`argument 'model'` or `argument 'model' at leaf .layers[0].weight`."""
     where = f"argument {arg_name!r}"

@@ -108,6 +108,8 @@ class FunctionState:
         self.hold_attempts = 0  # (`hold` calls since the fast path last served one)
         self.fast_calls_at_attempt = 0  # (`fast_calls()` at the latest)
         self.name = getattr(user_fun, "__qualname__", None) or type(user_fun).__name__
+        # (what errors and warnings call the wrapper: `_errors.for_decorator`)
+        self.decorator = options.decorator
         _all_states.add(self)
 
     def _argnums(self, argnums: tuple[int, ...], argnames: tuple[str, ...]) -> frozenset[int]:
@@ -215,7 +217,7 @@ class FunctionState:
                 storm = _stats.storm(self.traces, self.recompiles)
                 self.storm_warned = storm is not None
         if storm is not None:
-            warnings.warn(f"fastcall.jit({self.name}): {storm}", _stats.RecompileWarning, stacklevel=2)
+            warnings.warn(f"{self.decorator}({self.name}): {storm}", _stats.RecompileWarning, stacklevel=2)
 
     def fast_calls(self) -> int:
         """How many calls the fast path (C or Python) has served."""

@@ -42,6 +42,11 @@ class JitOptions(NamedTuple):
     # static (fastcall.filter_jit, as eqx.filter_jit).
     trace_scalars: bool
 
+    @property
+    def decorator(self) -> str:
+        """The decorator the user wrote, as errors and warnings name it (`_errors.for_decorator`)."""
+        return "fastcall.jit" if self.trace_scalars else "fastcall.filter_jit"
+
 
 def make_options(**given: Any) -> JitOptions:
     """Validate and freeze the keyword options of `fastcall.jit`."""

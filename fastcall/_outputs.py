@@ -22,7 +22,7 @@ import equinox as eqx
 import jax
 
 from . import _codegen, _flatten, _native, _nnx_gate
-from ._errors import FastcallError, describe_arg
+from ._errors import FastcallError, describe_arg, for_decorator
 from ._flatten import ARRAY_TYPES, ArrayImpl
 from ._trace import Tracer
 
@@ -340,20 +340,23 @@ def _translate(err: BaseException) -> None:
     raise err
 
 
-def on_error(err: BaseException, named_args: Sequence[tuple[str, Any]]) -> None:
+def on_error(err: BaseException, named_args: Sequence[tuple[str, Any]], decorator: str = "fastcall.jit") -> None:
     """Re-raise an exception from running a compiled function, made clearer where we can:
     a deleted (e.g. donated) input array is named by argument and leaf path; an
-    `eqx.error_if` failure becomes `eqx.EquinoxRuntimeError`. Always raises."""
+    `eqx.error_if` failure becomes `eqx.EquinoxRuntimeError`; fastcall's own errors name
+    `decorator`, the wrapper the user wrote. Always raises."""
     # (jax raises a RuntimeError for an array deleted before the call; XLA a ValueError,
     # "Buffer has been deleted or donated", for one donated to an earlier call)
     if isinstance(err, (RuntimeError, ValueError)) and "has been deleted" in str(err):
         culprit = _find_deleted(named_args)
         if culprit is not None:
             raise FastcallError(
-                f"fastcall.jit: {culprit} is a deleted array: it was donated to an earlier call "
+                f"{decorator}: {culprit} is a deleted array: it was donated to an earlier call "
                 "(donate=... / donate_argnums) or deleted explicitly, and cannot be used again. "
                 "Pass the new value returned by that call instead, or do not donate it."
             ) from err
+    if isinstance(err, FastcallError):  # (raised while tracing: the output's own checks)
+        raise for_decorator(err, decorator) from err.__cause__
     _translate(err)
 
 

@@ -87,3 +87,27 @@ def test_an_nnx_object_marked_static_is_refused(graph):
     if graph is None:  # (nnx.jit's graph mode refuses it too)
         with pytest.raises(ValueError, match="Non-hashable static arguments are not supported"):
             nnx.jit(lambda m, x: m(x), static_argnums=0)(model, jnp.ones(2))
+
+
+class _Unhashable:
+    __hash__ = None  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("decorator", ["jit", "filter_jit"])
+def test_errors_name_the_decorator_the_user_wrote(decorator, hot_path):
+    wrap = getattr(fastcall, decorator)
+    name = f"fastcall.{decorator}:"
+    f = wrap(lambda tag, x: x)
+    with pytest.raises(fastcall.FastcallError, match=r"^" + name.replace(".", r"\.") + " argument 'tag'"):
+        f(_Unhashable(), jnp.ones(2))  # (a static value that cannot be hashed)
+    with pytest.raises(fastcall.FastcallError, match=r"^" + name.replace(".", r"\.") + " argument 'tag'"):
+        f.lower(_Unhashable(), jnp.ones(2))
+    g = wrap(lambda x, y: x + y, donate="all")
+    x = jnp.ones(3)
+    for _ in range(2):
+        g(jnp.ones(3), jnp.ones(3))
+    g(x, jnp.ones(3))
+    with pytest.raises(fastcall.FastcallError, match=r"^" + name.replace(".", r"\.") + " argument 'x' is a deleted"):
+        g(x, jnp.ones(3))
+    with pytest.raises(TypeError, match=f"^fastcall.{decorator} expects a callable"):
+        wrap(3)
