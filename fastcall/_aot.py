@@ -68,6 +68,9 @@ class Lowered:
             raise AttributeError(name)
         return getattr(self._lowered, name)
 
+    def __dir__(self) -> list[str]:  # (what it forwards, listed: tab completion, help)
+        return sorted(set(super().__dir__()) | {n for n in dir(self._lowered) if not n.startswith("_")})
+
 
 class Compiled:
     """An ahead-of-time compiled fastcall function: call it with the original arguments."""
@@ -93,3 +96,6 @@ class Compiled:
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self._compiled, name)
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | {n for n in dir(self._compiled) if not n.startswith("_")})

@@ -283,3 +283,14 @@ def test_partial_lower_and_explain_take_what_a_call_takes(hot_path):
     compiled = p.lower(X).compile()
     assert_trees_equal(compiled(X), m(X))
     assert_trees_equal(compiled(X), p(X))
+
+
+def test_lowered_and_compiled_list_what_they_forward():
+    f = fastcall.jit(lambda x: x * 2)
+    lowered = f.lower(X)
+    compiled = lowered.compile()
+    for name in ("as_text", "compile", "cost_analysis", "in_avals", "compiler_ir"):
+        assert name in dir(lowered) and (name == "compile" or getattr(lowered, name) is not None)
+    for name in ("as_text", "cost_analysis", "memory_analysis"):
+        assert name in dir(compiled)
+        getattr(compiled, name)
