@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import weakref
-from typing import Any, Callable, ParamSpec, Protocol, Sequence, TypeVar, overload
+from typing import Any, Callable, Concatenate, ParamSpec, Protocol, Sequence, TypeVar, overload
 
 import equinox as eqx
 import jax
@@ -28,6 +28,9 @@ _nnx_gate.register(_nnx.load)
 
 P = ParamSpec("P")
 R = TypeVar("R")
+A1 = TypeVar("A1")
+A2 = TypeVar("A2")
+A3 = TypeVar("A3")
 
 
 class JitWrapped(Protocol[P, R]):
@@ -182,6 +185,14 @@ def jit(
     return _wrap(fun, options)
 
 
+@overload
+def filter_jit(fun: Callable[P, R], *, donate: Donate = ...) -> JitWrapped[P, R]: ...
+
+
+@overload
+def filter_jit(fun: None = None, *, donate: Donate = ...) -> Callable[[Callable[P, R]], JitWrapped[P, R]]: ...
+
+
 def filter_jit(fun: Callable | None = None, *, donate: Donate = "none") -> Any:
     """Compile `fun` with `eqx.filter_jit`'s rules, at close to `jax.jit`'s cost.
 
@@ -307,7 +318,28 @@ def clear_caches() -> None:
     _function.clear_all()
 
 
-def partial(fun: Callable, *bound: Any, **jit_options: Any) -> Callable:
+# (typed for up to three bound arguments: the call keeps the rest of `fun`'s signature)
+@overload
+def partial(fun: Callable[Concatenate[A1, P], R], a1: A1, /, **jit_options: Any) -> JitWrapped[P, R]: ...
+
+
+@overload
+def partial(
+    fun: Callable[Concatenate[A1, A2, P], R], a1: A1, a2: A2, /, **jit_options: Any
+) -> JitWrapped[P, R]: ...
+
+
+@overload
+def partial(
+    fun: Callable[Concatenate[A1, A2, A3, P], R], a1: A1, a2: A2, a3: A3, /, **jit_options: Any
+) -> JitWrapped[P, R]: ...
+
+
+@overload
+def partial(fun: Callable[..., R], /, *bound: Any, **jit_options: Any) -> JitWrapped[..., R]: ...
+
+
+def partial(fun: Callable, /, *bound: Any, **jit_options: Any) -> Any:
     """Bind leading arguments (typically the model) for serving, like
     `nnx.jit_partial` / `nnx.cached_partial`, without their staleness.
 
