@@ -14,7 +14,7 @@ def test_ci_runs_the_readme_test_command():
     assert commands[0].startswith("python3 -m venv") and commands[0] in readme.split("## Why")[0]
     assert commands[1] == "FASTCALL_CHECK_HITS=1 python -m pytest -n auto --maxprocesses 4"
     assert f"```bash\n{commands[1]}\n```" in readme
-    assert 'pip install -q -e ".[bench]" && python -m bench' in readme.split("## Why")[0]
+    assert 'pip install -q -e ".[bench]" --config-settings editable_mode=compat && python -m bench' in readme.split("## Why")[0]
 
 
 def test_the_version_matrix_runs_the_suite_as_the_readme_does():
