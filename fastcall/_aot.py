@@ -81,7 +81,10 @@ class Compiled:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         low = self._lowered
-        resolved = _args.resolve_call(low._state, low._fun_leaves, (*low._bound, *args), kwargs)
+        try:
+            resolved = _args.resolve_call(low._state, low._fun_leaves, (*low._bound, *args), kwargs)
+        except FastcallError as err:
+            raise for_decorator(err, low._state.decorator) from err.__cause__
         if resolved is None:
             raise FastcallError("fastcall Compiled: could not bind the arguments.")
         if resolved.key != low._key:

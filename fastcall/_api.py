@@ -364,6 +364,9 @@ def partial(fun: Callable, /, *bound: Any, **jit_options: Any) -> Any:
         y = serve(x)
         ```
     """
+    inner = getattr(fun, "_fastcall_bound", None)
+    if inner is not None:  # (a fastcall.partial of one: a single binding of both's arguments)
+        bound, fun = (*inner, *bound), fun.func  # type: ignore[attr-defined]
     wrapped = fun if getattr(fun, "_fastcall_state", None) is not None else jit(fun, **jit_options)
     state: _function.FunctionState = wrapped._fastcall_state  # type: ignore[attr-defined]
     scratch: list[Any] = []
@@ -383,4 +386,5 @@ def partial(fun: Callable, /, *bound: Any, **jit_options: Any) -> Any:
         state, (*bound, *args), kwargs
     )
     bound_call.explain.__doc__ = wrapped.explain.__doc__  # type: ignore[attr-defined]
+    bound_call._fastcall_bound = bound  # type: ignore[attr-defined]
     return bound_call

@@ -173,16 +173,10 @@ def resolve(
 
 
 def static_spec(value: Any, arg_name: str) -> Spec:
-    """The Spec of an argument marked static (static_argnums / static_argnames)."""
-    if _nnx_gate.flax_imported() and _holds_nnx(value):
-        # (nnx.jit refuses it too, in graph mode; jax.jit and nnx.jit(graph=False) key the
-        # program on the object's identity, and its later changes are never seen)
-        raise FastcallError(
-            f"fastcall.jit: {describe_arg(arg_name)} is marked static (static_argnums/static_argnames) but "
-            "holds an NNX object: its Variables would be baked into the compiled program and go stale "
-            "when they change. Pass it as an ordinary argument: its Variables are traced, and what the "
-            "function changes in them is written back."
-        )
+    """The Spec of an argument marked static (static_argnums / static_argnames). One that is
+    or holds an NNX object is refused (nnx.jit refuses it too, in graph mode; jax.jit and
+    nnx.jit(graph=False) key the program on the object's identity, and its later changes are
+    never seen): checked before its spec is first interned, so once per static value."""
     if _flatten.is_array(value):
         raise FastcallError(
             f"fastcall.jit: {describe_arg(arg_name)} is marked static "
@@ -193,16 +187,32 @@ def static_spec(value: Any, arg_name: str) -> Spec:
     try:
         key = ("static", _flatten.leaf_key(value))
         hash(key)
-        return _flatten.intern(Spec("static", None, (), (value,)), key)
     except FastcallError:
         raise
     except Exception as err:
+        if _nnx_gate.flax_imported() and _holds_nnx(value):
+            raise _static_nnx_error(arg_name) from None
         raise FastcallError(
             f"fastcall.jit: {describe_arg(arg_name)} is marked static "
             f"(static_argnums/static_argnames) but is not hashable "
             f"({type(err).__name__}: {err}). Pass a hashable value, or drop it from "
             "static_argnums/static_argnames so that its arrays are traced."
         ) from None
+    found = _flatten.interned(key)
+    if found is not None:
+        return found
+    if _nnx_gate.flax_imported() and _holds_nnx(value):
+        raise _static_nnx_error(arg_name)
+    return _flatten.intern(Spec("static", None, (), (value,)), key)
+
+
+def _static_nnx_error(arg_name: str) -> FastcallError:
+    return FastcallError(
+        f"fastcall.jit: {describe_arg(arg_name)} is marked static (static_argnums/static_argnames) but "
+        "holds an NNX object: its Variables would be baked into the compiled program and go stale "
+        "when they change. Pass it as an ordinary argument: its Variables are traced, and what the "
+        "function changes in them is written back."
+    )
 
 
 def _holds_nnx(value: Any) -> bool:

@@ -24,11 +24,16 @@ class UnverifiedFlaxWarning(UserWarning):
 
 def for_decorator(err: BaseException, decorator: str) -> BaseException:
     """`err` as the decorator the user wrote reports it. fastcall's messages are written
-    as `fastcall.jit`'s ("fastcall.jit: ..."); under `fastcall.filter_jit` they say so."""
-    message = str(err)
-    if decorator == "fastcall.jit" or type(err) is not FastcallError or not message.startswith("fastcall.jit"):
+    as `fastcall.jit`'s ("fastcall.jit: ..."); under `fastcall.filter_jit` they say so. The
+    innermost wrapper names an error (a wrapped function calling another names the inner
+    one's error as the inner one's); its traceback is kept."""
+    if type(err) is not FastcallError or getattr(err, "_fastcall_named", False):
         return err
-    return FastcallError(decorator + message[len("fastcall.jit") :])
+    message = str(err)
+    if decorator != "fastcall.jit" and message.startswith("fastcall.jit"):
+        err = FastcallError(decorator + message[len("fastcall.jit") :]).with_traceback(err.__traceback__)
+    err._fastcall_named = True  # type: ignore[attr-defined]
+    return err
 
 
 def describe_arg(arg_name: str, path: str = "") -> str:

@@ -45,7 +45,12 @@ class JitOptions(NamedTuple):
     @property
     def decorator(self) -> str:
         """The decorator the user wrote, as errors and warnings name it (`_errors.for_decorator`)."""
-        return "fastcall.jit" if self.trace_scalars else "fastcall.filter_jit"
+        return decorator_name(self.trace_scalars)
+
+
+def decorator_name(trace_scalars: bool) -> str:
+    """`fastcall.jit` traces Python scalars; `fastcall.filter_jit` keeps them static."""
+    return "fastcall.jit" if trace_scalars else "fastcall.filter_jit"
 
 
 def make_options(**given: Any) -> JitOptions:
@@ -53,11 +58,11 @@ def make_options(**given: Any) -> JitOptions:
     donate = given["donate"]
     if donate not in DONATE_MODES:
         raise ValueError(
-            "fastcall.jit(donate=...) must be one of 'all', 'all-except-first', 'warn', "
+            f"{decorator_name(given['trace_scalars'])}(donate=...) must be one of 'all', 'all-except-first', 'warn', "
             f"'warn-except-first' or 'none'; got {donate!r}."
         )
-    for name in ("static_argnums", "donate_argnums"):  # (ints, as jax.jit takes them: TypeError else)
-        given[name] = tuple(operator.index(i) for i in _as_tuple(given[name]))
+    for name in ("static_argnums", "donate_argnums"):
+        given[name] = _as_ints(given[name])
     for name in ("static_argnames", "donate_argnames"):
         given[name] = _as_names(given[name])
     for name in ("in_shardings", "out_shardings", "compiler_options"):
@@ -100,7 +105,11 @@ def check_signature(options: JitOptions, fun: Callable[..., Any]) -> None:
             )
 
     def named(nums: tuple[int, ...], names: tuple[str, ...]) -> set[str]:
-        return set(names) | {positional[i] for i in nums if -n <= i < n}
+        # (as jax.jit infers them: the names given, else those of the positional-or-keyword
+        # parameters the numbers count from the front)
+        if names:
+            return set(names)
+        return {params[i].name for i in nums if 0 <= i < len(params) and params[i].kind is kinds.POSITIONAL_OR_KEYWORD}
 
     both = named(options.static_argnums, options.static_argnames) & named(
         options.donate_argnums, options.donate_argnames
@@ -110,6 +119,16 @@ def check_signature(options: JitOptions, fun: Callable[..., Any]) -> None:
             "static_argnames and donate_argnames cannot intersect. Argument names "
             f"{both} appear in both static_argnames and donate_argnames"
         )
+
+
+def _as_ints(x: Any) -> tuple[int, ...]:
+    """Argument numbers as jax.jit takes them: one integer (a NumPy one too) or several."""
+    if x is None:
+        return ()
+    try:
+        return (operator.index(x),)
+    except TypeError:
+        return tuple(operator.index(i) for i in x)
 
 
 def _as_names(x: Any) -> tuple[Any, ...]:

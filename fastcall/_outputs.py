@@ -345,9 +345,10 @@ def on_error(err: BaseException, named_args: Sequence[tuple[str, Any]], decorato
     a deleted (e.g. donated) input array is named by argument and leaf path; an
     `eqx.error_if` failure becomes `eqx.EquinoxRuntimeError`; fastcall's own errors name
     `decorator`, the wrapper the user wrote. Always raises."""
-    # (jax raises a RuntimeError for an array deleted before the call; XLA a ValueError,
-    # "Buffer has been deleted or donated", for one donated to an earlier call)
-    if isinstance(err, (RuntimeError, ValueError)) and "has been deleted" in str(err):
+    # (jax's own words: a RuntimeError "Array has been deleted" for an array deleted before
+    # the call; XLA's ValueError "Buffer has been deleted or donated" for one donated to an
+    # earlier call. A user's error in other words is never taken for one.)
+    if isinstance(err, (RuntimeError, ValueError)) and any(words in str(err) for words in _DELETED):
         culprit = _find_deleted(named_args)
         if culprit is not None:
             raise FastcallError(
@@ -358,6 +359,9 @@ def on_error(err: BaseException, named_args: Sequence[tuple[str, Any]], decorato
     if isinstance(err, FastcallError):  # (raised while tracing: the output's own checks)
         raise for_decorator(err, decorator) from err.__cause__
     _translate(err)
+
+
+_DELETED = ("Array has been deleted", "Buffer has been deleted or donated")
 
 
 def _find_deleted(named_args: Sequence[tuple[str, Any]]) -> str | None:

@@ -294,3 +294,14 @@ def test_lowered_and_compiled_list_what_they_forward():
     for name in ("as_text", "cost_analysis", "memory_analysis"):
         assert name in dir(compiled)
         getattr(compiled, name)
+
+
+def test_a_partial_of_a_partial_binds_both():
+    def f(a, b, x):
+        return a * 100 + b * 10 + x
+
+    a, b, x = jnp.ones(()), jnp.full((), 2.0), jnp.full((), 3.0)
+    pp = fastcall.partial(fastcall.partial(f, a), b)
+    assert float(pp(x)) == 123.0
+    assert float(pp.lower(x).compile()(x)) == 123.0
+    assert [arg.name for arg in pp.explain(x).arguments] == ["a", "b", "x"]

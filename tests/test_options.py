@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -47,6 +48,12 @@ OPTIONS = [
     (with_var_args, dict(static_argnums=5)),
     (with_var_keywords, dict(static_argnames="anything")),
     (positional_only, dict(static_argnames="z")),
+    (train_step, dict(static_argnums=-1, donate_argnums=0)),
+    (with_var_args, dict(static_argnums=-1, donate_argnums=0)),
+    (positional_only, dict(static_argnums=0, donate_argnums=0)),
+    (train_step, dict(static_argnums=0, static_argnames="train", donate_argnames="x")),
+    (train_step, dict(static_argnums=np.int64(1))),
+    (train_step, dict(static_argnums=np.array(1))),
 ]
 
 
@@ -111,3 +118,17 @@ def test_errors_name_the_decorator_the_user_wrote(decorator, hot_path):
         g(x, jnp.ones(3))
     with pytest.raises(TypeError, match=f"^fastcall.{decorator} expects a callable"):
         wrap(3)
+
+
+def test_an_inner_wrappers_error_keeps_its_name():
+    """A fastcall.jit function called inside a fastcall.filter_jit one: its error names it,
+    not the outer wrapper, and the traceback still shows the user's outer function."""
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    inner = fastcall.jit(lambda x, m: m(x), static_argnums=1)
+
+    def outer(x):
+        return inner(x, model)
+
+    with pytest.raises(fastcall.FastcallError, match=r"^fastcall\.jit: argument 'm' is marked static") as info:
+        fastcall.filter_jit(outer)(jnp.ones(2))
+    assert "outer" in [entry.name for entry in info.traceback]
