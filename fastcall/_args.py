@@ -217,8 +217,6 @@ def _static_nnx_error(arg_name: str) -> FastcallError:
 
 def _holds_nnx(value: Any) -> bool:
     """Whether a static argument is, or holds in a pytree, an NNX object or State."""
-    if type(value) in _SCALARS:
-        return False  # (the common static argument: a flag, a size, a name)
     try:
         leaves = jax.tree_util.tree_leaves(value, is_leaf=_nnx_gate.reads_as_node)
     except Exception:  # (a container jax cannot flatten: as a leaf)
