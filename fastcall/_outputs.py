@@ -346,9 +346,10 @@ def on_error(err: BaseException, named_args: Sequence[tuple[str, Any]], decorato
     `eqx.error_if` failure becomes `eqx.EquinoxRuntimeError`; fastcall's own errors name
     `decorator`, the wrapper the user wrote. Always raises."""
     # (jax's own words: a RuntimeError "Array has been deleted" for an array deleted before
-    # the call; XLA's ValueError "Buffer has been deleted or donated" for one donated to an
-    # earlier call. A user's error in other words is never taken for one.)
-    if isinstance(err, (RuntimeError, ValueError)) and any(words in str(err) for words in _DELETED):
+    # the call; XLA's ValueError "Buffer has been deleted or donated" (jax 0.10; "buffer" in
+    # jax 0.8) for one donated to an earlier call. A user's error in other words is never
+    # taken for one.)
+    if isinstance(err, (RuntimeError, ValueError)) and any(words in str(err).lower() for words in _DELETED):
         culprit = _find_deleted(named_args)
         if culprit is not None:
             raise FastcallError(
@@ -361,7 +362,7 @@ def on_error(err: BaseException, named_args: Sequence[tuple[str, Any]], decorato
     _translate(err)
 
 
-_DELETED = ("Array has been deleted", "Buffer has been deleted or donated")
+_DELETED = ("array has been deleted", "buffer has been deleted or donated")
 
 
 def _find_deleted(named_args: Sequence[tuple[str, Any]]) -> str | None:
