@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from . import _nnx_gate
+from . import _debug_names, _nnx_gate
 from ._flatten import spec_by_id
 from ._options import UNSPECIFIED
 from ._outputs import OutInfo, Varying
@@ -140,6 +140,8 @@ def build(state: Any, key: tuple[Any, ...], fun: Any) -> Entry:
 
     name = getattr(fun, "__name__", None) or type(fun).__name__
     flat_fn.__name__ = flat_fn.__qualname__ = str(name)
+    # jax's errors name the user's function, its source line and each leaf's argument and path
+    _debug_names.attach(flat_fn, fun, all_specs, len(pos_specs), layout.keyword_names)
     e.fn = jax.jit(flat_fn, **_jit_kwargs(state.options, counts, donated, slot_shardings))
     if state.options.donate in ("all", "all-except-first"):
         e.fn = _suppress_donation_warning(e.fn)

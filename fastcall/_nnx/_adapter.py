@@ -41,6 +41,7 @@ import itertools
 import operator
 import threading
 import types
+import warnings
 import weakref
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -50,7 +51,7 @@ from flax.nnx import graphlib
 from flax.nnx import variablelib
 from flax.nnx.variablelib import Variable, is_array_ref
 
-from .. import _fast, _guard, _native, _nnx_gate
+from .. import _debug_names, _fast, _guard, _native, _nnx_gate
 from .._build import broadcast_prefix
 from .._errors import FastcallError, describe_arg
 from .._flatten import ArrayImpl, intern, spec_by_id
@@ -1455,7 +1456,7 @@ def _static_containers(graphdef: Any) -> list[Any] | None:
     (a list, a dict, a dataclass holding one: `self.config = config`) cannot change
     unseen: every list and dict in them, and the attribute dict of every dataclass, at any
     depth (through tuples too). A hashable part is taken as fixed, as every hashable static
-    is (see README's Caveats). None if one holds anything else that cannot be hashed (a
+    is (see docs/guarantees.md). None if one holds anything else that cannot be hashed (a
     set, an object of another kind): the graph is then walked on every call."""
     try:  # (every other part must be hashable: a Variable's metadata holding a list is not watched)
         hash((tuple(graphdef.nodes), tuple(a for a in graphdef.attributes if type(a[1]) is not graphlib.Static)))
@@ -1808,6 +1809,50 @@ def _named(flat: Any) -> list[tuple[str, Any]]:
         ("." + ".".join(map(str, p)), v.get_raw_value() if isinstance(v, Variable) else v)
         for p, v in zip(flat.paths, flat.leaves)
     ]
+
+
+def leaf_names(spec: Any, name: str) -> list[str] | None:
+    """One name per leaf an argument of this spec passes, as jax.jit names a module's
+    leaves (`model.linear.kernel.value`, `model.layers[0].bias.value`), for jax's errors
+    (`_debug_names`); None where they cannot be told (an object read jointly with
+    another argument passes only some of its leaves)."""
+    if isinstance(spec, NodeSpec):
+        return None if spec.joint else _node_leaf_names(spec, name)
+    names: list[str] = []
+    tree_names = _debug_names.tree_leaf_names(
+        spec.treedef, [code != _STATIC for code in spec.layout], spec.statics, name
+    )
+    if tree_names is None:
+        return None
+    for code, where in zip((c for c in spec.layout if c != _STATIC), tree_names):
+        if code == _DYNAMIC:
+            names.append(where)
+        else:
+            inner = None if code.joint else _node_leaf_names(code, where)
+            if inner is None:
+                return None
+            names.extend(inner)
+    return names
+
+
+def _node_leaf_names(spec: NodeSpec, name: str) -> list[str] | None:
+    """The paths of an NNX object's leaves, from its graphdef: the object rebuilt around
+    stand-in values and flattened again (the order in which it passes its leaves)."""
+    stand_ins = [_debug_names.Leaf() for _ in range(spec.n_dyn)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (a Variable type may warn about its value)
+        try:
+            node = graphlib.unflatten(spec.graphdef, stand_ins, index_ref=graphlib.IndexMap())
+            flat = graphlib.flatten(node, with_paths=True)[1]
+        except Exception:
+            return None
+    if len(flat.leaves) != spec.n_dyn:
+        return None
+    out = []
+    for path, leaf in zip(flat.paths, flat.leaves):
+        steps = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)
+        out.append(name + steps + (".value" if isinstance(leaf, Variable) else ""))
+    return out
 
 
 # --------------------------------------------------------------------------
