@@ -49,8 +49,44 @@ def lower(
 
 
 class Lowered:
-    """A lowered fastcall function (from `wrapped.lower(...)`). `.compile()` gives a
-    callable taking the same arguments (static ones included)."""
+    """A fastcall function traced and lowered for some arguments, not yet compiled.
+
+    Made by `f.lower(*args, **kwargs)` on a function wrapped by `fastcall.jit` (or
+    `fastcall.filter_jit`, `fastcall.partial`), called with the arguments of a call,
+    static ones included, as `jax.jit(f).lower(...)`. Use it to inspect the program
+    (its StableHLO text, its cost) or to compile ahead of time. The program is that
+    of the function over the flat array leaves of the arguments, so jax's own
+    descriptions of it (`in_avals`, `args_info`, ...) list leaves, not pytrees.
+
+    **Methods:**
+
+    - `.compile(*args, **kwargs)` -> `fastcall.Compiled`: compile the program
+      (arguments passed on to jax's `Lowered.compile`, e.g. `compiler_options`).
+    - everything else of `jax.stages.Lowered`, forwarded to it: `.as_text()`,
+      `.compiler_ir()`, `.cost_analysis()`, `.in_avals`, `.out_info`, ...
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+
+    import fastcall
+
+    @fastcall.jit(static_argnames="n")
+    def power(x, n):
+        return x**n
+
+    x = jnp.arange(3.0)
+    lowered = power.lower(x, n=2)  # the arguments of a call, static ones included
+    assert isinstance(lowered, fastcall.Lowered)
+    assert "stablehlo" in lowered.as_text()
+    compiled = lowered.compile()
+    print(compiled(x, n=2))
+    ```
+    ```text
+    [0. 1. 4.]
+    ```
+    """
 
     def __init__(self, lowered: Any, entry: Any, state: Any, fun_leaves: Any, key: Any, bound: tuple[Any, ...] = ()):
         self._lowered = lowered
@@ -73,7 +109,48 @@ class Lowered:
 
 
 class Compiled:
-    """An ahead-of-time compiled fastcall function: call it with the original arguments."""
+    """A fastcall function compiled ahead of time: call it with the original arguments.
+
+    Made by `f.lower(*args, **kwargs).compile()` (see `fastcall.Lowered`). Calling it
+    runs the compiled program as a call of `f` would, NNX state written back
+    included, without tracing or compiling anything; such calls are not counted in
+    `f.stats()`.
+
+    **Methods:**
+
+    - `compiled(*args, **kwargs)`: run it. Takes the arguments `f.lower` took, static
+      ones included (for a `fastcall.partial`, the remaining arguments only). Arrays
+      must have the shapes and dtypes it was compiled for (else jax raises a
+      `TypeError`); the static part (structure and non-array values) must equal the
+      one it was compiled for, else `fastcall.FastcallError`: lower and compile
+      again for those arguments.
+    - everything else of `jax.stages.Compiled`, forwarded to it: `.as_text()`,
+      `.cost_analysis()`, `.memory_analysis()`, `.input_shardings`, ...
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+
+    import fastcall
+
+    @fastcall.jit(static_argnames="n")
+    def power(x, n):
+        return x**n
+
+    x = jnp.arange(3.0)
+    compiled = power.lower(x, n=2).compile()
+    print(compiled(x, n=2))
+    try:
+        compiled(x, n=3)  # another static value: not this program
+    except fastcall.FastcallError as err:
+        print(err)
+    ```
+    ```text
+    [0. 1. 4.]
+    fastcall Compiled: the static part of these arguments ... differs from the one this was compiled for; ...
+    ```
+    """
 
     def __init__(self, compiled: Any, lowered: Lowered) -> None:
         self._compiled = compiled

@@ -40,13 +40,17 @@ class JitWrapped(Protocol[P, R]):
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R: ...
 
-    def lower(self, *args: P.args, **kwargs: P.kwargs) -> _aot.Lowered: ...
+    def lower(self, *args: P.args, **kwargs: P.kwargs) -> _aot.Lowered:
+        """Trace and lower for these arguments, static ones included (as `jax.jit(...).lower`)."""
 
-    def stats(self) -> _stats.JitStats: ...
+    def stats(self) -> _stats.JitStats:
+        """Calls, compiles, hits, what each recompile changed, and the route each call took."""
 
-    def explain(self, *args: P.args, **kwargs: P.kwargs) -> _explain.CallReport: ...
+    def explain(self, *args: P.args, **kwargs: P.kwargs) -> _explain.CallReport:
+        """Which route a call with these arguments would take, and why (runs nothing)."""
 
-    def clear_cache(self) -> None: ...
+    def clear_cache(self) -> None:
+        """Drop this function's compiled programs and records; the next call compiles again."""
 
 
 @overload
@@ -111,55 +115,137 @@ def jit(
 ) -> Any:
     """Compile `fun` as `nnx.jit` / `jax.jit` would, at close to `jax.jit`'s floor.
 
+    The drop-in for `nnx.jit` and `jax.jit`: use it bare (`@fastcall.jit`) or with
+    options (`@fastcall.jit(static_argnames="n")`). Arguments and outputs are any
+    pytrees (Equinox modules, Flax NNX objects, dicts, lists, arrays), and a call with
+    a model it has seen costs about 1 us of Python on top of `jax.jit`'s own dispatch.
+
+    What is traced follows `nnx.jit` / `jax.jit`: every JAX/NumPy array leaf and every
+    Python scalar (bool, int, float, complex; weakly typed, so a growing step counter
+    compiles once). Other leaves (strings, callables, None) are static and part of the
+    compile key, where `jax.jit` would reject them. Equinox modules keep Equinox's own
+    rule wherever they appear: array fields traced, every other field static (use
+    `fastcall.filter_jit` for `eqx.filter_jit`'s rule everywhere). NNX objects follow
+    `nnx.jit`: their Variables are traced, and what `fun` changes in them is written
+    back to the caller's objects. Called inside another transformation (`jax.jit`,
+    `jax.grad`, `jax.vmap`, ...), it nests as `jax.jit` does; a call with NNX objects
+    made while a trace runs runs `fun` inline in that trace (NNX state changed inside
+    must stay in it). Wrappers of equal functions with equal options share one table
+    of compiled programs (and so their `.stats()` and `.clear_cache()`), as `jax.jit`
+    shares its cache between wrappers of one function.
+
     **Arguments:**
 
     - `fun`: the function to compile. May be a plain function, a method (the
       wrapper is a descriptor, so `@fastcall.jit def __call__(self, x)` works
       on an `eqx.Module`), or any callable pytree (e.g. an `eqx.Module`, whose
-      arrays are then traced).
-    - `donate`: as in `eqx.filter_jit`: `"all"`, `"all-except-first"`,
-      `"warn"`, `"warn-except-first"` or `"none"`.
+      arrays are then traced). Left out, `jit(...)` returns a decorator.
+    - `donate`: as in `eqx.filter_jit`: `"all"` (donate the arrays of every argument),
+      `"all-except-first"`, `"warn"`, `"warn-except-first"` (the same, warning
+      where jax cannot use a donated buffer; the `"all"` forms keep quiet) or
+      `"none"` (the default).
     - `static_argnums`, `static_argnames`: as in `jax.jit`; the whole argument
-      is static (hashed and compared by value). Use them for a Python scalar
-      that selects a different program (a flag, a size), which is traced
-      otherwise.
-    - `donate_argnums`, `donate_argnames`: donate the arrays of these arguments.
-    - `in_shardings`, `out_shardings`, `device`, `backend`, `keep_unused`,
-      `inline`, `compiler_options`: passed to `jax.jit`. `in_shardings` is one
-      sharding for all arrays or one entry per positional argument (a pytree
-      prefix of it); `out_shardings` (a sharding or a pytree prefix of the
-      output) is applied as a sharding constraint on the outputs.
+      is static (hashed and compared by value, part of the compile key). Use them
+      for a Python scalar that selects a different program (a flag, a size),
+      which is traced otherwise. An NNX object may not be static.
+    - `donate_argnums`, `donate_argnames`: as in `jax.jit`: donate the arrays of
+      these arguments. An argument may not be both static and donated.
+    - `in_shardings`: as in `jax.jit`: one sharding for all arrays, or one entry
+      per positional argument (a pytree prefix of it).
+    - `out_shardings`: a sharding, or a pytree prefix of the output; applied as a
+      sharding constraint on the outputs.
+    - `device`, `backend`, `keep_unused`, `inline`, `compiler_options`: passed to
+      `jax.jit`.
     - `graph`, `graph_updates`: as in `nnx.jit`. fastcall always keeps NNX
       sharing (what graph mode gives) at tree-mode cost, so `graph` changes
-      nothing (except that, as in `nnx.jit`, `graph=False` refuses
-      `nnx.StateSharding` prefixes); structural changes made inside the function
-      are propagated to the caller's objects unless `graph_updates=False`, which
-      (as in `nnx.jit`) propagates changed Variable values only. `None` means the
-      current `nnx.set_graph_mode` / `nnx.set_graph_updates` setting.
+      nothing (except that, as in `nnx.jit`, `graph=False` refuses Variables
+      shared between arguments and `nnx.StateSharding` prefixes); structural
+      changes made inside the function are propagated to the caller's objects
+      unless `graph_updates=False`, which (as in `nnx.jit`) propagates changed
+      Variable values only. `None` means the current `nnx.set_graph_mode` /
+      `nnx.set_graph_updates` setting.
 
-    **Returns:** a function with `fun`'s name, docstring and signature, plus
-    `.lower(*args, **kwargs)`, `.stats()` and `.clear_cache()`.
+    **Returns:**
 
-    What is traced follows `nnx.jit` / `jax.jit`: every JAX/NumPy array leaf
-    and every Python scalar (bool, int, float, complex; weakly typed, so a
-    growing step counter compiles once). Other leaves (strings, callables,
-    None) are static and part of the compile key, where `jax.jit` would
-    reject them. Equinox modules keep Equinox's own rule wherever they appear:
-    array fields traced, every other field static (use `fastcall.filter_jit`
-    for `eqx.filter_jit`'s rule everywhere). NNX objects follow `nnx.jit`.
-    Called under an outer trace (jit, grad, vmap, scan, ...) with traced
-    arguments, it runs `fun` inline.
+    A function with `fun`'s name, docstring and signature (for a type checker too),
+    hashable, usable as a static argument and as a method. With `fun` left out, a
+    decorator that returns it.
 
-    !!! example
+    **Methods of the returned function:**
 
-        ```python
-        @fastcall.jit
-        def forward(model, x):
-            return model(x)
+    - `.lower(*args, **kwargs)` -> `fastcall.Lowered`: trace and lower for these
+      arguments, static ones included (as `jax.jit(...).lower`); its `.compile()`
+      gives a `fastcall.Compiled`.
+    - `.stats()` -> `fastcall.JitStats`: calls, compiles, hits, what each recompile
+      changed, and the route each call took.
+    - `.explain(*args, **kwargs)` -> `fastcall.CallReport`: the route a call with
+      these arguments would take and why, argument by argument. It traces, compiles
+      and runs nothing.
+    - `.clear_cache()`: drop this function's compiled programs and records; the next
+      call compiles again (`.stats()` keeps counting).
 
-        forward(model, x)  # compiles
-        forward(model, x)  # ~1 us of Python on top of jax.jit's own dispatch
-        ```
+    **Raises:**
+
+    - `ValueError`, at decoration: an unknown `donate` value; argument numbers or
+      names that `fun` does not take, or an argument both static and donated (with
+      `jax.jit`'s messages); a bound method of an NNX object as `fun`.
+    - `TypeError`, at decoration: `fun` is not callable.
+    - `fastcall.FastcallError` (a `TypeError` and a `ValueError`), at a call, before
+      anything runs: bad input, naming the argument and leaf path (e.g. an NNX object
+      passed as a static argument).
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import fastcall
+
+    @fastcall.jit
+    def shift(model, delta):
+        model.bias[...] += delta  # changed inside: written back to `model`
+        return model(jnp.zeros(2))
+
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))  # bias starts at zero
+    shift(model, 1.0)  # traces and compiles
+    shift(model, 2.0)  # a Python float is traced: no recompile
+    print(model.bias[...])
+    print(shift.stats().compiles)
+    ```
+    ```text
+    [3. 3.]
+    1
+    ```
+
+    With an Equinox model, and what `.stats()` and `.explain()` tell:
+
+    ```python
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    import fastcall
+
+    @fastcall.jit
+    def forward(model, x):
+        return model(x)
+
+    model = eqx.nn.Linear(2, 2, key=jax.random.PRNGKey(0))
+    x = jnp.ones(2)
+    forward(model, x)  # compiles
+    forward(model, x)  # reuses the compiled program
+    forward(model, x.astype(jnp.float16))  # a new dtype: compiles again
+    stats = forward.stats()
+    print(stats.calls, stats.compiles, stats.hits)
+    print(stats.recompiles[0])
+    print(forward.explain(model, x).route)
+    ```
+    ```text
+    3 2 1
+    x: array float32[2] -> array float16[2]
+    fast
+    ```
     """
     if _nnx_gate.flax_imported():  # NNX's settings and its checks of prefixes, as nnx.jit
         graph, graph_updates = _nnx_gate.adapter().resolve_options(graph, graph_updates, in_shardings, out_shardings)
@@ -200,21 +286,53 @@ def filter_jit(fun: Callable | None = None, *, donate: Donate = "none") -> Any:
     the arguments is traced, and every other leaf (Python scalars included) is static
     and part of the compile key. It runs on the same engine as `fastcall.jit` (which
     follows `nnx.jit`/`jax.jit` instead: Python scalars traced) and returns the same
-    kind of wrapper.
+    kind of wrapper, with the same `.lower`, `.stats()`, `.explain` and
+    `.clear_cache()` (see `fastcall.jit`). Use it where a Python scalar argument should
+    select its own program, as under `eqx.filter_jit`.
 
     **Arguments:**
 
-    - `fun`: the function to compile (as for `fastcall.jit`).
+    - `fun`: the function to compile (as for `fastcall.jit`). Left out,
+      `filter_jit(donate=...)` returns a decorator.
     - `donate`: `"all"`, `"all-except-first"`, `"warn"`, `"warn-except-first"` or
-      `"none"`, as in `eqx.filter_jit`.
+      `"none"` (the default), as in `eqx.filter_jit`.
 
-    !!! example
+    **Returns:**
 
-        ```python
-        @fastcall.filter_jit               # was: @eqx.filter_jit
-        def forward(model, x, training: bool):
-            return model(x) if training else model(x) * 0.5   # `training` is static
-        ```
+    A function with `fun`'s name, docstring and signature, as `fastcall.jit` returns.
+
+    **Raises:**
+
+    - `ValueError`, at decoration: an unknown `donate` value.
+    - `TypeError`, at decoration: `fun` is not callable.
+    - `fastcall.FastcallError`, at a call: bad input, naming the argument and leaf
+      path.
+
+    **Example:**
+
+    ```python
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    import fastcall
+
+    @fastcall.filter_jit  # was: @eqx.filter_jit
+    def forward(model, x, scale):
+        return model(x) * scale  # `scale`, a Python float, is static
+
+    model = eqx.nn.Linear(2, 2, key=jax.random.PRNGKey(0))
+    x = jnp.ones(2)
+    forward(model, x, 2.0)  # compiles
+    forward(model, x, 2.0)  # the same static value: no recompile
+    forward(model, x, 3.0)  # a new static value: compiles again
+    print(forward.stats().compiles)
+    print(forward.stats().recompiles[-1])
+    ```
+    ```text
+    2
+    scale: static float 2.0 -> static float 3.0
+    ```
     """
     options = make_options(
         donate=donate,
@@ -306,7 +424,36 @@ class _OutShardings(eqx.Module):
 def clear_caches() -> None:
     """Drop every cache fastcall holds: identity cache, templates, compiled programs.
 
-    Wrapped functions keep working; their next call re-flattens and recompiles.
+    For every wrapped function at once (`f.clear_cache()` clears one function's).
+    Wrapped functions keep working; their next call re-reads its arguments and
+    compiles again. Use it to free memory held for models no longer in use, or to
+    measure first-call costs again; `.stats()` counts are kept.
+
+    **Returns:**
+
+    `None`.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+
+    import fastcall
+
+    @fastcall.jit
+    def double(x):
+        return 2 * x
+
+    x = jnp.ones(2)
+    double(x)  # compiles
+    fastcall.clear_caches()
+    print(double(x))  # still works: compiled again
+    print(double.stats().compiles)
+    ```
+    ```text
+    [2. 2.]
+    2
+    ```
     """
     _flatten.clear()
     _codegen.templates.clear()
@@ -343,26 +490,64 @@ def partial(fun: Callable, /, *bound: Any, **jit_options: Any) -> Any:
     """Bind leading arguments (typically the model) for serving, like
     `nnx.jit_partial` / `nnx.cached_partial`, without their staleness.
 
+    The bound objects are flattened once, here (so errors in them surface here); each
+    call reads their current Variable values, writes changed state back, and
+    re-flattens a bound NNX module only after its structure changed
+    (`model.layers[1] = nnx.Linear(...)`, `model.eval()`), where `nnx.jit_partial`
+    and `nnx.cached_partial` would return stale results. Use it for a serving or
+    training loop that calls one model many times.
+
     **Arguments:**
 
-    - `fun`: a function, or a function already wrapped by `fastcall.jit`.
+    - `fun`: a function, or a function already wrapped by `fastcall.jit` or
+      `fastcall.filter_jit` (or a `fastcall.partial`: the bindings add up).
     - `*bound`: leading positional arguments to bind (NNX modules, Equinox
       modules, arrays, anything).
-    - `**jit_options`: options for `fastcall.jit` when `fun` is not wrapped yet.
+    - `**jit_options`: options for `fastcall.jit` (`static_argnums`, `donate`, ...),
+      used where `fun` is not wrapped yet.
 
-    **Returns:** a callable taking the remaining arguments. The bound objects
-    are flattened once, here; each call reads their current Variable values,
-    writes changed state back, and re-flattens a bound NNX module only after
-    its structure changed (`model.layers[1] = nnx.Linear(...)`,
-    `model.eval()`), where `nnx.jit_partial` and `nnx.cached_partial` would
-    return stale results.
+    **Returns:**
 
-    !!! example
+    A callable taking the remaining arguments. Its `.lower(...)` and `.explain(...)`
+    take what a call takes (the remaining arguments), and the `fastcall.Compiled`
+    that `.lower(x).compile()` gives is called as `compiled(x)`; `.stats()` and
+    `.clear_cache()` are the wrapped function's.
 
-        ```python
-        serve = fastcall.partial(forward, model)
-        y = serve(x)
-        ```
+    **Raises:**
+
+    `fastcall.FastcallError`, here: a bound argument that a call could not take.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import fastcall
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.proj = nnx.Linear(2, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.proj(x)
+
+    def forward(model, x):
+        return model(x)
+
+    model = Model(nnx.Rngs(0))
+    serve = fastcall.partial(forward, model)  # `model` is read once, here
+    x = jnp.ones(2)
+    print(serve(x).shape)
+    model.proj = nnx.Linear(2, 3, rngs=nnx.Rngs(1))  # a structural change: seen
+    print(serve(x).shape)
+    print(serve.lower(x).compile()(x).shape)  # .lower takes what a call takes
+    ```
+    ```text
+    (2,)
+    (3,)
+    (3,)
+    ```
     """
     inner = getattr(fun, "_fastcall_bound", None)
     if inner is not None:  # (a fastcall.partial of one: a single binding of both's arguments)

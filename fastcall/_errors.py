@@ -6,20 +6,71 @@ from __future__ import annotations
 class FastcallError(TypeError, ValueError):
     """Bad input to a fastcall-wrapped function.
 
-    Raised before anything is traced or run. The message names the argument and
-    the leaf path at fault and says what to do. It subclasses `TypeError`
-    because most such cases are a value of the wrong kind (unhashable static
-    data, an array where a static value is required, ...), and `ValueError`
-    because that is what the peers raise for the rest (`nnx.jit`'s prefix and
-    aliasing errors), so code written against them catches it too.
+    Raised by a call (or `f.lower`, `fastcall.partial`, a `fastcall.Compiled`) before
+    anything is traced or run, never by your function itself. The message names the
+    wrapper (`fastcall.jit` or `fastcall.filter_jit`), the argument and the leaf path
+    at fault, and says what to do: e.g. an NNX object passed as a static argument
+    (its Variables would be baked into the program and go stale), unhashable static
+    data, an array where a static value is required, or NNX arguments that share
+    Variables under `graph=False`. Fix the call as the message says; nothing needs
+    resetting.
+
+    It subclasses `TypeError` because most such cases are a value of the wrong kind
+    (unhashable static data, an array where a static value is required, ...), and
+    `ValueError` because that is what the peers raise for the rest (`nnx.jit`'s
+    prefix and aliasing errors, and its refusal of a static NNX object), so code
+    written against them catches it too.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import fastcall
+
+    def forward(model, x):
+        return model(x)
+
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    forward_static = fastcall.jit(forward, static_argnums=0)  # wrong: `model` static
+    try:
+        forward_static(model, jnp.ones(2))
+    except fastcall.FastcallError as err:  # also a TypeError and a ValueError
+        print(err)
+    ```
+    ```text
+    fastcall.jit: argument 'model' is marked static (static_argnums/static_argnames) but holds an NNX object: ...
+    ```
     """
 
 
 class UnverifiedFlaxWarning(UserWarning):
-    """fastcall could not verify its Flax NNX structure hooks on the installed flax
-    (a version outside the verified range, or a hooked method missing): NNX objects
-    have their structure re-read on every call, which is correct but slower. Warned
-    once, when NNX support loads; filter it if that is acceptable."""
+    """fastcall could not verify its Flax NNX structure hooks on the installed flax.
+
+    fastcall caches each NNX object's structure and learns of structural changes
+    through hooks on a few private flax methods. When NNX support loads (the first
+    time an NNX object reaches fastcall), it checks them: if the flax version is
+    outside the verified range (flax 0.12.5 to 0.12.12) or a hooked method is
+    missing, it warns once with this and stops trusting the hooks: NNX objects then
+    have their structure re-read on every call, which is correct but slower. Use a
+    flax version in the verified range for the fast path, or filter the warning if
+    the slower calls are acceptable. A subclass of `UserWarning`.
+
+    **Example:**
+
+    It is warned only on an unverified flax, once per process, so there is no cheap
+    way to trigger it here; this filters it (before the first NNX call):
+
+    ```python
+    import warnings
+
+    import fastcall
+
+    assert issubclass(fastcall.UnverifiedFlaxWarning, UserWarning)
+    warnings.filterwarnings("ignore", category=fastcall.UnverifiedFlaxWarning)
+    ```
+    """
 
 
 def for_decorator(err: BaseException, decorator: str) -> BaseException:

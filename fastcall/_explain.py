@@ -21,6 +21,44 @@ from ._dispatch import arguments_as_read, read_arguments, read_mixed, static_mat
 
 @dataclasses.dataclass(frozen=True)
 class ArgumentReport:
+    """What fastcall knows of one argument of a call, and what it costs per call.
+
+    An entry of `fastcall.CallReport.arguments`, from `f.explain(*args, **kwargs)`.
+
+    **Fields:**
+
+    - `name`: the argument's name (its parameter name, `args[i]` for one taken by
+      `*args`, or its keyword).
+    - `kind`: what the argument is and how fastcall reads it, e.g. `jax array`,
+      `cached by identity (immutable pytree)`, `NNX object, structure cached`,
+      `Python scalar, traced (weakly typed)`, `top-level dict, not yet held`.
+    - `per_call`: what it costs on every call (what is checked or re-read), e.g.
+      `passed as is`, `one identity check`, `2 leaf values read`.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import fastcall
+
+    @fastcall.jit
+    def forward(model, x):
+        return model(x)
+
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    x = jnp.ones(2)
+    forward(model, x)
+    for arg in forward.explain(model, x).arguments:
+        print(f"{arg.name}: {arg.kind} / {arg.per_call}")
+    ```
+    ```text
+    model: NNX object, structure cached / 2 leaf values read
+    x: jax array / passed as is
+    ```
+    """
+
     name: str
     kind: str  # what the argument is, and how fastcall reads it
     per_call: str  # what it costs on every call (what is checked or re-read)
@@ -28,7 +66,55 @@ class ArgumentReport:
 
 @dataclasses.dataclass(frozen=True)
 class CallReport:
-    """What `f.explain(*args, **kwargs)` returns."""
+    """Which route a call would take, and why: what `f.explain(*args, **kwargs)` returns.
+
+    `f.explain` reads the arguments as a call would but traces, compiles and runs
+    nothing. Use it when `f.stats().paths` shows calls off the fast path, to see
+    which argument keeps them there. `print(report)` reads as text: the route, each
+    reason, then one line per argument.
+
+    **Fields:**
+
+    - `route`: `"fast"` (a fast record for the first argument serves the call: the
+      floor), `"structure"` (arguments of structures this function has run, each
+      read from a cache or by its structure's generated code) or `"general"`
+      (everything else: each argument found in a cache or read whole).
+    - `reasons`: why the call would not take the fast path (`"not fast: ..."`) and,
+      where it takes neither, why not the structure path (`"not structure: ..."`:
+      no record of calls of its form yet, or the argument the record declines and
+      why). Empty on the fast or structure route.
+    - `arguments`: a tuple of `fastcall.ArgumentReport`, one per argument.
+
+    **Example:**
+
+    ```python
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    import fastcall
+
+    @fastcall.jit
+    def forward(model, x):
+        return model(x)
+
+    model = eqx.nn.Linear(2, 2, key=jax.random.PRNGKey(0))
+    x = jnp.ones(2)
+    print(forward.explain(model, x))  # before any call
+    forward(model, x)
+    forward(model, x)  # the second call gives `model` a fast record
+    report = forward.explain(model, x)
+    print(report.route, report.reasons)
+    ```
+    ```text
+    route: general
+      not fast: model: no fast record (see its line below)
+      not structure: no record for calls whose first argument is a Linear ...
+      model: not cached yet ...
+      x: jax array; per call: passed as is
+    fast ()
+    ```
+    """
 
     # "fast" (a fast record serves it), "structure" (arguments of the structures of a call
     # this function ran: each read from the identity cache, by its structure's generated

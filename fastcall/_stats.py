@@ -19,7 +19,47 @@ _repr.maxother = 60
 
 @dataclasses.dataclass(frozen=True)
 class Change:
-    """One difference between two compiled signatures."""
+    """One difference between two compiled signatures: one leaf of one argument.
+
+    An entry of `fastcall.Recompile.changes`: what changed, between the previous
+    compile and this one, to make a wrapped function compile again.
+
+    **Fields:**
+
+    - `argument`: the argument's name (its parameter name, or `args[i]` for one
+      taken by `*args`).
+    - `path`: the leaf's path inside the argument, as `jax.tree_util.keystr` writes
+      it (`.weight`, `['a']`, `[0]`), `""` for the argument itself, or ending in
+      `(structure)` for a change of the pytree structure.
+    - `old`, `new`: what the leaf was and is: `array float32[2]` (an array, by dtype
+      and shape; a traced Python scalar is `... (weak type)`), `static float 2.0` (a
+      static value, by type and value), a structure's description around where the
+      two differ, or `absent`.
+
+    `str(change)` gives `argument path: old -> new`.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+
+    import fastcall
+
+    @fastcall.jit
+    def first(d):
+        return d["a"]
+
+    first({"a": jnp.ones(2), "tag": "hi"})
+    first({"a": jnp.ones(2), "tag": "ho"})  # a string is static: compiles again
+    (change,) = first.stats().recompiles[0].changes
+    print(change)
+    print(change.argument, change.path, change.old, change.new, sep=" | ")
+    ```
+    ```text
+    d['tag']: static str 'hi' -> static str 'ho'
+    d | ['tag'] | static str 'hi' | static str 'ho'
+    ```
+    """
 
     argument: str
     path: str
@@ -33,7 +73,44 @@ class Change:
 
 @dataclasses.dataclass(frozen=True)
 class Recompile:
-    """A compile after the first one, with what changed since the previous compile."""
+    """A compile after the first one, with what changed since the previous compile.
+
+    An entry of `fastcall.JitStats.recompiles` (the most recent 256 are kept). Read
+    it to find which input keeps making a function compile again: a new shape or
+    dtype, a new static value, a new structure.
+
+    **Fields:**
+
+    - `changes`: a tuple of `fastcall.Change`, one per leaf that differs from the
+      previous compile's arguments; empty if none does (the same arguments compiled
+      again, e.g. after `f.clear_cache()`).
+
+    `str(recompile)` joins its changes with `; `, or says
+    `recompiled with no visible change (...)` when there are none.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+
+    import fastcall
+
+    @fastcall.jit(static_argnames="n")
+    def power(x, n):
+        return x**n
+
+    x = jnp.ones(2)
+    power(x, n=2)
+    power(x.astype(jnp.float16), n=3)  # two changes: compiles again
+    (recompile,) = power.stats().recompiles
+    print(recompile)
+    print(len(recompile.changes))
+    ```
+    ```text
+    x: array float32[2] -> array float16[2]; n: static int 2 -> static int 3
+    2
+    ```
+    """
 
     changes: tuple[Change, ...]
 
@@ -45,10 +122,19 @@ class Recompile:
 
 @dataclasses.dataclass(frozen=True)
 class JitStats:
-    """Counts for one wrapped function (shared by wrappers of equal functions).
+    """Counts for one wrapped function, from `f.stats()`.
 
-    - `calls`: calls made through the wrapper (stepping aside under an outer
-      trace is not counted).
+    A snapshot, taken when `f.stats()` is called, of how often the function was
+    called and compiled, why it compiled again, and which route served its calls.
+    Wrappers of equal functions with equal options share one table of compiled
+    programs, and so their counts. Use it to find recompiles you did not expect
+    (see `recompiles`) and calls that miss the fast path (see `paths`, then
+    `f.explain(...)`).
+
+    **Fields:**
+
+    - `calls`: calls made through the wrapper (a call with NNX objects run inline
+      under an outer trace is not counted, nor a call of a `fastcall.Compiled`).
     - `compiles`: times the Python function was traced.
     - `hits`: calls that reused an already compiled program.
     - `recompiles`: one entry per compile after the first, saying what changed
@@ -63,7 +149,32 @@ class JitStats:
       generated extractor) or `"general_read"` (at least one argument read whole,
       by jax's flatten or NNX's graph walk: what the peer does on every call; so is
       the flatten that takes a guard over an object's lists and dicts).
-      They add up to `calls`.
+      They add up to `calls`. Which of `c_` and `python_` serve a call depends on
+      whether the C extension is built.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+
+    import fastcall
+
+    @fastcall.jit
+    def double(x):
+        return 2 * x
+
+    double(jnp.ones(2))  # compiles
+    double(jnp.ones(2))  # a hit
+    double(jnp.ones(3))  # a new shape: compiles again
+    stats = double.stats()
+    print(stats.calls, stats.compiles, stats.hits)
+    print([str(r) for r in stats.recompiles])
+    assert sum(stats.paths.values()) == stats.calls
+    ```
+    ```text
+    3 2 1
+    ['x: array float32[2] -> array float32[3]']
+    ```
     """
 
     calls: int
@@ -165,7 +276,43 @@ def read_whole() -> None:
 
 
 class RecompileWarning(UserWarning):
-    """A wrapped function keeps recompiling because the same input keeps changing."""
+    """A wrapped function keeps recompiling because the same input keeps changing.
+
+    Warned once per function, where you asked jax to explain its cache misses
+    (`jax.config.update("jax_explain_cache_misses", True)`, or the
+    `jax.explain_cache_misses(True)` context), once the function has compiled at
+    least 8 times and the same leaf changed in each of the last 6 recompiles. The message
+    names the input and what to do: pass a changing non-array value as an array
+    (`jnp.asarray(value)`) so that it is traced, or pad changing shapes to a few
+    fixed sizes. Without that flag nothing is warned (`f.stats().recompiles` keeps
+    the history either way). A subclass of `UserWarning`.
+
+    **Example:**
+
+    ```python
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+
+    import fastcall
+
+    @fastcall.filter_jit  # a Python float is static: each new value compiles
+    def scale(x, factor):
+        return x * factor
+
+    x = jnp.ones(2)
+    with jax.explain_cache_misses(True), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(8):
+            scale(x, float(i))
+    (warning,) = [w for w in caught if w.category is fastcall.RecompileWarning]
+    print(warning.message)
+    ```
+    ```text
+    fastcall.filter_jit(scale): compiled 8 times; each of the last 6 recompiles changed factor ...
+    ```
+    """
 
 
 MAX_RECOMPILE_RECORDS = 256  # JitStats.recompiles keeps the most recent ones

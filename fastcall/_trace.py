@@ -31,22 +31,81 @@ try:  # jax >= 0.4.36 keeps the current trace in a context object.
     def currently_jitting() -> bool:
         """True while a JAX transformation (jit, grad, vmap, scan, ...) is tracing.
 
-        **Returns:** `False` in ordinary eager Python, `True` inside any traced
-        function. Costs about 0.2 us.
+        Use it to skip Python-side work that needs concrete values (printing,
+        logging, checks with `if`) while a function is being traced, or to take
+        another branch under a transformation. It reads JAX's trace context
+        directly, so it costs about 0.2 us, where building an array to see whether
+        it comes back a tracer costs tens of microseconds (what it falls back to on
+        a jax whose trace context it cannot read).
 
-        !!! example
+        **Returns:**
 
-            ```python
-            assert not fastcall.currently_jitting()
-            jax.jit(lambda x: fastcall.currently_jitting() or x)(1)  # traced: True
-            ```
+        `False` in ordinary eager Python, `True` inside any traced function (a
+        `fastcall.jit` or `jax.jit` function while it is traced, a `jax.grad`,
+        `jax.vmap` or `lax.scan` body, ...).
+
+        **Example:**
+
+        ```python
+        import jax
+
+        import fastcall
+
+        print(fastcall.currently_jitting())
+
+        @jax.jit
+        def f(x):
+            print("tracing:", fastcall.currently_jitting())
+            return x + 1
+
+        f(1.0)
+        ```
+        ```text
+        False
+        tracing: True
+        ```
         """
         return not _trace_ctx.is_top_level()
 
 except Exception:  # pragma: no cover - fallback for other jax versions
 
     def currently_jitting() -> bool:
-        """True while a JAX transformation is tracing (slow fallback)."""
+        """True while a JAX transformation (jit, grad, vmap, scan, ...) is tracing.
+
+        Use it to skip Python-side work that needs concrete values (printing,
+        logging, checks with `if`) while a function is being traced, or to take
+        another branch under a transformation. It reads JAX's trace context
+        directly, so it costs about 0.2 us, where building an array to see whether
+        it comes back a tracer costs tens of microseconds (what it falls back to on
+        a jax whose trace context it cannot read).
+
+        **Returns:**
+
+        `False` in ordinary eager Python, `True` inside any traced function (a
+        `fastcall.jit` or `jax.jit` function while it is traced, a `jax.grad`,
+        `jax.vmap` or `lax.scan` body, ...).
+
+        **Example:**
+
+        ```python
+        import jax
+
+        import fastcall
+
+        print(fastcall.currently_jitting())
+
+        @jax.jit
+        def f(x):
+            print("tracing:", fastcall.currently_jitting())
+            return x + 1
+
+        f(1.0)
+        ```
+        ```text
+        False
+        tracing: True
+        ```
+        """
         return isinstance(jnp.zeros(()) + 1, Tracer)
 
 
