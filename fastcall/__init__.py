@@ -2,6 +2,7 @@
 
 from ._aot import Compiled as Compiled
 from ._aot import Lowered as Lowered
+from ._aot import Traced as Traced
 from ._api import clear_caches as clear_caches
 from ._api import filter_jit as filter_jit
 from ._api import jit as jit

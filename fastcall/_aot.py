@@ -1,4 +1,5 @@
-"""Ahead-of-time objects: `wrapped.lower(...)` -> `Lowered`, `.compile()` -> `Compiled`.
+"""Ahead-of-time objects: `wrapped.trace(...)` -> `Traced`, `wrapped.lower(...)` (or
+`traced.lower()`) -> `Lowered`, `.compile()` -> `Compiled`; and `wrapped.eval_shape(...)`.
 
 They resolve arguments exactly as a call does (`_args.resolve_call`) and a
 `Compiled` runs through the same `_dispatch.run`, so calling it writes NNX
@@ -13,6 +14,7 @@ from typing import Any
 
 from . import _args, _dispatch
 from ._errors import FastcallError, for_decorator
+from ._outputs import Varying
 from ._trace import StepAside
 
 
@@ -27,25 +29,131 @@ def lowering(state: Any, fun_leaves: tuple[Any, ...], bound: tuple[Any, ...]) ->
     return lower_call
 
 
-def lower(
-    state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any], n_bound: int = 0
-) -> Lowered:
-    """Trace and lower `state`'s function for these arguments (as `jax.jit(...).lower`); the
-    first `n_bound` were bound by `fastcall.partial`."""
+def tracing(state: Any, fun_leaves: tuple[Any, ...], bound: tuple[Any, ...]) -> Any:
+    """A wrapper's `.trace` (`bound` as for `lowering`)."""
+
+    def trace_call(*args: Any, **kwargs: Any) -> Traced:
+        return trace(state, fun_leaves, (*bound, *args), kwargs, len(bound))
+
+    trace_call.__doc__ = "Trace for these arguments (as `jax.jit(...).trace`); `.lower()` lowers it."
+    return trace_call
+
+
+def shape_evaluation(state: Any, fun_leaves: tuple[Any, ...], bound: tuple[Any, ...]) -> Any:
+    """A wrapper's `.eval_shape` (`bound` as for `lowering`)."""
+
+    def eval_shape_call(*args: Any, **kwargs: Any) -> Any:
+        return eval_shape(state, fun_leaves, (*bound, *args), kwargs)
+
+    eval_shape_call.__doc__ = (
+        "The output's structure, with a `jax.ShapeDtypeStruct` for each array (as `jax.jit(...).eval_shape`); "
+        "runs nothing and writes nothing back."
+    )
+    return eval_shape_call
+
+
+def _entry_for(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any], what: str):
+    """The call's resolution and its compiled entry, as a call finds them: for `.lower`,
+    `.trace` and `.eval_shape`, whose arguments may hold `jax.ShapeDtypeStruct`s for arrays."""
     try:
         resolved = _args.resolve_call(state, fun_leaves, args, kwargs)
     except StepAside:
         raise FastcallError(
-            f"{state.decorator}(...).lower: the arguments contain tracers; lower outside of any jax transformation."
+            f"{state.decorator}(...).{what}: the arguments contain tracers; call it outside of any jax transformation."
         ) from None
     except FastcallError as err:
         raise for_decorator(err, state.decorator) from err.__cause__
     if resolved is None:
         state.fun(*args, **kwargs)  # raises the function's own TypeError
-        raise FastcallError(f"{state.decorator}(...).lower: could not bind the arguments.")
-    entry = state.table.get(resolved.key) or state.entry(resolved.key)
+        raise FastcallError(f"{state.decorator}(...).{what}: could not bind the arguments.")
+    return resolved, state.table.get(resolved.key) or state.entry(resolved.key)
+
+
+def lower(
+    state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any], n_bound: int = 0
+) -> Lowered:
+    """Trace and lower `state`'s function for these arguments (as `jax.jit(...).lower`); the
+    first `n_bound` were bound by `fastcall.partial`."""
+    resolved, entry = _entry_for(state, fun_leaves, args, kwargs, "lower")
     lowered = entry.fn.lower(*resolved.leaves)
     return Lowered(lowered, entry, state, fun_leaves, resolved.key, tuple(args[:n_bound]))
+
+
+def trace(
+    state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any], n_bound: int = 0
+) -> Traced:
+    """Trace `state`'s function for these arguments (as `jax.jit(...).trace`)."""
+    resolved, entry = _entry_for(state, fun_leaves, args, kwargs, "trace")
+    traced = entry.fn.trace(*resolved.leaves)
+    return Traced(traced, entry, state, fun_leaves, resolved.key, tuple(args[:n_bound]))
+
+
+def eval_shape(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The output structure of a call with these arguments, a `jax.ShapeDtypeStruct` for
+    each array (as `jax.jit(...).eval_shape`): traced, not run; nothing written back."""
+    resolved, entry = _entry_for(state, fun_leaves, args, kwargs, "eval_shape")
+    flat = entry.fn.eval_shape(*resolved.leaves)
+    if type(flat) is Varying:  # (a trace that met another output structure carries its own)
+        return flat.info.shapes(flat.flat, state.decorator)
+    assert entry.out is not None  # (recorded by the trace that eval_shape ran or found)
+    return entry.out.shapes(flat, state.decorator)
+
+
+class Traced:
+    """A fastcall function traced for some arguments, not yet lowered.
+
+    Made by `f.trace(*args, **kwargs)`, called with the arguments of a call (arrays or
+    `jax.ShapeDtypeStruct`s), as `jax.jit(f).trace(...)`. The program is that of the
+    function over the flat array leaves of the arguments, so jax's descriptions of it
+    (`.jaxpr`, `.out_info`, ...) list leaves, not pytrees.
+
+    **Methods:**
+
+    - `.lower()` -> `fastcall.Lowered`.
+    - everything else of `jax.stages.Traced`, forwarded to it: `.jaxpr`, `.out_info`, ...
+
+    **Example:**
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+
+    import fastcall
+
+    @fastcall.jit
+    def scale(x, s):
+        return x * s
+
+    traced = scale.trace(jax.ShapeDtypeStruct((3,), jnp.float32), 2.0)
+    print([eqn.primitive.name for eqn in traced.jaxpr.eqns])
+    print(traced.lower().compile()(jnp.ones(3), 2.0))
+    ```
+    ```text
+    ['convert_element_type', 'mul']
+    [2. 2. 2.]
+    ```
+    """
+
+    def __init__(self, traced: Any, entry: Any, state: Any, fun_leaves: tuple[Any, ...], key: Any, bound: tuple[Any, ...]):
+        self._traced = traced
+        self._lowering = (entry, state, fun_leaves, key, bound)
+
+    def lower(self, **kwargs: Any) -> Lowered:
+        if kwargs:  # (only jax.export passes any: lowering platforms, private parameters)
+            raise FastcallError(
+                "jax.export cannot export a fastcall function: its program takes the flat "
+                "leaves of the arguments, not their pytrees. Export `jax.jit(f)` instead (the "
+                "same program, for jax.jit's arguments)."
+            )
+        return Lowered(self._traced.lower(), *self._lowering)
+
+    def __getattr__(self, name: str) -> Any:  # jaxpr, out_info, fun_name, ...
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._traced, name)
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | {n for n in dir(self._traced) if not n.startswith("_")})
 
 
 class Lowered:

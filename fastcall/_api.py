@@ -43,6 +43,12 @@ class JitWrapped(Protocol[P, R]):
     def lower(self, *args: P.args, **kwargs: P.kwargs) -> _aot.Lowered:
         """Trace and lower for these arguments, static ones included (as `jax.jit(...).lower`)."""
 
+    def trace(self, *args: P.args, **kwargs: P.kwargs) -> _aot.Traced:
+        """Trace for these arguments (as `jax.jit(...).trace`); `.lower()` lowers it."""
+
+    def eval_shape(self, *args: P.args, **kwargs: P.kwargs) -> Any:
+        """The output's structure, a `jax.ShapeDtypeStruct` per array (as `jax.jit(...).eval_shape`)."""
+
     def stats(self) -> _stats.JitStats:
         """Calls, compiles, hits, what each recompile changed, and the route each call took."""
 
@@ -175,7 +181,12 @@ def jit(
 
     - `.lower(*args, **kwargs)` -> `fastcall.Lowered`: trace and lower for these
       arguments, static ones included (as `jax.jit(...).lower`); its `.compile()`
-      gives a `fastcall.Compiled`.
+      gives a `fastcall.Compiled`. Arrays may be given as `jax.ShapeDtypeStruct`s.
+    - `.trace(*args, **kwargs)` -> `fastcall.Traced` (as `jax.jit(...).trace`): its
+      `.jaxpr`, and `.lower()`.
+    - `.eval_shape(*args, **kwargs)`: the output's structure with a
+      `jax.ShapeDtypeStruct` per array (as `jax.jit(...).eval_shape`); nothing runs and
+      nothing is written back.
     - `.stats()` -> `fastcall.JitStats`: calls, compiles, hits, what each recompile
       changed, and the route each call took.
     - `.explain(*args, **kwargs)` -> `fastcall.CallReport`: the route a call with
@@ -381,6 +392,8 @@ def _wrap(fun: Any, options: Any) -> Any:
     weakref.finalize(public, _flatten.release_held, state.held_box).atexit = False
     public._fastcall_fun_leaves = fun_leaves
     public.lower = _aot.lowering(state, fun_leaves, ())
+    public.trace = _aot.tracing(state, fun_leaves, ())
+    public.eval_shape = _aot.shape_evaluation(state, fun_leaves, ())
     public.stats = state.stats
     public.explain = lambda *args, **kwargs: _explain.explain(state, args, kwargs)
     public.explain.__doc__ = "Which route a call with these arguments would take, and why (runs nothing)."
@@ -508,8 +521,8 @@ def partial(fun: Callable, /, *bound: Any, **jit_options: Any) -> Any:
 
     **Returns:**
 
-    A callable taking the remaining arguments. Its `.lower(...)` and `.explain(...)`
-    take what a call takes (the remaining arguments), and the `fastcall.Compiled`
+    A callable taking the remaining arguments. Its `.lower(...)`, `.trace(...)`,
+    `.eval_shape(...)` and `.explain(...)` take what a call takes (the remaining arguments), and the `fastcall.Compiled`
     that `.lower(x).compile()` gives is called as `compiled(x)`; `.stats()` and
     `.clear_cache()` are the wrapped function's.
 
@@ -567,6 +580,10 @@ def partial(fun: Callable, /, *bound: Any, **jit_options: Any) -> Any:
     functools.update_wrapper(bound_call, wrapped)  # type: ignore[arg-type]
     # (its lower and explain take what a call takes: the bound arguments go first)
     bound_call.lower = _aot.lowering(state, wrapped._fastcall_fun_leaves, bound)  # type: ignore[attr-defined]
+    bound_call.trace = _aot.tracing(state, wrapped._fastcall_fun_leaves, bound)  # type: ignore[attr-defined]
+    bound_call.eval_shape = _aot.shape_evaluation(  # type: ignore[attr-defined]
+        state, wrapped._fastcall_fun_leaves, bound  # type: ignore[attr-defined]
+    )
     bound_call.explain = lambda *args, **kwargs: _explain.explain(  # type: ignore[attr-defined]
         state, (*bound, *args), kwargs
     )

@@ -25,7 +25,7 @@ from . import _native
 from ._stats import read_whole
 from ._fast import SequenceRead, TreeRead
 from ._flatten import (
-    ARRAY_TYPES, PLAIN_ARRAY_TYPES, PY_SCALARS, STATE_TYPE, ArrayImpl, Spec, is_traced_leaf, plain_leaf_types,
+    ARRAY_TYPES, JIT_RULE_LEAVES, PLAIN_ARRAY_TYPES, PY_SCALARS, STATE_TYPE, ArrayImpl, Spec, is_traced_leaf, plain_leaf_types,
     static_equal,
 )
 
@@ -102,7 +102,7 @@ class _CodeGen:
         if value is None:
             self.emit(f"if {expr} is not None: return None")
             return
-        if t in PY_SCALARS and not self.in_module:
+        if t in JIT_RULE_LEAVES and not self.in_module:
             self.rule_bound = True
             if self.trace_scalars:
                 v = self.var()

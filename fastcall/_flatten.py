@@ -78,6 +78,11 @@ def is_array(x: Any) -> bool:
 # (weakly typed) under `jax.jit`/`nnx.jit`'s (`fastcall.jit`), except inside an Equinox
 # module, whose own rule (array fields traced, every other field static) always holds.
 PY_SCALARS = (bool, int, float, complex)
+# What `jax.jit` traces and `eqx.filter_jit` keeps static, outside Equinox modules: Python
+# scalars, and `jax.ShapeDtypeStruct`s (abstract arrays: `f.lower`, `f.trace` and
+# `f.eval_shape` take them for arrays, as jax.jit's do; a call given one fails in jax.jit,
+# as jax.jit's does).
+JIT_RULE_LEAVES = (*PY_SCALARS, jax.ShapeDtypeStruct)
 
 
 def plain_leaf_types(trace_scalars: bool) -> frozenset[type]:
@@ -93,7 +98,7 @@ def is_traced_leaf(x: Any, trace_scalars: bool) -> bool:
     `fastcall.jit`'s rule (`trace_scalars`) a Python scalar. (The one statement of the
     rule, for arguments and outputs alike: a leaf inside an Equinox module is asked with
     `trace_scalars=False`.)"""
-    return type(x) is ArrayImpl or isinstance(x, ARRAY_TYPES) or (trace_scalars and type(x) in PY_SCALARS)
+    return type(x) is ArrayImpl or isinstance(x, ARRAY_TYPES) or (trace_scalars and type(x) in JIT_RULE_LEAVES)
 
 
 def traced_mask(value: Any, leaves: list[Any]) -> tuple[bool, ...]:
@@ -113,7 +118,7 @@ def dynamic_mask(value: Any, leaves: list[Any], trace_scalars: bool) -> tuple[bo
     """Which of `value`'s leaves (`leaves`, in `tree_flatten` order) are dynamic under one
     scalar rule: the arrays, and under `fastcall.jit`'s (`trace_scalars`) the Python
     scalars outside Equinox modules too."""
-    if trace_scalars and any(type(x) in PY_SCALARS for x in leaves):
+    if trace_scalars and any(type(x) in JIT_RULE_LEAVES for x in leaves):
         return traced_mask(value, leaves)
     return tuple(isinstance(x, ARRAY_TYPES) for x in leaves)
 
@@ -122,7 +127,7 @@ def reads_alike(value: Any) -> bool:
     """Whether both scalar rules read `value` alike: no Python scalar outside an Equinox
     module in it (a flatten: for once-per-compile decisions; per call, `read_alike`)."""
     leaves = jax.tree_util.tree_leaves(value)
-    return not any(type(x) in PY_SCALARS for x in leaves) or traced_mask(value, leaves) == tuple(
+    return not any(type(x) in JIT_RULE_LEAVES for x in leaves) or traced_mask(value, leaves) == tuple(
         isinstance(x, ARRAY_TYPES) for x in leaves
     )
 
@@ -347,7 +352,7 @@ def flatten_generic(value: Any, arg_name: str, trace_scalars: bool = False) -> t
     leaves, treedef = tree_flatten(value)
     mask = tuple(isinstance(x, ARRAY_TYPES) for x in leaves)
     rule_free = True
-    if any(type(x) in PY_SCALARS for x in leaves):
+    if any(type(x) in JIT_RULE_LEAVES for x in leaves):
         traced = traced_mask(value, leaves)
         rule_free = traced == mask
         if trace_scalars:
@@ -564,7 +569,7 @@ def read_alike(spec: Any, leaves: Sequence[Any]) -> bool:
     fastcall.jit's rule `{"lr": array}` and `{"lr": 0.5}` are one spec (one leaf each, as
     jax.jit reads them: one program), and whichever made the spec set its `rule_free`; a
     Python scalar it traces is among the leaves, one it keeps static makes `rule_free` False."""
-    return spec.rule_free and not any(type(x) in PY_SCALARS for x in leaves)
+    return spec.rule_free and not any(type(x) in JIT_RULE_LEAVES for x in leaves)
 
 
 def holdable(obj: Any, spec: Any, leaves: Sequence[Any]) -> bool:

@@ -178,6 +178,27 @@ class OutInfo:
             self._register(result, dyn)
         return result
 
+    def shapes(self, flat: Any, decorator: str) -> Any:
+        """The user's output around the abstract outputs of `eval_shape` (a
+        `jax.ShapeDtypeStruct` per array): built as `result` builds it, less the NNX
+        write-back, the wait and the memo of returned objects (nothing ran)."""
+        if self.passthrough:
+            return flat
+        dyn = list(flat)
+        if self.nnx is not None:
+            if self.nnx.has_nodes:
+                raise FastcallError(
+                    f"{decorator}(...).eval_shape: the function returns NNX objects, which fastcall "
+                    "cannot rebuild around abstract values; use nnx.eval_shape(lambda: f(...)) for them."
+                )
+            del dyn[len(dyn) - self.nnx.n_written :]
+        if self.block:
+            dyn.pop()  # (the marker a call waits on)
+        if self.build is not None:
+            return self.build(dyn)
+        it_dyn, it_stat = iter(dyn), iter(self.statics)
+        return self.treedef.unflatten([next(it_dyn) if m else next(it_stat) for m in self.mask])
+
     def plain_writes(self) -> tuple[tuple[int, int], ...] | None:
         """The (NNX object ordinal, leaf index) of each leaf written back, if writing new
         values into the caller's Variables and raw leaves is all a call does to its NNX
