@@ -10,10 +10,14 @@ the underlying jax objects, which describe the program over flat leaves.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
+
+import jax
 
 from . import _args, _dispatch
 from ._errors import FastcallError, for_decorator
+from ._options import UNSPECIFIED
 from ._outputs import Varying
 from ._trace import StepAside
 
@@ -85,7 +89,7 @@ def trace(
     """Trace `state`'s function for these arguments (as `jax.jit(...).trace`)."""
     resolved, entry = _entry_for(state, fun_leaves, args, kwargs, "trace")
     traced = entry.fn.trace(*resolved.leaves)
-    return Traced(traced, entry, state, fun_leaves, resolved.key, tuple(args[:n_bound]))
+    return Traced(traced, entry, state, fun_leaves, resolved.key, tuple(args[:n_bound]), (args, kwargs))
 
 
 def eval_shape(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -112,6 +116,12 @@ class Traced:
     - `.lower()` -> `fastcall.Lowered`.
     - everything else of `jax.stages.Traced`, forwarded to it: `.jaxpr`, `.out_info`, ...
 
+    `jax.export.export(f)` works on a fastcall function whose arguments are arrays (or
+    `jax.ShapeDtypeStruct`s), pytrees of them and static arguments, as it works on
+    `jax.jit(f)`: an exported function is called on your arguments' structure, so what is
+    exported is `jax.jit`'s program of `f` with the same static and sharding options
+    (the same computation; fastcall's own runs over the flat leaves).
+
     **Example:**
 
     ```python
@@ -134,18 +144,54 @@ class Traced:
     ```
     """
 
-    def __init__(self, traced: Any, entry: Any, state: Any, fun_leaves: tuple[Any, ...], key: Any, bound: tuple[Any, ...]):
+    def __init__(
+        self,
+        traced: Any,
+        entry: Any,
+        state: Any,
+        fun_leaves: tuple[Any, ...],
+        key: Any,
+        bound: tuple[Any, ...],
+        call: tuple[tuple[Any, ...], dict[str, Any]],
+    ):
         self._traced = traced
         self._lowering = (entry, state, fun_leaves, key, bound)
+        self._call = call  # (the arguments it was traced for, the bound ones first)
 
-    def lower(self, **kwargs: Any) -> Lowered:
+    def lower(self, **kwargs: Any) -> Any:
         if kwargs:  # (only jax.export passes any: lowering platforms, private parameters)
-            raise FastcallError(
-                "jax.export cannot export a fastcall function: its program takes the flat "
-                "leaves of the arguments, not their pytrees. Export `jax.jit(f)` instead (the "
-                "same program, for jax.jit's arguments)."
-            )
+            return self._lower_for_export(kwargs)
         return Lowered(self._traced.lower(), *self._lowering)
+
+    def _lower_for_export(self, lower_kwargs: dict[str, Any]) -> Any:
+        """jax.export's lowering: jax.jit's program of the function over the arguments'
+        own structure (what an exported function is called with), under the wrapper's
+        static and sharding options. jax.export then reads this trace's `jaxpr` and
+        `fun_name`, so from here on the object stands for it."""
+        entry, state, fun_leaves, key, bound = self._lowering
+        fun = state.fun_spec.rebuild(list(fun_leaves))
+        if bound:  # (fastcall.partial: the bound objects are closed over, not arguments)
+            fun = functools.partial(fun, *bound)
+        options = state.options
+        jit_kwargs: dict[str, Any] = {"keep_unused": options.keep_unused}
+        if options.static_argnums:  # (counted after the bound arguments, as the partial takes them)
+            jit_kwargs["static_argnums"] = tuple(
+                i - len(bound) if i >= 0 else i for i in options.static_argnums if i < 0 or i >= len(bound)
+            )
+        if options.static_argnames:
+            jit_kwargs["static_argnames"] = options.static_argnames
+        if options.in_shardings is not UNSPECIFIED:
+            jit_kwargs["in_shardings"] = options.in_shardings
+        args, kwargs = self._call
+        try:
+            traced = jax.jit(fun, **jit_kwargs).trace(*args[len(bound) :], **kwargs)
+        except TypeError as err:
+            raise FastcallError(
+                f"jax.export exports jax.jit's program of the function over its arguments, where "
+                f"every leaf of an argument that is not static must be an array: {err}"
+            ) from err
+        self._traced = traced
+        return traced.lower(**lower_kwargs)
 
     def __getattr__(self, name: str) -> Any:  # jaxpr, out_info, fun_name, ...
         if name.startswith("_"):
