@@ -77,6 +77,7 @@ def jit(
     compiler_options: dict[str, Any] | None = ...,
     graph: bool | None = ...,
     graph_updates: bool | None = ...,
+    nnx_as_pytree: bool = ...,
 ) -> JitWrapped[P, R]: ...
 
 
@@ -98,6 +99,7 @@ def jit(
     compiler_options: dict[str, Any] | None = ...,
     graph: bool | None = ...,
     graph_updates: bool | None = ...,
+    nnx_as_pytree: bool = ...,
 ) -> Callable[[Callable[P, R]], JitWrapped[P, R]]: ...
 
 
@@ -118,6 +120,7 @@ def jit(
     compiler_options: dict[str, Any] | None = None,
     graph: bool | None = None,
     graph_updates: bool | None = None,
+    nnx_as_pytree: bool = False,
 ) -> Any:
     """Compile `fun` as `nnx.jit` / `jax.jit` would, at close to `jax.jit`'s floor.
 
@@ -170,6 +173,12 @@ def jit(
       unless `graph_updates=False`, which (as in `nnx.jit`) propagates changed
       Variable values only. `None` means the current `nnx.set_graph_mode` /
       `nnx.set_graph_updates` setting.
+    - `nnx_as_pytree`: `True` gives `jax.jit`'s semantics for Flax NNX objects, where
+      they differ from `nnx.jit`'s: NNX modules, Variables and States are plain pytrees,
+      nothing the function changes in them is written back to the caller's objects, an
+      object reached twice is two objects inside, and NNX objects returned are new.
+      (`graph` and `graph_updates` then have no effect.) The default, `False`, is
+      `nnx.jit`'s.
 
     **Returns:**
 
@@ -276,6 +285,7 @@ def jit(
         graph_updates=graph_updates,
         graph=graph,
         trace_scalars=True,
+        nnx_as_pytree=bool(nnx_as_pytree),
     )
     if fun is None:
         return functools.partial(_wrap, options=options)

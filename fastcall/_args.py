@@ -83,6 +83,7 @@ def _resolve_all(
     nnx_args: list[Any] = []
     static_argnums = state.static_argnums
     trace_scalars = state.options.trace_scalars
+    as_pytree = state.options.nnx_as_pytree
     first_known = False
     if args:
         first_known = _flatten.lookup(args[0], adopt=not check_only) is not None
@@ -93,7 +94,7 @@ def _resolve_all(
             leaves.append(a)
             key.append(0)
         else:
-            key.append(resolve(a, leaves, state.arg_name(i), nnx_args, joint, trace_scalars, check_only))
+            key.append(resolve(a, leaves, state.arg_name(i), nnx_args, joint, trace_scalars, check_only, as_pytree))
     if kwargs:
         names = tuple(sorted(kwargs))
         key.append(names)
@@ -101,7 +102,7 @@ def _resolve_all(
             if name in state.static_argnames:
                 key.append(static_spec(kwargs[name], name).id)
             else:
-                key.append(resolve(kwargs[name], leaves, name, nnx_args, joint, trace_scalars, check_only))
+                key.append(resolve(kwargs[name], leaves, name, nnx_args, joint, trace_scalars, check_only, as_pytree))
     return Resolved(leaves, tuple(key), nnx_args, args, kwargs, first_known, joint is not None)
 
 
@@ -113,6 +114,7 @@ def resolve(
     joint: Any = None,
     trace_scalars: bool = False,
     check_only: bool = False,
+    nnx_as_pytree: bool = False,
 ) -> int:
     """Append `value`'s dynamic leaves to `leaves`; return its spec id.
 
@@ -121,15 +123,17 @@ def resolve(
     Python scalars outside Equinox modules are traced (`fastcall.jit`, as jax.jit and
     nnx.jit do) rather than static (`fastcall.filter_jit`, as eqx.filter_jit does).
     `check_only`: nothing is cached by identity, marked as seen or learnt as a template.
+    `nnx_as_pytree`: NNX objects are plain pytrees (`fastcall.jit(nnx_as_pytree=True)`,
+    jax.jit's semantics): flattened and read as any other pytree, never by the adapter.
     """
     hit = _flatten.lookup(value, adopt=not check_only)
     if hit is not None:  # seen before, same object (and every list or dict in it unchanged)
         leaves += hit.leaves
         return hit.spec_id
-    if _nnx_gate.is_node(value):
+    if not nnx_as_pytree and _nnx_gate.is_node(value):
         return _nnx_gate.adapter().read_argument(value, leaves, arg_name, nnx_args, joint)
     for template in _codegen.templates.get(type(value), ()):
-        if not template.serves(trace_scalars):
+        if not template.serves(trace_scalars, nnx_as_pytree):
             continue
         found = template.extract(value)
         if found is not None:
@@ -142,7 +146,7 @@ def resolve(
             elif spec.guardable and _flatten.seen_before(value):
                 _flatten.remember_guarded(value, found, spec)  # (a new object each call is not)
             return spec.id
-    adapter = _nnx_gate.loaded()
+    adapter = None if nnx_as_pytree else _nnx_gate.loaded()
     if adapter is not None and adapter.holds_nodes(value):
         return adapter.read_container(value, leaves, arg_name, nnx_args, joint, trace_scalars)
     if _flatten.is_traced_leaf(value, trace_scalars):
@@ -151,10 +155,10 @@ def resolve(
     scalar = _scalar_spec(value)
     if scalar is not None:
         return scalar
-    if _nnx_gate.is_graphdef(value):  # (the functional API: static, compared by value)
+    if not nnx_as_pytree and _nnx_gate.is_graphdef(value):  # (the functional API: static, compared by value)
         return _nnx_gate.adapter().read_graphdef(value, arg_name, trace_scalars)
     spec, dynamic = _flatten.flatten_generic(value, arg_name, trace_scalars)
-    if spec.has_nnx:  # NNX objects inside a container: each read as if passed on its own
+    if spec.has_nnx and not nnx_as_pytree:  # NNX objects inside a container: each read as if passed on its own
         return _nnx_gate.adapter().read_container(value, leaves, arg_name, nnx_args, joint, trace_scalars)
     leaves.extend(dynamic)
     if contains_tracer(dynamic) or check_only:  # (tracers are never cached)
@@ -168,7 +172,7 @@ def resolve(
             _flatten.remember_guarded(value, tuple(dynamic), spec)
     if not spec.templated:
         spec.templated = True
-        _codegen.learn(value, spec, dynamic, trace_scalars)
+        _codegen.learn(value, spec, dynamic, trace_scalars)  # (NNX inside: nnx_as_pytree's only)
     return spec.id
 
 

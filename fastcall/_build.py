@@ -91,6 +91,9 @@ def build(state: Any, key: tuple[Any, ...], fun: Any) -> Entry:
     # back: for a donated one, so that the caller's Variables stay usable; for one with
     # in_shardings, so that each Variable ends up with its sharding (as nnx.jit does).
     has_nnx = any(sp.kind in ("nnx", "nnx-tree") for sp in all_specs)
+    # (NNX objects as plain pytrees, jax.jit's semantics: nothing is marked or written back,
+    # and NNX objects returned are built from the output as jax builds any pytree)
+    reads_nnx = not state.options.nnx_as_pytree
     nnx_shardings: list[Any] = []
     nnx_everything: list[bool] = []
     for slot, sp in enumerate(all_specs):
@@ -109,7 +112,9 @@ def build(state: Any, key: tuple[Any, ...], fun: Any) -> Entry:
         values = []
         # (With flax imported, NNX objects the function creates and returns are marked too,
         # so that one returned twice, or shared, comes back as one object.)
-        nnx_inputs = _nnx_gate.adapter().TracedInputs() if has_nnx or _nnx_gate.flax_imported() else None
+        nnx_inputs = (
+            _nnx_gate.adapter().TracedInputs() if reads_nnx and (has_nnx or _nnx_gate.flax_imported()) else None
+        )
         start = 0
         for spec, n, arg_name in zip(all_specs, counts, ["fun"] + arg_names):
             segment = dyn[start : start + n]

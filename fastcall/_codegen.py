@@ -276,6 +276,8 @@ class Template:
     __slots__ = ("spec", "extract", "source", "sequence", "rule")
 
     def __init__(self, spec: Spec, example: Any, dynamic: list[Any], trace_scalars: bool):
+        if spec.has_nnx:  # (NNX objects as pytrees: read by a FlattenTemplate, for those functions only)
+            raise _NoTemplate
         gen = _CodeGen(trace_scalars)
         gen.walk("obj", example)
         body = gen.finish()
@@ -306,7 +308,7 @@ class Template:
         # makes that same test itself.
         self.sequence = sequence_read(example, TRACED_TYPES if gen.traces_scalars else PLAIN_ARRAY_TYPES)
 
-    def serves(self, trace_scalars: bool) -> bool:
+    def serves(self, trace_scalars: bool, nnx_as_pytree: bool = False) -> bool:
         """Whether a function of this scalar rule may read its arguments with this template."""
         return self.rule is None or self.rule == trace_scalars
 
@@ -480,7 +482,9 @@ class FlattenTemplate:
     __slots__ = ("spec", "extract", "sequence", "rule")
 
     def __init__(self, spec: Spec, example: Any, dynamic: list[Any]):
-        if not (all(spec.mask) and not spec.has_nnx and all(type(x) in PLAIN_ARRAY_TYPES for x in dynamic)):
+        # (a structure holding NNX objects is made one only for a function that reads them
+        # as pytrees, `nnx_as_pytree`; only such functions use it: `serves`)
+        if not (all(spec.mask) and all(type(x) in PLAIN_ARRAY_TYPES for x in dynamic)):
             raise _NoTemplate
         # The read, which the C path runs itself (`_accel.c` tree_leaves) and `extract` in
         # Python: jax's registry flatten (what `tree_flatten` calls), the treedef compared.
@@ -508,8 +512,8 @@ class FlattenTemplate:
         self.sequence = read
         self.rule = None
 
-    def serves(self, trace_scalars: bool) -> bool:
-        return True
+    def serves(self, trace_scalars: bool, nnx_as_pytree: bool = False) -> bool:
+        return nnx_as_pytree or not self.spec.has_nnx
 
 
 def learn(value: Any, spec: Spec, dynamic: list[Any], trace_scalars: bool) -> None:

@@ -238,11 +238,14 @@ def _publish_structure(
                 return
             reads.append(mixed)
             continue
-        if _nnx_gate.is_graphdef(a):  # (the functional API's GraphDef: static, known by identity)
+        as_pytree = state.options.nnx_as_pytree
+        if not as_pytree and _nnx_gate.is_graphdef(a):  # (the functional API's GraphDef: static, known by identity)
             reads.append(GraphdefRead(spec_id))
             continue
         rule = state.options.trace_scalars
-        template = next((t for t in _codegen.templates.get(type(a), ()) if t.spec.id == spec_id and t.serves(rule)), None)
+        template = next(
+            (t for t in _codegen.templates.get(type(a), ()) if t.spec.id == spec_id and t.serves(rule, as_pytree)), None
+        )
         kept = _kept_read(previous, len(reads), spec_id)
         if template is None and kept is not None:
             # (its template was dropped from the few kept per type, `_codegen.learn`: the

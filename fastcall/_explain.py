@@ -278,6 +278,12 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
             + ("value is passed once, here (that argument leaves it out)" if read.first else "value is passed once, by"
                " that argument"),
         )
+    if state.options.nnx_as_pytree and _nnx_gate.is_node(value):
+        return ArgumentReport(
+            name,
+            "NNX object read as a plain pytree (nnx_as_pytree: jax.jit's semantics, nothing written back)",
+            "flattened by jax's pytree flatten, its treedef compared with the recorded one (about jax.jit's cost)",
+        )
     if _nnx_gate.is_node(value) or (_nnx_gate.reads_as_node(value) and _nnx_gate.adapter().read_as_one_object(value)):
         kind, per_call = _nnx_gate.adapter().explain_node(value)
         if type(read) is _fast.JointRead:
@@ -364,7 +370,7 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
         return ArgumentReport(name, "a new object of a structure this function has run", reading)
     # (how the general path reads it: by the structure's generated extractor, if it has one)
     templated = any(
-        t.spec.id == spec.id and t.serves(state.options.trace_scalars) and t.extract(value) is not None
+        t.spec.id == spec.id and t.serves(state.options.trace_scalars, state.options.nnx_as_pytree) and t.extract(value) is not None
         for t in _codegen.templates.get(type(value), ())
     )
     every_call = "read by its structure's generated code every call" if templated else "flattened every call"

@@ -41,6 +41,10 @@ class JitOptions(NamedTuple):
     # Python scalars outside Equinox modules traced (fastcall.jit, as jax.jit/nnx.jit) or
     # static (fastcall.filter_jit, as eqx.filter_jit).
     trace_scalars: bool
+    # NNX objects are plain pytrees, as jax.jit sees them (nothing written back, a shared
+    # object passed once per place it is reached, returned objects new), not NNX objects
+    # read and written back as nnx.jit reads them.
+    nnx_as_pytree: bool = False
 
     @property
     def decorator(self) -> str:

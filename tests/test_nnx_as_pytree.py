@@ -1,0 +1,180 @@
+"""`fastcall.jit(nnx_as_pytree=True)`: jax.jit's semantics for Flax NNX objects, where
+they differ from nnx.jit's (no write-back, an object reached twice is two objects inside,
+returned objects new), checked against jax.jit on the patterns of flax's own programs that
+use jax.jit over NNX objects; the default stays nnx.jit's."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+import fastcall
+
+
+def as_pytree(f, **options):
+    return fastcall.jit(f, nnx_as_pytree=True, **options)
+
+
+def _values(tree):
+    return [jnp.asarray(x).tolist() for x in jax.tree.leaves(tree)]
+
+
+def _served_fast(f) -> int:
+    paths = f.stats().paths
+    return sum(paths[k] for k in ("c_fast", "python_fast", "c_structure", "python_structure"))
+
+
+class Count(nnx.Variable):
+    pass
+
+
+class Counted(nnx.Module):
+    """A model that counts its calls in a Variable (as flax's toy example 03's test step
+    does through the States it merges)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(3, 2, rngs=rngs)
+        self.calls = Count(jnp.array(0))
+
+    def __call__(self, x):
+        self.calls[...] += 1
+        return self.linear(x)
+
+
+def _split_states_step(graphdef):
+    """A step over `nnx.split` States, merged inside without a copy (toy example 03)."""
+
+    def step(params, counts, x):
+        model = nnx.merge(graphdef, params, counts, copy=False)
+        return model(x), nnx.state(model, Count)
+
+    return step
+
+
+def test_split_states_mutated_inside_are_not_written_back_as_under_jax_jit():
+    results = {}
+    for name, wrap in (("jax.jit", jax.jit), ("pytree", as_pytree), ("default", fastcall.jit)):
+        model = Counted(nnx.Rngs(0))
+        graphdef, params, counts = nnx.split(model, nnx.Param, Count)
+        f = wrap(_split_states_step(graphdef))
+        for _ in range(4):
+            y, returned = f(params, counts, jnp.ones(3))
+        results[name] = (int(model.calls[...]), int(returned["calls"][...]), _values(y))
+        if name == "pytree":
+            assert _served_fast(f) >= 2  # the calls after the first two took the structure path
+    assert results["pytree"] == results["jax.jit"] == (0, 1, results["jax.jit"][2])
+    assert results["default"][:2] == (4, 4)  # nnx.jit's rule: written back into the live model
+
+
+def test_the_performance_guides_jax_jit_loop_updates_the_model_only_at_nnx_update():
+    def run(wrap):
+        model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        graphdef, state = nnx.split((model, optimizer))
+        kernel_before = model.kernel[...]
+
+        def train_step(graphdef, state, x, y):
+            model, optimizer = nnx.merge(graphdef, state)
+            loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+            optimizer.update(model, grads)
+            return loss, nnx.state((model, optimizer))
+
+        f = wrap(train_step)
+        x, y = jnp.ones((4, 3)), jnp.zeros((4, 2))
+        losses = []
+        for _ in range(3):
+            loss, state = f(graphdef, state, x, y)
+            losses.append(float(loss))
+        untouched = bool(jnp.all(model.kernel[...] == kernel_before))
+        nnx.update((model, optimizer), state)
+        return losses, untouched, _values(nnx.state(model))
+
+    ours, theirs = run(as_pytree), run(jax.jit)
+    assert ours == theirs
+    assert ours[1] is True  # the live model changed only at nnx.update
+    assert run(fastcall.jit)[1] is False  # (the default writes back, as nnx.jit would)
+
+
+class Pair(nnx.Pytree):
+    def __init__(self, item):
+        self.left = item
+        self.right = item
+
+
+def test_an_object_reached_twice_is_two_objects_inside_as_under_jax_jit():
+    def same(pair):
+        return jnp.array(pair.left is pair.right)
+
+    pair = Pair(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    assert bool(as_pytree(same)(pair)) is bool(jax.jit(same)(pair)) is False
+    assert bool(fastcall.jit(same)(pair)) is True
+
+
+def test_returned_nnx_objects_are_new_and_arguments_unchanged():
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+    def bump(m):
+        m.bias[...] = m.bias[...] + 1.0
+        return m
+
+    for wrap in (as_pytree, jax.jit):
+        out = wrap(bump)(model)
+        assert out is not model and out.bias is not model.bias
+        assert out.bias[...].tolist() == [1.0, 1.0] and model.bias[...].tolist() == [0.0, 0.0]
+
+
+def test_values_changed_outside_and_structure_changes_are_seen():
+    model = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), nnx.Dropout(0.5, rngs=nnx.Rngs(1)))
+    f = as_pytree(lambda m, x: m(x))
+    x = jnp.ones((3, 2))
+    model.eval()
+    for _ in range(3):
+        f(model, x)
+    model.layers[0].bias[...] = jnp.full(2, 5.0)  # an in-place write between calls
+    assert _values(f(model, x)) == _values(jax.jit(lambda m, x: m(x))(model, x))
+    model.layers[0] = nnx.Linear(2, 2, rngs=nnx.Rngs(7))  # a submodule replaced
+    assert _values(f(model, x)) == _values(model(x))
+    compiles = f.stats().compiles
+    model.train()  # a static attribute flipped: jax.jit's treedef differs, so does ours
+    f(model, x)
+    assert f.stats().compiles == compiles + 1
+
+
+def test_the_default_and_pytree_wrappers_of_one_function_keep_their_own_rules():
+    """Structures and templates are shared between functions; those that read NNX objects
+    as pytrees serve only functions asking for it, whichever ran first."""
+    model = Counted(nnx.Rngs(0))
+
+    def call(m, x):
+        return (m[0] if isinstance(m, tuple) else m)(x)
+
+    pytree, default = as_pytree(call), fastcall.jit(call)
+    for _ in range(3):
+        pytree((model,), jnp.ones(3))
+        pytree(model, jnp.ones(3))
+    assert int(model.calls[...]) == 0
+    for _ in range(3):
+        default((model,), jnp.ones(3))
+        default(model, jnp.ones(3))
+    assert int(model.calls[...]) == 6
+
+
+def test_the_option_is_refused_nowhere_and_static_nnx_objects_stay_refused():
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    with pytest.raises(fastcall.FastcallError, match="static"):
+        as_pytree(lambda m, x: m(x), static_argnums=0)(model, jnp.ones(2))
+    f = as_pytree(lambda m, *, x: m(x))
+    assert _values(f(model, x=jnp.ones(2))) == _values(model(jnp.ones(2)))
+
+
+def test_explain_tells_the_pytree_reading():
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    f = as_pytree(lambda m, x: m(x))
+    for _ in range(3):
+        f(model, jnp.ones(2))
+    report = f.explain(model, jnp.ones(2))
+    assert report.route == "structure"
+    assert "read as a plain pytree" in report.arguments[0].kind
