@@ -81,7 +81,7 @@ def _resolve_all(
     leaves = list(fun_leaves)
     key: list[Any] = []
     nnx_args: list[Any] = []
-    static_argnums = state.static_argnums
+    static_argnums = state.static_positions(len(args))
     trace_scalars = state.options.trace_scalars
     as_pytree = state.options.nnx_as_pytree
     first_known = False

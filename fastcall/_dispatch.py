@@ -113,7 +113,7 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
     # Records are per state, which equal functions carrying other arrays share.
     if fun_leaves or not args or entry.varies or entry.out is None:
         return
-    if kwnames or state.static_argnums or state.static_argnames:  # (the fast path: positional traced ones only)
+    if kwnames or state.has_static:  # (the fast path: positional traced ones only)
         _publish_structure(state, resolved, entry, False, kwnames, False)
         return
     fast_shape = all(k == 0 for k in resolved.key[1:])  # every other argument a plain leaf
@@ -618,7 +618,7 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
     guard_holds = _guard.holds
     counts = state.counts
     resolve_call = _args.resolve_call
-    fast_ok = not (state.static_argnums or state.static_argnames)
+    fast_ok = not state.has_static
     serves_nested = state.serves_nested
     plain = state.plain_leaves
     checking = _agreement.ENABLED  # (FASTCALL_CHECK_HITS: see _agreement)

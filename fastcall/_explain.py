@@ -159,8 +159,9 @@ def explain(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallRe
                 reasons.append(f"not structure: {named[index][0] if index is not None else 'the call'}: {why}")
                 if index is not None:  # (that argument is not read as the record reads it)
                     reads[index] = None
+    static = state.static_positions(len(args))
     reports = tuple(
-        _argument(state, name, value, i == 0, reads[i] if i < len(reads) else None)
+        _argument(state, name, value, i == 0, reads[i] if i < len(reads) else None, static)
         for i, (name, value) in enumerate(named)
     )
     return CallReport(route, tuple(reasons), reports)
@@ -190,7 +191,7 @@ def _why_not_structure(state: Any, known: Any, given: tuple[Any, ...] | None) ->
 
 def _why_not_fast(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
     """The fast path's conditions (`_dispatch.make_wrapper`), each one that fails, in words."""
-    if state.static_argnums or state.static_argnames:
+    if state.has_static:
         return ["the function has static_argnums/static_argnames (the general path binds them)"]
     reasons = []
     if kwargs:
@@ -232,16 +233,17 @@ def _container_note(state: Any, first: bool) -> str:
     return "(held for the fast path if passed first again, beside plain arrays only)"
 
 
-def _marked_static(state: Any, name: str) -> bool:
-    """Whether the argument called `name` (`FunctionState.arg_name`) is marked static."""
+def _marked_static(state: Any, name: str, static: frozenset[int]) -> bool:
+    """Whether the argument called `name` (`FunctionState.arg_name`) is marked static;
+    `static`: the positions of this call's static arguments."""
     if name in state.static_argnames:
         return True
     if name in state.param_names:
-        return state.param_names.index(name) in state.static_argnums
-    return name.startswith("args[") and int(name[5:-1]) in state.static_argnums
+        return state.param_names.index(name) in static
+    return name.startswith("args[") and int(name[5:-1]) in static
 
 
-def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> ArgumentReport:
+def _argument(state: Any, name: str, value: Any, first: bool, read: Any, static: frozenset[int]) -> ArgumentReport:
     if type(value) is np.ndarray or (type(value) in _flatten.PLAIN_ARRAY_TYPES and isinstance(value, np.generic)):
         kind = "NumPy array" if type(value) is np.ndarray else "NumPy scalar"
         return ArgumentReport(name, kind, "passed as is (jax copies it to the device on every call)")
@@ -253,7 +255,7 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any) -> Argu
             f"{type(value).__name__}, static, as in a call this function ran",
             "compared with that call's (by identity, a scalar by value)",
         )
-    if _marked_static(state, name):
+    if _marked_static(state, name, static):
         return ArgumentReport(
             name,
             f"{type(value).__name__}, static (static_argnums/static_argnames): part of the compile key",

@@ -21,7 +21,7 @@ from ._build import Entry
 from ._flatten import Spec
 from ._options import UNSPECIFIED, JitOptions
 
-# Bounds on what fastcall keeps (documented in README "Guarantees and limits").
+# Bounds on what fastcall keeps (documented in docs/guarantees.md, "Threads and memory").
 MAX_SIGNATURES = 1024  # static signatures (compiled entries) per wrapped function
 _MAX_STATES = 8192
 
@@ -70,9 +70,19 @@ class FunctionState:
                 for p in self.signature.parameters.values()
                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
             ]
+        # A negative argument number counts from the end of the call's positional arguments,
+        # as jax.jit counts it: where `*args` takes any number, per call (`_from_end`); else
+        # from the end of the signature's, once, here.
+        self.var_positional = self.signature is not None and any(
+            p.kind is p.VAR_POSITIONAL for p in self.signature.parameters.values()
+        )
         self.static_argnums = self._argnums(options.static_argnums, options.static_argnames)
+        self.static_from_end = self._from_end(options.static_argnums)
         self.static_argnames = frozenset(options.static_argnames)
         self.donate_argnums = self._argnums(options.donate_argnums, options.donate_argnames)
+        self.donate_from_end = self._from_end(options.donate_argnums)
+        # (the fast path takes positional traced arguments only)
+        self.has_static = bool(self.static_argnums or self.static_from_end or self.static_argnames)
         self.donate_argnames = frozenset(options.donate_argnames)
         # Whether a call with NNX objects and nothing to write back, made while a JAX trace
         # runs but served without a tracer in sight (the model closed over by the outer
@@ -113,12 +123,21 @@ class FunctionState:
         _all_states.add(self)
 
     def _argnums(self, argnums: tuple[int, ...], argnames: tuple[str, ...]) -> frozenset[int]:
-        nums = set(argnums)
+        nums = {i for i in argnums if i >= 0 or not self.var_positional}
         for name in argnames:
             if name in self.param_names:
                 nums.add(self.param_names.index(name))
         n = len(self.param_names)
         return frozenset(i + n if i < 0 and n else i for i in nums)
+
+    def _from_end(self, argnums: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(i for i in argnums if i < 0) if self.var_positional else ()
+
+    def static_positions(self, nargs: int) -> frozenset[int]:
+        """The positions of a call's static arguments, for a call of `nargs` positional ones."""
+        if not self.static_from_end:
+            return self.static_argnums
+        return self.static_argnums | {i + nargs for i in self.static_from_end if i + nargs >= 0}
 
     def arg_name(self, i: int) -> str:
         return self.param_names[i] if i < len(self.param_names) else f"args[{i}]"
@@ -171,6 +190,7 @@ class FunctionState:
                     mode in ("all", "warn")
                     or (mode in ("all-except-first", "warn-except-first") and not first)
                     or arg_index in self.donate_argnums
+                    or arg_index - n_positional in self.donate_from_end
                 )
             else:
                 name = keyword_names[arg_index - n_positional]

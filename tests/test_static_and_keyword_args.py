@@ -283,3 +283,32 @@ def test_a_static_namedtuple_keyed_by_more_than_its_items_is_compared_every_call
     options.shift = 100.0
     assert_trees_equal(f(X, options), X * 2.0 + 100.0)
     assert_trees_equal(f(X, options), peer(X, options))
+
+
+def test_negative_static_argnums_count_from_the_end_of_each_call_with_star_args():
+    """As jax.jit counts them: with `*args`, -1 is each call's last positional argument
+    (it was counted from the end of the signature's: `x`, an array, refused as static)."""
+
+    def scaled(x, *rest):
+        n = rest[-1]
+        assert isinstance(n, int)  # static: a Python int while tracing
+        return x * n
+
+    ours, theirs = fastcall.jit(scaled, static_argnums=-1), jax.jit(scaled, static_argnums=-1)
+    x = jnp.ones(2)
+    for args in ((x, 3), (x, 1.0, 3), (x, 1.0, 2.0, 4), (x, 3)):
+        assert jnp.array_equal(ours(*args), theirs(*args))
+    assert ours.stats().compiles == 3
+    assert ours.explain(x, 1.0, 3).arguments[2].kind.startswith("int, static")
+
+
+def test_negative_donate_argnums_count_from_the_end_of_each_call_with_star_args():
+    def add(*xs):
+        return sum(xs)
+
+    f = fastcall.jit(add, donate_argnums=-1)
+    a, b, c = jnp.ones(2), jnp.ones(2), jnp.ones(2)
+    f(a, b)
+    assert b.is_deleted() and not a.is_deleted()
+    f(a, jnp.ones(2), c)
+    assert c.is_deleted() and not a.is_deleted()
