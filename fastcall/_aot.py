@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from . import _args, _dispatch
+from . import _args, _dispatch, _function
 from ._errors import FastcallError, for_decorator
 from ._options import UNSPECIFIED
 from ._outputs import Varying
@@ -97,10 +97,17 @@ def eval_shape(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], k
     each array (as `jax.jit(...).eval_shape`): traced, not run; nothing written back."""
     resolved, entry = _entry_for(state, fun_leaves, args, kwargs, "eval_shape")
     flat = entry.fn.eval_shape(*resolved.leaves)
-    if type(flat) is Varying:  # (a trace that met another output structure carries its own)
-        return flat.info.shapes(flat.flat, state.decorator)
-    assert entry.out is not None  # (recorded by the trace that eval_shape ran or found)
-    return entry.out.shapes(flat, state.decorator)
+    info = flat.info if type(flat) is Varying else entry.out  # (Varying: it carries its structure)
+    assert info is not None  # (recorded by the trace that eval_shape ran or found)
+    if info.holds_nnx_objects:
+        # NNX objects returned come back new, holding the abstract values, as nnx.jit's
+        # eval_shape returns them: what the same function reading NNX objects as pytrees
+        # gives (which writes nothing back either)
+        twin = _function.state_for(
+            state.fun, state.fun_spec, state.options._replace(nnx_as_pytree=True), state.user_fun
+        )
+        return eval_shape(twin, fun_leaves, args, kwargs)
+    return info.shapes(flat.flat if type(flat) is Varying else flat)
 
 
 class Traced:

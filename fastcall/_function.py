@@ -51,6 +51,7 @@ class PathCounts:
 class FunctionState:
     def __init__(self, fun: Any, fun_spec: Spec, options: JitOptions, user_fun: Any) -> None:
         self.fun = fun  # what is traced (the user's function, or it with out_shardings)
+        self.user_fun = user_fun
         self.fun_spec = fun_spec
         self.options = options
         self.table: dict[Any, Entry] = {}

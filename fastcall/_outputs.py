@@ -178,19 +178,21 @@ class OutInfo:
             self._register(result, dyn)
         return result
 
-    def shapes(self, flat: Any, decorator: str) -> Any:
+    @property
+    def holds_nnx_objects(self) -> bool:
+        """Whether the output holds NNX objects (marked at trace time, rebuilt after a call)."""
+        return self.nnx is not None and bool(self.nnx.has_nodes)
+
+    def shapes(self, flat: Any) -> Any:
         """The user's output around the abstract outputs of `eval_shape` (a
         `jax.ShapeDtypeStruct` per array): built as `result` builds it, less the NNX
-        write-back, the wait and the memo of returned objects (nothing ran)."""
+        write-back, the wait and the memo of returned objects (nothing ran). Not for an
+        output holding NNX objects (`holds_nnx_objects`), which are rebuilt from the call's."""
         if self.passthrough:
             return flat
         dyn = list(flat)
         if self.nnx is not None:
-            if self.nnx.has_nodes:
-                raise FastcallError(
-                    f"{decorator}(...).eval_shape: the function returns NNX objects, which fastcall "
-                    "cannot rebuild around abstract values; use nnx.eval_shape(lambda: f(...)) for them."
-                )
+            assert not self.nnx.has_nodes
             del dyn[len(dyn) - self.nnx.n_written :]
         if self.block:
             dyn.pop()  # (the marker a call waits on)

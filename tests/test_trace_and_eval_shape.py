@@ -78,10 +78,21 @@ def test_eval_shape_runs_nothing_writes_nothing_back_and_compiles_as_a_call_woul
     assert jnp.all(model.bias[...] == 1.0) and y.shape == (2,)
 
 
-def test_eval_shape_of_a_function_returning_nnx_objects_says_what_to_use():
+def test_eval_shape_of_a_function_returning_nnx_objects_is_nnx_jits():
+    """New objects holding the abstract values, as nnx.jit's eval_shape returns them; the
+    caller's objects untouched."""
     model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
-    with pytest.raises(fastcall.FastcallError, match=r"nnx\.eval_shape"):
-        fastcall.jit(lambda m, x: (m, m(x))).eval_shape(model, jnp.ones(2))
+
+    def f(m, x):
+        m.bias[...] += 1.0
+        return m, nnx.Linear(2, 3, rngs=nnx.Rngs(1)), m(x)
+
+    x = jax.ShapeDtypeStruct((2,), jnp.float32)
+    ours, theirs = fastcall.jit(f).eval_shape(model, x), nnx.jit(f).eval_shape(model, x)
+    assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+    assert jax.tree.leaves(ours) == jax.tree.leaves(theirs)
+    assert ours[0] is not model and type(ours[1]) is nnx.Linear
+    assert model.bias[...].tolist() == [0.0, 0.0]
 
 
 def test_trace_then_lower_then_compile_runs_as_a_call():
