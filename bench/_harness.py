@@ -120,10 +120,9 @@ def slower_than_peers(workload: Workload, rows: list[Row], tolerance: float) -> 
     median by more than the tolerance as well and the fastcall variant is within the
     tolerance of the floor: a gap that a call with no wrapper at all shows too is not
     fastcall's cost. (On this 2-core machine, in compute-bound steps, a few microseconds
-    of host work more between dispatches can make a loop faster, not slower: README,
-    "Performance".) Pairs where either row is missing (filtered out with --variants) or
-    FAILED are skipped: a failed correctness check is reported (and fails the run) on its
-    own."""
+    of host work more between dispatches can make a loop faster, not slower.) Pairs where
+    either row is missing (filtered out with --variants) or FAILED are skipped: a failed
+    correctness check is reported (and fails the run) on its own."""
     tolerance = max(tolerance, workload.min_tolerance)
     medians = {r.variant: r.median_us for r in rows if r.workload == workload.name and r.median_us}
     floor = medians.get(workload.floor)

@@ -1,18 +1,45 @@
-"""Turn rows into a table (plain or Markdown), JSON, and a plot."""
+"""Turn rows into a table (plain or Markdown) and JSON; the machine and provenance lines."""
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import platform
-import sys
+import shlex
+import subprocess
+from pathlib import Path
 from typing import Any
 
 from ._harness import Row
 
 
-def machine() -> dict[str, Any]:
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _git(*args: str) -> str | None:
+    """`git args...` in the checkout bench/ runs from; None where git or the checkout is absent."""
+    try:
+        done = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.rstrip() if done.returncode == 0 else None  # (rstrip: status lines begin with a space)
+
+
+def provenance() -> dict[str, Any]:
+    """What was measured: the commit, the source files of fastcall/ and bench/ that differ
+    from it (a run from a working tree measures that tree), and the day (UTC)."""
+    changed = _git("status", "--porcelain", "--untracked-files=no", "--", "fastcall/*.py", "fastcall/*.c", "bench/*.py")
+    return {
+        "commit": _git("rev-parse", "--short", "HEAD"),
+        "changed": sorted(line[3:] for line in changed.splitlines()) if changed else [],
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+    }
+
+
+def machine(argv: list[str]) -> dict[str, Any]:
+    """The machine, the versions, and the command (`argv`: the bench's arguments)."""
     import equinox
     import flax
     import jax
@@ -29,7 +56,8 @@ def machine() -> dict[str, Any]:
         "jaxlib": jaxlib.__version__,
         "equinox": equinox.__version__,
         "flax": flax.__version__,
-        "command": "python -m bench " + " ".join(sys.argv[1:]),
+        "command": shlex.join(["python", "-m", "bench", *argv]),
+        **provenance(),
     }
 
 
@@ -75,5 +103,7 @@ def machine_line(info: dict[str, Any]) -> str:
 
 
 def write_json(path: str, rows: list[Row], info: dict[str, Any], extra: dict[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         json.dump({"machine": info, "rows": [dataclasses.asdict(r) for r in rows], **extra}, f, indent=2)
+        f.write("\n")

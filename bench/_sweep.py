@@ -2,7 +2,7 @@
 
 The model holds N small arrays and uses every one of them (an unused leaf would
 be pruned from the executable and make the floor cheaper), so what grows with N
-is the per-leaf cost of each call path.
+is the per-leaf cost of each call path. (Its plot: `_plot.leaf_scaling`.)
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from flax import nnx
 
 import fastcall
 
-from ._harness import Row, Variant, Workload, allclose_tree
+from ._harness import Variant, Workload, allclose_tree
 
 PREFIX = "leaves_"
 
@@ -103,35 +103,3 @@ def leaves_workload(n: int) -> Workload:
 def build(sizes: list[int]) -> dict[str, Callable[[], Workload]]:
     return {f"{PREFIX}{n}": (lambda n=n: leaves_workload(n)) for n in sizes}
 
-
-def plot(rows: list[Row], path: str, machine_line: str) -> bool:
-    """Write the sweep as a log-log PNG; False if there is nothing to plot."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    series: dict[str, list[tuple[int, float]]] = {}
-    for r in rows:
-        if r.workload.startswith(PREFIX) and r.median_us is not None:
-            series.setdefault(r.variant, []).append((int(r.workload[len(PREFIX) :]), r.median_us))
-    if not series:
-        return False
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    for name, points in series.items():
-        points.sort()
-        style = "-" if "fastcall" in name or name == "floor" else "--"
-        width = 2.5 if "fastcall" in name else 1.5
-        ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", lw=width, label=name)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("array leaves in the model")
-    ax.set_ylabel("microseconds per call (median of interleaved rounds)")
-    ax.set_title("Dispatch cost against number of leaves")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.text(0.01, 0.005, machine_line.replace("\n", " | "), fontsize=5.5, alpha=0.7)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True

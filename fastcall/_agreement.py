@@ -14,7 +14,7 @@ written back:
 
 Any difference raises `AgreementError`, naming the argument and the leaf. It costs a full
 resolution per call: a mode for tests and debugging, never for production. CI runs the
-whole suite under it (README "Development").
+whole suite under it (README "Development", docs/how-it-works.md).
 
 How the two meet: each wrapper made in this mode (`checking_wrapper`) pushes the call onto a
 per-thread stack, armed; the general path disarms it when it takes the call (`miss_taken`);

@@ -58,7 +58,7 @@ POINTS: dict[str, dict[str, str]] = {
 # pyproject.toml holds the pytest settings and the mypy configuration).
 # Never fastcall/: pytest puts the run directory on sys.path, where it would shadow the
 # installed package.
-SUITE_FILES = ("tests", "bench", "examples", "README.md", ".ci", "pyproject.toml")
+SUITE_FILES = ("tests", "bench", "examples", "README.md", "docs", "mkdocs.yml", ".ci", "pyproject.toml")
 # Left out when the checkout is not a git work tree (else git decides what is source).
 SKIP_IN_SOURCE = {".git", ".venv", "venv", "build", "dist", "__pycache__", ".pytest_cache",
                   ".hypothesis", ".mypy_cache"}

@@ -13,9 +13,18 @@ import jax.numpy as jnp
 import pytest
 
 from bench import __main__ as bench_main
-from bench import _harness
+from bench import _harness, _plot, render
+
+from .conftest import ROOT
 
 NO_SPEED_GATE = ["--tolerance", "1e9"]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    """Each test runs in its own folder: a run without --json writes bench-results/ there."""
+    monkeypatch.chdir(tmp_path)
 
 
 def test_bench_runs_and_reports(tmp_path, capsys):
@@ -79,7 +88,70 @@ def test_leaf_sweep_plot(tmp_path):
         ["--only", "leaves_10", "--rounds", "1", "--round-ms", "0.2", "--plot", str(png), *NO_SPEED_GATE]
     )
     assert code == 0
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.read_bytes()[:8] == PNG
+    assert not (tmp_path / "bench-results" / "results-leaf-scaling.png").exists()  # (--plot's FILE instead)
+    assert json.loads((tmp_path / "bench-results" / "results.json").read_text())["plots"] == {
+        "leaf_scaling": "../sweep.png"  # (the sweep's workloads are not in the ratio plot: no other plot)
+    }
+
+
+def test_full_mode_plots_the_sweep_beside_the_json(tmp_path):
+    """--full runs the leaf-scaling sweep: its plot goes beside the JSON, after its stem."""
+    assert bench_main.main(["--full", "--only", "leaves_10", "--rounds", "1", "--round-ms", "0.2", *NO_SPEED_GATE]) == 0
+    folder = tmp_path / "bench-results"
+    assert (folder / "results-leaf-scaling.png").read_bytes()[:8] == PNG
+    assert json.loads((folder / "results.json").read_text())["plots"] == {"leaf_scaling": "results-leaf-scaling.png"}
+
+
+TINY = ["--only", "identity", "--rounds", "1", "--round-ms", "0.2", *NO_SPEED_GATE]
+
+
+def test_by_default_the_json_and_its_plot_go_to_bench_results(tmp_path, capsys):
+    assert bench_main.main(TINY) == 0
+    folder = tmp_path / "bench-results"
+    assert sorted(p.name for p in folder.iterdir()) == ["results.json", "results.png"]
+    assert (folder / "results.png").read_bytes()[:8] == PNG
+    data = json.loads((folder / "results.json").read_text())
+    assert data["plots"] == {"ratios": "results.png"} and data["exit_status"] == 0
+    assert data["machine"]["command"] == "python -m bench " + " ".join(TINY)
+    assert data["workloads"]["identity"]["peers"]["fastcall.jit"]
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith(
+        "results written to bench-results/results.json\nplot written to bench-results/results.png"
+    )
+
+
+def test_the_plot_goes_beside_the_json_named_after_it(tmp_path):
+    assert bench_main.main([*TINY, "--json", "out/run1.json"]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["run1.json", "run1.png"]
+    assert not (tmp_path / "bench-results").exists()
+
+
+def test_no_plot_writes_only_the_json(tmp_path):
+    assert bench_main.main([*TINY, "--no-plot"]) == 0
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == ["results.json"]
+    assert json.loads((tmp_path / "bench-results" / "results.json").read_text())["plots"] == {}
+
+
+def test_markers_that_would_overlap_go_to_different_lanes():
+    """The ratio plot's rule: a marker within a marker's width of another in the same workload
+    goes to the next lane, so that none hides another; the rest share lane 0."""
+    apart = _plot._log_apart(0.02)  # (log10 units: 1.00 and 1.04 are 0.017 apart)
+    assert _plot._lanes([1.0, 1.04, 3.0, 1.0, 1.1], apart) == [0, 1, 0, 2, 0]
+
+
+def test_the_performance_page_is_rendered_from_the_committed_results():
+    """docs/performance.md is generated (`python -m bench.render`), never edited by hand: it
+    equals what the renderer makes of the committed JSON, and every image it shows exists."""
+    source = render.DEFAULT_JSON
+    data = json.loads((ROOT / source).read_text())
+    text = render.page(data, source)
+    assert (ROOT / "docs" / "performance.md").read_text() == text
+    shown = render.images(text)
+    assert len(shown) == len(data["plots"]) >= 1
+    for image in shown:
+        assert (ROOT / "docs" / image).read_bytes()[:8] == PNG, image
+    assert data["machine"]["command"] in text and data["machine"]["commit"] in text
 
 
 def test_cross_framework_workloads_are_proven_equal():
@@ -179,7 +251,9 @@ def _timed_workload(
 
 def _run_with(monkeypatch, workloads: dict, argv: list[str]) -> int:
     monkeypatch.setattr(bench_main, "workloads", lambda quick, sweep=False: workloads)
-    return bench_main.main([*[a for w in workloads for a in ("--only", w)], "--rounds", "3", "--round-ms", "2", *argv])
+    return bench_main.main(
+        [*[a for w in workloads for a in ("--only", w)], "--rounds", "3", "--round-ms", "2", "--no-plot", *argv]
+    )
 
 
 def test_fastcall_slower_than_a_peer_exits_2(monkeypatch, tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""The checks that let a cached object keep its fast path (README "Guarantees and limits").
+"""The checks that let a cached object keep its fast path (docs/guarantees.md).
 
 Each test changes a model between calls in one of the ways users do (a write that
 changes nothing, a real structure change, a list or dict changed in place, a raw
@@ -138,7 +138,7 @@ def test_nnx_jit_graph_updates_on_a_shared_model_keep_the_fast_path(mode, graph_
     """nnx.jit called on the model a fastcall function serves rebuilds each of its nodes in
     place after the call (NNX's clear, then init), putting back what was there: checked
     against the last read, not read again, and the next call is served by the fast path
-    (README "Guarantees and limits"); values and state as a model only nnx.jit ran (in
+    (docs/guarantees.md); values and state as a model only nnx.jit ran (in
     train mode both write Dropout's RNG count and BatchNorm's statistics back)."""
     m, ref = Mixed(nnx.Rngs(0)), Mixed(nnx.Rngs(0))
     getattr(m, mode)(), getattr(ref, mode)()

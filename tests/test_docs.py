@@ -1,6 +1,8 @@
-"""README.md's commands are the ones CI runs."""
+"""README.md's commands are the ones CI runs; README and the docs site hold together."""
 
 from __future__ import annotations
+
+import re
 
 from .conftest import ROOT
 
@@ -13,7 +15,7 @@ def test_ci_runs_the_readme_test_command():
     assert len(commands) == 2, commands
     assert commands[0].startswith("python3 -m venv") and commands[0] in readme.split("## Why")[0]
     assert commands[1] == "FASTCALL_CHECK_HITS=1 python -m pytest -n auto --maxprocesses 4"
-    assert f"```bash\n{commands[1]}\n```" in readme
+    assert f"\n{commands[1]}\n" in readme.split("## Development", 1)[1]
     assert 'pip install -q -e ".[bench]" --config-settings editable_mode=compat && python -m bench' in readme.split("## Why")[0]
 
 
@@ -24,33 +26,43 @@ def test_the_version_matrix_runs_the_suite_as_the_readme_does():
     assert f"python -m pytest {' '.join(matrix.PYTEST_WORKERS)}\n" in readme
 
 
-def test_public_api_is_listed_in_readme():
+def test_every_public_name_is_in_the_api_reference():
     import fastcall
 
-    readme = (ROOT / "README.md").read_text()
+    api = (ROOT / "docs" / "api.md").read_text()
     public = [n for n in dir(fastcall) if not n.startswith("_")]
     for name in public:
-        assert f"fastcall.{name}" in readme, name
+        assert f"::: fastcall.{name}\n" in api, name
 
 
-def test_the_performance_sections_route_example_prints_what_readme_shows(capsys):
-    """README's "Which route your calls take" snippet, run, prints the output shown below
-    it; with the tuple the text names instead of the set, the fast path serves it."""
-    import jax.numpy as jnp
-    from flax import nnx
+def test_the_site_lists_every_page_and_ci_builds_it_strictly():
+    nav = (ROOT / "mkdocs.yml").read_text().split("\nnav:\n", 1)[1]
+    listed = set(re.findall(r":\s*([\w./-]+\.md)\s*$", nav, re.MULTILINE))
+    pages = {str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md")}
+    assert listed == pages, (listed ^ pages)
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert 'pip install -q -e ".[docs]" && mkdocs build --strict' in ci
 
-    import fastcall
 
+def test_readme_is_one_page_and_its_links_exist():
     readme = (ROOT / "README.md").read_text()
-    section = readme.split("**Which route your calls take.**")[1]
-    code = section.split("```python\n")[1].split("```")[0]
-    shown = section.split("```python\n")[1].split("```\n")[2].split("```")[0]
-    namespace = {"jnp": jnp, "nnx": nnx, "fastcall": fastcall}
-    exec(code, namespace)
-    assert capsys.readouterr().out == shown
-    exec(code.replace('{"cls", "seg"}', '("cls", "seg")'), namespace)
-    out = " ".join(capsys.readouterr().out.split())
-    sentence = section.split("With `{\"task\": (\"cls\", \"seg\")}` instead")[1].split("\n\n")[0]
-    counts, route, argument = " ".join(sentence.split()).split("`")[1:6:2]
-    assert all(count in out for count in counts.split(", ")), (counts, out)
-    assert route in out and argument in out, out
+    assert len(readme.splitlines()) <= 250
+    for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", readme):
+        assert (ROOT / target).exists(), target
+
+
+def test_how_it_works_fits_in_80_lines():
+    assert len((ROOT / "docs" / "how-it-works.md").read_text().splitlines()) <= 80
+
+
+def test_readmes_results_table_is_the_committed_runs():
+    """README's results table is generated from docs/bench/results.json (the run the
+    performance page shows), never edited by hand."""
+    import json
+
+    from bench import render
+
+    data = json.loads((ROOT / "docs" / "bench" / "results.json").read_text())
+    readme = (ROOT / "README.md").read_text()
+    assert render.readme_table(data) in readme
+    assert render.with_readme_table(readme, data) == readme

@@ -1538,7 +1538,7 @@ def test_metadata_changed_inside_is_written_back_without_graph_updates_like_nnx_
 def test_metadata_changed_inside_is_written_back_with_graph_updates_as_the_eager_call_keeps_it():
     """With graph updates the metadata set inside reaches the caller's Variable too, as in
     the eager call (flax 0.12.8's nnx.jit drops it there, and keeps it without graph
-    updates: see README "Migrating from nnx.jit"); values as nnx.jit's."""
+    updates: see docs/migrating-from-nnx.md); values as nnx.jit's."""
     ours, theirs, eager = (nnx.Linear(4, 4, rngs=nnx.Rngs(0)) for _ in range(3))
     f, g, x = fastcall.jit(_tag_bias), nnx.jit(_tag_bias), jnp.ones((2, 4))
     for _ in range(3):

@@ -56,7 +56,7 @@ def test_threads_first_call_of_one_signature():
 
     assert not run_threads(8, work)
     # One compiled entry; jax may trace it more than once when threads race on
-    # the very first call (harmless: same program, see README "Threads").
+    # the very first call (harmless: same program, see docs/guarantees.md, "Threads and memory").
     assert len(f._fastcall_state.table) == 1
     assert 1 <= len(traces) <= 8
 
