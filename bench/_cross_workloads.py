@@ -10,6 +10,8 @@ equal (shape and values, after moving the channel axis) before timing.
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any, Callable
 
 import equinox as eqx
@@ -334,11 +336,16 @@ def nnx_train_state(name: str, description: str, width: int, batch: int) -> Work
             Variant("eager", stateful(lambda f: f), timed=False),
             Variant("floor", make_floor, note="flat leaves in and out, rebound by hand"),
             Variant("fastcall.jit", stateful(fastcall.jit)),
+            Variant(
+                "fastcall.jit(nnx_as_pytree)",
+                stateful(functools.partial(fastcall.jit, nnx_as_pytree=True)),
+                note="jax.jit's semantics for NNX objects",
+            ),
             Variant("jax.jit", stateful(jax.jit), note="as the example jits the step"),
             Variant("nnx.jit", stateful(nnx.jit), note="whose rule for NNX objects fastcall.jit keeps"),
         ],
         compare_arrays,
-        peers={"fastcall.jit": ("jax.jit", "nnx.jit")},
+        peers={"fastcall.jit": ("jax.jit", "nnx.jit"), "fastcall.jit(nnx_as_pytree)": ("jax.jit",)},
     )
 
 

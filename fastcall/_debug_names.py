@@ -3,10 +3,14 @@ line, and each flat leaf as the user's argument and leaf path (`train`, `params[
 `model.linear.kernel.value`), where jax would otherwise see only fastcall's function of
 flat leaves (`flat_fn at _build.py`, `dyn[3]`).
 
-jax reads a function's `__fun_debug_info__` in place of deriving the record from the
-function's signature (`jax._src.api_util.debug_info`, the same in jax 0.8.1 through
-0.12). That record, `jax._src.core.DebugInfo`, is private to jax: if it is missing or
-differs, fastcall keeps jax's default naming, which is only less helpful.
+jax names a traced function by what `inspect.unwrap` finds (`__wrapped__`), and its
+arguments by binding them to the function's signature and following each one's pytree
+paths. So fastcall's function of flat leaves gets `__wrapped__` (the user's function) and
+a signature of one positional parameter per leaf, each named by the leaf's path: jax then
+names each array it passes (a leaf holding a pytree, such as a Variable holding a dict,
+adds its own paths: `m.s.value['a']`), and the count is always jax's own. The names are not
+Python identifiers, which `inspect.Parameter` refuses: they are set on its slot after.
+Where that fails, jax's default naming stays, which is only less helpful.
 """
 
 from __future__ import annotations
@@ -19,16 +23,6 @@ import jax
 
 from . import _nnx_gate
 
-try:  # (private to jax: see the module docstring)
-    from jax._src import api_util as _api_util
-    from jax._src import core as _core
-
-    _DEBUG_INFO: Any = _core.DebugInfo
-    _INITIAL_RESULT_PATHS: Any = _core.initial_result_paths
-    _fun_sourceinfo: Callable[[Any], str] | None = _api_util.fun_sourceinfo
-except (ImportError, AttributeError):  # pragma: no cover - other jax internals
-    _DEBUG_INFO = _INITIAL_RESULT_PATHS = _fun_sourceinfo = None
-
 
 class Leaf:
     """A stand-in for one dynamic leaf, to find where the structure puts it."""
@@ -39,20 +33,39 @@ class Leaf:
 def attach(
     flat_fn: Callable[..., Any], fun: Any, specs: Sequence[Any], n_positional: int, keywords: Sequence[str]
 ) -> None:
-    """Give `flat_fn` (which jax.jit traces over the flat leaves of `specs`: the function's
-    own, then `n_positional` positional arguments, then the `keywords`) jax's record naming
-    `fun` and the leaves."""
-    if _DEBUG_INFO is None or _fun_sourceinfo is None:
-        return
+    """Name, for jax, `fun` and the parameters of `flat_fn` (which jax.jit traces over the
+    flat leaves of `specs`: the function's own, then `n_positional` positional arguments,
+    then the `keywords`)."""
     try:
-        source = _fun_sourceinfo(fun)
         names: list[str] = []
         for spec, name in zip(specs, ["fun", *argument_names(fun, n_positional, keywords)]):
             names.extend(leaf_names(spec, name))
-        info = _DEBUG_INFO("jit", source, tuple(names), _INITIAL_RESULT_PATHS)
+        signature = inspect.Signature([_parameter(i, name) for i, name in enumerate(_distinct(names))])
     except Exception:  # (naming must never stand in the way of the call)
         return
-    flat_fn.__fun_debug_info__ = info  # type: ignore[attr-defined]
+    flat_fn.__signature__ = signature  # type: ignore[attr-defined]
+    flat_fn.__wrapped__ = fun  # type: ignore[attr-defined]
+
+
+def _parameter(i: int, name: str) -> inspect.Parameter:
+    parameter = inspect.Parameter(f"leaf{i}", inspect.Parameter.POSITIONAL_ONLY)
+    parameter._name = name  # type: ignore[attr-defined]  # (see the module docstring)
+    return parameter
+
+
+def _distinct(names: list[str]) -> list[str]:
+    """The names, each made unique (a signature binds by name): a repeated one, which names
+    several leaves whose paths could not be told, numbered (`c (leaf 2 of 3)`)."""
+    total = {n: names.count(n) for n in set(names)}
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        if total[n] == 1:
+            out.append(n)
+        else:
+            seen[n] = seen.get(n, 0) + 1
+            out.append(f"{n} (leaf {seen[n]} of {total[n]})")
+    return out
 
 
 def argument_names(fun: Any, n_positional: int, keywords: Sequence[str]) -> list[str]:

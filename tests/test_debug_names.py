@@ -129,3 +129,19 @@ def test_a_structure_whose_leaves_cannot_be_told_is_named_by_its_argument():
 
     assert _origin(fastcall.jit(forward), (Checked(jnp.ones(2)),))[1] == "c"
     assert jnp.allclose(fastcall.jit(lambda c: c.a * 2)(Checked(jnp.ones(2))), 2.0)
+
+
+def test_a_leaf_holding_a_pytree_is_named_down_to_its_arrays():
+    """A Variable holding a dict passes the dict as one leaf, which jax flattens further:
+    the names follow jax's count (a fixed list of names did not: jax refused the call)."""
+
+    class Holder(nnx.Module):
+        def __init__(self):
+            self.s = nnx.Variable({"a": jnp.array(0.0), "b": jnp.array(1.0)})
+
+    def forward(m):
+        if m.s.get_raw_value()["b"] > 0:
+            return 1.0
+        return 0.0
+
+    assert _origin(fastcall.jit(forward), (Holder(),))[1] == "m.s.value['b']"
