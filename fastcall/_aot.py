@@ -56,12 +56,22 @@ def shape_evaluation(state: Any, fun_leaves: tuple[Any, ...], bound: tuple[Any, 
     return eval_shape_call
 
 
-def _entry_for(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any], what: str):
+def _entry_for(
+    state: Any,
+    fun_leaves: tuple[Any, ...],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    what: str,
+    step_aside: bool = False,
+):
     """The call's resolution and its compiled entry, as a call finds them: for `.lower`,
-    `.trace` and `.eval_shape`, whose arguments may hold `jax.ShapeDtypeStruct`s for arrays."""
+    `.trace` and `.eval_shape`, whose arguments may hold `jax.ShapeDtypeStruct`s for arrays.
+    `step_aside`: let `StepAside` through (NNX objects inside an outer trace)."""
     try:
         resolved = _args.resolve_call(state, fun_leaves, args, kwargs)
     except StepAside:
+        if step_aside:
+            raise
         raise FastcallError(
             f"{state.decorator}(...).{what}: the arguments contain tracers; call it outside of any jax transformation."
         ) from None
@@ -95,7 +105,10 @@ def trace(
 def eval_shape(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The output structure of a call with these arguments, a `jax.ShapeDtypeStruct` for
     each array (as `jax.jit(...).eval_shape`): traced, not run; nothing written back."""
-    resolved, entry = _entry_for(state, fun_leaves, args, kwargs, "eval_shape")
+    try:
+        resolved, entry = _entry_for(state, fun_leaves, args, kwargs, "eval_shape", step_aside=True)
+    except StepAside:  # (NNX objects inside an outer trace: nothing is written back here anyway)
+        return eval_shape(_as_pytree(state), fun_leaves, args, kwargs)
     flat = entry.fn.eval_shape(*resolved.leaves)
     info = flat.info if type(flat) is Varying else entry.out  # (Varying: it carries its structure)
     assert info is not None  # (recorded by the trace that eval_shape ran or found)
@@ -103,11 +116,13 @@ def eval_shape(state: Any, fun_leaves: tuple[Any, ...], args: tuple[Any, ...], k
         # NNX objects returned come back new, holding the abstract values, as nnx.jit's
         # eval_shape returns them: what the same function reading NNX objects as pytrees
         # gives (which writes nothing back either)
-        twin = _function.state_for(
-            state.fun, state.fun_spec, state.options._replace(nnx_as_pytree=True), state.user_fun
-        )
-        return eval_shape(twin, fun_leaves, args, kwargs)
+        return eval_shape(_as_pytree(state), fun_leaves, args, kwargs)
     return info.shapes(flat.flat if type(flat) is Varying else flat)
+
+
+def _as_pytree(state: Any) -> Any:
+    """The state of `state`'s function with `nnx_as_pytree` (jax.jit's reading of NNX objects)."""
+    return _function.state_for(state.fun, state.fun_spec, state.options._replace(nnx_as_pytree=True), state.user_fun)
 
 
 class Traced:
@@ -164,6 +179,7 @@ class Traced:
         self._traced = traced
         self._lowering = (entry, state, fun_leaves, key, bound)
         self._call = call  # (the arguments it was traced for, the bound ones first)
+        self._exported: Any = None  # (jax.jit's trace of the function, once jax.export lowered it)
 
     def lower(self, **kwargs: Any) -> Any:
         if kwargs:  # (only jax.export passes any: lowering platforms, private parameters)
@@ -173,37 +189,46 @@ class Traced:
     def _lower_for_export(self, lower_kwargs: dict[str, Any]) -> Any:
         """jax.export's lowering: jax.jit's program of the function over the arguments'
         own structure (what an exported function is called with), under the wrapper's
-        static and sharding options. jax.export then reads this trace's `jaxpr` and
-        `fun_name`, so from here on the object stands for it."""
+        static and sharding options. jax.export then reads the `jaxpr` and `fun_name` of
+        this trace: from here on they are forwarded from it (`.lower()` still lowers
+        fastcall's own program)."""
         entry, state, fun_leaves, key, bound = self._lowering
         fun = state.fun_spec.rebuild(list(fun_leaves))
+        options, n = state.options, len(bound)
         if bound:  # (fastcall.partial: the bound objects are closed over, not arguments)
             fun = functools.partial(fun, *bound)
-        options = state.options
+        bound_names = set(state.param_names[:n])
         jit_kwargs: dict[str, Any] = {"keep_unused": options.keep_unused}
         if options.static_argnums:  # (counted after the bound arguments, as the partial takes them)
             jit_kwargs["static_argnums"] = tuple(
-                i - len(bound) if i >= 0 else i for i in options.static_argnums if i < 0 or i >= len(bound)
+                i - n if i >= 0 else i for i in options.static_argnums if i < 0 or i >= n
             )
         if options.static_argnames:
-            jit_kwargs["static_argnames"] = options.static_argnames
-        if options.in_shardings is not UNSPECIFIED:
-            jit_kwargs["in_shardings"] = options.in_shardings
+            jit_kwargs["static_argnames"] = tuple(a for a in options.static_argnames if a not in bound_names)
+        for name in ("in_shardings", "out_shardings"):
+            given = getattr(options, name)
+            if given is UNSPECIFIED:
+                continue
+            if name == "in_shardings" and n and type(given) in (tuple, list):
+                given = type(given)(given[n:])
+            jit_kwargs[name] = given
         args, kwargs = self._call
         try:
-            traced = jax.jit(fun, **jit_kwargs).trace(*args[len(bound) :], **kwargs)
+            traced = jax.jit(fun, **jit_kwargs).trace(*args[n:], **kwargs)
         except TypeError as err:
+            if not any(words in str(err) for words in ("as an abstract array", "not a valid JAX type")):
+                raise  # (the function's own error)
             raise FastcallError(
                 f"jax.export exports jax.jit's program of the function over its arguments, where "
                 f"every leaf of an argument that is not static must be an array: {err}"
             ) from err
-        self._traced = traced
+        self._exported = traced
         return traced.lower(**lower_kwargs)
 
     def __getattr__(self, name: str) -> Any:  # jaxpr, out_info, fun_name, ...
         if name.startswith("_"):
             raise AttributeError(name)
-        return getattr(self._traced, name)
+        return getattr(self._exported if self._exported is not None else self._traced, name)
 
     def __dir__(self) -> list[str]:
         return sorted(set(super().__dir__()) | {n for n in dir(self._traced) if not n.startswith("_")})

@@ -581,7 +581,10 @@ def partial(fun: Callable, /, *bound: Any, **jit_options: Any) -> Any:
     for i, arg in enumerate(bound):  # flatten once now: errors surface here, caches are warm
         if type(arg) is not _flatten.ArrayImpl:
             try:
-                _args.resolve(arg, scratch, state.arg_name(i), [], None, state.options.trace_scalars)
+                _args.resolve(
+                    arg, scratch, state.arg_name(i), [], None, state.options.trace_scalars,
+                    nnx_as_pytree=state.options.nnx_as_pytree,
+                )
             except StepAside:
                 pass
             except FastcallError as err:

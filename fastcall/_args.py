@@ -132,6 +132,8 @@ def resolve(
         return hit.spec_id
     if not nnx_as_pytree and _nnx_gate.is_node(value):
         return _nnx_gate.adapter().read_argument(value, leaves, arg_name, nnx_args, joint)
+    if not nnx_as_pytree and _nnx_gate.is_graphdef(value):  # (the functional API: static, compared by value)
+        return _nnx_gate.adapter().read_graphdef(value, arg_name, trace_scalars)
     for template in _codegen.templates.get(type(value), ()):
         if not template.serves(trace_scalars, nnx_as_pytree):
             continue
@@ -155,24 +157,26 @@ def resolve(
     scalar = _scalar_spec(value)
     if scalar is not None:
         return scalar
-    if not nnx_as_pytree and _nnx_gate.is_graphdef(value):  # (the functional API: static, compared by value)
-        return _nnx_gate.adapter().read_graphdef(value, arg_name, trace_scalars)
     spec, dynamic = _flatten.flatten_generic(value, arg_name, trace_scalars)
     if spec.has_nnx and not nnx_as_pytree:  # NNX objects inside a container: each read as if passed on its own
         return _nnx_gate.adapter().read_container(value, leaves, arg_name, nnx_args, joint, trace_scalars)
+    if spec.has_nnx and any(_nnx_gate.is_node(s) for s in spec.statics):
+        raise _nnx_leaf_error(arg_name)
     leaves.extend(dynamic)
     if contains_tracer(dynamic) or check_only:  # (tracers are never cached)
         return spec.id
     # The identity cache is shared by functions of either scalar rule: it holds no object
-    # that the two read differently. (The template made next knows which rule it reads by.)
-    if _flatten.read_alike(spec, dynamic):
+    # that the two read differently (the template made next knows which rule it reads by);
+    # nor NNX objects read as pytrees (`nnx_as_pytree`), which other functions read as NNX
+    # objects (their template, a FlattenTemplate, serves such functions only).
+    if _flatten.read_alike(spec, dynamic) and not spec.has_nnx:
         if spec.cacheable:
             remember(value, tuple(dynamic), spec)
         elif spec.guardable and _flatten.seen_before(value):
             _flatten.remember_guarded(value, tuple(dynamic), spec)
     if not spec.templated:
         spec.templated = True
-        _codegen.learn(value, spec, dynamic, trace_scalars)  # (NNX inside: nnx_as_pytree's only)
+        _codegen.learn(value, spec, dynamic, trace_scalars)
     return spec.id
 
 
@@ -208,6 +212,15 @@ def static_spec(value: Any, arg_name: str) -> Spec:
     if _nnx_gate.flax_imported() and _holds_nnx(value):
         raise _static_nnx_error(arg_name)
     return _flatten.intern(Spec("static", None, (), (value,)), key)
+
+
+def _nnx_leaf_error(arg_name: str) -> FastcallError:
+    return FastcallError(
+        f"fastcall.jit(nnx_as_pytree=True): {describe_arg(arg_name)} holds an NNX object that is not a "
+        "pytree (a module declared with pytree=False), so jax.jit would refuse it as an argument, and as a "
+        "static value its Variables would be baked into the compiled program. Pass it without "
+        "nnx_as_pytree, or declare it a pytree."
+    )
 
 
 def _static_nnx_error(arg_name: str) -> FastcallError:

@@ -84,7 +84,9 @@ def build(state: Any, key: tuple[Any, ...], fun: Any) -> Entry:
     # their input sharding (as nnx.jit).
     in_shardings = state.options.in_shardings
     slot_shardings = (
-        None if in_shardings is UNSPECIFIED else _leaf_shardings(in_shardings, all_specs, ["fun"] + arg_names)
+        None
+        if in_shardings is UNSPECIFIED
+        else _leaf_shardings(in_shardings, all_specs, ["fun"] + arg_names, len(pos_specs))
     )
     # Per NNX object of the call (arguments, and objects inside container arguments, in
     # order): its leaves' in_shardings, and whether every Variable is returned and written
@@ -146,7 +148,7 @@ def build(state: Any, key: tuple[Any, ...], fun: Any) -> Entry:
     name = getattr(fun, "__name__", None) or type(fun).__name__
     flat_fn.__name__ = flat_fn.__qualname__ = str(name)
     # jax's errors name the user's function, its source line and each leaf's argument and path
-    _debug_names.attach(flat_fn, fun, all_specs, len(pos_specs), layout.keyword_names)
+    _debug_names.attach(flat_fn, state.user_fun, all_specs, len(pos_specs), layout.keyword_names)
     e.fn = jax.jit(flat_fn, **_jit_kwargs(state.options, counts, donated, slot_shardings))
     if state.options.donate in ("all", "all-except-first"):
         e.fn = _suppress_donation_warning(e.fn)
@@ -177,17 +179,30 @@ def _jit_kwargs(options: Any, counts: list[int], donated_slots: set[int], slot_s
     return kw
 
 
-def _leaf_shardings(shardings: Any, all_specs: list[Any], arg_names: list[str]) -> list[list[Any]]:
-    """jax.jit-style in_shardings (one for all, or one entry per positional argument, each
-    a Sharding or a pytree prefix; for NNX arguments also an nnx.StateSharding or an
-    nnx.prefix result) as one sharding per dynamic leaf, per slot (0: the function)."""
+def _leaf_shardings(
+    shardings: Any, all_specs: list[Any], arg_names: list[str], n_positional: int
+) -> list[list[Any]]:
+    """jax.jit-style in_shardings (one for all, or one entry per positional argument that is
+    not static, as jax.jit counts them, each a Sharding or a pytree prefix; for NNX arguments
+    also an nnx.StateSharding or an nnx.prefix result) as one sharding per dynamic leaf, per
+    slot (0: the function; then the positional arguments, then the keyword ones)."""
+    per_arg = isinstance(shardings, (tuple, list))
+    # (jax.jit's own check, one entry per positional argument that is not static; fewer are
+    # taken: arguments passed by keyword, which jax.jit does not count, are bound to their
+    # positions here, and get none, as in jax.jit)
+    traced = [slot for slot in range(1, n_positional + 1) if all_specs[slot].kind != "static"]
+    if per_arg and len(shardings) > len(traced):
+        raise ValueError(
+            "pjit in_shardings specification must be a tree prefix of the positional arguments tuple. "
+            f"In particular, pjit in_shardings must either be a Sharding, a PartitionSpec, or a tuple of "
+            f"length equal to the number of positional arguments that are not static: {len(traced)}; "
+            f"got a {type(shardings).__name__} of length {len(shardings)}."
+        )
+    entries = dict(zip(traced, shardings)) if per_arg else {}
     per_slot: list[list[Any]] = []
     nnx_shardings = None
     for slot, spec in enumerate(all_specs):
-        if not isinstance(shardings, (tuple, list)):
-            entry = shardings
-        else:
-            entry = shardings[slot - 1] if 0 < slot <= len(shardings) else None
+        entry = entries.get(slot) if per_arg else shardings
         if spec.kind in ("nnx", "nnx-tree") and entry is not None:
             if nnx_shardings is None:
                 nnx_shardings = _nnx_gate.adapter().ShardingContext()

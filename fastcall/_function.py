@@ -18,6 +18,7 @@ import jax
 
 from . import _agreement, _build, _fast, _flatten, _nnx_gate, _stats
 from ._build import Entry
+from ._errors import FastcallError
 from ._flatten import Spec
 from ._options import UNSPECIFIED, JitOptions
 
@@ -71,17 +72,13 @@ class FunctionState:
                 for p in self.signature.parameters.values()
                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
             ]
-        # A negative argument number counts from the end of the call's positional arguments,
-        # as jax.jit counts it: where `*args` takes any number, per call (`_from_end`); else
-        # from the end of the signature's, once, here.
-        self.var_positional = self.signature is not None and any(
-            p.kind is p.VAR_POSITIONAL for p in self.signature.parameters.values()
-        )
+        # A negative static argument number counts from the end of each call's positional
+        # arguments, as jax.jit counts it (`static_positions`); a negative donated one
+        # donates nothing, as in jax.jit (its donation vector matches numbers as given).
         self.static_argnums = self._argnums(options.static_argnums, options.static_argnames)
-        self.static_from_end = self._from_end(options.static_argnums)
+        self.static_from_end = tuple(i for i in options.static_argnums if i < 0)
         self.static_argnames = frozenset(options.static_argnames)
         self.donate_argnums = self._argnums(options.donate_argnums, options.donate_argnames)
-        self.donate_from_end = self._from_end(options.donate_argnums)
         # (the fast path takes positional traced arguments only)
         self.has_static = bool(self.static_argnums or self.static_from_end or self.static_argnames)
         self.donate_argnames = frozenset(options.donate_argnames)
@@ -124,21 +121,25 @@ class FunctionState:
         _all_states.add(self)
 
     def _argnums(self, argnums: tuple[int, ...], argnames: tuple[str, ...]) -> frozenset[int]:
-        nums = {i for i in argnums if i >= 0 or not self.var_positional}
+        """The non-negative numbers, and those of the positional parameters named."""
+        nums = {i for i in argnums if i >= 0}
         for name in argnames:
             if name in self.param_names:
                 nums.add(self.param_names.index(name))
-        n = len(self.param_names)
-        return frozenset(i + n if i < 0 and n else i for i in nums)
-
-    def _from_end(self, argnums: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(i for i in argnums if i < 0) if self.var_positional else ()
+        return frozenset(nums)
 
     def static_positions(self, nargs: int) -> frozenset[int]:
-        """The positions of a call's static arguments, for a call of `nargs` positional ones."""
+        """The positions of a call's static arguments, for a call of `nargs` positional ones
+        (a negative number past the first is refused, with jax.jit's message)."""
         if not self.static_from_end:
             return self.static_argnums
-        return self.static_argnums | {i + nargs for i in self.static_from_end if i + nargs >= 0}
+        if any(i + nargs < 0 for i in self.static_from_end):
+            raise FastcallError(
+                "Positional argument indices, e.g. for `static_argnums`, must have value greater than or "
+                f"equal to -len(args) and less than len(args), but got value {min(self.static_from_end)} "
+                f"for len(args) == {nargs}."
+            )
+        return self.static_argnums | {i + nargs for i in self.static_from_end}
 
     def arg_name(self, i: int) -> str:
         return self.param_names[i] if i < len(self.param_names) else f"args[{i}]"
@@ -191,7 +192,6 @@ class FunctionState:
                     mode in ("all", "warn")
                     or (mode in ("all-except-first", "warn-except-first") and not first)
                     or arg_index in self.donate_argnums
-                    or arg_index - n_positional in self.donate_from_end
                 )
             else:
                 name = keyword_names[arg_index - n_positional]

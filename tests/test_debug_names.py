@@ -145,3 +145,15 @@ def test_a_leaf_holding_a_pytree_is_named_down_to_its_arrays():
         return 0.0
 
     assert _origin(fastcall.jit(forward), (Holder(),))[1] == "m.s.value['b']"
+
+
+def test_a_function_with_out_shardings_is_named_as_written():
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def forward(x, train):
+        if train:
+            return x
+        return -x
+
+    where, argument = _origin(fastcall.jit(forward, out_shardings=sharding), (jnp.ones(2), jnp.array(True)))
+    assert where.startswith("forward at ") and argument == "train"

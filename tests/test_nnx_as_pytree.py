@@ -178,3 +178,45 @@ def test_explain_tells_the_pytree_reading():
     report = f.explain(model, jnp.ones(2))
     assert report.route == "structure"
     assert "read as a plain pytree" in report.arguments[0].kind
+
+
+def test_a_pytree_functions_read_of_a_graphdef_leaves_the_default_functions_check_in_place():
+    """Templates are shared per type: one made while a pytree function read a GraphDef must
+    not serve a default function, which compares a GraphDef holding a list by value."""
+
+    class Sized(nnx.Module):
+        def __init__(self):
+            self.features = [2, 3]
+            self.w = nnx.Param(jnp.arange(3.0))
+
+        def __call__(self, x):
+            return x * len(self.features) + self.w[...]
+
+    def run(graphdef, state, x):
+        return nnx.merge(graphdef, state)(x)
+
+    model = Sized()
+    graphdef, state = nnx.split(model)
+    x = jnp.ones(3)
+    as_pytree(run)(graphdef, state, x)
+    default = fastcall.jit(run)
+    default(graphdef, state, x)
+    model.features.append(4)  # (the GraphDef holds this very list)
+    assert default(graphdef, state, x).tolist() == run(graphdef, state, x).tolist() == [3.0, 4.0, 5.0]
+
+
+def test_an_nnx_object_jax_sees_as_a_leaf_is_refused_and_poisons_no_cache():
+    class Opaque(nnx.Module, pytree=False):
+        def __init__(self):
+            self.w = nnx.Param(jnp.arange(3.0))
+
+        def __call__(self, x):
+            return x + self.w[...]
+
+    model, x = Opaque(), jnp.ones(3)
+    with pytest.raises(fastcall.FastcallError, match="not a pytree"):
+        as_pytree(lambda m, x: m(x))(model, x)
+    default = fastcall.jit(lambda m, x: m(x))
+    default(model, x)
+    model.w[...] = jnp.full(3, 10.0)
+    assert default(model, x).tolist() == [11.0, 11.0, 11.0]

@@ -144,3 +144,17 @@ def test_an_inner_wrappers_error_keeps_its_name():
     with pytest.raises(fastcall.FastcallError, match=r"^fastcall\.jit: argument 'm' is marked static") as info:
         fastcall.filter_jit(outer)(jnp.ones(2))
     assert "outer" in [entry.name for entry in info.traceback]
+
+
+def test_in_shardings_per_argument_skip_static_arguments_as_jax_jit_counts_them():
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def f(a, n, b):
+        return a * n + b
+
+    x = jnp.ones(3)
+    ours = fastcall.jit(f, static_argnums=1, in_shardings=(sharding, sharding))
+    assert jnp.allclose(ours(x, 2, x), jax.jit(f, static_argnums=1, in_shardings=(sharding, sharding))(x, 2, x))
+    for wrap in (jax.jit, fastcall.jit):  # one entry per traced argument, no more
+        with pytest.raises(ValueError, match="in_shardings specification must be a tree prefix"):
+            wrap(f, static_argnums=1, in_shardings=(sharding, None, sharding))(x, 2, x)

@@ -302,13 +302,40 @@ def test_negative_static_argnums_count_from_the_end_of_each_call_with_star_args(
     assert ours.explain(x, 1.0, 3).arguments[2].kind.startswith("int, static")
 
 
-def test_negative_donate_argnums_count_from_the_end_of_each_call_with_star_args():
+def test_negative_static_argnums_count_from_the_end_of_each_call_without_star_args_too():
+    """jax.jit counts them from the call's positional arguments (and infers the name of the
+    signature's last parameter): `f(x, 2)` makes `b` static, `f(x, 2, 3)` makes `c`."""
+    seen = {}
+
+    def f(a, b, c=1):
+        seen.setdefault(wrap_name, []).append(tuple(isinstance(v, jax.core.Tracer) for v in (a, b, c)))
+        return a
+
+    for wrap_name, wrap in (("jax.jit", jax.jit), ("fastcall.jit", fastcall.jit)):
+        g = wrap(f, static_argnums=-1)
+        g(jnp.ones(2), 2)
+        g(jnp.ones(2), 2, 3)
+    assert seen["fastcall.jit"] == seen["jax.jit"]
+
+
+def test_a_negative_static_argnum_past_the_first_argument_is_refused_as_jax_jit_refuses_it():
+    def g(*args):
+        return args[0]
+
+    for wrap in (jax.jit, fastcall.jit):
+        with pytest.raises(ValueError, match="must have value greater than or equal to -len"):
+            wrap(g, static_argnums=-2)(jnp.ones(2))
+
+
+def test_negative_donate_argnums_donate_nothing_as_in_jax_jit():
+    def donated(lowered):
+        infos = jax.tree.leaves(lowered.args_info, is_leaf=lambda x: hasattr(x, "donated"))
+        return [x.donated for x in infos]
+
     def add(*xs):
         return sum(xs)
 
-    f = fastcall.jit(add, donate_argnums=-1)
-    a, b, c = jnp.ones(2), jnp.ones(2), jnp.ones(2)
-    f(a, b)
-    assert b.is_deleted() and not a.is_deleted()
-    f(a, jnp.ones(2), c)
-    assert c.is_deleted() and not a.is_deleted()
+    for numbers in (-1, (0, -1)):
+        args = (jnp.ones(2), jnp.ones(2), jnp.ones(2))
+        ours = donated(fastcall.jit(add, donate_argnums=numbers).lower(*args))
+        assert ours == donated(jax.jit(add, donate_argnums=numbers).lower(*args)) == [numbers == (0, -1), False, False]

@@ -179,3 +179,29 @@ def test_eval_shape_inside_a_trace_gives_shapes_as_jax_jits():
     f = fastcall.jit(lambda x: x[:1] + 1)
     g = jax.jit(lambda x: jnp.zeros(f.eval_shape(x).shape))
     assert g(jnp.ones(3)).shape == (1,)
+
+
+def test_eval_shape_of_nnx_arguments_inside_an_outer_trace():
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    f = fastcall.jit(lambda m, x: m(x))
+    spec = jax.ShapeDtypeStruct((4, 2), jnp.float32)
+    outer = jax.jit(lambda y: jnp.zeros(f.eval_shape(model, spec).shape) + y)
+    assert outer(1.0).shape == nnx.jit(lambda m, x: m(x)).eval_shape(model, spec).shape == (4, 3)
+
+
+def test_export_of_a_partial_drops_what_the_binding_took_and_a_traced_still_lowers_its_own():
+    def f(n, x, scale=1.0):
+        return x * n * scale
+
+    x = jnp.arange(3.0)
+    bound = fastcall.partial(fastcall.jit(f, static_argnames="n"), 3)
+    assert jnp.allclose(jax.export.export(bound)(_spec(x)).call(x), f(3, x))
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    sharded = fastcall.partial(fastcall.jit(f, in_shardings=(sharding, sharding)), 2.0)
+    assert jnp.allclose(jax.export.export(sharded)(_spec(x)).call(x), f(2.0, x))
+
+    g = fastcall.jit(lambda a, p: a @ p["w"])
+    p = {"w": jnp.ones((3, 2))}
+    traced = g.trace(_spec(x), jax.tree.map(_spec, p))
+    traced.lower(lowering_platforms=("cpu",))  # (as jax.export lowers it)
+    assert jnp.allclose(traced.lower().compile()(x, p), x @ p["w"])
