@@ -81,4 +81,3 @@ def test_two_processes_with_jax_distributed_on_loopback():
 
 def test_nnx_state_arguments_and_results_with_shardings():
     _check_script(4, "STATE SHARDING CHECKS PASSED", "state_shardings_check.py")
-
