@@ -359,14 +359,60 @@ def flatten_generic(value: Any, arg_name: str, trace_scalars: bool = False) -> t
             mask = traced
     dynamic = [x for x, m in zip(leaves, mask) if m]
     statics = tuple(x for x, m in zip(leaves, mask) if not m)
+    by_value = _graphdefs_by_value(treedef, statics)
     try:
-        key = ("tree", treedef, mask, tuple(leaf_key(s) for s in statics))
+        key: Any = ("tree", treedef, mask, tuple(leaf_key(s) for s in statics))
+        if by_value is not None:  # (GraphDefs that can change in place: keyed by their value now)
+            key = (*key, by_value)
         found = _spec_ids.get(key)  # (a structure seen before: no new Spec to build)
         if found is not None:
             return found, dynamic
-        return intern(Spec("tree", treedef, mask, statics, rule_free), key), dynamic
+        spec = Spec("tree", treedef, mask, statics, rule_free)
+        if by_value is not None:
+            # Read afresh on every call, never by identity nor by a template (which compare
+            # a GraphDef by identity): each call's key then holds the value it has now.
+            spec.cacheable = spec.guardable = False
+            spec.templated = True
+        return intern(spec, key), dynamic
     except Exception as err:
         raise _unhashable_error(arg_name, value, err) from None
+
+
+# treedef -> whether a node of it is an NNX GraphDef (flax registers GraphDef as a node)
+_holds_graphdef_nodes: dict[Any, bool] = {}
+
+
+def _graphdef_nodes(treedef: Any) -> list[Any]:
+    found, pending = [], [treedef]
+    while pending:
+        node = pending.pop()
+        data = node.node_data()
+        if data is not None and _nnx_gate.is_graphdef(data[1]):
+            found.append(data[1])
+        pending.extend(node.children())
+    return found
+
+
+def _graphdefs_by_value(treedef: Any, statics: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """The keys by value of the NNX GraphDefs in a pytree (static leaves, or nodes of its
+    treedef, as flax registers them) whose statics can change in place (a list attribute,
+    which `model.features.append(...)` changes after `nnx.split`): such a pytree is keyed by
+    the value they have now, as a GraphDef passed on its own is (`read_graphdef`). None
+    where there is none (the common case)."""
+    if not _nnx_gate.flax_imported():
+        return None
+    found = [s for s in statics if _nnx_gate.is_graphdef(s)]
+    if _holds_graphdef_nodes.get(treedef, True):  # (walked once per structure: most hold none)
+        walked = _graphdef_nodes(treedef)
+        if len(_holds_graphdef_nodes) >= 4096:
+            _holds_graphdef_nodes.clear()
+        _holds_graphdef_nodes[treedef] = bool(walked)
+        found += walked
+    if not found:
+        return None
+    adapter = _nnx_gate.adapter()
+    keys = tuple(k for k in map(adapter.graphdef_by_value, found) if k is not None)
+    return keys or None
 
 
 # --------------------------------------------------------------------------
@@ -803,5 +849,6 @@ def clear() -> None:
         LATEST[:] = [None] * LATEST_SIZE
     del memos  # (released outside the lock)
     _seen_once.clear()
+    _holds_graphdef_nodes.clear()
     with _intern_lock:
         _spec_ids.clear()

@@ -2048,3 +2048,35 @@ def test_clear_cache_reaches_every_variant(hot_path):
         assert_trees_equal(f(m, X4), _call(m, X4))
     current = {e.fn for e in f._fastcall_state.table.values()}
     assert all(r.call in current for _, fast in entry.variants.values() for r in fast.values())
+
+
+def test_a_graphdef_inside_a_container_changed_in_place_is_seen(hot_path):
+    """A GraphDef holds the module's list attributes themselves: `features.append` after
+    `nnx.split` changes it in place. Passed inside a tuple (where flax makes it a pytree
+    node), the call is keyed by its value now, as a GraphDef passed on its own is (nnx.jit
+    and jax.jit keep running the old program)."""
+    from flax import nnx
+
+    class Sized(nnx.Module):
+        def __init__(self):
+            self.features = [2, 3]
+            self.w = nnx.Param(jnp.arange(3.0))
+
+        def __call__(self, x):
+            return x * len(self.features) + self.w[...]
+
+    def run(graphdef_and_x, state):
+        graphdef, x = graphdef_and_x
+        return nnx.merge(graphdef, state)(x)
+
+    model = Sized()
+    graphdef, state = nnx.split(model)
+    x = jnp.ones(3)
+    f = fastcall.jit(run)
+    for _ in range(3):
+        assert f((graphdef, x), state).tolist() == [2.0, 3.0, 4.0]
+    model.features.append(4)
+    assert f((graphdef, x), state).tolist() == run((graphdef, x), state).tolist() == [3.0, 4.0, 5.0]
+    model.features.pop()  # (back to the first value: its program again)
+    assert f((graphdef, x), state).tolist() == [2.0, 3.0, 4.0]
+    assert f.stats().compiles == 2

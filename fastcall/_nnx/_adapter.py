@@ -1441,6 +1441,15 @@ def read_graphdef(graphdef: Any, arg_name: str, trace_scalars: bool) -> int:
 known_graphdef = _fast.known_graphdef
 
 
+def graphdef_by_value(graphdef: Any) -> Any:
+    """For a GraphDef met inside another argument (`f((graphdef, x), state)`): its key by
+    value where its statics can change in place (a list attribute, which
+    `model.features.append(...)` changes after `nnx.split`), so that the argument is keyed
+    by the value it has now, as `read_graphdef` keys one passed on its own; None where it
+    cannot change."""
+    return ("graphdef by value", _freeze(graphdef)) if _has_mutable_statics(graphdef) else None
+
+
 def explain_graphdef(graphdef: Any) -> tuple[str, str]:
     """(what a GraphDef argument is to fastcall, what it costs per call), for `f.explain`."""
     if _has_mutable_statics(graphdef):
