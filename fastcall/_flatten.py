@@ -359,8 +359,8 @@ def flatten_generic(value: Any, arg_name: str, trace_scalars: bool = False) -> t
             mask = traced
     dynamic = [x for x, m in zip(leaves, mask) if m]
     statics = tuple(x for x, m in zip(leaves, mask) if not m)
-    by_value = _graphdefs_by_value(treedef, statics)
-    try:
+    try:  # (a dict key whose __eq__ raises, an unhashable type: named below)
+        by_value = _graphdefs_by_value(treedef, statics)
         key: Any = ("tree", treedef, mask, tuple(leaf_key(s) for s in statics))
         if by_value is not None:  # (GraphDefs that can change in place: keyed by their value now)
             key = (*key, by_value)
