@@ -108,7 +108,7 @@ def test_trace_then_lower_then_compile_runs_as_a_call():
 
 
 def test_lower_takes_shape_dtype_structs_with_their_shardings():
-    mesh = jax.make_mesh((1,), ("data",))
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     x = jax.ShapeDtypeStruct((4,), jnp.float32, sharding=sharding)
     compiled = fastcall.jit(lambda x: x * 2).lower(x).compile()
