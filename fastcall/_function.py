@@ -72,11 +72,21 @@ class FunctionState:
                 for p in self.signature.parameters.values()
                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
             ]
-        # A negative static argument number counts from the end of each call's positional
-        # arguments, as jax.jit counts it (`static_positions`); a negative donated one
-        # donates nothing, as in jax.jit (its donation vector matches numbers as given).
+        # A negative static argument number counts as the installed jax.jit counts it: from
+        # the end of each call's positional arguments (jax 0.10; always where `*args` takes
+        # any number), or from the end of the signature's positional parameters (jax 0.12),
+        # resolved here (`_negatives_per_call`). A negative donated one donates nothing, as
+        # in jax.jit (its donation vector matches numbers as given).
         self.static_argnums = self._argnums(options.static_argnums, options.static_argnames)
-        self.static_from_end = tuple(i for i in options.static_argnums if i < 0)
+        negatives = tuple(i for i in options.static_argnums if i < 0)
+        var_positional = self.signature is not None and any(
+            p.kind is p.VAR_POSITIONAL for p in self.signature.parameters.values()
+        )
+        n = len(self.param_names)
+        if negatives and not var_positional and n and not _negatives_per_call():
+            self.static_argnums |= {i + n for i in negatives if i + n >= 0}
+            negatives = ()
+        self.static_from_end = negatives
         self.static_argnames = frozenset(options.static_argnames)
         self.donate_argnums = self._argnums(options.donate_argnums, options.donate_argnames)
         # (the fast path takes positional traced arguments only)
@@ -267,6 +277,22 @@ class FunctionState:
 _all_states: weakref.WeakSet[FunctionState] = weakref.WeakSet()
 _states: dict[Any, FunctionState] = {}
 _states_lock = threading.Lock()
+
+
+@functools.cache
+def _negatives_per_call() -> bool:
+    """Whether the installed jax.jit counts a negative static argument number from the end
+    of each call's positional arguments (jax 0.10), rather than from the end of the
+    signature's positional parameters (jax 0.12): asked of jax.jit once, by tracing a probe
+    (no compile) for a function of two parameters and a default, called with two."""
+    seen: list[bool] = []
+
+    def probe(a: Any, b: Any, c: Any = 0) -> Any:
+        seen.append(not isinstance(b, jax.core.Tracer))
+        return a
+
+    jax.jit(probe, static_argnums=-1).eval_shape(0.0, 0)
+    return seen[0]
 
 
 def state_for(fun: Any, fun_spec: Spec, options: JitOptions, user_fun: Any) -> FunctionState:
