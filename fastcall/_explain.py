@@ -88,29 +88,23 @@ class CallReport:
     **Example:**
 
     ```python
-    import equinox as eqx
-    import jax
     import jax.numpy as jnp
 
     import fastcall
 
-    @fastcall.jit
-    def forward(model, x):
-        return model(x)
-
-    model = eqx.nn.Linear(2, 2, key=jax.random.PRNGKey(0))
-    x = jnp.ones(2)
-    print(forward.explain(model, x))  # before any call
-    forward(model, x)
-    forward(model, x)  # the second call gives `model` a fast record
-    report = forward.explain(model, x)
+    scale = fastcall.jit(lambda params, x: params["w"] * x)
+    params, x = {"w": jnp.full(2, 3.0)}, jnp.ones(2)
+    print(scale.explain(params, x))  # before any call
+    scale(params, x)
+    scale(params, x)  # passed first again: the function holds the dict for the fast path
+    report = scale.explain(params, x)
     print(report.route, report.reasons)
     ```
     ```text
     route: general
-      not fast: model: no fast record (see its line below)
-      not structure: no record for calls whose first argument is a Linear ...
-      model: not cached yet ...
+      not fast: params: no fast record (see its line below)
+      not structure: no record for calls whose first argument is a dict ...
+      params: top-level dict, not yet held; ...
       x: jax array; per call: passed as is
     fast ()
     ```

@@ -27,86 +27,52 @@ try:  # jax >= 0.4.36 keeps the current trace in a context object.
     from jax._src.core import trace_ctx as _trace_ctx
 
     _trace_ctx.is_top_level()  # check that the private route still works
-
-    def currently_jitting() -> bool:
-        """True while a JAX transformation (jit, grad, vmap, scan, ...) is tracing.
-
-        Use it to skip Python-side work that needs concrete values (printing,
-        logging, checks with `if`) while a function is being traced, or to take
-        another branch under a transformation. It reads JAX's trace context
-        directly, so it costs about 0.2 us, where building an array to see whether
-        it comes back a tracer costs tens of microseconds (what it falls back to on
-        a jax whose trace context it cannot read).
-
-        **Returns:**
-
-        `False` in ordinary eager Python, `True` inside any traced function (a
-        `fastcall.jit` or `jax.jit` function while it is traced, a `jax.grad`,
-        `jax.vmap` or `lax.scan` body, ...).
-
-        **Example:**
-
-        ```python
-        import jax
-
-        import fastcall
-
-        print(fastcall.currently_jitting())
-
-        @jax.jit
-        def f(x):
-            print("tracing:", fastcall.currently_jitting())
-            return x + 1
-
-        f(1.0)
-        ```
-        ```text
-        False
-        tracing: True
-        ```
-        """
-        return not _trace_ctx.is_top_level()
+    _is_top_level = _trace_ctx.is_top_level
 
 except Exception:  # pragma: no cover - fallback for other jax versions
 
-    def currently_jitting() -> bool:
-        """True while a JAX transformation (jit, grad, vmap, scan, ...) is tracing.
+    def _is_top_level() -> bool:
+        return not isinstance(jnp.zeros(()) + 1, Tracer)
 
-        Use it to skip Python-side work that needs concrete values (printing,
-        logging, checks with `if`) while a function is being traced, or to take
-        another branch under a transformation. It reads JAX's trace context
-        directly, so it costs about 0.2 us, where building an array to see whether
-        it comes back a tracer costs tens of microseconds (what it falls back to on
-        a jax whose trace context it cannot read).
 
-        **Returns:**
+def currently_jitting() -> bool:
+    """True while a JAX transformation (jit, grad, vmap, scan, ...) is tracing.
 
-        `False` in ordinary eager Python, `True` inside any traced function (a
-        `fastcall.jit` or `jax.jit` function while it is traced, a `jax.grad`,
-        `jax.vmap` or `lax.scan` body, ...).
+    Use it to skip Python-side work that needs concrete values (printing,
+    logging, checks with `if`) while a function is being traced, or to take
+    another branch under a transformation. It reads JAX's trace context
+    directly, so it costs about 0.2 us, where building an array to see whether
+    it comes back a tracer costs tens of microseconds (what it falls back to on
+    a jax whose trace context it cannot read).
 
-        **Example:**
+    **Returns:**
 
-        ```python
-        import jax
+    `False` in ordinary eager Python, `True` inside any traced function (a
+    `fastcall.jit` or `jax.jit` function while it is traced, a `jax.grad`,
+    `jax.vmap` or `lax.scan` body, ...).
 
-        import fastcall
+    **Example:**
 
-        print(fastcall.currently_jitting())
+    ```python
+    import jax
 
-        @jax.jit
-        def f(x):
-            print("tracing:", fastcall.currently_jitting())
-            return x + 1
+    import fastcall
 
-        f(1.0)
-        ```
-        ```text
-        False
-        tracing: True
-        ```
-        """
-        return isinstance(jnp.zeros(()) + 1, Tracer)
+    print(fastcall.currently_jitting())
+
+    @jax.jit
+    def f(x):
+        print("tracing:", fastcall.currently_jitting())
+        return x + 1
+
+    f(1.0)
+    ```
+    ```text
+    False
+    tracing: True
+    ```
+    """
+    return not _is_top_level()
 
 
 def _top_level_probe() -> tuple[tuple[Any, str, Any], ...] | None:

@@ -58,3 +58,15 @@ class TinyDecoder(nnx.Module):
         ctx = jax.nn.softmax(scores) @ self.v_cache[...]
         self.index[...] = self.index[...] + 1
         return jnp.argmax(self.out(ctx + h)).astype(jnp.int32)
+
+
+class Sized(nnx.Module):
+    """An NNX module whose output depends on a list attribute: a GraphDef of it holds that
+    very list, so `features.append(...)` after `nnx.split` changes the GraphDef in place."""
+
+    def __init__(self):
+        self.features = [2, 3]
+        self.w = nnx.Param(jnp.arange(3.0))
+
+    def __call__(self, x):
+        return x * len(self.features) + self.w[...]

@@ -19,6 +19,7 @@ import fastcall
 from fastcall import _codegen
 
 from .conftest import FAST_PATH, STRUCTURE_PATH, assert_trees_equal, general_calls, served, state_of
+from .models import Sized
 
 
 class Net(nnx.Module):
@@ -2055,15 +2056,6 @@ def test_a_graphdef_inside_a_container_changed_in_place_is_seen(hot_path):
     `nnx.split` changes it in place. Passed inside a tuple (where flax makes it a pytree
     node), the call is keyed by its value now, as a GraphDef passed on its own is (nnx.jit
     and jax.jit keep running the old program)."""
-    from flax import nnx
-
-    class Sized(nnx.Module):
-        def __init__(self):
-            self.features = [2, 3]
-            self.w = nnx.Param(jnp.arange(3.0))
-
-        def __call__(self, x):
-            return x * len(self.features) + self.w[...]
 
     def run(graphdef_and_x, state):
         graphdef, x = graphdef_and_x

@@ -13,6 +13,8 @@ from flax import nnx
 
 import fastcall
 
+from .models import Sized
+
 
 def as_pytree(f, **options):
     return fastcall.jit(f, nnx_as_pytree=True, **options)
@@ -183,14 +185,6 @@ def test_explain_tells_the_pytree_reading():
 def test_a_pytree_functions_read_of_a_graphdef_leaves_the_default_functions_check_in_place():
     """Templates are shared per type: one made while a pytree function read a GraphDef must
     not serve a default function, which compares a GraphDef holding a list by value."""
-
-    class Sized(nnx.Module):
-        def __init__(self):
-            self.features = [2, 3]
-            self.w = nnx.Param(jnp.arange(3.0))
-
-        def __call__(self, x):
-            return x * len(self.features) + self.w[...]
 
     def run(graphdef, state, x):
         return nnx.merge(graphdef, state)(x)
