@@ -118,6 +118,32 @@ class _CheckedDispatch:
         return getattr(self.fn, name)
 
 
+class _CheckedBound:
+    """A fast record's call in the agreement mode: `call`, `entry.fn` with an object's leaves
+    bound (packed or not, `_pack`), checking the call a hit dispatches through it as
+    `_CheckedDispatch` does, on the leaves bound and the call's own."""
+
+    __slots__ = ("call", "entry", "leaves")
+
+    def __init__(self, call: Any, entry: Any, leaves: Any) -> None:
+        self.call = call
+        self.entry = weakref.ref(entry)
+        self.leaves = tuple(leaves)
+
+    def __call__(self, *args: Any) -> Any:
+        stack = _calls.stack
+        if stack and stack[-1].armed:
+            call = stack[-1]
+            call.armed = False  # (a packed program's trace calls the entry's fn: not again)
+            _compare(call, self.entry(), (*self.leaves, *args))
+        return self.call(*args)
+
+
+def checked_bound(call: Any, entry: Any, leaves: Any) -> Any:
+    """A fast record's `call` (entry.fn with `leaves` bound first), checked when a hit uses it."""
+    return _CheckedBound(call, entry, leaves)
+
+
 def check_entry(entry: Any) -> None:
     """Make `entry`'s calls through hits checked (once, when it is built)."""
     entry.fn = _CheckedDispatch(entry.fn, entry)

@@ -78,6 +78,7 @@ def jit(
     graph: bool | None = ...,
     graph_updates: bool | None = ...,
     nnx_as_pytree: bool = ...,
+    pack: bool = ...,
 ) -> JitWrapped[P, R]: ...
 
 
@@ -100,6 +101,7 @@ def jit(
     graph: bool | None = ...,
     graph_updates: bool | None = ...,
     nnx_as_pytree: bool = ...,
+    pack: bool = ...,
 ) -> Callable[[Callable[P, R]], JitWrapped[P, R]]: ...
 
 
@@ -121,6 +123,7 @@ def jit(
     graph: bool | None = None,
     graph_updates: bool | None = None,
     nnx_as_pytree: bool = False,
+    pack: bool = True,
 ) -> Any:
     """Compile `fun` as `nnx.jit` / `jax.jit` would, at close to `jax.jit`'s floor.
 
@@ -179,6 +182,13 @@ def jit(
       object reached twice is two objects inside, and NNX objects returned are new.
       (`graph` and `graph_updates` then have no effect.) The default, `False`, is
       `nnx.jit`'s.
+    - `pack`: `True` (the default) passes a model's small leaves (arrays of at most
+      one dimension and 256 elements: biases, norm scales) packed into one buffer per
+      dtype and device when the fast path serves it again unchanged, at default
+      options (nothing donated; no shardings, device, backend or compiler options); fewer arguments to
+      dispatch cost less than `jax.jit` on the model's own leaves. The packed program
+      is compiled once per layout, beside the function's own (the function is not
+      traced again). `False` passes every leaf as it is.
 
     **Returns:**
 
@@ -286,6 +296,7 @@ def jit(
         graph=graph,
         trace_scalars=True,
         nnx_as_pytree=bool(nnx_as_pytree),
+        pack=bool(pack),
     )
     if fun is None:
         return functools.partial(_wrap, options=options)
@@ -293,14 +304,14 @@ def jit(
 
 
 @overload
-def filter_jit(fun: Callable[P, R], *, donate: Donate = ...) -> JitWrapped[P, R]: ...
+def filter_jit(fun: Callable[P, R], *, donate: Donate = ..., pack: bool = ...) -> JitWrapped[P, R]: ...
 
 
 @overload
-def filter_jit(fun: None = None, *, donate: Donate = ...) -> Callable[[Callable[P, R]], JitWrapped[P, R]]: ...
+def filter_jit(fun: None = None, *, donate: Donate = ..., pack: bool = ...) -> Callable[[Callable[P, R]], JitWrapped[P, R]]: ...
 
 
-def filter_jit(fun: Callable | None = None, *, donate: Donate = "none") -> Any:
+def filter_jit(fun: Callable | None = None, *, donate: Donate = "none", pack: bool = True) -> Any:
     """Compile `fun` with `eqx.filter_jit`'s rules, at close to `jax.jit`'s cost.
 
     The drop-in for `eqx.filter_jit` (same arguments): every JAX/NumPy array leaf of
@@ -317,6 +328,7 @@ def filter_jit(fun: Callable | None = None, *, donate: Donate = "none") -> Any:
       `filter_jit(donate=...)` returns a decorator.
     - `donate`: `"all"`, `"all-except-first"`, `"warn"`, `"warn-except-first"` or
       `"none"` (the default), as in `eqx.filter_jit`.
+    - `pack`: as for `fastcall.jit`: `False` passes every leaf as it is.
 
     **Returns:**
 
@@ -371,6 +383,7 @@ def filter_jit(fun: Callable | None = None, *, donate: Donate = "none") -> Any:
         graph_updates=None,
         graph=None,
         trace_scalars=False,
+        pack=bool(pack),
     )
     if fun is None:
         return functools.partial(_wrap, options=options)

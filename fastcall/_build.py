@@ -28,7 +28,7 @@ from ._trace import current_trace_has_callback
 class Entry:
     """One static signature of a wrapped function: a jax.jit over flat leaves."""
 
-    __slots__ = ("fn", "out", "varies", "passthrough", "lock", "on_varies", "__weakref__")
+    __slots__ = ("fn", "out", "varies", "passthrough", "lock", "on_varies", "packs", "__weakref__")
 
     def __init__(self) -> None:
         self.fn: Any = None  # fn(*leaves) runs it
@@ -39,6 +39,7 @@ class Entry:
         self.passthrough = False  # jax's output is the user's output: nothing to do after
         self.lock = threading.Lock()
         self.on_varies: Callable[[], Any] | None = None  # called once, when it starts to vary
+        self.packs: dict[Any, Any] = {}  # `_pack.PackPlan` -> the program taking that plan's buffers
 
     def finish(self, out: Any, nnx_args: Sequence[Any]) -> Any:
         """The user's output from one call's outputs (NNX state written back)."""

@@ -47,7 +47,7 @@ from typing import Any
 
 import jax
 
-from . import _agreement, _args, _codegen, _fast, _flatten, _guard, _native, _nnx_gate
+from . import _agreement, _args, _codegen, _fast, _flatten, _guard, _native, _nnx_gate, _pack
 from ._build import Entry
 from ._fast import (
     ArgRead, FastRecord, FastSlot, GraphdefRead, JointRead, MixedRead, NodeRead, NodesRead, PytreeShape,
@@ -390,7 +390,13 @@ def _publish_pytree(state: Any, first: Any, hit: Any, entry: Entry, arity: int) 
         slot = FastSlot(ref, {}, hit.guard)
         _fast.publish(ref, slot.records, hit.guard)
     if state not in slot.records:
-        call = functools.partial(entry.fn, *hit.leaves)
+        if _pack.packs(state.options):
+            call, packed = _pack.bound_call(entry, hit.leaves)
+            state.counts.packed_leaves += packed.n_packed if packed is not None else 0
+        else:
+            call = functools.partial(entry.fn, *hit.leaves)
+        if _agreement.ENABLED:
+            call = _agreement.checked_bound(call, entry, hit.leaves)
         slot.records[state] = FastRecord(arity, call, None, _fast_post(entry))
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _codegen, _fast, _flatten, _guard, _nnx_gate
+from . import _codegen, _fast, _flatten, _guard, _nnx_gate, _pack
 from ._dispatch import arguments_as_read, read_arguments, read_mixed, static_matches
 
 
@@ -158,7 +158,26 @@ def explain(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallRe
         _argument(state, name, value, i == 0, reads[i] if i < len(reads) else None, static)
         for i, (name, value) in enumerate(named)
     )
+    if route == "fast" and reports:
+        packed = _packed_note(state, args[0])
+        if packed:
+            first = reports[0]
+            reports = (dataclasses.replace(first, per_call=f"{first.per_call}; {packed}"), *reports[1:])
     return CallReport(route, tuple(reasons), reports)
+
+
+def _packed_note(state: Any, first: Any) -> str:
+    """How the fast record for `first` passes its leaves packed (`_pack`), in words; "" if not."""
+    slot = _fast.INDEX.get(id(first))
+    record = slot.records.get(state) if slot is not None else None
+    call = getattr(record, "call", None)
+    plan = _pack.plan_of(getattr(call, "call", call))  # (the agreement mode wraps it: `call.call`)
+    if plan is None:
+        return ""
+    return (
+        f"{plan.n_packed} of its {plan.n} leaves passed packed in {len(plan.groups)} "
+        f"buffer{'s' if len(plan.groups) > 1 else ''} (small and unchanged: `pack`)"
+    )
 
 
 def _serving_record(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -40,9 +40,10 @@ class PathCounts:
     """Calls served by each route (see `JitStats.paths`). The C fast path counts its
     own calls on each C wrapper."""
 
-    __slots__ = ("python_fast", "python_structure", "general_cached", "general_read")
+    __slots__ = ("python_fast", "python_structure", "general_cached", "general_read", "packed_leaves")
 
     def __init__(self) -> None:
+        self.packed_leaves = 0  # (not a route: leaves bound packed into fast records, `_pack`)
         self.python_fast = 0
         self.python_structure = 0
         self.general_cached = 0
@@ -271,6 +272,7 @@ class FunctionState:
             hits=max(calls - self.traces, 0),
             recompiles=tuple(self.recompiles),
             paths=paths,
+            packed_leaves=self.counts.packed_leaves,
         )
 
 

@@ -45,6 +45,9 @@ class JitOptions(NamedTuple):
     # object passed once per place it is reached, returned objects new), not NNX objects
     # read and written back as nnx.jit reads them.
     nnx_as_pytree: bool = False
+    # A model called again unchanged passes its small leaves packed, one buffer per dtype
+    # and device (`_pack`), at default options.
+    pack: bool = True
 
     @property
     def decorator(self) -> str:

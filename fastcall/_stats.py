@@ -151,6 +151,8 @@ class JitStats:
       the flatten that takes a guard over an object's lists and dicts).
       They add up to `calls`. Which of `c_` and `python_` serve a call depends on
       whether the C extension is built.
+    - `packed_leaves`: small leaves the fast path passes packed into buffers (see
+      `fastcall.jit`'s `pack`), counted once per fast record made; 0 where none is.
 
     **Example:**
 
@@ -182,6 +184,7 @@ class JitStats:
     hits: int
     recompiles: tuple[Recompile, ...]
     paths: dict[str, int] = dataclasses.field(default_factory=dict)
+    packed_leaves: int = 0
 
 
 def _describe_leaf(leaf: Any) -> str:

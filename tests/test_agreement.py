@@ -90,10 +90,11 @@ def test_stale_leaf_named(agreement, hot_path):
     for _ in range(3):
         f(model, x)
     record = _record(f, model)
-    bound = list(record.call.args)
+    entry = record.call.entry()  # (in the agreement mode a record's call is checked: `_CheckedBound`)
+    bound = list(record.call.leaves)
     bound[1] = bound[1] + 1.0  # a record reading an old value of the model's second leaf
     _fast.INDEX[id(model)].records[f._fastcall_state] = record._replace(
-        call=functools.partial(record.call.func, *bound)
+        call=_agreement.checked_bound(functools.partial(entry.fn, *bound), entry, bound)
     )
     with pytest.raises(_agreement.AgreementError, match=r"argument 'm', leaf 1 of 6: the hit passed"):
         f(model, x)
@@ -123,8 +124,9 @@ def test_wrong_entry_named(agreement, hot_path):
         f(other, x)
     record, wrong = _record(f, small), _record(f, other)
     # (the same leaves, bound to the other model's compiled entry)
+    wrong_entry, leaves = wrong.call.entry(), record.call.leaves
     _fast.INDEX[id(small)].records[f._fastcall_state] = record._replace(
-        call=functools.partial(wrong.call.func, *record.call.args)
+        call=_agreement.checked_bound(functools.partial(wrong_entry.fn, *leaves), wrong_entry, leaves)
     )
     with pytest.raises(_agreement.AgreementError, match=r"another compiled entry .* argument 'm' has spec"):
         f(small, x)

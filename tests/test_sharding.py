@@ -81,3 +81,7 @@ def test_two_processes_with_jax_distributed_on_loopback():
 
 def test_nnx_state_arguments_and_results_with_shardings():
     _check_script(4, "STATE SHARDING CHECKS PASSED", "state_shardings_check.py")
+
+
+def test_packing_keeps_a_model_on_its_device_and_leaves_sharded_leaves_alone():
+    _check_script(2, "PACK DEVICE CHECKS PASSED", "pack_devices_check.py")

@@ -1,0 +1,172 @@
+"""Packing: a model's small leaves passed to jax.jit as one buffer, below the floor.
+
+jax.jit's C++ dispatch pays per argument (about 0.5-1 us per array on a CPU), so a
+model's biases, norm scales and other small arrays cost as much to pass as its large
+matrices. When the fast path serves an object called again unchanged (an Equinox
+module or a held params dict: its leaves are bound to the call once, when its fast
+record is published), its small leaves are passed instead as one buffer per dtype and
+device, built then, and sliced back inside a second program (`packed_program`) that
+calls the function's own compiled entry on the leaves. jax.jit reuses the entry's
+trace there, so the user's function is not traced again; XLA compiles the packed
+program once per layout.
+
+The buffer holds copies of leaves that are immutable (jax arrays) and bound to an
+object that is unchanged while its fast record lives: a changed model is a new object
+(Equinox) or fails its guard (a dict), and takes the general path, which never packs.
+So a training step whose weights change every call pays nothing for it.
+
+What is packed (`plan`) was measured, not guessed (`python -m bench --only pack_sweep`
+draws the sweep; jax 0.10, CPU): jax arrays of at most one dimension and at most
+`MAX_ELEMENTS` elements, strongly typed (a slice is strongly typed: a weak leaf would
+trace the entry again), of a plain numeric dtype, on one device, at least
+`MIN_LEAVES` of a kind. Matrices are passed as they are: slicing a dot operand out of
+a buffer cost more than passing it (8x8 to 32x32, 8 to 50 leaves: 1.05-1.38x the
+floor), while 1-D leaves of up to 256 elements were 0.28-0.88x. Only at default
+options: nothing donated, no shardings, device, backend or compiler options given; `pack=False` turns
+it off.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._flatten import ArrayImpl
+from ._options import UNSPECIFIED
+
+MAX_ELEMENTS = 256  # a leaf of more is passed as it is
+MIN_LEAVES = 2  # fewer of a kind (dtype, device) are passed as they are
+
+
+class Group(NamedTuple):
+    """Leaves packed into one buffer: their positions among the bound leaves, in order."""
+
+    positions: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: Any
+
+
+class PackPlan(NamedTuple):
+    """How a bound prefix of `n` leaves is passed: each group as one buffer, then the
+    leaves at `rest` as they are. Hashable: the packed programs of an entry are keyed by it."""
+
+    n: int
+    groups: tuple[Group, ...]
+    rest: tuple[int, ...]
+
+    @property
+    def n_packed(self) -> int:
+        return sum(len(g.positions) for g in self.groups)
+
+
+def packs(options: Any) -> bool:
+    """Whether a function with these options packs: `pack` on, and nothing donated, sharded
+    or placed by an option (a packed buffer would carry none of it)."""
+    return (
+        options.pack
+        and options.donate == "none"
+        and not options.donate_argnums
+        and not options.donate_argnames
+        and options.device is None
+        and options.backend is None
+        and options.in_shardings is UNSPECIFIED
+        # (a nested jit's options do not reach the program it is inlined into)
+        and options.compiler_options is None
+    )
+
+
+def _kind(leaf: Any) -> Any:
+    """The buffer a leaf may be packed into (dtype, device, memory kind, committed), or
+    None if it is passed as it is."""
+    if type(leaf) is not ArrayImpl or leaf.ndim > 1 or leaf.size > MAX_ELEMENTS or leaf.weak_type:
+        return None
+    dtype = leaf.dtype
+    if not (np.issubdtype(dtype, np.number) or dtype == np.bool_) or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return None
+    sharding = leaf.sharding
+    if type(sharding) is not jax.sharding.SingleDeviceSharding:
+        return None
+    try:
+        if leaf.is_deleted():
+            return None
+    except Exception:  # pragma: no cover - an array type without it
+        return None
+    (device,) = sharding.device_set
+    return (dtype, device, sharding.memory_kind, leaf.committed)
+
+
+def plan(leaves: Sequence[Any]) -> PackPlan | None:
+    """The packing of these bound leaves, or None where nothing is worth packing."""
+    by_kind: dict[Any, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        kind = _kind(leaf)
+        if kind is not None:
+            by_kind.setdefault(kind, []).append(i)
+    groups = []
+    packed: set[int] = set()
+    for kind, positions in by_kind.items():
+        if len(positions) >= MIN_LEAVES:
+            groups.append(Group(tuple(positions), tuple(tuple(leaves[i].shape) for i in positions), kind[0]))
+            packed.update(positions)
+    if not groups:
+        return None
+    return PackPlan(len(leaves), tuple(groups), tuple(i for i in range(len(leaves)) if i not in packed))
+
+
+def buffers(p: PackPlan, leaves: Sequence[Any]) -> list[Any]:
+    """The buffers of plan `p` for these leaves (each group's leaves, raveled, in order)."""
+    return [_concatenate(*(leaves[i] for i in g.positions)) for g in p.groups]
+
+
+@jax.jit
+def _concatenate(*leaves: Any) -> Any:
+    return jnp.concatenate([jnp.ravel(x) for x in leaves])
+
+
+def packed_program(entry: Any, p: PackPlan) -> Callable[..., Any]:
+    """`entry`'s program taking plan `p`'s buffers and other leaves, then the call's own
+    arguments: a jax.jit that slices the leaves back and calls `entry.fn` on them (one per
+    entry and plan)."""
+    found = entry.packs.get(p)
+    if found is not None:
+        return found  # type: ignore[no-any-return]
+    fn = entry.fn
+    n_groups, n_rest = len(p.groups), len(p.rest)
+
+    def unpacked(*given: Any) -> Any:
+        leaves: list[Any] = [None] * p.n
+        for g, buf in zip(p.groups, given[:n_groups]):
+            start = 0
+            for at, shape in zip(g.positions, g.shapes):
+                size = int(np.prod(shape, dtype=np.int64))
+                leaves[at] = jax.lax.slice(buf, (start,), (start + size,)).reshape(shape)
+                start += size
+        for at, x in zip(p.rest, given[n_groups : n_groups + n_rest]):
+            leaves[at] = x
+        return fn(*leaves, *given[n_groups + n_rest :])
+
+    name = getattr(fn, "__name__", "packed")
+    unpacked.__name__ = unpacked.__qualname__ = f"{name}_packed"
+    program = jax.jit(unpacked)
+    program._fastcall_pack_plan = p  # type: ignore[attr-defined]  # (read by `plan_of`)
+    entry.packs[p] = program
+    return program
+
+
+def plan_of(call: Any) -> PackPlan | None:
+    """The plan of a fast record's call, if it passes leaves packed (for `f.explain`)."""
+    return getattr(getattr(call, "func", None), "_fastcall_pack_plan", None)
+
+
+def bound_call(entry: Any, leaves: Sequence[Any]) -> tuple[Callable[..., Any], PackPlan | None]:
+    """`entry.fn` with these leaves bound first: packed where `plan` finds it worth it
+    (with the plan), else as they are (with None)."""
+    p = plan(leaves)
+    if p is None:
+        return functools.partial(entry.fn, *leaves), None
+    program = packed_program(entry, p)
+    return functools.partial(program, *buffers(p, leaves), *(leaves[i] for i in p.rest)), p

@@ -1,0 +1,258 @@
+"""Packing (`fastcall._pack`): an object the fast path serves again unchanged passes its
+small leaves packed into one buffer per dtype and device.
+
+Each test checks the result against the eager call and the peer, that the fast path
+served the call with leaves packed (`stats().packed_leaves`), and that the user's
+function was traced no more often than the peer traces it; and that whatever changes the
+model (a new Equinox model, a dict written in place) is seen on the next call.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fastcall
+from fastcall import _pack
+
+from .conftest import FAST_PATH, STRUCTURE_PATH, assert_trees_equal, served
+
+pytestmark = pytest.mark.usefixtures("hot_path")
+
+X = jnp.arange(4.0)
+
+
+class Block(eqx.Module):
+    scale: jax.Array
+    bias: jax.Array
+
+    def __call__(self, x):
+        return jnp.tanh(x * self.scale + self.bias)
+
+
+class Stack(eqx.Module):
+    blocks: list
+    proj: eqx.nn.Linear  # a (4, 4) matrix, passed as it is, and a bias, packed
+    steps: jax.Array  # an int32 leaf: its own buffer, with its kind
+
+    def __init__(self, key, n=6):
+        keys = jax.random.split(key, 2 * n + 1)
+        self.blocks = [Block(jax.random.normal(keys[2 * i], (4,)), jax.random.normal(keys[2 * i + 1], (4,))) for i in range(n)]
+        self.proj = eqx.nn.Linear(4, 4, key=keys[-1])
+        self.steps = jnp.arange(3, dtype=jnp.int32)
+
+    def __call__(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.proj(x) + self.steps.sum()
+
+
+def forward(model, x):
+    return model(x)
+
+
+def _counting(decorator, **options):
+    traces = []
+
+    def f(model, x):
+        traces.append(1)
+        return model(x)
+
+    return decorator(f, **options), traces
+
+
+@pytest.mark.parametrize("decorator", [fastcall.jit, fastcall.filter_jit])
+def test_a_model_called_again_is_served_packed(decorator, hot_path):
+    model = Stack(jax.random.PRNGKey(0))
+    f, traces = _counting(decorator)
+    peer = eqx.filter_jit(forward)
+    routes = []
+    for _ in range(4):
+        out, route = served(f, model, X)
+        assert_trees_equal(out, peer(model, X))
+        np.testing.assert_allclose(out, model(X), rtol=1e-6)
+        routes.append(route)
+    assert routes[2:] == [FAST_PATH[hot_path]] * 2
+    # 6 scales and 6 biases and the Linear's bias (float32), and the int32 leaf alone: as it is
+    assert f.stats().packed_leaves == 13
+    assert len(traces) == 1  # the packed program reuses the entry's trace
+    assert f.stats().compiles == 1
+
+
+def test_pack_false_passes_every_leaf_as_it_is(hot_path):
+    model = Stack(jax.random.PRNGKey(0))
+    f = fastcall.jit(forward, pack=False)
+    for _ in range(4):
+        out, route = served(f, model, X)
+        np.testing.assert_allclose(out, model(X), rtol=1e-6)
+    assert route == FAST_PATH[hot_path]
+    assert f.stats().packed_leaves == 0
+
+
+@pytest.mark.parametrize(
+    "options", [{"donate": "all-except-first"}, {"donate_argnums": 1}, {"compiler_options": {"xla_cpu_enable_fast_math": False}}]
+)
+def test_donation_or_placement_options_never_pack(options, hot_path):
+    model = Stack(jax.random.PRNGKey(0))
+    f = fastcall.jit(forward, **options)
+    for _ in range(4):
+        out = f(model, jnp.arange(4.0))
+        np.testing.assert_allclose(out, model(X), rtol=1e-6)
+    assert f.stats().packed_leaves == 0
+
+
+def test_a_new_model_is_read_again_not_served_from_the_buffer(hot_path):
+    model = Stack(jax.random.PRNGKey(0))
+    f = fastcall.jit(forward)
+    for _ in range(3):
+        f(model, X)
+    assert f.stats().packed_leaves > 0
+    changed = eqx.tree_at(lambda m: m.blocks[2].bias, model, model.blocks[2].bias + 1.0)
+    out, route = served(f, changed, X)
+    assert route == STRUCTURE_PATH[hot_path]
+    np.testing.assert_allclose(out, changed(X), rtol=1e-6)
+    assert not np.allclose(out, model(X))
+    out, _ = served(f, model, X)  # the old model, still packed, still its own result
+    np.testing.assert_allclose(out, model(X), rtol=1e-6)
+
+
+def test_a_params_dict_written_in_place_is_seen(hot_path):
+    params = {f"b{i}": jnp.full((4,), i, dtype=jnp.float32) for i in range(5)}
+
+    def apply(p, x):
+        for i in range(5):
+            x = x * 0.5 + p[f"b{i}"]
+        return x
+
+    f = fastcall.jit(apply)
+    for _ in range(4):
+        out, route = served(f, params, X)
+    assert route == FAST_PATH[hot_path]
+    assert f.stats().packed_leaves == 5
+    np.testing.assert_allclose(out, apply(params, X), rtol=1e-6)
+    params["b3"] = params["b3"] + 10.0  # in place: the guard sees it
+    out, route = served(f, params, X)
+    assert route != FAST_PATH[hot_path]
+    np.testing.assert_allclose(out, apply(params, X), rtol=1e-6)
+    assert_trees_equal(out, jax.jit(apply)(params, X))
+
+
+def test_a_training_loop_packs_nothing():
+    # each step's model is new and used once: no fast record, so no buffer built per step
+    model = Stack(jax.random.PRNGKey(0))
+
+    @fastcall.filter_jit
+    def step(model, x):
+        grads = eqx.filter_grad(lambda m: m(x).sum())(model)
+        return eqx.apply_updates(model, jax.tree_util.tree_map(lambda g: -0.1 * g, grads))
+
+    peer = eqx.filter_jit(step.__wrapped__)
+    ref = model
+    for _ in range(5):
+        model = step(model, X)
+        ref = peer(ref, X)
+    assert_trees_equal(model, ref)
+    assert step.stats().packed_leaves == 0
+
+
+def test_fastcall_partial_packs_its_bound_model(hot_path):
+    model = Stack(jax.random.PRNGKey(1))
+    serve = fastcall.partial(forward, model)
+    for _ in range(4):
+        out = serve(X)
+    np.testing.assert_allclose(out, model(X), rtol=1e-6)
+    assert serve.stats().packed_leaves == 13
+    assert serve.stats().paths[FAST_PATH[hot_path]] >= 2
+
+
+def test_packed_calls_inside_an_outer_trace_and_threads(hot_path):
+    model = Stack(jax.random.PRNGKey(2))
+    f = fastcall.jit(forward)
+    for _ in range(3):
+        f(model, X)
+    assert f.stats().packed_leaves > 0
+    outer = jax.jit(lambda x: f(model, x) * 2)
+    np.testing.assert_allclose(outer(X), 2 * model(X), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(lambda x: f(model, x).sum())(X), jax.grad(lambda x: model(x).sum())(X), rtol=1e-4, atol=1e-9)
+    results: list = []
+
+    def worker(i):
+        x = X + i
+        results.append((i, f(model, x)))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, out in results:
+        np.testing.assert_allclose(out, model(X + i), rtol=1e-6)
+
+
+def test_a_new_input_shape_traces_once_as_the_peer():
+    model = Stack(jax.random.PRNGKey(3))
+    f, traces = _counting(fastcall.filter_jit)
+    peer, peer_traces = _counting(eqx.filter_jit)
+    wide = jnp.arange(4, dtype=jnp.int32)  # (another dtype: another trace)
+    for x in (X, X, X, wide, wide):  # `wide` first meets the packed program, which traces the entry
+        assert_trees_equal(f(model, x), peer(model, x))
+    other = Stack(jax.random.PRNGKey(4))  # the same structure, unpacked: that trace serves it
+    for x in (X, wide):
+        assert_trees_equal(f(other, x), peer(other, x))
+    assert len(traces) == len(peer_traces) == 2
+
+
+def test_the_rule_of_what_is_packed():
+    small = jnp.ones(4)
+    leaves = [
+        small,  # 0: packed (float32)
+        jnp.ones((2, 2)),  # 1: two dimensions: as it is
+        jnp.ones(300),  # 2: over MAX_ELEMENTS: as it is
+        jnp.asarray(1.0) * 1,  # 3: weakly typed: as it is
+        jax.random.key(0),  # 4: a typed key: as it is
+        jnp.zeros((), jnp.int32),  # 5: alone of its kind: as it is
+        jnp.ones(3),  # 6: packed with 0
+        jnp.float32(2.0) + jnp.zeros(()),  # 7: a 0-d float32: packed
+    ]
+    assert leaves[3].weak_type
+    p = _pack.plan(leaves)
+    assert p is not None
+    assert [g.positions for g in p.groups] == [(0, 6, 7)]
+    assert p.rest == (1, 2, 3, 4, 5)
+    (buf,) = _pack.buffers(p, leaves)
+    np.testing.assert_array_equal(buf, np.concatenate([np.ravel(leaves[i]) for i in (0, 6, 7)]))
+    assert _pack.plan([small]) is None
+    assert _pack.plan([small, jnp.ones((2, 2))]) is None
+
+
+def test_the_agreement_mode_checks_packed_calls(monkeypatch, hot_path):
+    from fastcall import _agreement
+
+    monkeypatch.setattr(_agreement, "ENABLED", True)
+    model = Stack(jax.random.PRNGKey(4))
+    f = fastcall.jit(forward)
+    before = _agreement.checked
+    for _ in range(4):
+        out = f(model, X)
+    np.testing.assert_allclose(out, model(X), rtol=1e-6)
+    assert f.stats().packed_leaves > 0
+    assert _agreement.checked - before == f.stats().paths[FAST_PATH[hot_path]] >= 2
+
+
+def test_explain_and_stats_tell_what_is_packed():
+    model = Stack(jax.random.PRNGKey(5))
+    f = fastcall.jit(forward)
+    for _ in range(3):
+        f(model, X)
+    report = f.explain(model, X)
+    assert report.route == "fast"
+    assert "13 of its 15 leaves passed packed in 1 buffer" in report.arguments[0].per_call
+    unpacked = fastcall.jit(lambda m, x: m(x), pack=False)
+    for _ in range(3):
+        unpacked(model, X)
+    assert "packed" not in unpacked.explain(model, X).arguments[0].per_call
