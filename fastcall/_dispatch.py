@@ -132,6 +132,8 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
         if not node.direct or state in node.fast:
             return
         record = FastRecord(len(args), entry.fn, node.items, _fast_post(entry))
+        if _pack.packs(state.options):
+            record = _packed_nnx_record(state, node, entry, record)
         _nnx_gate.adapter().install_record(node, state, resolved.key[0], record)
         return
     _publish_structure(state, resolved, entry, fast_shape, (), hold_first)
@@ -380,6 +382,26 @@ def _nodes_read(
     if found is None or any(x is not n.obj for x, n in zip(found, read)):
         return None
     return nodes
+
+
+def _packed_nnx_record(state: Any, node: Any, entry: Entry, unpacked: FastRecord) -> FastRecord:
+    """`unpacked`, an NNX object's fast record, passing its small leaves packed while they
+    are unchanged (`_pack.checked_call`); as it is where nothing is worth packing."""
+    fast = node.fast  # (the records dict it is filed in: `install_record`)
+
+    def give_up() -> None:
+        if fast.get(state) is record:
+            fast[state] = unpacked
+
+    made = _pack.checked_call(entry, list(map(_fast.read_value, node.items)), give_up)
+    if made is None:
+        return unpacked
+    call, packed = made
+    state.counts.packed_leaves += packed.n_packed
+    if _agreement.ENABLED:
+        call = _agreement.checked_bound(call, entry, ())
+    record = unpacked._replace(call=call)
+    return record
 
 
 def _publish_pytree(state: Any, first: Any, hit: Any, entry: Entry, arity: int) -> None:

@@ -2,18 +2,21 @@
 
 jax.jit's C++ dispatch pays per argument (about 0.5-1 us per array on a CPU), so a
 model's biases, norm scales and other small arrays cost as much to pass as its large
-matrices. When the fast path serves an object called again unchanged (an Equinox
-module or a held params dict: its leaves are bound to the call once, when its fast
-record is published), its small leaves are passed instead as one buffer per dtype and
-device, built then, and sliced back inside a second program (`packed_program`) that
-calls the function's own compiled entry on the leaves. jax.jit reuses the entry's
-trace there, so the user's function is not traced again; XLA compiles the packed
-program once per layout.
+matrices. When the fast path serves an object called again, its small leaves are passed instead
+as one buffer per dtype and device, built when its fast record is made, and sliced back
+inside a second program (`packed_program`) that calls the function's own compiled entry
+on the leaves. jax.jit reuses the entry's trace there, so the user's function is not
+traced again; XLA compiles the packed program once per layout.
 
-The buffer holds copies of leaves that are immutable (jax arrays) and bound to an
-object that is unchanged while its fast record lives: a changed model is a new object
-(Equinox) or fails its guard (a dict), and takes the general path, which never packs.
-So a training step whose weights change every call pays nothing for it.
+The buffer holds copies of leaves that are immutable (jax arrays). An Equinox module or a
+held params dict binds its leaves to its record (`bound_call`), and is unchanged while
+the record lives: a changed model is a new object (Equinox) or fails its guard (a dict),
+and takes the general path, which never packs. An NNX model's Variables are read on
+every call (`checked_call`): each packed one is compared by identity with the value
+packed, and one that differs sends the call to the entry on the leaves as they are; a
+model trained in place soon passes them as they are for good. So a training step whose
+weights change every call pays nothing for packing (the Equinox one), or one identity
+check for its first two calls and nothing after (the NNX one).
 
 What is packed (`plan`) was measured, not guessed (`python -m bench --only pack_sweep`
 draws the sweep; jax 0.10, CPU): jax arrays of at most one dimension and at most
@@ -29,6 +32,7 @@ it off.
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -159,7 +163,51 @@ def packed_program(entry: Any, p: PackPlan) -> Callable[..., Any]:
 
 def plan_of(call: Any) -> PackPlan | None:
     """The plan of a fast record's call, if it passes leaves packed (for `f.explain`)."""
-    return getattr(getattr(call, "func", None), "_fastcall_pack_plan", None)
+    found = getattr(call, "_fastcall_pack_plan", None)  # (an NNX record's `checked_call`)
+    return found if found is not None else getattr(getattr(call, "func", None), "_fastcall_pack_plan", None)
+
+
+def _getter(positions: tuple[int, ...]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """The items at `positions` of a sequence, as a tuple (in C: `operator.itemgetter`)."""
+    if len(positions) >= 2:
+        return operator.itemgetter(*positions)
+    return lambda values: tuple(values[i] for i in positions)
+
+
+GIVE_UP_AFTER = 2  # calls that found a packed leaf changed: then the record passes leaves as they are
+
+
+def checked_call(
+    entry: Any, values: Sequence[Any], give_up: Callable[[], None]
+) -> tuple[Callable[..., Any], PackPlan] | None:
+    """For an NNX record, whose leaves (Variable values) are read on every call and may
+    change in place: `entry.fn`'s stand-in taking those values, then the call's own
+    arguments. While every packed leaf is still the very value packed (compared by
+    identity: a write gives a Variable a new array), it calls the packed program; else
+    `entry.fn` on the values as they are, and after `GIVE_UP_AFTER` such calls it calls
+    `give_up` (the caller then passes the leaves as they are for good: a model trained
+    in place changes them every step). None where `plan` finds nothing to pack."""
+    p = plan(values)
+    if p is None:
+        return None
+    program = packed_program(entry, p)
+    bufs = tuple(buffers(p, values))
+    positions = tuple(i for g in p.groups for i in g.positions)
+    snapshot = tuple(values[i] for i in positions)
+    packed_of, rest_of = _getter(positions), _getter(p.rest)
+    fn, n, is_ = entry.fn, p.n, operator.is_
+    changed = [0]
+
+    def call(*given: Any) -> Any:
+        if all(map(is_, packed_of(given), snapshot)):
+            return program(*bufs, *rest_of(given), *given[n:])
+        changed[0] += 1
+        if changed[0] == GIVE_UP_AFTER:
+            give_up()
+        return fn(*given)
+
+    call._fastcall_pack_plan = p  # type: ignore[attr-defined]
+    return call, p
 
 
 def bound_call(entry: Any, leaves: Sequence[Any]) -> tuple[Callable[..., Any], PackPlan | None]:

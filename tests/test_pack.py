@@ -256,3 +256,125 @@ def test_explain_and_stats_tell_what_is_packed():
     for _ in range(3):
         unpacked(model, X)
     assert "packed" not in unpacked.explain(model, X).arguments[0].per_call
+
+
+# ---- NNX: Variable values are read on every call; packed ones are compared by identity ----
+
+from flax import nnx  # noqa: E402
+
+
+class NnxBlock(nnx.Module):
+    def __init__(self, d, rngs):
+        self.norm = nnx.LayerNorm(d, rngs=rngs)
+        self.proj = nnx.Linear(d, d, rngs=rngs)
+        self.table = nnx.data(jnp.arange(float(d)))  # a raw array attribute, small: packed too
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(jnp.tanh(self.proj(self.norm(x)) + self.table))
+
+
+class NnxStack(nnx.Module):
+    def __init__(self, n=3, d=4, seed=0):
+        rngs = nnx.Rngs(seed)
+        self.blocks = nnx.List([NnxBlock(d, rngs) for _ in range(n)])
+
+    def __call__(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _values(model):
+    """An NNX model's state, its PRNG keys as their data (comparable)."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x, nnx.state(model)
+    )
+
+
+def _nnx_pair(seed=0):
+    model, peer = NnxStack(seed=seed), NnxStack(seed=seed)
+    model.eval()
+    peer.eval()
+    return model, peer
+
+
+def test_an_nnx_model_called_again_is_served_packed(hot_path):
+    model, peer = _nnx_pair()
+    f, traces = _counting(fastcall.jit)
+    g = nnx.jit(forward)
+    for _ in range(4):
+        out, route = served(f, model, X)
+        assert_trees_equal(out, g(peer, X))
+    assert route == FAST_PATH[hot_path]
+    # per block: the norm's scale and bias, the bias, the table (float32); the dropouts' stream
+    # counts (uint32, a buffer of their own); not the kernels nor the streams' keys
+    assert f.stats().packed_leaves == 15
+    assert len(traces) == 1
+    assert "15 of its 21 leaves passed packed in 2 buffers" in f.explain(model, X).arguments[0].per_call
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: m.blocks[1].norm.bias.__setitem__(..., m.blocks[1].norm.bias[...] + 1.0),  # in place
+        lambda m: setattr(m.blocks[2], "table", m.blocks[2].table + 1.0),  # a raw array rebound
+        lambda m: setattr(m.blocks[0].proj, "bias", nnx.Param(jnp.ones(4))),  # a Variable replaced
+        lambda m: nnx.update(m, jax.tree_util.tree_map(lambda v: v * 2, nnx.state(m, nnx.Param))),  # made outside
+        lambda m: m.train(),  # a static flip: dropout on
+    ],
+    ids=["in-place", "raw-array", "replaced-variable", "nnx-update", "train"],
+)
+def test_a_change_to_a_packed_nnx_model_is_seen(change, hot_path):
+    model, peer = _nnx_pair()
+    f = fastcall.jit(forward)
+    g = nnx.jit(forward)
+    for _ in range(3):
+        assert_trees_equal(f(model, X), g(peer, X))
+    assert f.stats().packed_leaves > 0
+    for _ in range(3):  # a change, then the same model again (and again: the record gives up packing)
+        change(model)
+        change(peer)
+        assert_trees_equal(f(model, X), g(peer, X))
+        assert_trees_equal(_values(model), _values(peer))
+
+
+def test_an_nnx_training_step_gives_up_packing_and_matches_nnx_jit(hot_path):
+    model, peer = NnxStack(seed=1), NnxStack(seed=1)
+
+    def step(m, x):
+        loss, grads = nnx.value_and_grad(lambda m: (m(x) ** 2).mean())(m)
+        nnx.update(m, jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, nnx.state(m, nnx.Param), grads))
+        return loss
+
+    f, g = fastcall.jit(step), nnx.jit(step)
+    for _ in range(6):
+        assert_trees_equal(f(model, X), g(peer, X))
+    assert_trees_equal(_values(model), _values(peer))
+    assert f.stats().paths[FAST_PATH[hot_path]] >= 4
+    assert "packed" not in f.explain(model, X).arguments[0].per_call  # (its values change every step)
+
+
+def test_a_packed_nnx_model_under_an_nnx_transform(hot_path):
+    model, peer = _nnx_pair()
+    f = fastcall.jit(forward)
+    for _ in range(3):
+        f(model, X)
+    batch = jnp.stack([X, X + 1.0])
+    out = nnx.vmap(lambda m, x: f(m, x), in_axes=(None, 0))(model, batch)
+    ref = nnx.vmap(lambda m, x: nnx.jit(forward)(m, x), in_axes=(None, 0))(peer, batch)
+    assert_trees_equal(out, ref)
+    assert_trees_equal(f(model, X), nnx.jit(forward)(peer, X))
+
+
+def test_nnx_agreement_mode_checks_packed_calls(monkeypatch, hot_path):
+    from fastcall import _agreement
+
+    monkeypatch.setattr(_agreement, "ENABLED", True)
+    model, peer = _nnx_pair()
+    f = fastcall.jit(forward)
+    before = _agreement.checked
+    for _ in range(4):
+        assert_trees_equal(f(model, X), nnx.jit(forward)(peer, X))
+    assert f.stats().packed_leaves > 0
+    assert _agreement.checked - before == f.stats().paths[FAST_PATH[hot_path]] >= 2
