@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from . import _cross_workloads, _eqx_workloads, _nnx_workloads, _sweep
+from . import _cross_workloads, _eqx_workloads, _nnx_workloads, _pack_workloads, _sweep
 from ._harness import Workload
 
 QUICK_SWEEP = [10, 100, 1000, 2000]
@@ -17,6 +17,7 @@ def workloads(quick: bool, sweep: bool = False) -> dict[str, Callable[[], Worklo
     out.update(_eqx_workloads.build(quick))
     out.update(_nnx_workloads.build(quick))
     out.update(_cross_workloads.build(quick))
+    out.update(_pack_workloads.build(quick))
     if sweep or not quick:
         out.update(_sweep.build(QUICK_SWEEP if quick else FULL_SWEEP))
     return out

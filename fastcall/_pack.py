@@ -44,6 +44,10 @@ from ._options import UNSPECIFIED
 
 MAX_ELEMENTS = 256  # a leaf of more is passed as it is
 MIN_LEAVES = 2  # fewer of a kind (dtype, device) are passed as they are
+# XLA's compile time grows faster than linearly in the slices taken from one buffer (a 48-layer
+# stack, 192 leaves of 32 floats, CPU: 0.4-0.5 s passed as they are; in one buffer 2.8 s; in 4 of
+# 48 leaves 1.1 s; in 6 of 32, 0.56 s): a kind of more leaves is packed into several buffers.
+MAX_PER_BUFFER = 32
 
 
 class Group(NamedTuple):
@@ -113,9 +117,13 @@ def plan(leaves: Sequence[Any]) -> PackPlan | None:
     groups = []
     packed: set[int] = set()
     for kind, positions in by_kind.items():
-        if len(positions) >= MIN_LEAVES:
-            groups.append(Group(tuple(positions), tuple(tuple(leaves[i].shape) for i in positions), kind[0]))
-            packed.update(positions)
+        if len(positions) < MIN_LEAVES:
+            continue
+        n_buffers = -(-len(positions) // MAX_PER_BUFFER)
+        for b in range(n_buffers):  # (as even as can be: each holds MIN_LEAVES or more)
+            chunk = positions[b * len(positions) // n_buffers : (b + 1) * len(positions) // n_buffers]
+            groups.append(Group(tuple(chunk), tuple(tuple(leaves[i].shape) for i in chunk), kind[0]))
+        packed.update(positions)
     if not groups:
         return None
     return PackPlan(len(leaves), tuple(groups), tuple(i for i in range(len(leaves)) if i not in packed))
