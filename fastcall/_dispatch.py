@@ -386,22 +386,45 @@ def _nodes_read(
 
 def _packed_nnx_record(state: Any, node: Any, entry: Entry, unpacked: FastRecord) -> FastRecord:
     """`unpacked`, an NNX object's fast record, passing its small leaves packed while they
-    are unchanged (`_pack.checked_call`); as it is where nothing is worth packing."""
+    are unchanged (`_pack.checked_call`), from its first use on."""
     fast = node.fast  # (the records dict it is filed in: `install_record`)
+    n = len(node.items)
 
-    def give_up() -> None:
-        if fast.get(state) is record:
-            fast[state] = unpacked
+    def pack(values: tuple[Any, ...]) -> FastRecord:
+        def give_up() -> None:
+            if fast.get(state) is packed:
+                fast[state] = unpacked
 
-    made = _pack.checked_call(entry, list(map(_fast.read_value, node.items)), give_up)
-    if made is None:
-        return unpacked
-    call, packed = made
-    state.counts.packed_leaves += packed.n_packed
-    if _agreement.ENABLED:
-        call = _agreement.checked_bound(call, entry, ())
-    record = unpacked._replace(call=call)
-    return record
+        made = _pack.checked_call(entry, values[:n], give_up)
+        if made is None:
+            return unpacked
+        call, plan = made
+        state.counts.packed_leaves += plan.n_packed
+        if _agreement.ENABLED:
+            call = _agreement.checked_bound(call, entry, ())
+        packed = unpacked._replace(call=call)
+        return packed
+
+    return _packing_on_first_use(fast, state, unpacked, pack)
+
+
+def _packing_on_first_use(
+    records: dict[Any, FastRecord], state: Any, record: FastRecord, pack: Any
+) -> FastRecord:
+    """`record`, filed in `records`, whose call files `pack(values)` in its place on its first
+    use (`values`: what the fast path passes it), then runs as `record` does. A fast record is
+    made for each object the general path resolves, and most are never used: the model a
+    training step returns is passed back once. Building buffers for those would cost a
+    dispatch per step."""
+    call = record.call
+
+    def first_use(*values: Any) -> Any:
+        if records.get(state) is deferred:
+            records[state] = pack(values)
+        return call(*values)
+
+    deferred = record._replace(call=first_use)
+    return deferred
 
 
 def _publish_pytree(state: Any, first: Any, hit: Any, entry: Entry, arity: int) -> None:
@@ -411,15 +434,26 @@ def _publish_pytree(state: Any, first: Any, hit: Any, entry: Entry, arity: int) 
     if slot is None or slot.ref is not ref:
         slot = FastSlot(ref, {}, hit.guard)
         _fast.publish(ref, slot.records, hit.guard)
-    if state not in slot.records:
-        if _pack.packs(state.options):
-            call, packed = _pack.bound_call(entry, hit.leaves)
-            state.counts.packed_leaves += packed.n_packed if packed is not None else 0
-        else:
-            call = functools.partial(entry.fn, *hit.leaves)
-        if _agreement.ENABLED:
-            call = _agreement.checked_bound(call, entry, hit.leaves)
-        slot.records[state] = FastRecord(arity, call, None, _fast_post(entry))
+    if state in slot.records:
+        return
+    call: Any = functools.partial(entry.fn, *hit.leaves)
+    if _agreement.ENABLED:
+        call = _agreement.checked_bound(call, entry, hit.leaves)
+    record = FastRecord(arity, call, None, _fast_post(entry))
+    if _pack.packs(state.options):
+        leaves = hit.leaves
+
+        def pack(values: tuple[Any, ...]) -> FastRecord:
+            packed_call, plan = _pack.bound_call(entry, leaves)
+            if plan is None:
+                return record
+            state.counts.packed_leaves += plan.n_packed
+            if _agreement.ENABLED:
+                packed_call = _agreement.checked_bound(packed_call, entry, leaves)
+            return record._replace(call=packed_call)
+
+        record = _packing_on_first_use(slot.records, state, record, pack)
+    slot.records[state] = record
 
 
 def _fast_post(entry: Entry) -> Any:

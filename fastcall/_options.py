@@ -45,7 +45,7 @@ class JitOptions(NamedTuple):
     # object passed once per place it is reached, returned objects new), not NNX objects
     # read and written back as nnx.jit reads them.
     nnx_as_pytree: bool = False
-    # A model called again unchanged passes its small leaves packed, one buffer per dtype
+    # A model called again passes its small leaves packed, a few buffers per dtype
     # and device (`_pack`), at default options.
     pack: bool = True
 

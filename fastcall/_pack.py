@@ -2,10 +2,10 @@
 
 jax.jit's C++ dispatch pays per argument (about 0.5-1 us per array on a CPU), so a
 model's biases, norm scales and other small arrays cost as much to pass as its large
-matrices. When the fast path serves an object called again, its small leaves are passed instead
-as one buffer per dtype and device, built when its fast record is made, and sliced back
-inside a second program (`packed_program`) that calls the function's own compiled entry
-on the leaves. jax.jit reuses the entry's trace there, so the user's function is not
+matrices. When the fast path serves an object called again, its small leaves are passed
+instead in buffers (at most `MAX_PER_BUFFER` leaves each) per dtype and device, built when
+its fast record is made, and sliced back inside a second program (`packed_program`) that
+calls the function's own compiled entry on the leaves. jax.jit reuses the entry's trace there, so the user's function is not
 traced again; XLA compiles the packed program once per layout.
 
 The buffer holds copies of leaves that are immutable (jax arrays). An Equinox module or a

@@ -380,3 +380,25 @@ def test_nnx_agreement_mode_checks_packed_calls(monkeypatch, hot_path):
         assert_trees_equal(f(model, X), nnx.jit(forward)(peer, X))
     assert f.stats().packed_leaves > 0
     assert _agreement.checked - before == f.stats().paths[FAST_PATH[hot_path]] >= 2
+
+
+def test_objects_used_once_build_no_buffers(hot_path):
+    # a module merged each step, and an Equinox model a step returns and passes back: each gets
+    # a fast record, never used; packing waits for a record's first use
+    model = NnxStack(seed=2)
+    model.eval()
+    graphdef, params = nnx.split(model)
+    f = fastcall.jit(forward)
+    for _ in range(5):
+        out = f(nnx.merge(graphdef, params), X)
+    assert_trees_equal(out, nnx.jit(forward)(nnx.merge(graphdef, params), X))
+    assert f.stats().packed_leaves == 0
+
+    @fastcall.filter_jit
+    def step(m, x):
+        return eqx.apply_updates(m, jax.tree_util.tree_map(lambda g: 0.01 * g, eqx.filter_grad(lambda m: m(x).sum())(m)))
+
+    eqx_model = Stack(jax.random.PRNGKey(6))
+    for _ in range(5):
+        eqx_model = step(eqx_model, X)
+    assert step.stats().packed_leaves == 0
