@@ -125,3 +125,18 @@ def tree_leaf_names(treedef: Any, mask: Sequence[bool], statics: Sequence[Any], 
     if len(with_paths) != len(placed) or any(leaf is not p for (_, leaf), p in zip(with_paths, placed)):
         return None
     return [name + jax.tree_util.keystr(path) for (path, _), dynamic in zip(with_paths, mask) if dynamic]
+
+
+def attach_packed(fn: Callable[..., Any], entry_fn: Any, parts: Sequence[Sequence[int]], n: int) -> None:
+    """Name, for jax, the parameters of `fn`, a packed program (`_pack`) of `entry_fn`'s flat
+    function: one per part (the positions, among that function's first `n` leaves, that it
+    passes: a buffer's, or one leaf's), then the call's own."""
+    try:
+        flat = entry_fn.__wrapped__  # (jax.jit's, or the agreement mode's, wrapper of flat_fn)
+        names = list(flat.__signature__.parameters)
+        named = [names[p[0]] if len(p) == 1 else f"{names[p[0]]} ... {names[p[-1]]} (packed)" for p in parts]
+        signature = inspect.Signature([_parameter(i, name) for i, name in enumerate(_distinct(named + names[n:]))])
+        fn.__signature__ = signature  # type: ignore[attr-defined]
+        fn.__wrapped__ = flat.__wrapped__  # type: ignore[attr-defined]
+    except Exception:  # (naming must never stand in the way of the call)
+        return

@@ -412,14 +412,14 @@ def _packing_on_first_use(
     records: dict[Any, FastRecord], state: Any, record: FastRecord, pack: Any
 ) -> FastRecord:
     """`record`, filed in `records`, whose call files `pack(values)` in its place on its first
-    use (`values`: what the fast path passes it), then runs as `record` does. A fast record is
+    use outside a trace (`values`: what the fast path passes it), then runs as `record` does. A fast record is
     made for each object the general path resolves, and most are never used: the model a
     training step returns is passed back once. Building buffers for those would cost a
     dispatch per step."""
     call = record.call
 
     def first_use(*values: Any) -> Any:
-        if records.get(state) is deferred:
+        if records.get(state) is deferred and _pack.ready():  # (else: at a later use)
             records[state] = pack(values)
         return call(*values)
 

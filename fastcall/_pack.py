@@ -3,9 +3,11 @@
 jax.jit's C++ dispatch pays per argument (about 0.5-1 us per array on a CPU), so a
 model's biases, norm scales and other small arrays cost as much to pass as its large
 matrices. When the fast path serves an object called again, its small leaves are passed
-instead in buffers (at most `MAX_PER_BUFFER` leaves each) per dtype and device, built when
-its fast record is made, and sliced back inside a second program (`packed_program`) that
-calls the function's own compiled entry on the leaves. jax.jit reuses the entry's trace there, so the user's function is not
+instead in buffers (at most `MAX_PER_BUFFER` leaves each) per dtype and device, built at
+the first call its fast record serves outside a trace (`ready`; a record is made for
+every object the general path resolves, and most are never used), and sliced back
+inside a second program (`packed_program`) that calls the function's own compiled entry
+on the leaves. jax.jit reuses the entry's trace there, so the user's function is not
 traced again; XLA compiles the packed program once per layout.
 
 The buffer holds copies of leaves that are immutable (jax arrays). An Equinox module or a
@@ -18,13 +20,15 @@ model trained in place soon passes them as they are for good. So a training step
 weights change every call pays nothing for packing (the Equinox one), or one identity
 check for its first two calls and nothing after (the NNX one).
 
-What is packed (`plan`) was measured, not guessed (`python -m bench --only pack_sweep`
-draws the sweep; jax 0.10, CPU): jax arrays of at most one dimension and at most
-`MAX_ELEMENTS` elements, strongly typed (a slice is strongly typed: a weak leaf would
-trace the entry again), of a plain numeric dtype, on one device, at least
-`MIN_LEAVES` of a kind. Matrices are passed as they are: slicing a dot operand out of
-a buffer cost more than passing it (8x8 to 32x32, 8 to 50 leaves: 1.05-1.38x the
-floor), while 1-D leaves of up to 256 elements were 0.28-0.88x. Only at default
+What is packed (`plan`) was measured, not guessed (jax.jit on flat leaves against jax.jit
+on the same leaves packed by hand, jax 0.10, CPU; the bench's eqx_tiny_leaves,
+eqx_transformer_small and nnx_transformer_small workloads show the outcome): jax arrays
+of at most one dimension and at most `MAX_ELEMENTS` elements, strongly typed (a slice is
+strongly typed: a weak leaf would trace the entry again), of a dtype in
+`PACKED_DTYPES`, on one device, at least `MIN_LEAVES` of a kind (dtype, device, memory
+kind, committed). Matrices are passed as they are: slicing a dot operand out of a
+buffer cost more than passing it (8x8 to 32x32, 8 to 50 leaves: 1.05-1.38x the floor),
+while 1-D leaves of up to 256 elements were 0.28-0.88x (2 to 64 leaves). Only at default
 options: nothing donated, no shardings, device, backend or compiler options given; `pack=False` turns
 it off.
 """
@@ -39,10 +43,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _debug_names
 from ._flatten import ArrayImpl
 from ._options import UNSPECIFIED
+from ._trace import currently_jitting
 
 MAX_ELEMENTS = 256  # a leaf of more is passed as it is
+# bool, integers, floats (bfloat16 too) and complex numbers of a byte or more; not PRNG keys
+# nor the sub-byte and 8-bit float types
+PACKED_DTYPES = frozenset(
+    np.dtype(t)
+    for t in (
+        np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+        np.float16, jnp.bfloat16, np.float32, np.float64, np.complex64, np.complex128,
+    )
+)
 MIN_LEAVES = 2  # fewer of a kind (dtype, device) are passed as they are
 # XLA's compile time grows faster than linearly in the slices taken from one buffer (a 48-layer
 # stack, 192 leaves of 32 floats, CPU: 0.4-0.5 s passed as they are; in one buffer 2.8 s; in 4 of
@@ -92,8 +107,7 @@ def _kind(leaf: Any) -> Any:
     None if it is passed as it is."""
     if type(leaf) is not ArrayImpl or leaf.ndim > 1 or leaf.size > MAX_ELEMENTS or leaf.weak_type:
         return None
-    dtype = leaf.dtype
-    if not (np.issubdtype(dtype, np.number) or dtype == np.bool_) or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    if leaf.dtype not in PACKED_DTYPES:
         return None
     sharding = leaf.sharding
     if type(sharding) is not jax.sharding.SingleDeviceSharding:
@@ -104,7 +118,7 @@ def _kind(leaf: Any) -> Any:
     except Exception:  # pragma: no cover - an array type without it
         return None
     (device,) = sharding.device_set
-    return (dtype, device, sharding.memory_kind, leaf.committed)
+    return (leaf.dtype, device, sharding.memory_kind, leaf.committed)
 
 
 def plan(leaves: Sequence[Any]) -> PackPlan | None:
@@ -130,8 +144,21 @@ def plan(leaves: Sequence[Any]) -> PackPlan | None:
 
 
 def buffers(p: PackPlan, leaves: Sequence[Any]) -> list[Any]:
-    """The buffers of plan `p` for these leaves (each group's leaves, raveled, in order)."""
-    return [_concatenate(*(leaves[i] for i in g.positions)) for g in p.groups]
+    """The buffers of plan `p` for these leaves (each group's leaves, raveled, in order):
+    arrays, even where a trace is running (packing waits for the top level: `ready`)."""
+    with jax.ensure_compile_time_eval():
+        return [_concatenate(*(leaves[i] for i in g.positions)) for g in p.groups]
+
+
+def ready() -> bool:
+    """Whether a record may be packed now: no JAX trace running (its buffers would be built
+    inside it), and no mesh set as context (`jax.set_mesh`): the leaves sliced from a buffer
+    would carry the context's mesh in their types, which the entry's trace did not see, and
+    jax would trace the function again."""
+    if currently_jitting():
+        return False
+    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+    return get_mesh is None or get_mesh().empty
 
 
 @jax.jit
@@ -161,8 +188,9 @@ def packed_program(entry: Any, p: PackPlan) -> Callable[..., Any]:
             leaves[at] = x
         return fn(*leaves, *given[n_groups + n_rest :])
 
-    name = getattr(fn, "__name__", "packed")
-    unpacked.__name__ = unpacked.__qualname__ = f"{name}_packed"
+    unpacked.__name__ = unpacked.__qualname__ = getattr(fn, "__name__", "packed")
+    # (jax's errors name the user's function and each leaf, as the entry's own do)
+    _debug_names.attach_packed(unpacked, fn, [g.positions for g in p.groups] + [(i,) for i in p.rest], p.n)
     program = jax.jit(unpacked)
     program._fastcall_pack_plan = p  # type: ignore[attr-defined]  # (read by `plan_of`)
     entry.packs[p] = program
@@ -203,15 +231,16 @@ def checked_call(
     positions = tuple(i for g in p.groups for i in g.positions)
     snapshot = tuple(values[i] for i in positions)
     packed_of, rest_of = _getter(positions), _getter(p.rest)
-    fn, n, is_ = entry.fn, p.n, operator.is_
+    fn, n, is_, first = entry.fn, p.n, operator.is_, positions[0]
     changed = [0]
 
     def call(*given: Any) -> Any:
         if all(map(is_, packed_of(given), snapshot)):
             return program(*bufs, *rest_of(given), *given[n:])
-        changed[0] += 1
-        if changed[0] == GIVE_UP_AFTER:
-            give_up()
+        if type(given[first]) is ArrayImpl:  # (not tracers, read under an NNX transform)
+            changed[0] += 1
+            if changed[0] == GIVE_UP_AFTER:
+                give_up()
         return fn(*given)
 
     call._fastcall_pack_plan = p  # type: ignore[attr-defined]

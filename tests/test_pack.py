@@ -402,3 +402,50 @@ def test_objects_used_once_build_no_buffers(hot_path):
     for _ in range(5):
         eqx_model = step(eqx_model, X)
     assert step.stats().packed_leaves == 0
+
+
+@pytest.mark.parametrize("kind", ["eqx", "nnx"])
+@pytest.mark.parametrize(
+    "inside",
+    [
+        lambda f, m: jax.eval_shape(lambda: f(m, X)),
+        lambda f, m: jax.jit(lambda: f(m, X))(),
+        lambda f, m: jax.lax.scan(lambda c, _: (c + f(m, X), None), jnp.zeros(4), None, length=2),
+    ],
+    ids=["eval_shape", "jit", "scan"],
+)
+def test_a_first_fast_call_inside_a_trace_packs_nothing_there(kind, inside, hot_path):
+    # (the buffers built inside would be tracers, kept by the record: every later call would fail)
+    if kind == "eqx":
+        model = Stack(jax.random.PRNGKey(7))
+        expected = model(X)
+    else:
+        model, peer = _nnx_pair(seed=3)
+        expected = nnx.jit(forward)(peer, X)
+    f = fastcall.jit(forward)
+    for _ in range(2 if kind == "eqx" else 1):
+        f(model, X)  # (its fast record is made; not used yet)
+    inside(f, model)
+    assert f.stats().packed_leaves == 0
+    for _ in range(3):
+        assert_trees_equal(f(model, X), expected)
+    assert f.stats().packed_leaves > 0  # (at the top level)
+    inside(f, model)
+    assert_trees_equal(f(model, X), expected)
+
+
+def test_no_packing_under_a_mesh_context(hot_path):
+    set_mesh = getattr(jax, "set_mesh", None)
+    if set_mesh is None:
+        pytest.skip("jax.set_mesh needs a newer jax")
+    mesh = jax.make_mesh((1,), ("d",))
+    model = Stack(jax.random.PRNGKey(8))
+    results = {}
+    for pack in (True, False):
+        f, traces = _counting(fastcall.jit, pack=pack)
+        with set_mesh(mesh):
+            for _ in range(5):
+                out = f(model, X)
+        results[pack] = (len(traces), f.stats().packed_leaves)
+        np.testing.assert_allclose(out, model(X), rtol=1e-6)
+    assert results == {True: (1, 0), False: (1, 0)}

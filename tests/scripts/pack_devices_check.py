@@ -46,3 +46,18 @@ for _ in range(4):
 np.testing.assert_allclose(out, floor(sharded, x), rtol=1e-6)
 assert g.stats().packed_leaves == 0, g.stats()
 print("PACK DEVICE CHECKS PASSED")
+
+# an error in a packed call names the user's function, leaves and arguments, as the unpacked one
+h = fastcall.jit(lambda model, x: model(x))
+on_first = jax.device_put(net, devices[0])  # (committed there)
+for _ in range(4):
+    h(on_first, x)
+assert h.stats().packed_leaves == 4, h.stats()
+try:
+    h(on_first, jax.device_put(x, devices[1]))
+    raise AssertionError("no error")
+except ValueError as err:
+    message = str(err)
+assert "model.biases[0] ... model.biases[3] (packed) of <lambda>" in message, message
+assert "argument x of <lambda>" in message, message
+print("PACK DEVICE ERRORS NAMED")
