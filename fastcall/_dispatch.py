@@ -420,7 +420,7 @@ def _packing_on_first_use(
 
     def first_use(*values: Any) -> Any:
         if records.get(state) is deferred and _pack.ready():  # (else: at a later use)
-            records[state] = pack(values)
+            records[state] = pack(values) if _pack.meshless() else record
         return call(*values)
 
     deferred = record._replace(call=first_use)

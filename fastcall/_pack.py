@@ -152,13 +152,16 @@ def buffers(p: PackPlan, leaves: Sequence[Any]) -> list[Any]:
 
 def ready() -> bool:
     """Whether a record may be packed now: no JAX trace running (its buffers would be built
-    inside it), and no mesh set as context (`jax.set_mesh`): the leaves sliced from a buffer
-    would carry the context's mesh in their types, which the entry's trace did not see, and
-    jax would trace the function again."""
-    if currently_jitting():
-        return False
+    inside it; a later call packs it)."""
+    return not currently_jitting()
+
+
+def meshless() -> bool:
+    """Whether no mesh is set as context (`jax.set_mesh`). Under one, leaves sliced from a
+    buffer carry the context's mesh in their types, which the entry's trace did not see, and
+    jax would trace the function again: a record first used there is not packed."""
     get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
-    return get_mesh is None or get_mesh().empty
+    return get_mesh is None or bool(get_mesh().empty)
 
 
 @jax.jit
