@@ -387,13 +387,19 @@ def _nodes_read(
 def _packed_nnx_record(state: Any, node: Any, entry: Entry, unpacked: FastRecord) -> FastRecord:
     """`unpacked`, an NNX object's fast record, passing its small leaves packed while they
     are unchanged (`_pack.checked_call`), from its first use on."""
-    fast = node.fast  # (the records dict it is filed in: `install_record`)
+    node_ref = weakref.ref(node)
     n = len(node.items)
 
+    def records() -> dict[Any, FastRecord] | None:  # (where it is filed: `install_record`)
+        found = node_ref()
+        return None if found is None else found.fast
+
     def pack(values: tuple[Any, ...]) -> FastRecord:
-        def give_up() -> None:
-            if fast.get(state) is packed:
-                fast[state] = unpacked
+        def give_up() -> None:  # (knows its record by its plan: the record holds this)
+            filed = records()
+            call = filed.get(state, unpacked).call if filed is not None else None
+            if call is not None and _pack.plan_of(getattr(call, "call", call)) is plan:
+                filed[state] = unpacked  # type: ignore[index]
 
         made = _pack.checked_call(entry, values[:n], give_up)
         if made is None:
@@ -402,29 +408,37 @@ def _packed_nnx_record(state: Any, node: Any, entry: Entry, unpacked: FastRecord
         state.counts.packed_leaves += plan.n_packed
         if _agreement.ENABLED:
             call = _agreement.checked_bound(call, entry, ())
-        packed = unpacked._replace(call=call)
-        return packed
+        return unpacked._replace(call=call)
 
-    return _packing_on_first_use(fast, state, unpacked, pack)
+    return _packing_on_first_use(records, state, unpacked, pack)
 
 
-def _packing_on_first_use(
-    records: dict[Any, FastRecord], state: Any, record: FastRecord, pack: Any
-) -> FastRecord:
-    """`record`, filed in `records`, whose call files `pack(values)` in its place on its first
-    use outside a trace (`values`: what the fast path passes it), then runs as `record` does. A fast record is
-    made for each object the general path resolves, and most are never used: the model a
-    training step returns is passed back once. Building buffers for those would cost a
-    dispatch per step."""
-    call = record.call
+class _PackingOnFirstUse:
+    """A fast record's call that files `pack(values)` in the record's place (`records()`,
+    under `state`) on its first use outside a trace (`values`: what the fast path passes it),
+    then runs as the record's `call` does. A fast record is made for each object the general
+    path resolves, and most are never used: the model a training step returns is passed back
+    once. Building buffers for those would cost a dispatch per step. (A class, holding
+    nothing that holds it: a dead object's records, and the leaves they bind, are freed when
+    it dies, not at the next garbage collection.)"""
 
-    def first_use(*values: Any) -> Any:
-        if records.get(state) is deferred and _pack.ready():  # (else: at a later use)
-            records[state] = pack(values) if _pack.meshless() else record
-        return call(*values)
+    __slots__ = ("records", "state", "call", "pack")
 
-    deferred = record._replace(call=first_use)
-    return deferred
+    def __init__(self, records: Any, state: Any, call: Any, pack: Any) -> None:
+        self.records, self.state, self.call, self.pack = records, state, call, pack
+
+    def __call__(self, *values: Any) -> Any:
+        filed = self.records()
+        if filed is not None and _pack.ready():  # (else: at a later use)
+            record = filed.get(self.state)
+            if record is not None and record.call is self:
+                filed[self.state] = self.pack(values) if _pack.meshless() else record._replace(call=self.call)
+        return self.call(*values)
+
+
+def _packing_on_first_use(records: Any, state: Any, record: FastRecord, pack: Any) -> FastRecord:
+    """`record`, to be filed in `records()`, packing on its first use (`_PackingOnFirstUse`)."""
+    return record._replace(call=_PackingOnFirstUse(records, state, record.call, pack))
 
 
 def _publish_pytree(state: Any, first: Any, hit: Any, entry: Entry, arity: int) -> None:
@@ -443,6 +457,10 @@ def _publish_pytree(state: Any, first: Any, hit: Any, entry: Entry, arity: int) 
     if _pack.packs(state.options):
         leaves = hit.leaves
 
+        def records() -> dict[Any, FastRecord] | None:  # (the slot of `ref`, while it is published)
+            found = _fast.INDEX.get(ref.oid)
+            return None if found is None or found.ref is not ref else found.records
+
         def pack(values: tuple[Any, ...]) -> FastRecord:
             packed_call, plan = _pack.bound_call(entry, leaves)
             if plan is None:
@@ -452,7 +470,8 @@ def _publish_pytree(state: Any, first: Any, hit: Any, entry: Entry, arity: int) 
                 packed_call = _agreement.checked_bound(packed_call, entry, leaves)
             return record._replace(call=packed_call)
 
-        record = _packing_on_first_use(slot.records, state, record, pack)
+        slot.records[state] = _packing_on_first_use(records, state, record, pack)
+        return
     slot.records[state] = record
 
 

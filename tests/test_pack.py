@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import fastcall
-from fastcall import _pack
+from fastcall import _fast, _pack
 
 from .conftest import FAST_PATH, STRUCTURE_PATH, assert_trees_equal, served
 
@@ -449,3 +449,32 @@ def test_no_packing_under_a_mesh_context(hot_path):
         results[pack] = (len(traces), f.stats().packed_leaves)
         np.testing.assert_allclose(out, model(X), rtol=1e-6)
     assert results == {True: (1, 0), False: (1, 0)}
+
+
+def test_a_dead_models_records_and_leaves_are_freed_without_garbage_collection(hot_path):
+    # (a record that would pack on first use holds nothing that holds it: no reference cycle
+    # keeps a dead model's leaves, bound to its record, alive until the next collection)
+    import gc
+    import weakref
+
+    f = fastcall.jit(forward)
+    alive = []
+    gc.disable()
+    try:
+        for i in range(4):
+            model = Stack(jax.random.PRNGKey(10 + i))
+            f(model, X)
+            f(model, X)  # (its record is made: used never, or once)
+            if i % 2:
+                f(model, X)
+            alive.append(weakref.ref(model.blocks[0].bias))
+            del model
+        for i in range(4):
+            nnx_model = NnxStack(seed=10 + i)
+            for _ in range(1 + i % 3):
+                f(nnx_model, X)
+            alive.append(weakref.ref(_fast.read_value(nnx_model.blocks[0].norm.bias)))
+            del nnx_model
+        assert [r() is None for r in alive] == [True] * 8
+    finally:
+        gc.enable()
