@@ -438,7 +438,7 @@ def test_no_packing_under_a_mesh_context(hot_path):
     set_mesh = getattr(jax, "set_mesh", None)
     if set_mesh is None:
         pytest.skip("jax.set_mesh needs a newer jax")
-    mesh = jax.make_mesh((1,), ("d",))
+    mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))  # (jax 0.8.1 warns without)
     model = Stack(jax.random.PRNGKey(8))
     results = {}
     for pack in (True, False):
