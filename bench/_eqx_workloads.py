@@ -33,6 +33,7 @@ def _arrays(tree: Any) -> list[Any]:
 # fastcall.jit a user's eqx.filter_jit or plain jax.jit (on the eqx.partition'ed
 # pytree, the same structure); fastcall.filter_jit, eqx.filter_jit.
 EQX_PEERS = {"fastcall.jit": ("eqx.filter_jit", "jax.jit(partitioned)"), "fastcall.filter_jit": ("eqx.filter_jit",)}
+UNPACKED = "fastcall.filter_jit(pack=False)"  # (a model's small leaves passed as they are: `pack`)
 
 
 def _flat_floor(model: Any, call: Callable[[Any, Any], Any]):
@@ -518,17 +519,20 @@ def stateful_step(name: str, description: str, model: Any, state: Any, x: Any) -
     )
 
 
-def sgd_step(name: str, description: str, model: Any, x: Any, y: Any, lr: float = 0.01) -> Workload:
+def sgd_step(
+    name: str, description: str, model: Any, x: Any, y: Any, lr: float = 0.01, unpacked: bool = False
+) -> Workload:
     """`model = step(model, x, y)`: a bare gradient-descent update, no optimizer, a new
     model returned (and passed back in) every step, as in Equinox's getting-started
-    example. `model` must hold arrays only (the update maps over every leaf)."""
+    example. `unpacked`: also time `fastcall.filter_jit(step, pack=False)` (its weights
+    change every call: packing must cost nothing there)."""
 
     def loss_fn(m, x, y):
         return jnp.mean((jax.vmap(m)(x) - y) ** 2)
 
     def step(m, x, y):
         grads = eqx.filter_grad(loss_fn)(m, x, y)
-        return jax.tree.map(lambda p, g: p - lr * g, m, grads)
+        return eqx.apply_updates(m, jax.tree.map(lambda g: -lr * g, grads))
 
     def stateful(f):
         def make():
@@ -583,11 +587,12 @@ def sgd_step(name: str, description: str, model: Any, x: Any, y: Any, lr: float 
             Variant("floor", make_floor, note="flat leaves in and out, rebound by hand"),
             Variant("fastcall.jit", stateful(fastcall.jit(step))),
             Variant("fastcall.filter_jit", stateful(fastcall.filter_jit(step))),
+            *([Variant(UNPACKED, stateful(fastcall.filter_jit(step, pack=False)))] if unpacked else []),
             Variant("eqx.filter_jit", stateful(eqx.filter_jit(step))),
             Variant("jax.jit(partitioned)", make_partitioned),
         ],
         _compare,
-        peers=EQX_PEERS,
+        peers={**EQX_PEERS, UNPACKED: ("eqx.filter_jit",)} if unpacked else EQX_PEERS,
     )
 
 

@@ -35,8 +35,8 @@ from flax import nnx
 
 import fastcall
 
-from . import _nnx_workloads
-from ._eqx_workloads import _compare, _flat_floor
+from . import _eqx_workloads, _nnx_workloads
+from ._eqx_workloads import UNPACKED, _compare, _flat_floor
 from ._harness import Variant, Workload
 
 PACKED_FLOOR = "floor, packed by hand"
@@ -218,7 +218,6 @@ class NNXStack(nnx.Module):
 # ---- workloads ----
 
 EQX_SUBJECT = "fastcall.filter_jit"
-UNPACKED = "fastcall.filter_jit(pack=False)"
 EQX_PACK_PEERS = {EQX_SUBJECT: ("eqx.filter_jit",), UNPACKED: ("eqx.filter_jit",)}
 
 
@@ -265,63 +264,6 @@ def eqx_forward(name: str, description: str, model: Any, x: Any) -> Workload:
             _noting_packed(EQX_SUBJECT, lambda: fastcall.filter_jit(call), step_of),
             _noting_packed(UNPACKED, lambda: fastcall.filter_jit(call, pack=False), step_of),
             Variant("eqx.filter_jit", make_filter_jit, note="model as argument"),
-        ],
-        _compare,
-        subject=EQX_SUBJECT,
-        peers=EQX_PACK_PEERS,
-    )
-
-
-def eqx_train_changing(name: str, description: str, model: Any, x: Any, y: Any, lr: float = 0.01) -> Workload:
-    """`model = step(model, x, y)`, SGD through eqx.filter_grad and eqx.apply_updates:
-    a new model every call, so fastcall's general path, which never packs."""
-
-    def loss_fn(m, x, y):
-        return jnp.mean((jax.vmap(m)(x) - y) ** 2)
-
-    def step(m, x, y):
-        grads = eqx.filter_grad(loss_fn)(m, x, y)
-        return eqx.apply_updates(m, jax.tree.map(lambda g: -lr * g, grads))
-
-    def stateful(f):
-        def make():
-            current = [model]
-
-            def run():
-                current[0] = f(current[0], x, y)
-                return current[0]
-
-            return run
-
-        return make
-
-    def make_floor():
-        dynamic, static = eqx.partition(model, eqx.is_array)
-        leaves, treedef = jax.tree_util.tree_flatten(dynamic)
-        n = len(leaves)
-
-        def flat(*a):
-            m2 = step(eqx.combine(treedef.unflatten(a[:n]), static), a[n], a[n + 1])
-            return tuple(jax.tree_util.tree_leaves(eqx.filter(m2, eqx.is_array)))
-
-        f = jax.jit(flat)
-        current = [tuple(leaves)]
-
-        def run():
-            current[0] = f(*current[0], x, y)  # every leaf changes: all rebound
-            return current[0]
-
-        return run
-
-    return Workload(
-        name,
-        description,
-        [
-            Variant("eager", stateful(step), timed=False),
-            Variant("floor", make_floor, note="flat leaves in and out, rebound by hand"),
-            _noting_packed(EQX_SUBJECT, lambda: fastcall.filter_jit(step), lambda f: stateful(f)()),
-            _noting_packed(UNPACKED, lambda: fastcall.filter_jit(step, pack=False), lambda f: stateful(f)()),
-            Variant("eqx.filter_jit", stateful(eqx.filter_jit(step))),
         ],
         _compare,
         subject=EQX_SUBJECT,
@@ -401,12 +343,13 @@ def build(quick: bool) -> dict[str, Callable[[], Workload]]:
                 EqxStack(4, 256, key),
                 jax.random.normal(jax.random.PRNGKey(1), (128, 256)),
             ),
-            "eqx_train_changing": lambda: eqx_train_changing(
+            "eqx_train_changing": lambda: _eqx_workloads.sgd_step(
                 "eqx_train_changing",
                 "model = step(model, x, y): SGD (eqx.filter_grad, eqx.apply_updates) on eqx.nn.MLP w32 d4, batch 8",
                 eqx.nn.MLP(32, 32, 32, 4, key=key),
                 jnp.ones((8, 32)),
                 jnp.zeros((8, 32)),
+                unpacked=True,
             ),
         }
     return out
