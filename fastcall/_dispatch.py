@@ -43,7 +43,7 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 
@@ -388,29 +388,59 @@ def _packed_nnx_record(state: Any, node: Any, entry: Entry, unpacked: FastRecord
     """`unpacked`, an NNX object's fast record, passing its small leaves packed while they
     are unchanged (`_pack.checked_call`), from its first use on."""
     node_ref = weakref.ref(node)
-    n = len(node.items)
 
     def records() -> dict[Any, FastRecord] | None:  # (where it is filed: `install_record`)
         found = node_ref()
         return None if found is None else found.fast
 
-    def pack(values: tuple[Any, ...]) -> FastRecord:
-        def give_up() -> None:  # (knows its record by its plan: the record holds this)
-            filed = records()
-            call = filed.get(state, unpacked).call if filed is not None else None
-            if call is not None and _pack.plan_of(getattr(call, "call", call)) is plan:
-                filed[state] = unpacked  # type: ignore[index]
+    packing = _NnxPacking(records, state, entry, unpacked, len(node.items))
+    return _packing_on_first_use(records, state, unpacked, packing.pack)
 
-        made = _pack.checked_call(entry, values[:n], give_up)
+
+class _NnxPacking:
+    """The packing of one NNX object's fast record for one function: `pack(values)` is the
+    record packed for these Variable values; its call asks `repack` for the record packed
+    anew when new values came after many calls, and `give_up` files the unpacked record for
+    good (`_pack.checked_call`). Each acts only while the record filed is the one it made
+    (known by its plan, in `mine`). (A class: the record's call holds it, and it holds
+    nothing that holds the call, so the object's Variables die with it.)"""
+
+    __slots__ = ("records", "state", "entry", "unpacked", "n")
+
+    def __init__(self, records: Any, state: Any, entry: Entry, unpacked: FastRecord, n: int) -> None:
+        self.records, self.state, self.entry, self.unpacked, self.n = records, state, entry, unpacked, n
+
+    def pack(self, values: Sequence[Any]) -> FastRecord:
+        mine: list[Any] = []  # (the plan of the record made here)
+        made = _pack.checked_call(
+            self.entry, values[: self.n], functools.partial(self.repack, mine), functools.partial(self.give_up, mine)
+        )
         if made is None:
-            return unpacked
+            return self.unpacked
         call, plan = made
-        state.counts.packed_leaves += plan.n_packed
+        mine.append(plan)
+        self.state.counts.packed_leaves += plan.n_packed
         if _agreement.ENABLED:
-            call = _agreement.checked_bound(call, entry, ())
-        return unpacked._replace(call=call)
+            call = _agreement.checked_bound(call, self.entry, ())
+        return self.unpacked._replace(call=call)
 
-    return _packing_on_first_use(records, state, unpacked, pack)
+    def _filed(self, mine: list[Any]) -> dict[Any, FastRecord] | None:
+        """The records the record made with plan `mine[0]` is filed in, while it is."""
+        filed = self.records()
+        call = filed.get(self.state, self.unpacked).call if filed is not None else None
+        return filed if call is not None and _pack.plan_of(getattr(call, "call", call)) is mine[0] else None
+
+    def repack(self, mine: list[Any], current: Sequence[Any]) -> Any:
+        filed = self._filed(mine)
+        if filed is None or not (_pack.ready() and _pack.meshless()):
+            return None
+        record = filed[self.state] = self.pack(current)
+        return record.call
+
+    def give_up(self, mine: list[Any]) -> None:
+        filed = self._filed(mine)
+        if filed is not None:
+            filed[self.state] = self.unpacked
 
 
 class _PackingOnFirstUse:

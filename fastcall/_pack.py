@@ -15,10 +15,11 @@ held params dict binds its leaves to its record (`bound_call`), and is unchanged
 the record lives: a changed model is a new object (Equinox) or fails its guard (a dict),
 and takes the general path, which never packs. An NNX model's Variables are read on
 every call (`checked_call`): each packed one is compared by identity with the value
-packed, and one that differs sends the call to the entry on the leaves as they are; a
-model trained in place soon passes them as they are for good. So a training step whose
-weights change every call pays nothing for packing (the Equinox one), or one identity
-check for its first two calls and nothing after (the NNX one).
+packed. One that differs after many calls served packed (new weights loaded now and then)
+packs the model again; one that differs sooner sends the call to the entry on the leaves
+as they are, and a model trained in place soon passes them as they are for good. So a
+training step whose weights change every call pays nothing for packing (the Equinox one),
+or one identity check for its first two calls and nothing after (the NNX one).
 
 What is packed (`plan`) was measured, not guessed (jax.jit on flat leaves against jax.jit
 on the same leaves packed by hand, jax 0.10, CPU; the bench's eqx_tiny_leaves,
@@ -36,6 +37,7 @@ it off.
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -213,19 +215,30 @@ def _getter(positions: tuple[int, ...]) -> Callable[[Sequence[Any]], tuple[Any, 
     return lambda values: tuple(values[i] for i in positions)
 
 
-GIVE_UP_AFTER = 2  # calls that found a packed leaf changed: then the record passes leaves as they are
+# A packed leaf that changed after at least this many calls were served from the buffers is
+# packed again (weights loaded now and then: one more dispatch, amortised over the calls
+# before); one that changed sooner counts as a change of a model trained in place, and after
+# `GIVE_UP_AFTER` of those the record passes leaves as they are for good.
+REPACK_AFTER = 32
+GIVE_UP_AFTER = 2
 
 
 def checked_call(
-    entry: Any, values: Sequence[Any], give_up: Callable[[], None]
+    entry: Any,
+    values: Sequence[Any],
+    repack: Callable[[Sequence[Any]], Callable[..., Any] | None],
+    give_up: Callable[[], None],
 ) -> tuple[Callable[..., Any], PackPlan] | None:
     """For an NNX record, whose leaves (Variable values) are read on every call and may
     change in place: `entry.fn`'s stand-in taking those values, then the call's own
     arguments. While every packed leaf is still the very value packed (compared by
-    identity: a write gives a Variable a new array), it calls the packed program; else
-    `entry.fn` on the values as they are, and after `GIVE_UP_AFTER` such calls it calls
-    `give_up` (the caller then passes the leaves as they are for good: a model trained
-    in place changes them every step). None where `plan` finds nothing to pack."""
+    identity: a write gives a Variable a new array), it calls the packed program. When one
+    differs after `REPACK_AFTER` calls served packed, it asks `repack(values)` for the call
+    of a record packed anew from the current values (None: not now, e.g. inside a trace)
+    and runs that; else it runs `entry.fn` on the values as they are, and after
+    `GIVE_UP_AFTER` such early changes it calls `give_up` (the caller then passes the
+    leaves as they are for good: a model trained in place changes them every step). None
+    where `plan` finds nothing to pack."""
     p = plan(values)
     if p is None:
         return None
@@ -235,15 +248,22 @@ def checked_call(
     snapshot = tuple(values[i] for i in positions)
     packed_of, rest_of = _getter(positions), _getter(p.rest)
     fn, n, is_, first = entry.fn, p.n, operator.is_, positions[0]
-    changed = [0]
+    served = itertools.count()  # (`next` per packed call: a C call, no frame)
+    early_changes = [0]
 
     def call(*given: Any) -> Any:
         if all(map(is_, packed_of(given), snapshot)):
+            next(served)
             return program(*bufs, *rest_of(given), *given[n:])
         if type(given[first]) is ArrayImpl:  # (not tracers, read under an NNX transform)
-            changed[0] += 1
-            if changed[0] == GIVE_UP_AFTER:
-                give_up()
+            if next(served) >= REPACK_AFTER:
+                again = repack(given[:n])
+                if again is not None:
+                    return again(*given)
+            else:
+                early_changes[0] += 1
+                if early_changes[0] == GIVE_UP_AFTER:
+                    give_up()
         return fn(*given)
 
     call._fastcall_pack_plan = p  # type: ignore[attr-defined]

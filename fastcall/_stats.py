@@ -152,7 +152,8 @@ class JitStats:
       They add up to `calls`. Which of `c_` and `python_` serve a call depends on
       whether the C extension is built.
     - `packed_leaves`: small leaves the fast path passes packed into buffers (see
-      `fastcall.jit`'s `pack`), counted once per fast record made; 0 where none is.
+      `fastcall.jit`'s `pack`), counted each time a fast record packs them (an NNX model
+      packed again after new weights were loaded counts again); 0 where none is.
 
     **Example:**
 

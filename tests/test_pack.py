@@ -341,6 +341,52 @@ def test_a_change_to_a_packed_nnx_model_is_seen(change, hot_path):
         assert_trees_equal(_values(model), _values(peer))
 
 
+def test_an_nnx_model_given_new_weights_now_and_then_is_packed_again(hot_path):
+    # an inference server loading new weights (made outside: `nnx.update`) between long runs of
+    # calls: each load packs the model again, where a change soon after packing would count
+    # towards giving up
+    model, peer = _nnx_pair()
+    f, traces = _counting(fastcall.jit)
+    g = nnx.jit(forward)
+    for load in range(3):
+        for _ in range(_pack.REPACK_AFTER + 2):
+            out, route = served(f, model, X)
+        assert_trees_equal(out, g(peer, X))
+        assert route == FAST_PATH[hot_path]
+        assert f.stats().packed_leaves == 15 * (load + 1)
+        assert "15 of its 21 leaves passed packed in 2 buffers" in f.explain(model, X).arguments[0].per_call
+        for m in (model, peer):
+            nnx.update(m, jax.tree_util.tree_map(lambda v: v + 1.0, nnx.state(m, nnx.Param)))
+        assert_trees_equal(f(model, X), g(peer, X))  # (the first call after the load packs again)
+    assert f.stats().packed_leaves == 15 * 4
+    assert len(traces) == 1
+    # the same load soon after: the record passes its leaves as they are, packs nothing more
+    for _ in range(3):
+        for m in (model, peer):
+            nnx.update(m, jax.tree_util.tree_map(lambda v: v * 0.5, nnx.state(m, nnx.Param)))
+        assert_trees_equal(f(model, X), g(peer, X))
+    assert f.stats().packed_leaves == 15 * 4
+    assert "packed" not in f.explain(model, X).arguments[0].per_call
+    assert_trees_equal(_values(model), _values(peer))
+
+
+def test_new_weights_first_seen_inside_an_outer_trace_are_packed_at_the_top_level(hot_path):
+    model, peer = _nnx_pair()
+    f, g = fastcall.jit(forward), nnx.jit(forward)
+    for _ in range(_pack.REPACK_AFTER + 2):
+        f(model, X)
+    for m in (model, peer):
+        nnx.update(m, jax.tree_util.tree_map(lambda v: v + 1.0, nnx.state(m, nnx.Param)))
+    # (buffers built there would be tracers: the call runs on the leaves as they are)
+    assert_trees_equal(jax.jit(lambda: f(model, X))(), g(peer, X))
+    assert f.stats().packed_leaves == 15
+    out, route = served(f, model, X)
+    assert_trees_equal(out, g(peer, X))
+    assert route == FAST_PATH[hot_path]
+    assert f.stats().packed_leaves == 30
+    assert_trees_equal(f(model, X), g(peer, X))
+
+
 def test_an_nnx_training_step_gives_up_packing_and_matches_nnx_jit(hot_path):
     model, peer = NnxStack(seed=1), NnxStack(seed=1)
 
