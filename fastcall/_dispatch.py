@@ -43,7 +43,7 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 
@@ -133,7 +133,7 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
             return
         record = FastRecord(len(args), entry.fn, node.items, _fast_post(entry))
         if _pack.packs(state.options):
-            record = _packed_nnx_record(state, node, entry, record)
+            record = _pack.nnx_record(state, node, entry, record)
         _nnx_gate.adapter().install_record(node, state, resolved.key[0], record)
         return
     _publish_structure(state, resolved, entry, fast_shape, (), hold_first)
@@ -384,93 +384,6 @@ def _nodes_read(
     return nodes
 
 
-def _packed_nnx_record(state: Any, node: Any, entry: Entry, unpacked: FastRecord) -> FastRecord:
-    """`unpacked`, an NNX object's fast record, passing its small leaves packed while they
-    are unchanged (`_pack.checked_call`), from its first use on."""
-    node_ref = weakref.ref(node)
-
-    def records() -> dict[Any, FastRecord] | None:  # (where it is filed: `install_record`)
-        found = node_ref()
-        return None if found is None else found.fast
-
-    packing = _NnxPacking(records, state, entry, unpacked, len(node.items))
-    return _packing_on_first_use(records, state, unpacked, packing.pack)
-
-
-class _NnxPacking:
-    """The packing of one NNX object's fast record for one function: `pack(values)` is the
-    record packed for these Variable values; its call asks `repack` for the record packed
-    anew when new values came after many calls, and `give_up` files the unpacked record for
-    good (`_pack.checked_call`). Each acts only while the record filed is the one it made
-    (known by its plan, in `mine`). (A class: the record's call holds it, and it holds
-    nothing that holds the call, so the object's Variables die with it.)"""
-
-    __slots__ = ("records", "state", "entry", "unpacked", "n")
-
-    def __init__(self, records: Any, state: Any, entry: Entry, unpacked: FastRecord, n: int) -> None:
-        self.records, self.state, self.entry, self.unpacked, self.n = records, state, entry, unpacked, n
-
-    def pack(self, values: Sequence[Any]) -> FastRecord:
-        mine: list[Any] = []  # (the plan of the record made here)
-        made = _pack.checked_call(
-            self.entry, values[: self.n], functools.partial(self.repack, mine), functools.partial(self.give_up, mine)
-        )
-        if made is None:
-            return self.unpacked
-        call, plan = made
-        mine.append(plan)
-        self.state.counts.packed_leaves += plan.n_packed
-        if _agreement.ENABLED:
-            call = _agreement.checked_bound(call, self.entry, ())
-        return self.unpacked._replace(call=call)
-
-    def _filed(self, mine: list[Any]) -> dict[Any, FastRecord] | None:
-        """The records the record made with plan `mine[0]` is filed in, while it is."""
-        filed = self.records()
-        call = filed.get(self.state, self.unpacked).call if filed is not None else None
-        return filed if call is not None and _pack.plan_of(getattr(call, "call", call)) is mine[0] else None
-
-    def repack(self, mine: list[Any], current: Sequence[Any]) -> Any:
-        filed = self._filed(mine)
-        if filed is None or not (_pack.ready() and _pack.meshless()):
-            return None
-        record = filed[self.state] = self.pack(current)
-        return record.call
-
-    def give_up(self, mine: list[Any]) -> None:
-        filed = self._filed(mine)
-        if filed is not None:
-            filed[self.state] = self.unpacked
-
-
-class _PackingOnFirstUse:
-    """A fast record's call that files `pack(values)` in the record's place (`records()`,
-    under `state`) on its first use outside a trace (`values`: what the fast path passes it),
-    then runs as the record's `call` does. A fast record is made for each object the general
-    path resolves, and most are never used: the model a training step returns is passed back
-    once. Building buffers for those would cost a dispatch per step. (A class, holding
-    nothing that holds it: a dead object's records, and the leaves they bind, are freed when
-    it dies, not at the next garbage collection.)"""
-
-    __slots__ = ("records", "state", "call", "pack")
-
-    def __init__(self, records: Any, state: Any, call: Any, pack: Any) -> None:
-        self.records, self.state, self.call, self.pack = records, state, call, pack
-
-    def __call__(self, *values: Any) -> Any:
-        filed = self.records()
-        if filed is not None and _pack.ready():  # (else: at a later use)
-            record = filed.get(self.state)
-            if record is not None and record.call is self:
-                filed[self.state] = self.pack(values) if _pack.meshless() else record._replace(call=self.call)
-        return self.call(*values)
-
-
-def _packing_on_first_use(records: Any, state: Any, record: FastRecord, pack: Any) -> FastRecord:
-    """`record`, to be filed in `records()`, packing on its first use (`_PackingOnFirstUse`)."""
-    return record._replace(call=_PackingOnFirstUse(records, state, record.call, pack))
-
-
 def _publish_pytree(state: Any, first: Any, hit: Any, entry: Entry, arity: int) -> None:
     """Serve `f(first, *arrays)` fast from `first`'s identity cache entry `hit`."""
     ref: Any = hit.ref
@@ -485,23 +398,12 @@ def _publish_pytree(state: Any, first: Any, hit: Any, entry: Entry, arity: int) 
         call = _agreement.checked_bound(call, entry, hit.leaves)
     record = FastRecord(arity, call, None, _fast_post(entry))
     if _pack.packs(state.options):
-        leaves = hit.leaves
 
         def records() -> dict[Any, FastRecord] | None:  # (the slot of `ref`, while it is published)
             found = _fast.INDEX.get(ref.oid)
             return None if found is None or found.ref is not ref else found.records
 
-        def pack(values: tuple[Any, ...]) -> FastRecord:
-            packed_call, plan = _pack.bound_call(entry, leaves)
-            if plan is None:
-                return record
-            state.counts.packed_leaves += plan.n_packed
-            if _agreement.ENABLED:
-                packed_call = _agreement.checked_bound(packed_call, entry, leaves)
-            return record._replace(call=packed_call)
-
-        slot.records[state] = _packing_on_first_use(records, state, record, pack)
-        return
+        record = _pack.pytree_record(records, state, entry, record, hit.leaves)
     slot.records[state] = record
 
 

@@ -39,13 +39,14 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+import weakref
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _debug_names
+from . import _agreement, _debug_names
 from ._flatten import ArrayImpl
 from ._options import UNSPECIFIED
 from ._trace import currently_jitting
@@ -278,3 +279,106 @@ def bound_call(entry: Any, leaves: Sequence[Any]) -> tuple[Callable[..., Any], P
         return functools.partial(entry.fn, *leaves), None
     program = packed_program(entry, p)
     return functools.partial(program, *buffers(p, leaves), *(leaves[i] for i in p.rest)), p
+
+
+# ---- fast records passing leaves packed (`_dispatch` files them) ----
+
+
+def pytree_record(records: Callable[[], dict[Any, Any] | None], state: Any, entry: Any, record: Any, leaves: Any) -> Any:
+    """`record`, the fast record of an object whose `leaves` it binds (an Equinox module, a
+    held params dict), to be filed in `records()` under `state`: it binds them packed
+    (`bound_call`) from its first use on."""
+
+    def pack(values: Sequence[Any]) -> Any:
+        packed_call, p = bound_call(entry, leaves)
+        if p is None:
+            return record
+        state.counts.packed_leaves += p.n_packed
+        if _agreement.ENABLED:
+            packed_call = _agreement.checked_bound(packed_call, entry, leaves)
+        return record._replace(call=packed_call)
+
+    return record._replace(call=_PackingOnFirstUse(records, state, record.call, pack))
+
+
+def nnx_record(state: Any, node: Any, entry: Any, unpacked: Any) -> Any:
+    """`unpacked`, an NNX object's fast record (filed in its cache entry `node`'s `fast`
+    under `state`), passing its small leaves packed while they are unchanged
+    (`checked_call`), from its first use on."""
+    node_ref = weakref.ref(node)
+
+    def records() -> dict[Any, Any] | None:
+        found = node_ref()
+        return None if found is None else found.fast  # type: ignore[no-any-return]
+
+    packing = _NnxPacking(records, state, entry, unpacked, len(node.items))
+    return unpacked._replace(call=_PackingOnFirstUse(records, state, unpacked.call, packing.pack))
+
+
+class _PackingOnFirstUse:
+    """A fast record's call that files `pack(values)` in the record's place (`records()`,
+    under `state`) on its first use outside a trace (`values`: what the fast path passes it),
+    then runs as the record's `call` does. A fast record is made for each object the general
+    path resolves, and most are never used: the model a training step returns is passed back
+    once. Building buffers for those would cost a dispatch per step. (A class, holding
+    nothing that holds it: a dead object's records, and the leaves they bind, are freed when
+    it dies, not at the next garbage collection.)"""
+
+    __slots__ = ("records", "state", "call", "pack")
+
+    def __init__(self, records: Any, state: Any, call: Any, pack: Any) -> None:
+        self.records, self.state, self.call, self.pack = records, state, call, pack
+
+    def __call__(self, *values: Any) -> Any:
+        filed = self.records()
+        if filed is not None and ready():  # (else: at a later use)
+            record = filed.get(self.state)
+            if record is not None and record.call is self:
+                filed[self.state] = self.pack(values) if meshless() else record._replace(call=self.call)
+        return self.call(*values)
+
+
+class _NnxPacking:
+    """The packing of one NNX object's fast record for one function: `pack(values)` is the
+    record packed for these Variable values; its call asks `repack` for the record packed
+    anew when new values came after many calls, and `give_up` files the unpacked record for
+    good (`checked_call`). Each acts only while the record filed is the one it made (known
+    by its plan, in `mine`). (A class: the record's call holds it, and it holds nothing that
+    holds the call, so the object's Variables die with it.)"""
+
+    __slots__ = ("records", "state", "entry", "unpacked", "n")
+
+    def __init__(self, records: Any, state: Any, entry: Any, unpacked: Any, n: int) -> None:
+        self.records, self.state, self.entry, self.unpacked, self.n = records, state, entry, unpacked, n
+
+    def pack(self, values: Sequence[Any]) -> Any:
+        mine: list[PackPlan] = []  # (the plan of the record made here)
+        made = checked_call(
+            self.entry, values[: self.n], functools.partial(self.repack, mine), functools.partial(self.give_up, mine)
+        )
+        if made is None:
+            return self.unpacked
+        call, p = made
+        mine.append(p)
+        self.state.counts.packed_leaves += p.n_packed
+        if _agreement.ENABLED:
+            call = _agreement.checked_bound(call, self.entry, ())
+        return self.unpacked._replace(call=call)
+
+    def _filed(self, mine: list[PackPlan]) -> dict[Any, Any] | None:
+        """The records the record made with plan `mine[0]` is filed in, while it is."""
+        filed = self.records()
+        call = filed.get(self.state, self.unpacked).call if filed is not None else None
+        return filed if call is not None and plan_of(getattr(call, "call", call)) is mine[0] else None
+
+    def repack(self, mine: list[PackPlan], current: Sequence[Any]) -> Any:
+        filed = self._filed(mine)
+        if filed is None or not (ready() and meshless()):
+            return None
+        record = filed[self.state] = self.pack(current)
+        return record.call
+
+    def give_up(self, mine: list[PackPlan]) -> None:
+        filed = self._filed(mine)
+        if filed is not None:
+            filed[self.state] = self.unpacked
