@@ -16,7 +16,7 @@ import equinox as eqx
 import jax
 from jaxtyping import PyTree
 
-from . import _aot, _args, _codegen, _dispatch, _explain, _fast, _flatten, _function, _nnx_gate, _stats
+from . import _aot, _args, _codegen, _dispatch, _explain, _fast, _flatten, _function, _hold, _nnx_gate, _stats
 from . import _nnx
 from ._build import broadcast_prefix
 from ._errors import FastcallError, for_decorator
@@ -412,7 +412,7 @@ def _wrap(fun: Any, options: Any) -> Any:
     public = _dispatch.make_wrapper(fun, fun_leaves, state, user_fun)
     public._fastcall_state = state
     # (a top-level list or dict the function holds for the fast path dies with the wrapper)
-    weakref.finalize(public, _flatten.release_held, state.held_box).atexit = False
+    weakref.finalize(public, _hold.release_held, state.held_box).atexit = False
     public._fastcall_fun_leaves = fun_leaves
     public.lower = _aot.lowering(state, fun_leaves, ())
     public.trace = _aot.tracing(state, fun_leaves, ())

@@ -47,7 +47,7 @@ from typing import Any
 
 import jax
 
-from . import _agreement, _args, _codegen, _fast, _flatten, _guard, _native, _nnx_gate, _pack
+from . import _agreement, _args, _codegen, _fast, _flatten, _guard, _hold, _native, _nnx_gate, _pack
 from ._build import Entry
 from ._fast import (
     ArgRead, FastRecord, FastSlot, GraphdefRead, JointRead, MixedRead, NodeRead, NodesRead, PytreeShape,
@@ -119,11 +119,11 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
     fast_shape = all(k == 0 for k in resolved.key[1:])  # every other argument a plain leaf
     first = args[0]
     # `f(params, *arrays)` with a top-level list or dict: held when passed again
-    # (`_flatten.hold`), for the fast path.
+    # (`_hold.hold`), for the fast path.
     first_spec = _flatten.spec_by_id(resolved.key[0]) if type(first) in (list, dict) else None
     hold_first = (
-        fast_shape and first_spec is not None and not resolved.nnx_args and _flatten.may_hold(state)
-        and _flatten.holdable(first, first_spec, resolved.leaves[: first_spec.n_dyn])
+        fast_shape and first_spec is not None and not resolved.nnx_args and _hold.may_hold(state)
+        and _hold.holdable(first, first_spec, resolved.leaves[: first_spec.n_dyn])
     )
     node = resolved.nnx_args[0].entry if len(resolved.nnx_args) == 1 and resolved.nnx_args[0].obj is first else None
     if fast_shape and node is not None:
@@ -139,7 +139,7 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
     _publish_structure(state, resolved, entry, fast_shape, (), hold_first)
     if resolved.nnx_args or type(first) is list or type(first) is dict:
         if hold_first and first_spec is not None:
-            held = _flatten.hold(state, first, resolved.leaves[: first_spec.n_dyn], first_spec)
+            held = _hold.hold(state, first, resolved.leaves[: first_spec.n_dyn], first_spec)
             if held is not None:
                 _publish_pytree(state, first, held, entry, len(args))
         return

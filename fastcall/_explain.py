@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _codegen, _fast, _flatten, _guard, _nnx_gate, _pack
+from . import _codegen, _fast, _flatten, _guard, _hold, _nnx_gate, _pack
 from ._dispatch import arguments_as_read, read_arguments, read_mixed, static_matches
 
 
@@ -235,10 +235,10 @@ def _why_not_fast(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 
 def _container_note(state: Any, first: bool) -> str:
     """Why a list or dict that the identity cache does not hold is read every call, or
-    when `_flatten.hold` would hold it instead."""
+    when `_hold.hold` would hold it instead."""
     if not first:
         return "(a list or dict is held only when passed first, beside plain arrays)"
-    if not _flatten.may_hold(state):
+    if not _hold.may_hold(state):
         return (
             "(this function no longer holds lists and dicts: those passed first came back to its general"
             " path call after call, and none was served by the fast path, as with a new dict built each call)"
@@ -390,7 +390,7 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any, static:
     )
     every_call = "read by its structure's generated code every call" if templated else "flattened every call"
     if not type(value).__weakrefoffset__:
-        if first and (spec.cacheable or spec.guardable) and type(value) in (list, dict) and _flatten.may_hold(state):
+        if first and (spec.cacheable or spec.guardable) and type(value) in (list, dict) and _hold.may_hold(state):
             return ArgumentReport(
                 name,
                 f"top-level {type(value).__name__}, not yet held",

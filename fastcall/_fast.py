@@ -353,8 +353,8 @@ class StructureRecord(NamedTuple):
     kwnames: tuple[str, ...] = ()
     order: tuple[int, ...] | None = None
     # Whether a list or dict passed first is marked (by id: `last_mark`), so that passed
-    # again it goes to the general path, which holds it for the fast path (`_flatten.hold`;
-    # only with `fast_shape`, and where `_flatten.holdable`).
+    # again it goes to the general path, which holds it for the fast path (`_hold.hold`;
+    # only with `fast_shape`, and where `_hold.holdable`).
     hold_first: bool = False
     # Records of other structures met under the same key (`structure_key`), most recent
     # first, each with no `others` of its own: tried in turn when this one's reads decline,
@@ -396,7 +396,7 @@ def last_mark(obj: Any, first: bool) -> Any:
     """What `StructureRecord.last` keeps of an object read at one position, to tell whether
     a later call passes this very object again: a weak reference to it (a new object that
     reuses a dead one's id is not it); for a list or dict passed first (`first`: where the
-    record's `hold_first` says), which `_flatten.hold` caches (checking its leaves), its id; else None: the
+    record's `hold_first` says), which `_hold.hold` caches (checking its leaves), its id; else None: the
     identity cache cannot hold it, so passing it again gains nothing (a new batch dict each
     call, whose id Python reuses, must not look passed again). (C: the same.)"""
     try:

@@ -12,7 +12,8 @@ split once per structure and once per object:
 * the identity cache (`by_id`, `remember`): `id(obj) -> CacheEntry` for
   immutable structures (Equinox modules, tuples of them). An entry is used
   only if `entry.ref() is obj`, so a reused `id` never matches, and it is
-  evicted by the weakref's callback when the object dies.
+  evicted by the weakref's callback when the object dies. (A top-level list or
+  dict is held strongly, by `_hold`'s rule.)
 * the latest outputs (`LATEST`, `note_latest`): the modules, tuples and
   eqx.nn.States (under a guard) the latest call of each recently run compiled
   entry returned, with their leaves,
@@ -445,7 +446,7 @@ def lookup(obj: Any, adopt: bool = True) -> CacheEntry | None:
         return None
     leaves, spec, guard = found
     if type(obj) is tuple or not adopt:
-        return CacheEntry(_Strong(obj), leaves, spec.id, spec, guard)
+        return CacheEntry(Strong(obj), leaves, spec.id, spec, guard)
     remember(obj, leaves, spec, guard)
     hit = by_id.get(id(obj))
     return hit if hit is not None and hit.ref() is obj else None
@@ -456,7 +457,7 @@ class _Ref(weakref.ref):
     oid: int
 
 
-class _Strong(tuple):
+class Strong(tuple):
     """A strong stand-in for a weakref, `(obj, id(obj))`: calling it returns the object it
     holds, `.oid` is that object's id (as a `_Ref`'s). The C paths read item 0 directly
     (`_accel.ref_is`). Compared and hashed by identity, as a weakref to an unhashable
@@ -467,7 +468,7 @@ class _Strong(tuple):
     __ne__ = object.__ne__
     __hash__ = object.__hash__
 
-    def __new__(cls, obj: Any) -> "_Strong":
+    def __new__(cls, obj: Any) -> "Strong":
         return tuple.__new__(cls, (obj, id(obj)))
 
     def __call__(self) -> Any:
@@ -519,7 +520,7 @@ def remember_guarded(obj: Any, leaves: Sequence[Any], spec: Any) -> None:
     every list and dict in it."""
     if not type(obj).__weakrefoffset__:
         return  # (a top-level list or dict: see `hold`)
-    guard = _guard_of(obj, leaves, spec)
+    guard = guard_of(obj, leaves, spec)
     if guard is not None:
         remember(obj, leaves, spec, guard)
 
@@ -544,7 +545,7 @@ def seen_before(obj: Any) -> bool:
     return False
 
 
-def _guard_of(obj: Any, leaves: Sequence[Any], spec: Any) -> Any:
+def guard_of(obj: Any, leaves: Sequence[Any], spec: Any) -> Any:
     """A guard over every list and dict in `obj`, taken in a second flatten; None if that
     flatten did not see the very leaves `leaves` came from (a change in between)."""
     read_whole()
@@ -568,46 +569,6 @@ def _guard_of(obj: Any, leaves: Sequence[Any], spec: Any) -> Any:
     return _guard.make(containers) or ()
 
 
-# Top-level lists and dicts (a params dict, `f(params, x)`) cannot be weakly referenced,
-# so the identity cache can only hold them strongly. It does so for a container passed
-# first in two consecutive calls of one function (an inference loop), and at most one per
-# function: the next container held by that function releases it, and so do its wrapper's
-# death and `clear_caches`. A training loop, which
-# passes a new container each call, never has one held (its previous leaves are compared
-# through weak references, which keep nothing alive).
-#
-# "Passed first in two consecutive calls" is told by id (`_fast.last_mark`), and a new
-# container built each call with the same contents (`f({"params": params}, x)`, as Linen's
-# `jax.jit(model.apply)` is called) often gets the id of the one before, which was freed:
-# it looks passed again and goes to the general path, which holds it, and the next one, at
-# another id, gains nothing from that. A function whose general path has come here this
-# many times in a row without the fast path serving a call in between stops holding
-# (`may_hold`): its lists and dicts are read by the structure path, whose test of each one
-# cannot be fooled. (An inference loop comes here twice: to note its container, then to
-# hold it; the fast path serves it from the next call.)
-HOLD_ATTEMPTS_LIMIT = 4
-
-
-def may_hold(state: Any) -> bool:
-    """Whether the function of `state` still holds top-level lists and dicts passed again."""
-    return state.hold_attempts <= HOLD_ATTEMPTS_LIMIT
-
-
-class LastFirst(NamedTuple):
-    """The top-level container a function was last called with (not held)."""
-
-    oid: int
-    spec_id: int
-    probes: tuple[Any, ...]  # per leaf: a weakref, or (not weakly referenceable) the leaf itself
-
-
-def _probe(x: Any) -> Any:
-    try:
-        return weakref.ref(x)
-    except TypeError:
-        return _Strong(x)
-
-
 def read_alike(spec: Any, leaves: Sequence[Any]) -> bool:
     """Whether both scalar rules read an object of `spec` with these dynamic `leaves` alike
     (no Python scalar outside an Equinox module in it), as the identity cache, which the
@@ -616,65 +577,6 @@ def read_alike(spec: Any, leaves: Sequence[Any]) -> bool:
     jax.jit reads them: one program), and whichever made the spec set its `rule_free`; a
     Python scalar it traces is among the leaves, one it keeps static makes `rule_free` False."""
     return spec.rule_free and not any(type(x) in JIT_RULE_LEAVES for x in leaves)
-
-
-def holdable(obj: Any, spec: Any, leaves: Sequence[Any]) -> bool:
-    """Whether `hold` may hold `obj` (of `spec`, with these dynamic `leaves`): a top-level list
-    or dict whose structure can be guarded, and that both scalar rules read alike
-    (`read_alike`)."""
-    return type(obj) in (list, dict) and spec.kind == "tree" and (spec.guardable or spec.cacheable) and read_alike(
-        spec, leaves
-    )
-
-
-def hold(state: Any, obj: Any, leaves: Sequence[Any], spec: Any) -> CacheEntry | None:
-    """For a top-level list or dict passed first to the function of `state` (`holdable`): its
-    identity cache entry, held strongly, if it was also passed first in the function's
-    previous call with the very same leaves; else None (and it is noted for the next call)."""
-    if not holdable(obj, spec, leaves) or not may_hold(state):
-        return None
-    fast = state.fast_calls()  # (attempts since the fast path last served a call: see above)
-    state.hold_attempts = 1 if fast != state.fast_calls_at_attempt else state.hold_attempts + 1
-    state.fast_calls_at_attempt = fast
-    if not may_hold(state):
-        release_held(state.held_box)
-        return None
-    last = state.last_first
-    if last is None or last.oid != id(obj) or last.spec_id != spec.id or len(last.probes) != len(leaves) or any(
-        p() is not x for p, x in zip(last.probes, leaves)
-    ):
-        state.last_first = LastFirst(id(obj), spec.id, tuple(map(_probe, leaves)))
-        return None
-    entry = lookup(obj)
-    if entry is None or not isinstance(entry.ref, _Strong):
-        guard = _guard_of(obj, leaves, spec)
-        if guard is None:
-            return None
-        token = _Strong(obj)
-        entry = CacheEntry(token, tuple(leaves), spec.id, spec, guard or None)
-        old = by_id.get(token.oid)
-        by_id[token.oid] = entry
-        if old is not None:
-            _fast.withdraw(old.ref)
-    box = state.held_box
-    if box[0] is not None and box[0] is not entry.ref:
-        release(box[0])
-    box[0] = entry.ref
-    return entry
-
-
-def release(token: _Strong) -> None:
-    """Stop holding a container `hold` held (and serving it fast)."""
-    forget_strong(token)
-    _fast.withdraw(token)
-
-
-def release_held(box: list[Any]) -> None:
-    """Release what a function holds (`box` is its `held_box`): when it is cleared, and
-    when its wrapper dies."""
-    token, box[0] = box[0], None
-    if token is not None:
-        release(token)
 
 
 # The latest outputs. Each compiled entry that returns modules, tuples or eqx.nn.States
@@ -833,7 +735,7 @@ def forget_latest(held: list[Any], ref: Any) -> None:
         held[0] = None
 
 
-def forget_strong(token: _Strong) -> None:
+def forget_strong(token: Strong) -> None:
     entry = by_id.get(token.oid)
     if entry is not None and entry.ref is token:
         by_id.pop(token.oid, None)

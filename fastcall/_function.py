@@ -16,7 +16,7 @@ from typing import Any, Iterator, NamedTuple
 
 import jax
 
-from . import _agreement, _build, _fast, _flatten, _nnx_gate, _stats
+from . import _agreement, _build, _fast, _flatten, _hold, _nnx_gate, _stats
 from ._build import Entry
 from ._errors import FastcallError
 from ._flatten import Spec
@@ -121,7 +121,7 @@ class FunctionState:
         # key: tried first (compared with the key's records only: `_fast.records_of`)
         self.last_structure = 0
         self.storm_warned = False
-        # (top-level lists and dicts passed first: see `_flatten.hold`)
+        # (top-level lists and dicts passed first: see `_hold.hold`)
         self.last_first: Any = None
         self.held_box: list[Any] = [None]  # (released when a wrapper of it dies: _api)
         self.hold_attempts = 0  # (`hold` calls since the fast path last served one)
@@ -225,7 +225,7 @@ class FunctionState:
             memos = [entry.out.take_memo() for entry in self.table.values() if entry.out is not None]
             self.table.clear()
             self.forget_records()
-            _flatten.release_held(self.held_box)
+            _hold.release_held(self.held_box)
             self.last_first = None
             self.hold_attempts = 0
         del memos

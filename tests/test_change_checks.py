@@ -1188,7 +1188,7 @@ def test_a_dict_built_anew_around_the_same_params_each_call_settles_on_the_struc
     the general path held it, no later call passed it, and two calls in three took the
     general path (3.6x jax.jit's time). A function whose held containers serve no fast call
     stops holding them; the structure path reads each new dict."""
-    from fastcall import _flatten
+    from fastcall import _hold
 
     params, x = _params(0), jnp.ones((2, 4))
 
@@ -1211,7 +1211,7 @@ def test_a_dict_built_anew_around_the_same_params_each_call_settles_on_the_struc
     state = f.stats.__self__
     assert state.held_box == [None]
     if any(a == b for a, b in zip(ids, ids[1:])):  # (the case in point: an id reused)
-        assert not _flatten.may_hold(state)
+        assert not _hold.may_hold(state)
         assert "no longer holds lists and dicts" in str(f.explain({"params": params}, x))
     # (a dict passed again is still read afresh each call: a change in place is seen)
     variables = {"params": params}
@@ -1219,10 +1219,10 @@ def test_a_dict_built_anew_around_the_same_params_each_call_settles_on_the_struc
         f(variables, x)
     PARAMS_CHANGES["leaf replaced"](params)
     assert_trees_equal(f(variables, x), _apply(params, x))
-    if not _flatten.may_hold(state):  # (holding stopped: the structure path read it)
+    if not _hold.may_hold(state):  # (holding stopped: the structure path read it)
         assert served(f, variables, x)[1] == STRUCTURE_PATH[hot_path]
         fastcall.clear_caches()
-        assert _flatten.may_hold(state)
+        assert _hold.may_hold(state)
 
 
 def test_functions_keep_reading_their_structures_when_more_are_met_than_templates_are_kept(hot_path):
@@ -1232,8 +1232,8 @@ def test_functions_keep_reading_their_structures_when_more_are_met_than_template
     functions whose templates were dropped could no longer renew their records, and took the
     general path nearly every call, 3x jax.jit's time). The few: the first call, and those a
     reused id sent to the general path to be held, until the function stopped holding
-    (`_flatten.HOLD_ATTEMPTS_LIMIT`)."""
-    from fastcall import _codegen, _flatten
+    (`_hold.HOLD_ATTEMPTS_LIMIT`)."""
+    from fastcall import _codegen, _hold
 
     k = _codegen._TEMPLATES_PER_TYPE + 4
     x = jnp.ones(4)
@@ -1244,7 +1244,7 @@ def test_functions_keep_reading_their_structures_when_more_are_met_than_template
             assert_trees_equal(f(dict(d), x), x + sum(d.values()))
     for f in fs:
         paths = f.stats().paths
-        assert general_calls(f) <= 2 * (_flatten.HOLD_ATTEMPTS_LIMIT + 1), paths
+        assert general_calls(f) <= 2 * (_hold.HOLD_ATTEMPTS_LIMIT + 1), paths
         assert paths[STRUCTURE_PATH[hot_path]] == 60 - general_calls(f)
         assert f.stats().compiles == 1
 

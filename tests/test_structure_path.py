@@ -146,7 +146,7 @@ def test_new_params_dict_each_call(hot_path):
         routes.append(route)
         assert_trees_equal(params, want)
     assert routes[-2:] == [STRUCTURE_PATH[hot_path]] * 2
-    # the same dict passed again is held and served fast (`_flatten.hold`)
+    # the same dict passed again is held and served fast (`_hold.hold`)
     routes = [served(f, params, X)[1] for _ in range(4)]
     assert routes[-1] == FAST_PATH[hot_path], routes
 
@@ -295,7 +295,7 @@ def _steps_against_the_peer(build, n):
 XB, YB = jnp.ones((2, 4)), jnp.zeros((2, 4))
 
 # An NNX object holding plain lists or dicts (an optimizer's optax state, an nnx.State) is
-# read once on its first call and walked for them on its second (`_adapter._build`): two calls
+# read once on its first call and walked for them on its second (`_entries._build`): two calls
 # on the general path before a structure record serves it.
 _READ_TWICE = ["general"] * 2
 
@@ -1446,7 +1446,7 @@ def test_a_few_structures_in_turn_each_keep_the_structure_path(hot_path):
     record (`StructureRecord.others`), so each call after its structure's first is served by
     the structure path, where each call renewed the one record on the general path (5x
     jax.jit's time). Values equal the eager call's and jax.jit's, with as many compiles."""
-    from fastcall import _fast, _flatten
+    from fastcall import _fast, _hold
 
     x = jnp.arange(4.0)
     makers = [
@@ -1468,10 +1468,10 @@ def test_a_few_structures_in_turn_each_keep_the_structure_path(hot_path):
             assert_trees_equal(y, peer(d, x))
     # (a few may go to the general path to be held: a new dict that Python places where the
     # one last marked was is taken for it passed again, until the function stops holding,
-    # after `_flatten.HOLD_ATTEMPTS_LIMIT` + 1 such calls (`may_hold`). With one record per
+    # after `_hold.HOLD_ATTEMPTS_LIMIT` + 1 such calls (`may_hold`). With one record per
     # key, all 21 went there.)
     later = routes[len(makers):]
-    assert later.count("general") <= _flatten.HOLD_ATTEMPTS_LIMIT + 1, routes
+    assert later.count("general") <= _hold.HOLD_ATTEMPTS_LIMIT + 1, routes
     assert later.count(STRUCTURE_PATH[hot_path]) == len(later) - later.count("general"), routes
     assert later[-len(makers):] == [STRUCTURE_PATH[hot_path]] * len(makers), routes
     assert f.stats().compiles == len(makers) == peer._cache_size()
