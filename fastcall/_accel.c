@@ -204,7 +204,7 @@ static struct {
     /* NodeEntry's slot descriptors for s_spec_id .. s_node_ids, of `entry_type` (see entry_field) */
     PyObject *entry_type, *entry_slots[N_ENTRY_FIELDS];
     /* node_test's table (`_nnx_gate.node_types`: type -> whether its instances are NNX
-     * objects) and its test of a type the table lacks (`_nnx._adapter._is_node_fast`, which fills it) */
+     * objects) and its test of a type the table lacks (`_nnx._variables._is_node_fast`, which fills it) */
     PyObject *node_table, *node_fallback;
 } G;
 
@@ -958,7 +958,7 @@ at_top_level(void)
     return 1;
 }
 
-/* Field `i` (ENTRY_SPEC_ID ..) of a cache entry `node` (an `_nnx._adapter.NodeEntry`), a new reference:
+/* Field `i` (ENTRY_SPEC_ID ..) of a cache entry `node` (an `_nnx._entries.NodeEntry`), a new reference:
  * read through its slot's member descriptor, looked up once per entry type (a data
  * descriptor: what the generic getattr returns, with no instance or type lookup per read);
  * for a type with its own getattr, or no such slot, by getattr. */
@@ -1006,7 +1006,7 @@ append_nnx_arg(PyObject *nnx_args, PyObject *obj, PyObject *variables, PyObject 
 }
 
 /* The structure path's reading of one NNX object `a` (`_dispatch.read_arguments` reads
- * the same, through `_nnx._adapter.read_cached`, or with `joint`, `_nnx._adapter.read_joint`): if the fast
+ * the same, through `_nnx._reads.read_cached`, or with `joint`, `_nnx._reads.read_joint`): if the fast
  * index publishes a slot for `a`, validated as the fast path validates one, whose entry
  * (`node`) has spec `spec_id` and has had its values checked for tracers (not `fresh`),
  * append its leaves' current values to `values`, its entry to `entries` and, if `nnx_args`
@@ -1198,7 +1198,7 @@ metadata_matches(FastWrapper *self, PyObject *a, PyObject *read)
 }
 
 /* The structure path's reading of a Variable passed on its own (`VariableRead`;
- * `_nnx._adapter.read_variable_again` is the Python copy): if `a` is of the record's type, with
+ * `_nnx._reads.read_variable_again` is the Python copy): if `a` is of the record's type, with
  * metadata equal to the record's copy and a jax array as value, append that value to
  * `values` and, if `nnx_args` is not NULL, its NnxArg; then 1. 0 if not, -1 on error. */
 ONE_KIND static int
@@ -1226,7 +1226,7 @@ read_variable(FastWrapper *self, PyObject *a, PyObject *read, Refs *values, PyOb
     }
     res = refs_push(values, value) < 0 ? -1 : 1;
     if (res == 1 && nnx_args != NULL) {
-        /* NnxArg(a, [a], None, frozenset({id(a)})), as `_nnx._adapter._read_variable` makes it */
+        /* NnxArg(a, [a], None, frozenset({id(a)})), as `_nnx._reads._read_variable` makes it */
         PyObject *variables = PyList_New(1);
         PyObject *key = PyLong_FromVoidPtr(a);
         PyObject *ids = NULL;
@@ -1260,7 +1260,7 @@ ref_target(PyObject *ref)
 }
 
 /* The structure path's reading of a Variable passed on its own that another argument
- * holds (`read`, a SharedVariableRead; `_nnx._adapter.read_shared_variable` is the Python copy): if
+ * holds (`read`, a SharedVariableRead; `_nnx._reads.read_shared_variable` is the Python copy): if
  * `a` is the very Variable at its recorded position among the leaves of the entry that the
  * owner's JointRead pins (this call reads the owner from that entry too, before or after
  * this), then with `first` (it is met before its holder) its value is appended to
@@ -1309,7 +1309,7 @@ read_shared_variable(PyObject *a, PyObject *read, PyObject *reads, Refs *values,
     }
     if (res == 1 && nnx_args != NULL) {
         /* NnxArg(a, [a] or [], None, frozenset(), [()] or [], None), as
-         * `_nnx._adapter.read_shared_variable` makes it */
+         * `_nnx._reads.read_shared_variable` makes it */
         PyObject *root = first ? PyTuple_New(0) : NULL; /* (the path of a lone Variable) */
         PyObject *variables = PyList_New(first), *paths = PyList_New(first);
         if (variables != NULL && paths != NULL && first && root != NULL) {
@@ -1433,7 +1433,7 @@ read_graphdef(FastWrapper *self, PyObject *a, PyObject *spec_id)
 }
 
 /* Whether the NNX objects read, by their cache entries in call order, are known to share
- * nothing: each earlier entry's `disjoint` cache (`_nnx._adapter.overlapping`: id(later entry) ->
+ * nothing: each earlier entry's `disjoint` cache (`_nnx._reads.overlapping`: id(later entry) ->
  * (weakref to it, shares nothing?)) says so for every later one. 1 yes; 0 not known so, or
  * not (the Python copy decides); -1 error. */
 ONE_KIND static int
@@ -1476,7 +1476,7 @@ compare_addresses(const void *x, const void *y)
 /* Whether the Variables a structure-path call read on their own (`loose`: the arguments
  * read by a VariableRead, and those inside an argument read by a MixedRead) share nothing:
  * none read twice, none a Variable of an NNX object read from its cache entry (`entries`:
- * each entry's node_ids, the ids of its nodes and Variables), as `_nnx._adapter.overlapping` says.
+ * each entry's node_ids, the ids of its nodes and Variables), as `_nnx._reads.overlapping` says.
  * 1 yes; 0 no (the Python copy decides: the general path reads such a call jointly); -1
  * error. */
 ONE_KIND static int
@@ -1527,7 +1527,7 @@ variables_apart(const Refs *loose, const Refs *entries)
     return 1;
 }
 
-/* Rebind a raw leaf of the caller's graph to `value` (an array), as `_nnx._adapter.write_leaf`
+/* Rebind a raw leaf of the caller's graph to `value` (an array), as `_nnx._variables.write_leaf`
  * does: a data array attribute rebound to an array directly in the owner's __dict__ (all
  * NNX's __setattr__ would do; the hooks see no structure change), anything else through
  * setattr. 0, or -1 with an exception set. */
@@ -3455,7 +3455,7 @@ py_evict(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-/* `_nnx._adapter._is_node_fast` in C: whether `x` is an NNX object, by its type, as the table says
+/* `_nnx._variables._is_node_fast` in C: whether `x` is an NNX object, by its type, as the table says
  * (a type it lacks: the Python test, which adds it). jax's flatten calls it once per node
  * of an argument a MixedRead reads (a Python call there cost more than the rest of the
  * read of each leaf). */
@@ -3501,7 +3501,7 @@ py_configure_node_test(PyObject *module, PyObject *args)
 }
 
 static PyMethodDef accel_methods[] = {
-    {"node_test", py_node_test, METH_O, "Whether an object is an NNX object, by its type (_nnx._adapter._is_node_fast)."},
+    {"node_test", py_node_test, METH_O, "Whether an object is an NNX object, by its type (_nnx._variables._is_node_fast)."},
     {"configure_node_test", py_configure_node_test, METH_VARARGS, "Set node_test's table and its test of a new type."},
     {"guard_holds", py_guard_holds, METH_O, "Whether a guard's containers are unchanged (see _guard.py)."},
     {"configure", py_configure, METH_VARARGS, "Set the tables and record classes every FastWrapper reads."},

@@ -58,7 +58,7 @@ class FastSlot(NamedTuple):
     ref: Any  # a weakref with the object's id as `.oid`: `ref() is first` validates the slot
     records: dict[Any, FastRecord]  # wrapped function's state -> record
     guard: Any = None  # (objects holding lists or dicts) `_guard.holds(guard)` validates it too
-    # (NNX objects) the object's cache entry (`_nnx._adapter.NodeEntry`), current while the slot is
+    # (NNX objects) the object's cache entry (`_nnx._entries.NodeEntry`), current while the slot is
     # published: the structure path reads NNX arguments through it
     node: Any = None
 
@@ -157,8 +157,8 @@ class VariableRead(NamedTuple):
     """How the structure path reads a Variable passed on its own (`f(model.kernel, x)`,
     `f(model, offset, x)`; a Variable cannot be weakly referenced, so it has no cache
     entry): of this type, with metadata equal to this copy (which, with the type, makes
-    its spec: `_nnx._adapter._read_variable`), and a jax array as value; beside other NNX objects,
-    only while it shares nothing with them (`_nnx._adapter.overlapping`; C: `variables_apart`)."""
+    its spec: `_nnx._reads._read_variable`), and a jax array as value; beside other NNX objects,
+    only while it shares nothing with them (`_nnx._reads.overlapping`; C: `variables_apart`)."""
 
     spec_id: int
     kind: type
@@ -255,7 +255,7 @@ class PytreeShape:
 class MixedRead(NamedTuple):
     """How the structure path reads a pytree holding NNX objects beside other leaves (flax's
     `TrainState` keeping `nnx.split`'s States with its step count and optimizer state; what
-    the general path reads as an `_nnx._adapter.TreeSpec`): jax's flatten down to its NNX objects
+    the general path reads as an `_nnx._specs.TreeSpec`): jax's flatten down to its NNX objects
     (`tree_flatten` with each NNX object a leaf, as the general path flattens it), the
     treedef compared (`==`: node types and node data) with this one, then each leaf as
     `layout` says: None, an array or a Python scalar the function passes as it is (its
@@ -418,7 +418,7 @@ class WriteBack(NamedTuple):
     """The post-processing of a record whose calls change NNX objects only by new values
     of their Variables, or write nothing back (`_outputs.OutInfo.plain_writes`). The C path
     applies it itself: the last `len(writes)` outputs are set into the leaves they name (a
-    Variable through its _raw_value slot, a RawLeaf as `_nnx._adapter.write_leaf` rebinds it), and
+    Variable through its _raw_value slot, a RawLeaf as `_nnx._variables.write_leaf` rebinds it), and
     `result` makes the user's output from the others. Anything else in a write (an output
     not an array, e.g. a tracer) goes through `post`, as the Python copy always does
     (calling the record calls `post`)."""
@@ -439,7 +439,7 @@ class NnxArg(NamedTuple):
 
     obj: Any  # the caller's object
     variables: list[Any]  # its leaves in flatten order: Variables and raw-leaf handles
-    entry: Any  # its cache entry, `_nnx._adapter.NodeEntry` (None: flattened afresh for this call)
+    entry: Any  # its cache entry, `_nnx._entries.NodeEntry` (None: flattened afresh for this call)
     ids: frozenset[int] = frozenset()  # (flattened afresh) ids of its nodes and Variables
     paths: Any = None  # the leaves' paths (None: the entry's)
     # the RefMap of the flatten that read it for this call (None: read from its entry);
@@ -448,7 +448,7 @@ class NnxArg(NamedTuple):
 
 
 class KnownGraphdef(NamedTuple):
-    """A GraphDef passed as an argument (the functional API), as `_nnx._adapter.read_graphdef` keyed it."""
+    """A GraphDef passed as an argument (the functional API), as `_nnx._specs.read_graphdef` keyed it."""
 
     graphdef: Any  # held: its id cannot be reused while it is here
     snapshot: Any  # a copy of it as keyed, compared (==) on every use (None: it cannot change in place)
@@ -461,7 +461,7 @@ GRAPHDEFS: dict[int, KnownGraphdef] = {}
 
 
 def known_graphdef(graphdef: Any) -> int | None:
-    """The spec id `_nnx._adapter.read_graphdef` gave this very GraphDef, if it is unchanged since;
+    """The spec id `_nnx._specs.read_graphdef` gave this very GraphDef, if it is unchanged since;
     else None. (The C structure path's copy reads GRAPHDEFS the same way.)"""
     known = GRAPHDEFS.get(id(graphdef))
     if known is not None and known.graphdef is graphdef:

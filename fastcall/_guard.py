@@ -80,7 +80,7 @@ def make(containers: list[Any]) -> Guard | None:
             continue
         seen.add(id(c))
         # (tuple.__new__: a Watched without the Python frame of its generated __new__; a
-        # guard is made on every call that returns a new nnx.State, see _nnx._adapter.twin_states)
+        # guard is made on every call that returns a new nnx.State, see _nnx._write_back.twin_states)
         if type(c) is list:
             watched.append(_new(Watched, (c, tuple(c), None, owner)))
         else:

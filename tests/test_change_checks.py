@@ -265,9 +265,9 @@ def _flag_flipped(m):
 
 
 def _read_by_another_call(m):
-    from fastcall._nnx import _adapter
+    from fastcall._nnx import _entries
 
-    _adapter._build(m, "m", _adapter.by_id[id(m)])
+    _entries._build(m, "m", _entries.by_id[id(m)])
 
 
 @pytest.mark.parametrize(
@@ -281,11 +281,11 @@ def test_what_happens_while_a_rebuild_is_checked_is_not_lost(meanwhile, monkeypa
     changes a static, a Variable replaced, a static flipped, the model read again by another
     call. Every later call gives the eager call's result, and the model keeps serving
     (a real change after the check is seen)."""
-    from fastcall._nnx import _adapter
+    from fastcall._nnx import _entries
 
     m, f, x, impl = _rebuilt_model()
     _rebuild(m)
-    check = _adapter._as_read
+    check = _entries._as_read
     done = []
 
     def as_read(entry, layout):
@@ -294,11 +294,11 @@ def test_what_happens_while_a_rebuild_is_checked_is_not_lost(meanwhile, monkeypa
             done.append(meanwhile(m))
         return same
 
-    monkeypatch.setattr(_adapter, "_as_read", as_read)
+    monkeypatch.setattr(_entries, "_as_read", as_read)
     for _ in range(2):
         assert_trees_equal(f(m, x), _call(m, x))
     assert done
-    monkeypatch.setattr(_adapter, "_as_read", check)
+    monkeypatch.setattr(_entries, "_as_read", check)
     m.w = nnx.Param(jnp.full(3, 3.0))
     for _ in range(2):
         assert_trees_equal(f(m, x), _call(m, x))
@@ -313,22 +313,23 @@ def test_a_check_ending_while_another_call_reads_the_model_leaves_no_stale_slot(
     entry); a rebuild then changes a static before C files its new entry, which is therefore
     not current. The old entry, no longer watched, must not stay in the fast path. Replayed
     in one thread (the thread test below met this interleaving about once in thirty runs)."""
-    from fastcall._nnx import _adapter
+    from fastcall._nnx import _entries
 
     m, f, x, _ = _rebuilt_model()
     _rebuild(m)
-    old = _adapter.by_id[id(m)]
-    read_graph = _adapter._read_graph
+    old = _entries.by_id[id(m)]
+    read_graph = _entries._read_graph
 
     def reading(obj, arg_name, previous, entry):
-        assert _adapter._rebuilt_as_read(old)  # (thread B's check, published)
+        assert _entries._rebuilt_as_read(old)  # (thread B's check, published)
         refmap = read_graph(obj, arg_name, previous, entry)
         _rebuild(m, flag=True)  # (a change before C files its entry)
         return refmap
 
-    monkeypatch.setattr(_adapter, "_read_graph", reading)
-    _adapter._build(m, "m", old)  # (thread C)
-    monkeypatch.setattr(_adapter, "_read_graph", read_graph)
+    monkeypatch.setattr(_entries, "_read_graph", reading)
+    _entries._build(m, "m", old)  # (thread C)
+    monkeypatch.setattr(_entries, "_read_graph", read_graph)
+    assert m.flag  # (the patch was reached)
     for _ in range(2):
         assert_trees_equal(f(m, x), _call(m, x))
 
@@ -338,25 +339,25 @@ def test_a_check_passing_while_another_call_reads_the_model_again_publishes_noth
     the old entry); a change is then made and the model called (thread A) before C files
     its new entry. B must not have published the old entry, which no hook reaches any
     more: A's call gives the eager call's result. Replayed in one thread (found by review)."""
-    from fastcall._nnx import _adapter
+    from fastcall._nnx import _entries
 
     m, f, x, _ = _rebuilt_model()
     _rebuild(m)
-    old = _adapter.by_id[id(m)]
-    read_graph = _adapter._read_graph
+    old = _entries.by_id[id(m)]
+    read_graph = _entries._read_graph
     seen = []
 
     def reading(obj, arg_name, previous, entry):
         if not seen:
             seen.append(None)
-            assert _adapter._rebuilt_as_read(old)  # (thread B's check)
+            assert _entries._rebuilt_as_read(old)  # (thread B's check)
             m.w = nnx.Param(jnp.full(3, 5.0))  # (thread A's change, then its call)
             seen.append((f(m, x), _call(m, x)))
         return read_graph(obj, arg_name, previous, entry)
 
-    monkeypatch.setattr(_adapter, "_read_graph", reading)
-    _adapter._build(m, "m", old)  # (thread C)
-    monkeypatch.setattr(_adapter, "_read_graph", read_graph)
+    monkeypatch.setattr(_entries, "_read_graph", reading)
+    _entries._build(m, "m", old)  # (thread C)
+    monkeypatch.setattr(_entries, "_read_graph", read_graph)
     assert_trees_equal(*seen[1])
     for _ in range(2):
         assert_trees_equal(f(m, x), _call(m, x))
@@ -394,14 +395,14 @@ def test_a_record_that_cannot_be_made_is_not_kept(monkeypatch, graph_reads):
     """Making the record for the check can fail (a node another thread rebuilds meanwhile:
     found by review, a RuntimeError out of the call): the call goes on without one, and the
     next rebuild is read again."""
-    from fastcall._nnx import _adapter
+    from fastcall._nnx import _entries
 
     def failing(refmap):
         raise RuntimeError("dictionary changed size during iteration")
 
-    monkeypatch.setattr(_adapter, "_layout", failing)
+    monkeypatch.setattr(_entries, "_layout", failing)
     m, f, x, _ = _rebuilt_model()
-    assert _adapter.by_id[id(m)].layout is None
+    assert _entries.by_id[id(m)].layout is None
     _rebuild(m)
     reads = len(graph_reads)
     assert_trees_equal(f(m, x), _call(m, x))
@@ -471,7 +472,7 @@ def test_a_flip_reported_while_a_new_variant_is_read_is_not_lost(monkeypatch, ho
     yet, another thread flips an attribute not flipped before: the new entry, which saw it,
     keeps its own flips (the variants kept so far are not carried over). Replayed in one
     thread (found by review; the race predates the rebuild check)."""
-    from fastcall._nnx import _adapter
+    from fastcall._nnx import _entries
 
     m, f, x = _Mode(), fastcall.jit(_call), jnp.arange(3.0)
     f(m, x), f(m, x)
@@ -479,7 +480,7 @@ def test_a_flip_reported_while_a_new_variant_is_read_is_not_lost(monkeypatch, ho
     f(m, x)
     m.mode = "a"
     f(m, x)  # (two variants kept)
-    build, done = _adapter._build, []
+    build, done = _entries._build, []
 
     def building(obj, arg_name, old):
         out = build(obj, arg_name, old)
@@ -488,10 +489,10 @@ def test_a_flip_reported_while_a_new_variant_is_read_is_not_lost(monkeypatch, ho
             m.scale = 3  # (thread B's flip, right after thread A's read)
         return out
 
-    monkeypatch.setattr(_adapter, "_build", building)
+    monkeypatch.setattr(_entries, "_build", building)
     m.mode = "c"  # (a configuration not seen yet: read by the variant switch)
     f(m, x)
-    monkeypatch.setattr(_adapter, "_build", build)
+    monkeypatch.setattr(_entries, "_build", build)
     assert done
     for _ in range(3):
         assert_trees_equal(f(m, x), _call(m, x))
@@ -540,7 +541,7 @@ def test_the_record_a_rebuild_is_checked_against_keeps_nothing_alive():
     import gc
     import weakref
 
-    from fastcall._nnx import _adapter
+    from fastcall._nnx import _entries
 
     m = Mixed(nnx.Rngs(0))
     m.layers[0].parent = m  # (a back reference: data, a node)
@@ -548,7 +549,7 @@ def test_the_record_a_rebuild_is_checked_against_keeps_nothing_alive():
     f, on_m = fastcall.jit(_call), nnx.jit(_call)
     for _ in range(3):
         f(m, X4), on_m(m, X4)
-    assert _adapter.by_id[id(m)].layout is not None
+    assert _entries.by_id[id(m)].layout is not None
     ref = weakref.ref(m)
     del m
     gc.collect()
@@ -736,7 +737,7 @@ def test_a_rebuild_ending_while_another_thread_reads_the_model_leaves_no_stale_s
     interleaving in a design that resumed cached structures after a rebuild)."""
     from flax.nnx import graphlib
 
-    from fastcall._nnx import _adapter
+    from fastcall._nnx import _entries
 
     m = Flagged()
     f = fastcall.jit(_call)
@@ -745,7 +746,7 @@ def test_a_rebuild_ending_while_another_thread_reads_the_model_leaves_no_stale_s
     impl = graphlib.GRAPH_REGISTRY[type(m)]
     saved = list(vars(m).items())
     impl.clear(m)  # (thread A, nnx.jit's write-back, starts its rebuild ...)
-    walk = _adapter._flatten_node
+    walk = _entries._flatten_node
 
     def flatten_node(*args, **kwargs):
         if saved:
@@ -753,9 +754,9 @@ def test_a_rebuild_ending_while_another_thread_reads_the_model_leaves_no_stale_s
             saved.clear()
         return walk(*args, **kwargs)
 
-    monkeypatch.setattr(_adapter, "_flatten_node", flatten_node)
+    monkeypatch.setattr(_entries, "_flatten_node", flatten_node)
     assert_trees_equal(f(m, x), _call(m, x))
-    monkeypatch.setattr(_adapter, "_flatten_node", walk)
+    monkeypatch.setattr(_entries, "_flatten_node", walk)
     m.flag = True
     for _ in range(2):
         assert_trees_equal(f(m, x), _call(m, x))
@@ -770,7 +771,7 @@ def test_a_rebuild_does_not_undo_a_change_seen_while_the_graph_was_read(monkeypa
     Replayed in one thread (as the test above)."""
     from flax.nnx import graphlib
 
-    from fastcall._nnx import _adapter
+    from fastcall._nnx import _entries
 
     m = Flagged()
     f = fastcall.jit(_call)
@@ -779,7 +780,7 @@ def test_a_rebuild_does_not_undo_a_change_seen_while_the_graph_was_read(monkeypa
     m.w = nnx.Param(jnp.ones(3))  # (a real change: the next call reads the graph)
     impl = graphlib.GRAPH_REGISTRY[type(m)]
     saved = []
-    walk, items = _adapter._flatten_node, _adapter._leaf_items
+    walk, items = _entries._flatten_node, _entries._leaf_items
 
     def flatten_node(*args, **kwargs):
         out = walk(*args, **kwargs)
@@ -791,12 +792,13 @@ def test_a_rebuild_does_not_undo_a_change_seen_while_the_graph_was_read(monkeypa
         impl.clear(m)  # (thread A's rebuild starts)
         return items(*args, **kwargs)
 
-    monkeypatch.setattr(_adapter, "_flatten_node", flatten_node)
-    monkeypatch.setattr(_adapter, "_leaf_items", leaf_items)
+    monkeypatch.setattr(_entries, "_flatten_node", flatten_node)
+    monkeypatch.setattr(_entries, "_leaf_items", leaf_items)
     f(m, x)
-    monkeypatch.setattr(_adapter, "_flatten_node", walk)
-    monkeypatch.setattr(_adapter, "_leaf_items", items)
+    monkeypatch.setattr(_entries, "_flatten_node", walk)
+    monkeypatch.setattr(_entries, "_leaf_items", items)
     impl.init(m, saved)  # (thread A's rebuild ends: the same structure, flag already set)
+    assert saved and m.flag  # (both patches were reached)
     for _ in range(2):
         assert_trees_equal(f(m, x), _call(m, x))
 
@@ -1798,16 +1800,16 @@ def _train_loss(m, x):
 @pytest.fixture
 def graph_reads(monkeypatch):
     """Counts full graph reads of NNX objects (fastcall's cache entries being built)."""
-    from fastcall._nnx import _adapter
+    from fastcall._nnx import _entries
 
     calls = []
-    original = _adapter._build
+    original = _entries._build
 
     def counting(obj, arg_name, old):
         calls.append(obj)
         return original(obj, arg_name, old)
 
-    monkeypatch.setattr(_adapter, "_build", counting)
+    monkeypatch.setattr(_entries, "_build", counting)
     return calls
 
 
@@ -1817,6 +1819,7 @@ def test_train_eval_alternation_switches_variants_without_re_reading(graph_reads
     peer_train, peer_eval = nnx.jit(_train_loss), nnx.jit(_call)
     for step in range(5):
         if step == 2:
+            assert graph_reads  # (the fixture counts: both configurations were read)
             graph_reads.clear()  # both configurations seen: from now on, no graph read
         m.train(), ref.train()
         assert_trees_equal(train(m, X4), peer_train(ref, X4))
@@ -1832,6 +1835,7 @@ def test_flipped_and_back_before_a_call(graph_reads):
     m.eval()
     f = fastcall.jit(_call)
     f(m, X4), f(m, X4)
+    assert graph_reads  # (the fixture counts: the first call read the graph)
     graph_reads.clear()
     m.train()
     m.eval()  # back to the configuration the entry was read in
@@ -1906,6 +1910,7 @@ def test_raw_arrays_written_back_keep_nnx_bookkeeping(graph_reads, hot_path):
     m, ref = WithRaw(nnx.Rngs(0)), WithRaw(nnx.Rngs(0))
     f, peer = fastcall.jit(_call), nnx.jit(_call)
     f(m, X4), peer(ref, X4)
+    assert graph_reads  # (the fixture counts: the first call read the graph)
     graph_reads.clear()
     for _ in range(3):
         assert_trees_equal(f(m, X4), peer(ref, X4))
@@ -1982,7 +1987,7 @@ def _both_variants(f, m):
 def test_a_flip_while_a_variant_is_switched_to_is_not_lost(hot_path):
     # (the value changes after the switch read the flipped attributes: forced here from
     # inside the lookup of the variants, where another thread could land)
-    from fastcall._nnx import _adapter
+    from fastcall._nnx import _entries
 
     f, m = fastcall.jit(_call), Flag()
     _both_variants(f, m)
@@ -1998,7 +2003,7 @@ def test_a_flip_while_a_variant_is_switched_to_is_not_lost(hot_path):
             return found
 
     m.flag = True
-    entry = _adapter.by_id[id(m)]
+    entry = _entries.by_id[id(m)]
     entry.variants = Interleave(entry.variants)
     f(m, X4)
     for flag in (False, False, True, True, False, False):
@@ -2035,14 +2040,14 @@ def test_a_fast_record_is_filed_with_the_variant_it_was_compiled_for(hot_path):
 
 
 def test_clear_cache_reaches_every_variant(hot_path):
-    from fastcall._nnx import _adapter
+    from fastcall._nnx import _entries
 
     f, m = fastcall.jit(_call), Flag()
     for flag in (False, False, True, True, False, False):
         m.flag = flag
         f(m, X4)
     f.clear_cache()
-    entry = _adapter.by_id[id(m)]
+    entry = _entries.by_id[id(m)]
     assert all(f._fastcall_state not in fast for _, fast in entry.variants.values())
     m.flag = True
     for _ in range(3):

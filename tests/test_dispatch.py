@@ -203,11 +203,11 @@ def test_general_calls_that_read_an_argument_whole_are_counted_apart(hot_path, m
     (NNX's graph walk, jax's flatten); `"general_cached"` those served from the caches. A
     call for which fastcall built a new entry for the model counts as read; one counted
     cached built none."""
-    from fastcall._nnx import _adapter
+    from fastcall._nnx import _entries
 
     builds = []
-    original = _adapter._build
-    monkeypatch.setattr(_adapter, "_build", lambda *a: builds.append(a[0]) or original(*a))
+    original = _entries._build
+    monkeypatch.setattr(_entries, "_build", lambda *a: builds.append(a[0]) or original(*a))
 
     def route(f, *args):
         before = len(builds)
@@ -240,6 +240,7 @@ def test_general_calls_that_read_an_argument_whole_are_counted_apart(hot_path, m
     assert seen == [
         "general_read", fast, "general_read", fast, "python_fast", fast, "general_read", "general_cached"
     ], seen
+    assert builds == [ours] * 3  # (the three calls read whole built its entry: the patch is reached)
     # A module the caches cannot hold (a set among its statics) is read on every call.
     h, peer = fastcall.jit(lambda m, x: m(x)), nnx.jit(forward)  # (h: stats of its own)
     m, twin = _WithSet(), _WithSet()
@@ -318,11 +319,11 @@ def test_containers_and_states_flattened_every_call_are_counted_as_read(hot_path
     path's MixedRead), and a new `nnx.split` State each call (read by jax's flatten, as
     jax.jit reads it): each such call on the general path counts as `"general_read"`, with
     the model's graph read only at the first call."""
-    from fastcall._nnx import _adapter
+    from fastcall._nnx import _entries
 
     builds = []
-    original = _adapter._build
-    monkeypatch.setattr(_adapter, "_build", lambda *a: builds.append(a[0]) or original(*a))
+    original = _entries._build
+    monkeypatch.setattr(_entries, "_build", lambda *a: builds.append(a[0]) or original(*a))
     m, twin = nnx.Linear(3, 3, rngs=nnx.Rngs(0)), nnx.Linear(3, 3, rngs=nnx.Rngs(0))
     x = jnp.arange(3.0)
     pair = (m, x)

@@ -339,7 +339,7 @@ def test_a_variable_replaced_inside_another_function(hot_path):
     """The other function replaces a Variable its object shares with a Holder (which holds
     it directly, not through its owner): the entry follows the replacement in place (its
     `node_ids` changes), and the two arguments no longer share it."""
-    from fastcall._nnx import _adapter
+    from fastcall._nnx import _entries
 
     def replace(net):
         net.l1.kernel = nnx.Param(net.l1.kernel[...] + 1.0)
@@ -354,9 +354,9 @@ def test_a_variable_replaced_inside_another_function(hot_path):
     r, peer_r = fastcall.jit(replace), nnx.jit(replace)
     for _ in range(3):
         assert_trees_equal(g(ours, hold, X), peer(theirs, ref_hold, X))
-    entry = _adapter.by_id[id(ours)]
+    entry = _entries.by_id[id(ours)]
     assert_trees_equal(r(ours), peer_r(theirs))
-    assert _adapter.by_id[id(ours)] is entry and not entry.stale  # (the entry followed the new Variable in place)
+    assert _entries.by_id[id(ours)] is entry and not entry.stale  # (the entry followed the new Variable in place)
     assert hold.v is not ours.l1.kernel and ref_hold.v is not theirs.l1.kernel
     for i in range(3):
         y, route = served(g, ours, hold, X)

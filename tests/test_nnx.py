@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 import fastcall
-from fastcall._nnx import _adapter
+from fastcall._nnx import _entries, _variables
 
 from .conftest import FAST_PATH, STRUCTURE_PATH, assert_trees_equal, run_threads, served, state_of
 from .models import TinyDecoder  # a copy of the decoder the benchmark times
@@ -457,15 +457,15 @@ def test_optimizer_state_is_read_through_its_variables_not_rewalked():
     f = fastcall.jit(step)
     f(model, opt, jnp.ones(2))
     # (seen once: read with one flatten, not walked for its containers yet)
-    assert _adapter.by_id[id(opt)].provisional and _adapter.by_id[id(opt)].guard is None
+    assert _entries.by_id[id(opt)].provisional and _entries.by_id[id(opt)].guard is None
     f(model, opt, jnp.ones(2))
-    entry = _adapter.by_id[id(opt)]
+    entry = _entries.by_id[id(opt)]
     assert not entry.volatile and not entry.provisional and entry.guard is not None and entry.direct
     with_data = WithData()
     g = fastcall.jit(lambda m, x: m(x))
     g(with_data, jnp.ones(1))
     g(with_data, jnp.ones(1))
-    entry = _adapter.by_id[id(with_data)]
+    entry = _entries.by_id[id(with_data)]
     assert not entry.volatile and entry.guard is not None  # arrays and modules held in lists
 
 
@@ -1629,7 +1629,7 @@ def test_new_object_holding_an_input_is_aliasing_without_graph_updates_like_nnx_
             fastcall.jit(wrap, **kwargs)(MLP(nnx.Rngs(0)))
 
 
-@pytest.mark.skipif(_adapter._HIJAX_TYPE is None or not hasattr(nnx, "var_defaults"), reason="a flax without hijax")
+@pytest.mark.skipif(_variables._HIJAX_TYPE is None or not hasattr(nnx, "var_defaults"), reason="a flax without hijax")
 def test_a_hijax_variable_is_refused_with_an_error_naming_it():
     """A model made under `nnx.var_defaults(hijax=True)` is refused by a FastcallError that
     names the argument and the Variable (nnx.jit fails on it too); the wrapper keeps working."""

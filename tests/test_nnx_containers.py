@@ -457,10 +457,12 @@ def _loop_step(graphdef, state, x):
 
 
 def _spy(monkeypatch: Any, module: Any, name: str) -> list[int]:
-    """Count the calls of `module.name` (called through the module's globals)."""
+    """Count the calls of `module.name` (called through the module's globals). `module` may
+    be a tuple of modules, each importing the function and calling it: counted together."""
     calls: list[int] = []
-    real = getattr(module, name)
-    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    for each in module if isinstance(module, tuple) else (module,):
+        real = getattr(each, name)
+        monkeypatch.setattr(each, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
     return calls
 
 
@@ -507,10 +509,10 @@ def test_the_state_a_call_returns_is_read_from_its_own_entry(monkeypatch, hot_pa
     (`_adapter.twin_states`), so the next call reads it as a known object, on the structure
     path: no graph walk, no pytree flatten. Losses, state, and the returned State holding the
     caller's own Variables, as nnx.jit."""
-    from fastcall._nnx import _adapter
+    from fastcall._nnx import _entries, _reads
 
-    pytree_reads = _spy(monkeypatch, _adapter, "_read_plain_state")
-    graph_reads = _spy(monkeypatch, _adapter, "_flatten_node")
+    pytree_reads = _spy(monkeypatch, _reads, "_read_plain_state")
+    graph_reads = _spy(monkeypatch, (_entries, _reads), "_flatten_node")
     routes, f = _loop_three_ways([X, X * 2.0, X - 0.5, X])
     assert routes == ["general"] + [STRUCTURE_PATH[hot_path]] * 3, routes
     assert len(pytree_reads) == 0 and len(graph_reads) == 1
@@ -564,12 +566,12 @@ def test_the_performance_guides_loop_reads_its_returned_state_from_its_entry(hot
 def test_a_new_state_the_caller_builds_is_read_as_a_pytree(monkeypatch):
     """A new State the caller built (not one a call returned) is read by its pytree flatten
     under the spec its structure was given (no graph walk)."""
-    from fastcall._nnx import _adapter
+    from fastcall._nnx import _entries, _reads
 
     f = fastcall.jit(_loop_step)
     (graphdef, state), (eager_graphdef, eager_state) = _split_loop_state(), _split_loop_state()
-    pytree_reads = _spy(monkeypatch, _adapter, "_read_plain_state")
-    graph_reads = _spy(monkeypatch, _adapter, "_flatten_node")
+    pytree_reads = _spy(monkeypatch, _reads, "_read_plain_state")
+    graph_reads = _spy(monkeypatch, (_entries, _reads), "_flatten_node")
     for x in [X, X * 2.0, X - 0.5, X]:
         loss, state = f(graphdef, nnx.State(dict(state.raw_mapping)), x)  # (a copy: unknown)
         eager_loss, eager_state = _loop_step(eager_graphdef, eager_state, x)
@@ -649,7 +651,7 @@ def test_metadata_changed_while_a_call_runs_is_seen_by_the_state_it_returns(monk
     nnx.jit given the same change. In the first call (`when` 0) the State read is new to
     fastcall (its entry unwatched: the returned State's key is read again); in the third,
     it is one a call returned (watched)."""
-    from fastcall._nnx import _adapter
+    from fastcall._nnx import _adapter, _entries
 
     f, peer = fastcall.jit(_loop_step), nnx.jit(_loop_step)
     (graphdef, state), (peer_graphdef, peer_state) = _split_loop_state(), _split_loop_state()
@@ -674,7 +676,7 @@ def test_metadata_changed_while_a_call_runs_is_seen_by_the_state_it_returns(monk
         assert_trees_equal(loss, peer_loss)
         assert_trees_equal(state_of(state), state_of(peer_state))
         if i == when:
-            assert _adapter.by_id[id(state)].stale
+            assert _entries.by_id[id(state)].stale
     assert routes[when + 1] == "general" and routes[-1] == STRUCTURE_PATH[hot_path], routes
 
 
@@ -705,7 +707,7 @@ def _returns_the_params_only(graphdef, state, x):
 
 
 def test_a_returned_state_of_another_structure_gets_no_entry():
-    from fastcall._nnx import _adapter
+    from fastcall._nnx import _entries
 
     f = fastcall.jit(_returns_the_params_only)
     graphdef, state = _split_loop_state()
@@ -715,7 +717,7 @@ def test_a_returned_state_of_another_structure_gets_no_entry():
     assert f.stats().compiles == 1
     given = {id(v) for v in _variables(state)}
     assert len(_variables(params)) < len(given) and all(id(v) in given for v in _variables(params))
-    assert _adapter.by_id.get(id(params)) is None
+    assert _entries.by_id.get(id(params)) is None
 
 
 def _passes_a_model_through(state, aux, other, x):
@@ -753,7 +755,7 @@ def _tagged_forward(graphdef, state, x):
 def test_a_new_state_of_other_variable_types_or_metadata_is_read_by_its_graph(monkeypatch):
     """A new State of the same keys whose Variables differ in type or metadata is not read
     under the spec of another: a graph read, the program for its structure."""
-    from fastcall._nnx import _adapter
+    from fastcall._nnx import _reads
 
     def new_state_each_call(w: World, i: int) -> None:
         (model,) = w.keep
@@ -767,7 +769,7 @@ def test_a_new_state_of_other_variable_types_or_metadata_is_read_by_its_graph(mo
         model = Counted(4, 3, 0)
         return World(nnx.split(model), keep=(model,))
 
-    pytree_reads = _spy(monkeypatch, _adapter, "_read_plain_state")
+    pytree_reads = _spy(monkeypatch, _reads, "_read_plain_state")
     data = [(X,), (X * 2.0,), (X,), (X - 0.5,), (X,), (X * 3.0,)]
     worlds, traces = compare(_tagged_forward, make, data, mutate=new_state_each_call)
     assert traces["fastcall"] == 3 and len(pytree_reads) == 3  # (calls 1, 3 and 5)
@@ -777,7 +779,7 @@ def test_a_state_holding_a_variable_twice_is_read_by_its_graph(monkeypatch):
     """A State with one Variable under two keys (a shared reference in NNX's graph) is
     never read as a pytree, which would see two Variables: not even after a State of the
     same keys, types and metadata with two Variables there."""
-    from fastcall._nnx import _adapter
+    from fastcall._nnx import _reads
 
     def fn(state, x):
         state["alias"][...] += 1.0  # (seen through the other key too, where it is one Variable)
@@ -793,7 +795,7 @@ def test_a_state_holding_a_variable_twice_is_read_by_its_graph(monkeypatch):
     def make() -> World:
         return World((), keep=(Counted(4, 3, 0),))
 
-    pytree_reads = _spy(monkeypatch, _adapter, "_read_plain_state")
+    pytree_reads = _spy(monkeypatch, _reads, "_read_plain_state")
     data = [(X,), (X * 2.0,), (X - 0.5,), (X,)]
     worlds, _ = compare(fn, make, data, eager=False, mutate=new_state_each_call)
     (model,) = worlds["fastcall"].keep

@@ -118,6 +118,6 @@ def test_a_missing_hook_target_warns_once_and_never_goes_stale():
 
 def test_hooks_are_trusted_on_this_flax():
     """The installed flax is inside the verified range (the suite would warn otherwise)."""
-    from fastcall._nnx import _adapter
+    from fastcall._nnx import _watch
 
-    assert _adapter.TRUSTED
+    assert _watch.TRUSTED

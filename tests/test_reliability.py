@@ -16,7 +16,7 @@ from flax import nnx
 
 import fastcall
 from fastcall import _fast, _flatten
-from fastcall._nnx import _adapter
+from fastcall._nnx import _entries, _watch
 
 from .conftest import STRUCTURE_PATH, assert_trees_equal, run_threads
 
@@ -137,16 +137,16 @@ def test_change_made_while_the_cache_entry_is_built_is_not_lost(monkeypatch):
     f = fastcall.jit(lambda m: m.p[...] + m.flag)
     m = Model()
     f(m)
-    original = _adapter._flatten_node
+    original = _entries._flatten_node
 
     def interleaved(*args, **kwargs):  # another thread's assignment lands mid-build
         out = original(*args, **kwargs)
-        monkeypatch.setattr(_adapter, "_flatten_node", original)
+        monkeypatch.setattr(_entries, "_flatten_node", original)
         m.flag = 1
         return out
 
     m.flag = 2  # marks the entry stale: the next call rebuilds it
-    monkeypatch.setattr(_adapter, "_flatten_node", interleaved)
+    monkeypatch.setattr(_entries, "_flatten_node", interleaved)
     f(m)
     assert float(f(m)) == 1.0
 
@@ -160,7 +160,7 @@ def test_submodule_replaced_while_the_entry_is_built_is_watched(monkeypatch):
     m = M()
     g = fastcall.jit(lambda m, x: m.sub(x))
     x = jnp.ones((1, 2))
-    original = _adapter._flatten_node
+    original = _entries._flatten_node
     raced = []
 
     def racing(node, *args, **kwargs):
@@ -170,9 +170,9 @@ def test_submodule_replaced_while_the_entry_is_built_is_watched(monkeypatch):
             m.sub = nnx.Linear(2, 2, use_bias=False, rngs=nnx.Rngs(1))  # "another thread"
         return result
 
-    monkeypatch.setattr(_adapter, "_flatten_node", racing)
+    monkeypatch.setattr(_entries, "_flatten_node", racing)
     g(m, x)
-    monkeypatch.setattr(_adapter, "_flatten_node", original)
+    monkeypatch.setattr(_entries, "_flatten_node", original)
     assert raced
     m.sub.kernel = nnx.Param(jnp.zeros((2, 2)))
     assert_trees_equal(g(m, x), m.sub(x))
@@ -218,8 +218,8 @@ def test_new_nnx_model_every_call_keeps_caches_bounded():
         del m
     gc.collect()
     assert all(r() is None for r in refs)
-    assert len(_adapter.by_id) < 5 and len(_fast.INDEX) < 5
-    assert len(_adapter._watchers) < 50
+    assert len(_entries.by_id) < 5 and len(_fast.INDEX) < 5
+    assert len(_watch._watchers) < 50
     assert f.stats().compiles == 1
 
 
@@ -426,7 +426,7 @@ import gc
 import jax.numpy as jnp
 from flax import nnx
 import fastcall
-from fastcall._nnx import _adapter
+from fastcall._nnx import _watch
 
 
 class Block(nnx.Module):
@@ -458,7 +458,7 @@ m = CycleModel()
 f(m, x)
 del m  # cyclic garbage with a cache entry, whose weak reference's callback unwatches it
 gc.disable()
-_adapter._watchers = Watchers(_adapter._watchers)
+_watch._watchers = Watchers(_watch._watchers)
 f(CycleModel(), x)  # reads the new model's graph: watched under the lock
 print("done")
 '''
