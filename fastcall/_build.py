@@ -89,24 +89,11 @@ def build(state: Any, key: tuple[Any, ...], fun: Any) -> Entry:
         if in_shardings is UNSPECIFIED
         else _leaf_shardings(in_shardings, all_specs, ["fun"] + arg_names, len(pos_specs))
     )
-    # Per NNX object of the call (arguments, and objects inside container arguments, in
-    # order): its leaves' in_shardings, and whether every Variable is returned and written
-    # back: for a donated one, so that the caller's Variables stay usable; for one with
-    # in_shardings, so that each Variable ends up with its sharding (as nnx.jit does).
     has_nnx = any(sp.kind in ("nnx", "nnx-tree") for sp in all_specs)
     # (NNX objects as plain pytrees, jax.jit's semantics: nothing is marked or written back,
     # and NNX objects returned are built from the output as jax builds any pytree)
     reads_nnx = not state.options.nnx_as_pytree
-    nnx_shardings: list[Any] = []
-    nnx_everything: list[bool] = []
-    for slot, sp in enumerate(all_specs):
-        per_leaf = slot_shardings[slot] if slot_shardings is not None else None
-        for start, node in sp.nnx_objects() if sp.kind in ("nnx", "nnx-tree") else ():
-            node_leaves = per_leaf[start : start + node.n_dyn] if per_leaf is not None else None
-            nnx_shardings.append(node_leaves)
-            nnx_everything.append(
-                slot in donated or (node_leaves is not None and any(sh is not None for sh in node_leaves))
-            )
+    nnx_shardings, nnx_everything = _nnx_write_plan(all_specs, slot_shardings, donated)
     # Weakly: jax may keep the traced function alive longer than the wrapped function.
     state_ref = weakref.ref(state)
     trace_scalars = state.options.trace_scalars
@@ -154,6 +141,24 @@ def build(state: Any, key: tuple[Any, ...], fun: Any) -> Entry:
     if state.options.donate in ("all", "all-except-first"):
         e.fn = _suppress_donation_warning(e.fn)
     return e
+
+
+def _nnx_write_plan(all_specs: list[Any], slot_shardings: Any, donated: set[int]) -> tuple[list[Any], list[bool]]:
+    """Per NNX object of the call (arguments, and objects inside container arguments, in
+    order): its leaves' in_shardings, and whether every Variable is returned and written
+    back: for a donated one, so that the caller's Variables stay usable; for one with
+    in_shardings, so that each Variable ends up with its sharding (as nnx.jit does)."""
+    nnx_shardings: list[Any] = []
+    nnx_everything: list[bool] = []
+    for slot, sp in enumerate(all_specs):
+        per_leaf = slot_shardings[slot] if slot_shardings is not None else None
+        for start, node in sp.nnx_objects() if sp.kind in ("nnx", "nnx-tree") else ():
+            node_leaves = per_leaf[start : start + node.n_dyn] if per_leaf is not None else None
+            nnx_shardings.append(node_leaves)
+            nnx_everything.append(
+                slot in donated or (node_leaves is not None and any(sh is not None for sh in node_leaves))
+            )
+    return nnx_shardings, nnx_everything
 
 
 def _jit_kwargs(options: Any, counts: list[int], donated_slots: set[int], slot_shardings: Any) -> dict[str, Any]:

@@ -127,52 +127,13 @@ class _CodeGen:
                 self.walk(f"{v}[{self.const(k)}]", value[k])
             return
         if isinstance(value, eqx.Module):
-            fields = dataclasses.fields(value)
-            d = value.__dict__
-            if len(d) != len(fields) or any(f.name not in d for f in fields):
-                raise _NoTemplate  # wrapper modules carry extra attributes
-            node = self.bind(expr)
-            v = self.var()
-            self.emit(f"if type({node}) is not {self.const(t)}: return None")
-            # object.__getattribute__ skips eqx.Module.__getattribute__ (~1 us each).
-            self.emit(f"{v} = _getattr({node}, '__dict__')")
-            self.emit(f"if len({v}) != {len(fields)}: return None")
-            statics = []
-            self.in_module += 1
-            for f in fields:
-                if f.metadata.get("static", False):
-                    statics.append((f"{v}[{f.name!r}]", d[f.name]))
-                else:
-                    self.walk(f"{v}[{f.name!r}]", d[f.name])
-            self.in_module -= 1
-            self.statics(statics)
+            self.walk_module(expr, value)
             return
         if t is STATE_TYPE:  # eqx.nn.State: its children are its `_state` dict's values
-            d = value.__dict__.get("_state")
-            if type(d) is not dict or len(value.__dict__) != 1:
-                raise _NoTemplate  # (an invalidated State holds a sentinel: tree_flatten raises)
-            node = self.bind(expr)
-            v = self.var()
-            self.emit(f"if type({node}) is not {self.const(t)}: return None")
-            self.emit(f"{v} = _getattr({node}, '__dict__')['_state']")
-            # The keys, in order, are the node's auxiliary data (compared as jax compares it).
-            self.emit(f"if type({v}) is not dict or tuple({v}) != {self.const(tuple(d))}: return None")
-            for k, item in d.items():
-                self.walk(f"{v}[{self.const(k)}]", item)
+            self.walk_state(expr, value)
             return
         if "_flax_dataclass" in t.__dict__:  # a flax.struct.dataclass (`TrainState`): see _flax_struct_fields
-            data, meta = _flax_struct_fields(t)
-            own = getattr(value, "__dict__", None)
-            if type(own) is not dict or len(own) != len(data) + len(meta) or any(n not in own for n in data + meta):
-                raise _NoTemplate
-            node = self.bind(expr)
-            v = self.var()
-            self.emit(f"if type({node}) is not {self.const(t)}: return None")
-            self.emit(f"{v} = _getattr({node}, '__dict__')")
-            self.emit(f"if len({v}) != {len(own)}: return None")
-            for name in data:
-                self.walk(f"{v}[{name!r}]", own[name])
-            self.statics([(f"{v}[{name!r}]", own[name]) for name in meta])
+            self.walk_flax_struct(expr, value)
             return
         if issubclass(t, tuple) and hasattr(t, "_fields"):
             v = self.bind(expr)
@@ -187,6 +148,62 @@ class _CodeGen:
             self.statics([(expr, value)])
             return
         raise _NoTemplate
+
+    def walk_module(self, expr: str, value: Any) -> None:
+        """An Equinox module: its type and field count checked, its static fields compared,
+        each other field walked."""
+        t = type(value)
+        fields = dataclasses.fields(value)
+        d = value.__dict__
+        if len(d) != len(fields) or any(f.name not in d for f in fields):
+            raise _NoTemplate  # wrapper modules carry extra attributes
+        node = self.bind(expr)
+        v = self.var()
+        self.emit(f"if type({node}) is not {self.const(t)}: return None")
+        # object.__getattribute__ skips eqx.Module.__getattribute__ (~1 us each).
+        self.emit(f"{v} = _getattr({node}, '__dict__')")
+        self.emit(f"if len({v}) != {len(fields)}: return None")
+        statics = []
+        self.in_module += 1
+        for f in fields:
+            if f.metadata.get("static", False):
+                statics.append((f"{v}[{f.name!r}]", d[f.name]))
+            else:
+                self.walk(f"{v}[{f.name!r}]", d[f.name])
+        self.in_module -= 1
+        self.statics(statics)
+
+    def walk_state(self, expr: str, value: Any) -> None:
+        """An eqx.nn.State: its type and keys checked, each item walked."""
+        t = type(value)
+        d = value.__dict__.get("_state")
+        if type(d) is not dict or len(value.__dict__) != 1:
+            raise _NoTemplate  # (an invalidated State holds a sentinel: tree_flatten raises)
+        node = self.bind(expr)
+        v = self.var()
+        self.emit(f"if type({node}) is not {self.const(t)}: return None")
+        self.emit(f"{v} = _getattr({node}, '__dict__')['_state']")
+        # The keys, in order, are the node's auxiliary data (compared as jax compares it).
+        self.emit(f"if type({v}) is not dict or tuple({v}) != {self.const(tuple(d))}: return None")
+        for k, item in d.items():
+            self.walk(f"{v}[{self.const(k)}]", item)
+
+    def walk_flax_struct(self, expr: str, value: Any) -> None:
+        """A flax.struct.dataclass: its type and fields checked, its metadata fields compared,
+        each data field walked."""
+        t = type(value)
+        data, meta = _flax_struct_fields(t)
+        own = getattr(value, "__dict__", None)
+        if type(own) is not dict or len(own) != len(data) + len(meta) or any(n not in own for n in data + meta):
+            raise _NoTemplate
+        node = self.bind(expr)
+        v = self.var()
+        self.emit(f"if type({node}) is not {self.const(t)}: return None")
+        self.emit(f"{v} = _getattr({node}, '__dict__')")
+        self.emit(f"if len({v}) != {len(own)}: return None")
+        for name in data:
+            self.walk(f"{v}[{name!r}]", own[name])
+        self.statics([(f"{v}[{name!r}]", own[name]) for name in meta])
 
     def statics(self, pairs: list[tuple[str, Any]]) -> None:
         """One line checks every static value of a node by identity; only if that

@@ -175,10 +175,23 @@ def _publish_structure(
     order = keyword_order(state.signature, len(args) - len(kwnames), kwnames) if kwnames else None
     if kwnames and order is None:
         return
-    reads: list[
-        ArgRead | NodeRead | JointRead | SharedVariableRead | NodesRead | MixedRead | VariableRead | GraphdefRead
-        | StaticRead | None
-    ] = []
+    reads = _structure_reads(state, resolved, args, key, kwnames)
+    if reads is not None:
+        _file_structure(state, entry, args, reads, kwnames, order, fast_shape, hold_first)
+
+
+_Read = (
+    ArgRead | NodeRead | JointRead | SharedVariableRead | NodesRead | MixedRead | VariableRead | GraphdefRead
+    | StaticRead | None
+)
+
+
+def _structure_reads(
+    state: Any, resolved: Any, args: tuple[Any, ...], key: tuple[int, ...], kwnames: tuple[str, ...]
+) -> tuple[_Read, ...] | None:
+    """How the structure path reads each of this call's arguments (`args`, of spec ids
+    `key`), or None where one cannot be read but by the general path."""
+    reads: list[_Read] = []
     nnx_args = iter(resolved.nnx_args)
     loose: list[tuple[int, Any, int]] = []  # (position, NnxArg, spec id) of Variables read jointly
     before = (
@@ -193,7 +206,7 @@ def _publish_structure(
             continue
         if spec_id == 0:
             if type(a) not in state.plain_leaves:
-                return  # (a tracer of an outer trace, an array subclass: resolved every call)
+                return None  # (a tracer of an outer trace, an array subclass: resolved every call)
             reads.append(None)
             continue
         if resolved.nnx_args and _nnx_gate.reads_as_node(a):
@@ -201,25 +214,17 @@ def _publish_structure(
             # with the call's other NNX arguments; or a Variable read afresh.
             nnx_arg = next(nnx_args, None)
             if nnx_arg is None or nnx_arg.obj is not a:
-                return
+                return None
             if resolved.joint:
                 joint = _nnx_gate.adapter().joint_read(nnx_arg, before.get(id(nnx_arg)))
                 if joint is None:  # (a Variable passed on its own, which another argument holds?)
                     loose.append((len(reads), nnx_arg, spec_id))  # (decided once all are read)
                 reads.append(joint)
                 continue
-            if nnx_arg.entry is None:
-                # (a Variable passed on its own, which has no cache entry: its type and
-                # metadata compared, its value read; beside other NNX objects too, which the
-                # structure path checks share nothing with it, as this call's did)
-                variable = _nnx_gate.adapter().variable_read(nnx_arg, spec_id)
-                if variable is None:
-                    return
-                reads.append(variable)
-                continue
-            if not _nnx_gate.adapter().readable_argument(nnx_arg, spec_id):
-                return
-            reads.append(NodeRead(spec_id))
+            node = _node_read(nnx_arg, spec_id)
+            if node is None:
+                return None
+            reads.append(node)
             continue
         container = _node_container(a) if resolved.nnx_args else None
         if container is not None:
@@ -237,41 +242,67 @@ def _publish_structure(
             # holding `nnx.split`'s States; or Variables, which have no cache entry)
             mixed = _nnx_gate.adapter().mixed_read(spec_id, nnx_args)
             if mixed is None:
-                return
+                return None
             reads.append(mixed)
             continue
-        as_pytree = state.options.nnx_as_pytree
-        if not as_pytree and _nnx_gate.is_graphdef(a):  # (the functional API's GraphDef: static, known by identity)
+        if not state.options.nnx_as_pytree and _nnx_gate.is_graphdef(a):  # (the functional API's GraphDef: static, known by identity)
             reads.append(GraphdefRead(spec_id))
             continue
-        rule = state.options.trace_scalars
-        template = next(
-            (t for t in _codegen.templates.get(type(a), ()) if t.spec.id == spec_id and t.serves(rule, as_pytree)), None
-        )
-        kept = _kept_read(previous, len(reads), spec_id)
-        if template is None and kept is not None:
-            # (its template was dropped from the few kept per type, `_codegen.learn`: the
-            # read this function's record has keeps serving the structure)
-            reads.append(kept)
-            continue
-        if template is None:
-            hit = _flatten.lookup(a)
-            if hit is None or hit.spec_id != spec_id:
-                return
-            reads.append(ArgRead(spec_id, None, None))
-            continue
-        spec = template.spec
-        by_identity = template.rule is None and (spec.cacheable or spec.guardable)
-        reads.append(ArgRead(spec_id, template.extract, template.sequence, by_identity))
+        read = _pytree_read(state, previous, a, spec_id, len(reads))
+        if read is None:
+            return None
+        reads.append(read)
     if next(nnx_args, None) is not None:
-        return  # (NNX objects inside another argument: read by the general path only)
+        return None  # (NNX objects inside another argument: read by the general path only)
     for at, nnx_arg, spec_id in loose:
         shared = _nnx_gate.adapter().shared_variable_read(nnx_arg, spec_id, reads, at)
         if shared is None:
-            return
+            return None
         reads[at] = shared
+    return tuple(reads)
+
+
+def _node_read(nnx_arg: Any, spec_id: int) -> NodeRead | VariableRead | None:
+    """How the structure path reads an NNX argument read on its own (`nnx_arg`): from its
+    cache entry, or None where that is not usable as it is."""
+    if nnx_arg.entry is None:
+        # (a Variable passed on its own, which has no cache entry: its type and metadata
+        # compared, its value read; beside other NNX objects too, which the structure path
+        # checks share nothing with it, as this call's did)
+        return _nnx_gate.adapter().variable_read(nnx_arg, spec_id)  # type: ignore[no-any-return]
+    return NodeRead(spec_id) if _nnx_gate.adapter().readable_argument(nnx_arg, spec_id) else None
+
+
+def _pytree_read(state: Any, previous: StructureRecord | None, a: Any, spec_id: int, at: int) -> ArgRead | None:
+    """How the structure path reads argument `a` (at `at`, of spec `spec_id`), a pytree: by
+    its structure's extractor, or as the function's record already reads it, or from the
+    identity cache; None where none serves."""
+    rule, as_pytree = state.options.trace_scalars, state.options.nnx_as_pytree
+    template = next(
+        (t for t in _codegen.templates.get(type(a), ()) if t.spec.id == spec_id and t.serves(rule, as_pytree)), None
+    )
+    kept = _kept_read(previous, at, spec_id)
+    if template is None and kept is not None:
+        # (its template was dropped from the few kept per type, `_codegen.learn`: the
+        # read this function's record has keeps serving the structure)
+        return kept
+    if template is None:
+        hit = _flatten.lookup(a)
+        if hit is None or hit.spec_id != spec_id:
+            return None
+        return ArgRead(spec_id, None, None)
+    spec = template.spec
+    by_identity = template.rule is None and (spec.cacheable or spec.guardable)
+    return ArgRead(spec_id, template.extract, template.sequence, by_identity)
+
+
+def _file_structure(
+    state: Any, entry: Entry, args: tuple[Any, ...], reads_now: tuple[_Read, ...], kwnames: tuple[str, ...],
+    order: Any, fast_shape: bool, hold_first: bool,
+) -> None:
+    """File the structure record reading `args` by `reads_now` in the function's table, first
+    under its key (a record reading them the same way is renewed)."""
     key = _fast.structure_key(args[0], kwnames)
-    reads_now = tuple(reads)
     records = _fast.records_of(state.structures.get(key))
     known = next(
         (
@@ -296,7 +327,7 @@ def _publish_structure(
         state.structures[key] = known
     # The objects of this call, passed again, come back to the general path (see `last`),
     # which caches them by identity.
-    for i, read in enumerate(reads):
+    for i, read in enumerate(reads_now):
         if type(read) is ArgRead:
             known.last[i] = _fast.last_mark(args[i], i == 0 and hold_first) if read.by_identity else None
 

@@ -257,6 +257,22 @@ def _marked_static(state: Any, name: str, static: frozenset[int]) -> bool:
 
 
 def _argument(state: Any, name: str, value: Any, first: bool, read: Any, static: frozenset[int]) -> ArgumentReport:
+    """What fastcall knows of argument `name` (`value`, read by the record's `read`, if any),
+    and what it costs per call: the first of these descriptions that fits it."""
+    report = _as_leaf(state, name, value, read, static)
+    if report is None:
+        report = _as_nnx_object(state, name, value, read)
+    if report is None:
+        report = _as_cached(name, value)
+    if report is None:
+        report = _as_nnx_container(state, name, value, read)
+    if report is None:
+        report = _as_pytree(state, name, value, first, read)
+    return report
+
+
+def _as_leaf(state: Any, name: str, value: Any, read: Any, static: frozenset[int]) -> ArgumentReport | None:
+    """An array, a scalar or a static value, or None."""
     if type(value) is np.ndarray or (type(value) in _flatten.PLAIN_ARRAY_TYPES and isinstance(value, np.generic)):
         kind = "NumPy array" if type(value) is np.ndarray else "NumPy scalar"
         return ArgumentReport(name, kind, "passed as is (jax copies it to the device on every call)")
@@ -284,6 +300,11 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any, static:
             f"{type(value).__name__}, a leaf not of a type the fast paths pass as is",
             "passed to jax.jit as a leaf, by the general path on every call",
         )
+    return None
+
+
+def _as_nnx_object(state: Any, name: str, value: Any, read: Any) -> ArgumentReport | None:
+    """An NNX object or Variable read on its own, or None."""
     if type(read) is _fast.SharedVariableRead:
         return ArgumentReport(
             name,
@@ -306,6 +327,11 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any, static:
             if read.keep is not None:
                 per_call += f"; {len(read.keep)} of its leaves passed (the others by an earlier argument)"
         return ArgumentReport(name, kind, per_call)
+    return None
+
+
+def _as_cached(name: str, value: Any) -> ArgumentReport | None:
+    """An object of the identity cache, or None."""
     hit = _flatten.lookup(value)
     if hit is not None:
         if hit.guard is None:
@@ -316,6 +342,11 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any, static:
             f"cached by identity, with a guard over {len(hit.guard)} lists/dicts",
             f"{n} item identity checks (an in-place change is seen)",
         )
+    return None
+
+
+def _as_nnx_container(state: Any, name: str, value: Any, read: Any) -> ArgumentReport | None:
+    """A container or pytree holding NNX objects, or a GraphDef, or None."""
     adapter = _nnx_gate.loaded()
     if type(read) is _fast.NodesRead and read.objects(value) is not None:
         if read.keys is None or type(read.keys) is tuple:
@@ -351,6 +382,11 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any, static:
         return ArgumentReport(name, "container holding NNX objects", "the container flattened, each object read")
     if _nnx_gate.is_graphdef(value):
         return ArgumentReport(name, *_nnx_gate.adapter().explain_graphdef(value))
+    return None
+
+
+def _as_pytree(state: Any, name: str, value: Any, first: bool, read: Any) -> ArgumentReport:
+    """Any other pytree: how the structure path or the general path reads it."""
     try:
         spec, _ = _flatten.flatten_generic(value, name, state.options.trace_scalars)
     except Exception as err:  # (the call itself would raise this, naming the argument)

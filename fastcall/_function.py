@@ -49,6 +49,44 @@ class PathCounts:
         self.general_cached = 0
         self.general_read = 0
 
+    def paths(self, c_wrappers: list[Any]) -> dict[str, int]:
+        """The calls each route served (`JitStats.paths`), the C wrappers' own counts added."""
+        return {
+            "c_fast": sum(w._fastcall_c_calls for w in c_wrappers),
+            "python_fast": self.python_fast,
+            "c_structure": sum(w._fastcall_c_structure_calls for w in c_wrappers),
+            "python_structure": self.python_structure,
+            "general_cached": self.general_cached,
+            "general_read": self.general_read,
+        }
+
+
+def _positional_names(signature: inspect.Signature | None) -> list[str]:
+    """The names of the parameters an argument can be passed to by position."""
+    if signature is None:
+        return []
+    return [p.name for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _serves_nested(options: JitOptions, donates: bool) -> bool:
+    """Whether a call with NNX objects and nothing to write back, made while a JAX trace runs
+    but served without a tracer in sight (the model closed over by the outer function), may
+    be served by calling its compiled function nested in that trace instead of running
+    inline, as the general path runs such calls. Nested, it gives what inline gives, except
+    where jax treats a nested jit otherwise: it refuses compiler_options there, places a jit
+    with a device, backend or shardings of its own apart from the outer computation, and
+    under eager grad/vmap consumes donated inputs. The fast and structure paths (C and
+    Python) check the trace for NNX calls unless this holds. (Calls without NNX objects never
+    check: they never run inline.)"""
+    return (
+        options.compiler_options is None
+        and (options.device, options.backend) == (None, None)
+        and options.in_shardings is UNSPECIFIED
+        and options.out_shardings is UNSPECIFIED
+        and options.donate == "none"
+        and not donates
+    )
+
 
 class FunctionState:
     def __init__(self, fun: Any, fun_spec: Spec, options: JitOptions, user_fun: Any) -> None:
@@ -66,50 +104,14 @@ class FunctionState:
             self.signature: inspect.Signature | None = inspect.signature(user_fun)
         except (TypeError, ValueError):
             self.signature = None
-        self.param_names: list[str] = []
-        if self.signature is not None:
-            self.param_names = [
-                p.name
-                for p in self.signature.parameters.values()
-                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-            ]
-        # A negative static argument number counts as the installed jax.jit counts it: from
-        # the end of each call's positional arguments (jax 0.10; always where `*args` takes
-        # any number), or from the end of the signature's positional parameters (jax 0.12),
-        # resolved here (`_negatives_per_call`). A negative donated one donates nothing, as
-        # in jax.jit (its donation vector matches numbers as given).
-        self.static_argnums = self._argnums(options.static_argnums, options.static_argnames)
-        negatives = tuple(i for i in options.static_argnums if i < 0)
-        var_positional = self.signature is not None and any(
-            p.kind is p.VAR_POSITIONAL for p in self.signature.parameters.values()
-        )
-        n = len(self.param_names)
-        if negatives and not var_positional and n and not _negatives_per_call():
-            self.static_argnums |= {i + n for i in negatives if i + n >= 0}
-            negatives = ()
-        self.static_from_end = negatives
+        self.param_names = _positional_names(self.signature)
+        self.static_argnums, self.static_from_end = self._static_numbers(options)
         self.static_argnames = frozenset(options.static_argnames)
         self.donate_argnums = self._argnums(options.donate_argnums, options.donate_argnames)
         # (the fast path takes positional traced arguments only)
         self.has_static = bool(self.static_argnums or self.static_from_end or self.static_argnames)
         self.donate_argnames = frozenset(options.donate_argnames)
-        # Whether a call with NNX objects and nothing to write back, made while a JAX trace
-        # runs but served without a tracer in sight (the model closed over by the outer
-        # function), may be served by calling its compiled function nested in that trace
-        # instead of running inline, as the general path runs such calls. Nested, it gives
-        # what inline gives, except where jax treats a nested jit otherwise: it refuses
-        # compiler_options there, places a jit with a device, backend or shardings of its own
-        # apart from the outer computation, and under eager grad/vmap consumes donated
-        # inputs. The fast and structure paths (C and Python) check the trace for NNX calls
-        # unless this holds. (Calls without NNX objects never check: they never run inline.)
-        self.serves_nested = (
-            options.compiler_options is None
-            and (options.device, options.backend) == (None, None)
-            and options.in_shardings is UNSPECIFIED
-            and options.out_shardings is UNSPECIFIED
-            and options.donate == "none"
-            and not (self.donate_argnums or self.donate_argnames)
-        )
+        self.serves_nested = _serves_nested(options, bool(self.donate_argnums or self.donate_argnames))
         # The arguments the fast and structure paths pass to jax.jit as they are, where a call
         # of this function passed a plain leaf (its spec id 0): `_flatten.plain_leaf_types`.
         self.plain_leaves = _flatten.plain_leaf_types(options.trace_scalars)
@@ -130,6 +132,23 @@ class FunctionState:
         # (what errors and warnings call the wrapper: `_errors.for_decorator`)
         self.decorator = options.decorator
         _all_states.add(self)
+
+    def _static_numbers(self, options: JitOptions) -> tuple[frozenset[int], tuple[int, ...]]:
+        """The static argument numbers, and those counted from the end of each call. A
+        negative static argument number counts as the installed jax.jit counts it: from the
+        end of each call's positional arguments (jax 0.10; always where `*args` takes any
+        number), or from the end of the signature's positional parameters (jax 0.12),
+        resolved here (`_negatives_per_call`). A negative donated one donates nothing, as in
+        jax.jit (its donation vector matches numbers as given)."""
+        static = self._argnums(options.static_argnums, options.static_argnames)
+        negatives = tuple(i for i in options.static_argnums if i < 0)
+        var_positional = self.signature is not None and any(
+            p.kind is p.VAR_POSITIONAL for p in self.signature.parameters.values()
+        )
+        n = len(self.param_names)
+        if negatives and not var_positional and n and not _negatives_per_call():
+            return static | {i + n for i in negatives if i + n >= 0}, ()
+        return static, negatives
 
     def _argnums(self, argnums: tuple[int, ...], argnames: tuple[str, ...]) -> frozenset[int]:
         """The non-negative numbers, and those of the positional parameters named."""
@@ -256,15 +275,7 @@ class FunctionState:
         return sum(w._fastcall_c_calls for w in list(self.c_wrappers)) + self.counts.python_fast
 
     def stats(self) -> _stats.JitStats:
-        wrappers = list(self.c_wrappers)
-        paths = {
-            "c_fast": sum(w._fastcall_c_calls for w in wrappers),
-            "python_fast": self.counts.python_fast,
-            "c_structure": sum(w._fastcall_c_structure_calls for w in wrappers),
-            "python_structure": self.counts.python_structure,
-            "general_cached": self.counts.general_cached,
-            "general_read": self.counts.general_read,
-        }
+        paths = self.counts.paths(list(self.c_wrappers))
         calls = sum(paths.values())
         return _stats.JitStats(
             calls=calls,

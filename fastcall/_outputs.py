@@ -32,6 +32,24 @@ except AttributeError:  # pragma: no cover
     _JaxRuntimeError = RuntimeError
 
 
+def _static_keys(statics: tuple[Any, ...]) -> Any:
+    """The hashable keys of an output's static leaves (`_flatten.leaf_key`), or None where one
+    has none (they are then compared by identity: `OutInfo.same_as`)."""
+    for x in statics:
+        if isinstance(x, Tracer):  # (an array is never static: this is not an array)
+            raise FastcallError(
+                f"fastcall: the function returned a traced value of type {jax.typeof(x)}, "
+                "which is not an array (a mutable array reference made inside?). A compiled "
+                "function cannot return one here: return its value (ref[...]) instead."
+            )
+    try:
+        keys = tuple(_flatten.leaf_key(s) for s in statics)
+        hash(keys)
+    except Exception:
+        return None
+    return keys
+
+
 class OutInfo:
     """The output structure of one compiled entry, and what each call must do with it."""
 
@@ -54,18 +72,7 @@ class OutInfo:
         self.treedef = treedef
         self.mask = mask
         self.statics = tuple(x for x, m in zip(leaves, mask) if not m)
-        for x in self.statics:
-            if isinstance(x, Tracer):  # (an array is never static: this is not an array)
-                raise FastcallError(
-                    f"fastcall: the function returned a traced value of type {jax.typeof(x)}, "
-                    "which is not an array (a mutable array reference made inside?). A compiled "
-                    "function cannot return one here: return its value (ref[...]) instead."
-                )
-        try:
-            self.static_keys: Any = tuple(_flatten.leaf_key(s) for s in self.statics)
-            hash(self.static_keys)
-        except Exception:
-            self.static_keys = None  # compared by identity below
+        self.static_keys = _static_keys(self.statics)
         self.block = block
         self.nnx = nnx
         self.adapter: Any = _nnx_gate.adapter() if nnx is not None else None
