@@ -16,10 +16,11 @@ the record lives: a changed model is a new object (Equinox) or fails its guard (
 and takes the general path, which never packs. An NNX model's Variables are read on
 every call (`checked_call`): each packed one is compared by identity with the value
 packed. One that differs after many calls served packed (new weights loaded now and then)
-packs the model again; one that differs sooner sends the call to the entry on the leaves
-as they are, and a model trained in place soon passes them as they are for good. So a
+packs the model again; one that differs sooner (a step counter, a weight trained in place)
+is passed as it is from then on, and the leaves that did not change are packed anew. So a
 training step whose weights change every call pays nothing for packing (the Equinox one),
-or one identity check for its first two calls and nothing after (the NNX one).
+or one identity check at its second call and nothing after, but for the leaves no step
+changes (the NNX one); a decoder's step counter leaves its weights packed.
 
 What is packed (`plan`) was measured, not guessed (jax.jit on flat leaves against jax.jit
 on the same leaves packed by hand, jax 0.10, CPU; the bench's eqx_tiny_leaves,
@@ -124,11 +125,12 @@ def _kind(leaf: Any) -> Any:
     return (leaf.dtype, device, sharding.memory_kind, leaf.committed)
 
 
-def plan(leaves: Sequence[Any]) -> PackPlan | None:
-    """The packing of these bound leaves, or None where nothing is worth packing."""
+def plan(leaves: Sequence[Any], exclude: frozenset[int] = frozenset()) -> PackPlan | None:
+    """The packing of these bound leaves (but those at `exclude`, passed as they are), or
+    None where nothing is worth packing."""
     by_kind: dict[Any, list[int]] = {}
     for i, leaf in enumerate(leaves):
-        kind = _kind(leaf)
+        kind = None if i in exclude else _kind(leaf)
         if kind is not None:
             by_kind.setdefault(kind, []).append(i)
     groups = []
@@ -218,30 +220,41 @@ def _getter(positions: tuple[int, ...]) -> Callable[[Sequence[Any]], tuple[Any, 
 
 # A packed leaf that changed after at least this many calls were served from the buffers is
 # packed again (weights loaded now and then: one more dispatch, amortised over the calls
-# before); one that changed sooner counts as a change of a model trained in place, and after
-# `GIVE_UP_AFTER` of those the record passes leaves as they are for good.
+# before). One that changed sooner is passed as it is from then on (a step counter, a
+# model trained in place), the others packed anew; after `GIVE_UP_AFTER` such early changes
+# the record passes every leaf as it is for good.
 REPACK_AFTER = 32
 GIVE_UP_AFTER = 2
+
+
+def worth_checking(p: PackPlan) -> bool:
+    """Whether an NNX record's packing saves more than its checks cost. Its call is a Python
+    frame that takes every leaf and compares each packed one with the value packed: about
+    0.7 us and 0.02 us a leaf here, against about 0.9 us per argument saved. (Measured with
+    `fastcall.jit` on NNX models of small vectors and 8x8 matrices, packed against
+    `pack=False`, CPU: 2 vectors alone 1.18x; 2 beside 8 matrices 1.09x; 2 and 10 beside 290
+    matrices 1.04x and 1.02x; 4 beside 20 matrices 0.94x. An Equinox model's bound leaves
+    take no check: 2 vectors alone 0.91x.)"""
+    return p.n_packed - len(p.groups) >= 2 + p.n // 32
 
 
 def checked_call(
     entry: Any,
     values: Sequence[Any],
-    repack: Callable[[Sequence[Any]], Callable[..., Any] | None],
-    give_up: Callable[[], None],
+    exclude: frozenset[int],
+    on_change: Callable[[Sequence[Any], frozenset[int], bool], Callable[..., Any] | None],
 ) -> tuple[Callable[..., Any], PackPlan] | None:
     """For an NNX record, whose leaves (Variable values) are read on every call and may
     change in place: `entry.fn`'s stand-in taking those values, then the call's own
-    arguments. While every packed leaf is still the very value packed (compared by
-    identity: a write gives a Variable a new array), it calls the packed program. When one
-    differs after `REPACK_AFTER` calls served packed, it asks `repack(values)` for the call
-    of a record packed anew from the current values (None: not now, e.g. inside a trace)
-    and runs that; else it runs `entry.fn` on the values as they are, and after
-    `GIVE_UP_AFTER` such early changes it calls `give_up` (the caller then passes the
-    leaves as they are for good: a model trained in place changes them every step). None
-    where `plan` finds nothing to pack."""
-    p = plan(values)
-    if p is None:
+    arguments, packing them by `plan(values, exclude)`. While every packed leaf is still the
+    very value packed (compared by identity: a write gives a Variable a new array), it calls
+    the packed program. When some differ, it asks `on_change(values, changed, late)`
+    (`changed`: their positions; `late`: after `REPACK_AFTER` calls served packed) for the
+    call of the record packed anew, and runs that; where that gives None, `entry.fn` on the
+    values as they are. None where `plan` finds nothing to pack, or nothing worth its checks
+    (`worth_checking`)."""
+    p = plan(values, exclude)
+    if p is None or not worth_checking(p):
         return None
     program = packed_program(entry, p)
     bufs = tuple(buffers(p, values))
@@ -250,21 +263,17 @@ def checked_call(
     packed_of, rest_of = _getter(positions), _getter(p.rest)
     fn, n, is_, first = entry.fn, p.n, operator.is_, positions[0]
     served = itertools.count()  # (`next` per packed call: a C call, no frame)
-    early_changes = [0]
 
     def call(*given: Any) -> Any:
         if all(map(is_, packed_of(given), snapshot)):
             next(served)
             return program(*bufs, *rest_of(given), *given[n:])
         if type(given[first]) is ArrayImpl:  # (not tracers, read under an NNX transform)
-            if next(served) >= REPACK_AFTER:
-                again = repack(given[:n])
-                if again is not None:
-                    return again(*given)
-            else:
-                early_changes[0] += 1
-                if early_changes[0] == GIVE_UP_AFTER:
-                    give_up()
+            late = next(served) >= REPACK_AFTER
+            changed = frozenset(i for i, v, was in zip(positions, packed_of(given), snapshot) if v is not was)
+            again = on_change(given[:n], changed, late)
+            if again is not None:
+                return again(*given)
         return fn(*given)
 
     call._fastcall_pack_plan = p  # type: ignore[attr-defined]
@@ -340,22 +349,24 @@ class _PackingOnFirstUse:
 
 class _NnxPacking:
     """The packing of one NNX object's fast record for one function: `pack(values)` is the
-    record packed for these Variable values; its call asks `repack` for the record packed
-    anew when new values came after many calls, and `give_up` files the unpacked record for
-    good (`checked_call`). Each acts only while the record filed is the one it made (known
-    by its plan, in `mine`). (A class: the record's call holds it, and it holds nothing that
-    holds the call, so the object's Variables die with it.)"""
+    record packed for these Variable values, but for the leaves seen changing soon after
+    they were packed (`volatile`), which are passed as they are. Its call reports changed
+    leaves to `on_change`, which files the record packed anew (leaves that changed early
+    made volatile), or, after `GIVE_UP_AFTER` early changes, the unpacked record for good
+    (`checked_call`); only while the record filed is the one it made (known by its plan, in
+    `mine`). (A class: the record's call holds it, and it holds nothing that holds the call,
+    so the object's Variables die with it.)"""
 
-    __slots__ = ("records", "state", "entry", "unpacked", "n")
+    __slots__ = ("records", "state", "entry", "unpacked", "n", "volatile", "early_changes")
 
     def __init__(self, records: Any, state: Any, entry: Any, unpacked: Any, n: int) -> None:
         self.records, self.state, self.entry, self.unpacked, self.n = records, state, entry, unpacked, n
+        self.volatile: frozenset[int] = frozenset()
+        self.early_changes = 0
 
     def pack(self, values: Sequence[Any]) -> Any:
         mine: list[PackPlan] = []  # (the plan of the record made here)
-        made = checked_call(
-            self.entry, values[: self.n], functools.partial(self.repack, mine), functools.partial(self.give_up, mine)
-        )
+        made = checked_call(self.entry, values[: self.n], self.volatile, functools.partial(self.on_change, mine))
         if made is None:
             return self.unpacked
         call, p = made
@@ -365,20 +376,18 @@ class _NnxPacking:
             call = _agreement.checked_bound(call, self.entry, ())
         return self.unpacked._replace(call=call)
 
-    def _filed(self, mine: list[PackPlan]) -> dict[Any, Any] | None:
-        """The records the record made with plan `mine[0]` is filed in, while it is."""
+    def on_change(self, mine: list[PackPlan], current: Sequence[Any], changed: frozenset[int], late: bool) -> Any:
         filed = self.records()
         call = filed.get(self.state, self.unpacked).call if filed is not None else None
-        return filed if call is not None and plan_of(getattr(call, "call", call)) is mine[0] else None
-
-    def repack(self, mine: list[PackPlan], current: Sequence[Any]) -> Any:
-        filed = self._filed(mine)
-        if filed is None or not (ready() and meshless()):
-            return None
+        if call is None or plan_of(getattr(call, "call", call)) is not mine[0]:
+            return None  # (not the record filed: it no longer serves)
+        if not late:
+            self.early_changes += 1
+            self.volatile |= changed
+            if self.early_changes > GIVE_UP_AFTER:
+                filed[self.state] = self.unpacked
+                return None
+        if not (ready() and meshless()):
+            return None  # (packed again at a later call)
         record = filed[self.state] = self.pack(current)
         return record.call
-
-    def give_up(self, mine: list[PackPlan]) -> None:
-        filed = self._filed(mine)
-        if filed is not None:
-            filed[self.state] = self.unpacked

@@ -230,6 +230,45 @@ def test_the_rule_of_what_is_packed():
     assert [len(g.positions) for g in many.groups] == [23, 23, 24]
     assert _pack.plan([small]) is None
     assert _pack.plan([small, jnp.ones((2, 2))]) is None
+    assert [g.positions for g in _pack.plan(leaves, exclude=frozenset({6})).groups] == [(0, 7)]
+    # an NNX record checks its packed leaves on every call: packed only where that saves more
+    # than it costs (2 + n // 32 arguments)
+    assert not _pack.worth_checking(_pack.plan([small, small]))
+    assert _pack.worth_checking(_pack.plan([small] * 4))
+    assert not _pack.worth_checking(_pack.plan([small] * 10 + [jnp.ones((2, 2))] * 290))
+    assert _pack.worth_checking(_pack.plan([small] * 16 + [jnp.ones((2, 2))] * 284))
+
+
+def test_an_nnx_model_of_few_small_leaves_is_not_packed_an_equinox_one_is(hot_path):
+    class Two(nnx.Module):
+        def __init__(self):
+            self.a = nnx.Param(jnp.ones(4))
+            self.b = nnx.Param(jnp.arange(4.0))
+
+        def __call__(self, x):
+            return x * self.a[...] + self.b[...]
+
+    class EqxTwo(eqx.Module):
+        a: jax.Array
+        b: jax.Array
+
+        def __call__(self, x):
+            return x * self.a + self.b
+
+    model, peer = Two(), Two()
+    f = fastcall.jit(forward)
+    for _ in range(4):
+        out, route = served(f, model, X)
+        assert_trees_equal(out, nnx.jit(forward)(peer, X))
+    assert route == FAST_PATH[hot_path]
+    assert f.stats().packed_leaves == 0
+    g = fastcall.jit(lambda m, x: m(x))
+    eqx_model = EqxTwo(jnp.ones(4), jnp.arange(4.0))
+    for _ in range(4):
+        out, route = served(g, eqx_model, X)
+        assert_trees_equal(out, eqx_model(X))
+    assert route == FAST_PATH[hot_path]
+    assert g.stats().packed_leaves == 2
 
 
 def test_the_agreement_mode_checks_packed_calls(monkeypatch, hot_path):
@@ -360,13 +399,17 @@ def test_an_nnx_model_given_new_weights_now_and_then_is_packed_again(hot_path):
         assert_trees_equal(f(model, X), g(peer, X))  # (the first call after the load packs again)
     assert f.stats().packed_leaves == 15 * 4
     assert len(traces) == 1
-    # the same load soon after: the record passes its leaves as they are, packs nothing more
+    # the same load soon after: the leaves it changes (the Params) are passed as they are from
+    # then on; the others (the tables, the streams' counts) are packed anew, once
     for _ in range(3):
         for m in (model, peer):
             nnx.update(m, jax.tree_util.tree_map(lambda v: v * 0.5, nnx.state(m, nnx.Param)))
-        assert_trees_equal(f(model, X), g(peer, X))
-    assert f.stats().packed_leaves == 15 * 4
-    assert "packed" not in f.explain(model, X).arguments[0].per_call
+        out, route = served(f, model, X)
+        assert_trees_equal(out, g(peer, X))
+        assert route == FAST_PATH[hot_path]
+    assert f.stats().packed_leaves == 15 * 4 + 6
+    assert "6 of its 21 leaves passed packed in 2 buffers" in f.explain(model, X).arguments[0].per_call
+    assert len(traces) == 1
     assert_trees_equal(_values(model), _values(peer))
 
 
@@ -387,7 +430,7 @@ def test_new_weights_first_seen_inside_an_outer_trace_are_packed_at_the_top_leve
     assert_trees_equal(f(model, X), g(peer, X))
 
 
-def test_an_nnx_training_step_gives_up_packing_and_matches_nnx_jit(hot_path):
+def test_an_nnx_training_step_passes_what_it_trains_as_it_is_and_matches_nnx_jit(hot_path):
     model, peer = NnxStack(seed=1), NnxStack(seed=1)
 
     def step(m, x):
@@ -400,7 +443,43 @@ def test_an_nnx_training_step_gives_up_packing_and_matches_nnx_jit(hot_path):
         assert_trees_equal(f(model, X), g(peer, X))
     assert_trees_equal(_values(model), _values(peer))
     assert f.stats().paths[FAST_PATH[hot_path]] >= 4
-    assert "packed" not in f.explain(model, X).arguments[0].per_call  # (its values change every step)
+    # (the Params and the dropout streams' counts change every step: passed as they are after
+    # the first change; the tables, which no step changes, stay packed)
+    assert "3 of its 21 leaves passed packed in 1 buffer" in f.explain(model, X).arguments[0].per_call
+    assert f.stats().packed_leaves == 15 + 3
+
+
+class CountingStack(nnx.Module):
+    """A decoder-like model: small weights that do not change, and two step counters (int32,
+    one kind: packed together) written on every call."""
+
+    def __init__(self):
+        self.stack = NnxStack(seed=3)
+        self.steps = nnx.Variable(jnp.zeros((), jnp.int32))
+        self.tokens = nnx.Variable(jnp.zeros((), jnp.int32))
+
+    def __call__(self, x):
+        self.steps[...] += 1
+        self.tokens[...] += 2
+        return self.stack(x) + self.steps[...]
+
+
+def test_counters_written_every_call_leave_the_other_leaves_packed(hot_path):
+    model, peer = CountingStack(), CountingStack()
+    model.eval()
+    peer.eval()
+    f, traces = _counting(fastcall.jit)
+    g = nnx.jit(forward)
+    for _ in range(8):
+        out, route = served(f, model, X)
+        assert_trees_equal(out, g(peer, X))
+    assert route == FAST_PATH[hot_path]
+    assert_trees_equal(_values(model), _values(peer))
+    # packed at the second call (15 leaves of the stack, the 2 counters); the counters changed
+    # at the third: the stack's 15 packed anew, the counters passed as they are
+    assert f.stats().packed_leaves == 17 + 15
+    assert "15 of its 23 leaves passed packed in 2 buffers" in f.explain(model, X).arguments[0].per_call
+    assert len(traces) == 1
 
 
 def test_a_packed_nnx_model_under_an_nnx_transform(hot_path):
