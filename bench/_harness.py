@@ -161,6 +161,9 @@ def _plain(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+WARM_STEPS = 4  # (calls run before timing: every compile done, `measure`)
+
+
 def _run_steps(step: Callable[[], Any], n: int) -> list[Any]:
     outs = []
     for _ in range(n):
@@ -210,7 +213,9 @@ def measure(
         step = v.make()
         if v.prepare:
             v.prepare(step, 3)
-        _run_steps(step, 2)  # compile + warm
+        # compile + warm: fastcall compiles a second program for a model it packs, at the
+        # record's first fast call (Equinox) or second (NNX): the third call
+        _run_steps(step, WARM_STEPS)
         if v.prepare:
             v.prepare(step, 5)
         est = _time_batch(step, 5)

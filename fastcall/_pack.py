@@ -5,7 +5,8 @@ model's biases, norm scales and other small arrays cost as much to pass as its l
 matrices. When the fast path serves an object called again, its small leaves are passed
 instead in buffers (at most `MAX_PER_BUFFER` leaves each) per dtype and device, built at
 the first call its fast record serves outside a trace (`ready`; a record is made for
-every object the general path resolves, and most are never used), and sliced back
+every object the general path resolves, and most are never used; an NNX record's at the
+second, leaving out what changed since the first), and sliced back
 inside a second program (`packed_program`) that calls the function's own compiled entry
 on the leaves. jax.jit reuses the entry's trace there, so the user's function is not
 traced again; XLA compiles the packed program once per layout.
@@ -15,12 +16,12 @@ held params dict binds its leaves to its record (`bound_call`), and is unchanged
 the record lives: a changed model is a new object (Equinox) or fails its guard (a dict),
 and takes the general path, which never packs. An NNX model's Variables are read on
 every call (`checked_call`): each packed one is compared by identity with the value
-packed. One that differs after many calls served packed (new weights loaded now and then)
-packs the model again; one that differs sooner (a step counter, a weight trained in place)
-is passed as it is from then on, and the leaves that did not change are packed anew. So a
-training step whose weights change every call pays nothing for packing (the Equinox one),
-or one identity check at its second call and nothing after, but for the leaves no step
-changes (the NNX one); a decoder's step counter leaves its weights packed.
+packed, and only those that did not change between the record's first two calls are packed
+at all. One that differs after many calls served packed (new weights loaded now and then)
+packs the model again; one that differs sooner is passed as it is from then on, and the
+leaves that did not change are packed anew. So a training step whose weights change every
+call pays nothing for packing, Equinox or NNX (but for the leaves no step changes, packed),
+and a decoder's step counter leaves its weights packed.
 
 What is packed (`plan`) was measured, not guessed (jax.jit on flat leaves against jax.jit
 on the same leaves packed by hand, jax 0.10, CPU; the bench's eqx_tiny_leaves,
@@ -321,17 +322,17 @@ def nnx_record(state: Any, node: Any, entry: Any, unpacked: Any) -> Any:
         return None if found is None else found.fast  # type: ignore[no-any-return]
 
     packing = _NnxPacking(records, state, entry, unpacked, len(node.items))
-    return unpacked._replace(call=_PackingOnFirstUse(records, state, unpacked.call, packing.pack))
+    return unpacked._replace(call=_PackingOnFirstUse(records, state, unpacked.call, packing.on_use))
 
 
 class _PackingOnFirstUse:
     """A fast record's call that files `pack(values)` in the record's place (`records()`,
-    under `state`) on its first use outside a trace (`values`: what the fast path passes it),
-    then runs as the record's `call` does. A fast record is made for each object the general
-    path resolves, and most are never used: the model a training step returns is passed back
-    once. Building buffers for those would cost a dispatch per step. (A class, holding
-    nothing that holds it: a dead object's records, and the leaves they bind, are freed when
-    it dies, not at the next garbage collection.)"""
+    under `state`) on its first use outside a trace (`values`: what the fast path passes it;
+    where `pack` gives None, at a later use), and runs the call as the record filed does. A fast
+    record is made for each object the general path resolves, and most are never used: the
+    model a training step returns is passed back once. Building buffers for those would cost
+    a dispatch per step. (A class, holding nothing that holds it: a dead object's records,
+    and the leaves they bind, are freed when it dies, not at the next garbage collection.)"""
 
     __slots__ = ("records", "state", "call", "pack")
 
@@ -343,26 +344,45 @@ class _PackingOnFirstUse:
         if filed is not None and ready():  # (else: at a later use)
             record = filed.get(self.state)
             if record is not None and record.call is self:
-                filed[self.state] = self.pack(values) if meshless() else record._replace(call=self.call)
+                packed = self.pack(values) if meshless() else record._replace(call=self.call)
+                if packed is not None:
+                    filed[self.state] = packed
+                    # (this call runs as the record now filed: a packed program compiles here,
+                    # at the call that packs, not at a later one)
+                    return packed.call(*values)
         return self.call(*values)
 
 
 class _NnxPacking:
-    """The packing of one NNX object's fast record for one function: `pack(values)` is the
-    record packed for these Variable values, but for the leaves seen changing soon after
-    they were packed (`volatile`), which are passed as they are. Its call reports changed
-    leaves to `on_change`, which files the record packed anew (leaves that changed early
-    made volatile), or, after `GIVE_UP_AFTER` early changes, the unpacked record for good
+    """The packing of one NNX object's fast record for one function. Its first use notes
+    the small leaves' values, and its second packs those that did not change in between
+    (`on_use`): a training step's weights, a decoder's step counter are passed as they are
+    from the start, and a model whose small leaves all change packs nothing (no second
+    program compiled). `pack(values)` is the record packed for these Variable values, but
+    for the leaves seen changing (`volatile`). Its call reports changed leaves to
+    `on_change`, which files the record packed anew (leaves that changed early made
+    volatile), or, after `GIVE_UP_AFTER` early changes, the unpacked record for good
     (`checked_call`); only while the record filed is the one it made (known by its plan, in
     `mine`). (A class: the record's call holds it, and it holds nothing that holds the call,
     so the object's Variables die with it.)"""
 
-    __slots__ = ("records", "state", "entry", "unpacked", "n", "volatile", "early_changes")
+    __slots__ = ("records", "state", "entry", "unpacked", "n", "volatile", "early_changes", "first_seen")
 
     def __init__(self, records: Any, state: Any, entry: Any, unpacked: Any, n: int) -> None:
         self.records, self.state, self.entry, self.unpacked, self.n = records, state, entry, unpacked, n
         self.volatile: frozenset[int] = frozenset()
         self.early_changes = 0
+        self.first_seen: tuple[tuple[int, Any], ...] | None = None  # (position, value) of the small leaves
+
+    def on_use(self, values: Sequence[Any]) -> Any:
+        """At the record's first uses outside a trace: None at the first (the small leaves'
+        values noted), the record packed at the second."""
+        if self.first_seen is None:
+            self.first_seen = tuple((i, v) for i, v in enumerate(values[: self.n]) if _kind(v) is not None)
+            return None
+        self.volatile = frozenset(i for i, v in self.first_seen if values[i] is not v)
+        self.first_seen = None
+        return self.pack(values)
 
     def pack(self, values: Sequence[Any]) -> Any:
         mine: list[PackPlan] = []  # (the plan of the record made here)
