@@ -377,10 +377,11 @@ class _NnxPacking:
     def on_use(self, values: Sequence[Any]) -> Any:
         """At the record's first uses outside a trace: None at the first (the small leaves'
         values noted), the record packed at the second."""
-        if self.first_seen is None:
+        seen = self.first_seen  # (read once: another thread may clear it)
+        if seen is None:
             self.first_seen = tuple((i, v) for i, v in enumerate(values[: self.n]) if _kind(v) is not None)
             return None
-        self.volatile = frozenset(i for i, v in self.first_seen if values[i] is not v)
+        self.volatile = frozenset(i for i, v in seen if values[i] is not v)
         self.first_seen = None
         return self.pack(values)
 
@@ -401,13 +402,13 @@ class _NnxPacking:
         call = filed.get(self.state, self.unpacked).call if filed is not None else None
         if call is None or plan_of(getattr(call, "call", call)) is not mine[0]:
             return None  # (not the record filed: it no longer serves)
+        if not (ready() and meshless()):
+            return None  # (counted, and packed again, at a later call outside a trace and mesh)
         if not late:
             self.early_changes += 1
             self.volatile |= changed
             if self.early_changes > GIVE_UP_AFTER:
                 filed[self.state] = self.unpacked
                 return None
-        if not (ready() and meshless()):
-            return None  # (packed again at a later call)
         record = filed[self.state] = self.pack(current)
         return record.call

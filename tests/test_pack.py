@@ -473,6 +473,75 @@ def test_a_training_step_that_changes_every_small_leaf_compiles_no_packed_progra
     assert f.stats().packed_leaves == 0 and built == []
 
 
+def _write_bias(m, k):
+    b = m.blocks[k].norm.bias
+    b[...] = b[...] + 1.0
+
+
+def test_early_changes_of_other_leaves_leave_the_rest_packed_until_the_third(hot_path):
+    model, peer = _nnx_pair()
+    f, g = fastcall.jit(forward), nnx.jit(forward)
+    for _ in range(4):
+        f(model, X)
+    packed = []
+    for k in range(3):  # (a write to another leaf each time, soon after packing)
+        for m in (model, peer):
+            _write_bias(m, k)
+        out, route = served(f, model, X)
+        assert_trees_equal(out, g(peer, X))
+        assert route == FAST_PATH[hot_path]
+        packed.append(f.explain(model, X).arguments[0].per_call.split("; ")[-1])
+    assert packed[0].startswith("14 of its 21 leaves passed packed")
+    assert packed[1].startswith("13 of its 21 leaves passed packed")
+    assert "packed" not in packed[2]  # (the third: every leaf passed as it is, for good)
+    for m in (model, peer):
+        _write_bias(m, 0)
+    assert_trees_equal(f(model, X), g(peer, X))
+    assert_trees_equal(_values(model), _values(peer))
+
+
+@pytest.mark.parametrize("k, packed", [(_pack.REPACK_AFTER - 1, 14), (_pack.REPACK_AFTER, 15)], ids=["early", "late"])
+def test_a_change_after_repack_after_calls_packs_the_same_leaves_again(k, packed, hot_path):
+    model, peer = _nnx_pair()
+    f, g = fastcall.jit(forward), nnx.jit(forward)
+    for _ in range(2 + k):  # (the call that packs, the third, is served packed: k in all)
+        f(model, X)
+    for m in (model, peer):
+        _write_bias(m, 0)
+    assert_trees_equal(f(model, X), g(peer, X))
+    assert f.explain(model, X).arguments[0].per_call.split("; ")[-1].startswith(f"{packed} of its 21 leaves passed packed")
+
+
+def test_an_early_change_first_seen_inside_a_trace_is_counted_once(hot_path):
+    model, peer = _nnx_pair()
+    f, g = fastcall.jit(forward), nnx.jit(forward)
+    for _ in range(4):
+        f(model, X)
+    for m in (model, peer):
+        _write_bias(m, 0)
+    # (three calls inside an outer trace see the write; it is counted when acted on, at the top level)
+    assert_trees_equal(jax.jit(lambda: f(model, X) + f(model, X) + f(model, X))(), 3 * g(peer, X))
+    assert_trees_equal(f(model, X), g(peer, X))
+    assert f.explain(model, X).arguments[0].per_call.split("; ")[-1].startswith("14 of its 21 leaves passed packed")
+
+
+def test_the_call_that_packs_runs_the_packed_program(monkeypatch, hot_path):
+    runs = []
+    real = _pack.packed_program
+
+    def counting(entry, plan):
+        program = real(entry, plan)
+        return lambda *a: runs.append(1) or program(*a)
+
+    monkeypatch.setattr(_pack, "packed_program", counting)
+    model, peer = _nnx_pair(1)
+    f = fastcall.jit(forward)
+    f(model, X), f(model, X)  # (the general path; the first fast call notes the leaves)
+    assert runs == []
+    assert_trees_equal(f(model, X), nnx.jit(forward)(peer, X))  # (packs, and runs packed: it compiles here)
+    assert runs == [1]
+
+
 class CountingStack(nnx.Module):
     """A decoder-like model: small weights that do not change, and two step counters (int32,
     one kind: packed together) written on every call."""
