@@ -222,8 +222,8 @@ def _getter(positions: tuple[int, ...]) -> Callable[[Sequence[Any]], tuple[Any, 
 # A packed leaf that changed after at least this many calls were served from the buffers is
 # packed again (weights loaded now and then: one more dispatch, amortised over the calls
 # before). One that changed sooner is passed as it is from then on (a step counter, a
-# model trained in place), the others packed anew; after `GIVE_UP_AFTER` such early changes
-# the record passes every leaf as it is for good.
+# model trained in place), the others packed anew; at an early change after `GIVE_UP_AFTER`
+# of them, the record passes every leaf as it is for good.
 REPACK_AFTER = 32
 GIVE_UP_AFTER = 2
 
@@ -361,7 +361,7 @@ class _NnxPacking:
     program compiled). `pack(values)` is the record packed for these Variable values, but
     for the leaves seen changing (`volatile`). Its call reports changed leaves to
     `on_change`, which files the record packed anew (leaves that changed early made
-    volatile), or, after `GIVE_UP_AFTER` early changes, the unpacked record for good
+    volatile), or, at an early change after `GIVE_UP_AFTER` of them, the unpacked record for good
     (`checked_call`); only while the record filed is the one it made (known by its plan, in
     `mine`). (A class: the record's call holds it, and it holds nothing that holds the call,
     so the object's Variables die with it.)"""
