@@ -245,7 +245,8 @@ def _structure_reads(
                 return None
             reads.append(mixed)
             continue
-        if not state.options.nnx_as_pytree and _nnx_gate.is_graphdef(a):  # (the functional API's GraphDef: static, known by identity)
+        # (the functional API's GraphDef: static, known by identity)
+        if not state.options.nnx_as_pytree and _nnx_gate.is_graphdef(a):
             reads.append(GraphdefRead(spec_id))
             continue
         read = _pytree_read(state, previous, a, spec_id, len(reads))

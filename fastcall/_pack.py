@@ -294,7 +294,9 @@ def bound_call(entry: Any, leaves: Sequence[Any]) -> tuple[Callable[..., Any], P
 # ---- fast records passing leaves packed (`_dispatch` files them) ----
 
 
-def pytree_record(records: Callable[[], dict[Any, Any] | None], state: Any, entry: Any, record: Any, leaves: Any) -> Any:
+def pytree_record(
+    records: Callable[[], dict[Any, Any] | None], state: Any, entry: Any, record: Any, leaves: Any
+) -> Any:
     """`record`, the fast record of an object whose `leaves` it binds (an Equinox module, a
     held params dict), to be filed in `records()` under `state`: it binds them packed
     (`bound_call`) from its first use on."""
