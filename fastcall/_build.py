@@ -123,13 +123,16 @@ def build(state: Any, key: tuple[Any, ...], fun: Any) -> Entry:
             traced_state.on_trace(list(zip(arg_names, rest)))
         out = f(*rest[: len(pos_specs)], **dict(zip(layout.keyword_names, rest[len(pos_specs) :])))
         nnx_out, nnx_extra = None, []
+        remade = False  # (Variables returned, under jax.jit's reading, made by fastcall)
+        if not reads_nnx and _nnx_gate.flax_imported():
+            out, remade = _nnx_gate.adapter().pytree_outputs(out)
         if nnx_inputs is not None:
             # Which Variables changed (decided here, once per compile), and whether the
             # graph itself changed (then the new structure is propagated back).
             out, nnx_out, nnx_extra = nnx_inputs.outputs(
                 out, graph_updates, refuse_aliasing, nnx_everything, nnx_shardings
             )
-        info = OutInfo(out, current_trace_has_callback(), nnx_out, trace_scalars)
+        info = OutInfo(out, current_trace_has_callback(), nnx_out, trace_scalars, remade)
         flat = info.flat_outputs(out, nnx_extra)
         return Varying(flat, info) if e.record_output(info) else flat
 

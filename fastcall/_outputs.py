@@ -59,14 +59,18 @@ class OutInfo:
     )
     treedef: Any
 
-    def __init__(self, out: Any, block: bool, nnx: Any = None, trace_scalars: bool = False) -> None:
+    def __init__(
+        self, out: Any, block: bool, nnx: Any = None, trace_scalars: bool = False, remade: bool = False
+    ) -> None:
         """`out`: the function's output (NNX objects already replaced by markers);
         `block`: wait for the result (the function has `eqx.error_if` checks);
         `nnx`: the NNX adapter's `NnxOutputs`, or None (no NNX state to write back);
         `trace_scalars`: `fastcall.jit`'s rule, under which a Python scalar returned outside
         an Equinox module is an output of the compiled function (jax makes it an array, as
         `jax.jit` and `nnx.jit` return it); under `fastcall.filter_jit`'s it is static and
-        comes back as returned, as `eqx.filter_jit` returns it."""
+        comes back as returned, as `eqx.filter_jit` returns it; `remade`: the output holds
+        Variables the NNX adapter's markers rebuild (`pytree_outputs`), which jax's own
+        output tree, built from the output as first returned, would rebuild flax's way."""
         leaves, treedef = jax.tree_util.tree_flatten(out)
         mask = _flatten.dynamic_mask(out, leaves, trace_scalars)
         self.treedef = treedef
@@ -88,7 +92,7 @@ class OutInfo:
             if accel is None
             else functools.partial(accel.remember_outputs, self.on_death, self.regs, self.held)
         )
-        needs_flat = bool(self.statics or self.block or self.regs or nnx is not None)
+        needs_flat = bool(self.statics or self.block or self.regs or nnx is not None or remade)
         # Generated code that rebuilds this output structure (None: use treedef.unflatten).
         # jax rebuilds an Equinox module or eqx.nn.State by calling its Python unflatten,
         # once per node; the builder builds the whole output in one call, so an output

@@ -214,3 +214,62 @@ def test_an_nnx_object_jax_sees_as_a_leaf_is_refused_and_poisons_no_cache():
     default(model, x)
     model.w[...] = jnp.full(3, 10.0)
     assert default(model, x).tolist() == [11.0, 11.0, 11.0]
+
+
+def _made(x):
+    """New Variables returned: metadata out of name order, a subclass, one in an nnx.State."""
+    return {"p": nnx.Param(x * 2.0, zeta=1, alpha=2), "state": nnx.State({"c": Count(jnp.sum(x))})}
+
+
+def _variables(tree):
+    return jax.tree.leaves(tree, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def test_returned_variables_are_made_as_jax_jit_makes_them_on_every_route(hot_path):
+    """Variables returned are rebuilt by fastcall's markers (`pytree_outputs`), not by jax's
+    output tree: each as flax's pytree node makes it (its type, its metadata sorted by name,
+    a TraceState of the call's trace), on the general path and on the structure path."""
+    from .conftest import STRUCTURE_PATH, served
+
+    f, g = as_pytree(_made), jax.jit(_made)
+    x = jnp.arange(3.0)
+    routes = []
+    for i in range(3):
+        got, route = served(f, x + i)
+        routes.append(route)
+        want = g(x + i)
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for a, b in zip(_variables(got), _variables(want), strict=True):
+            assert type(a) is type(b)
+            assert list(a.get_metadata().items()) == list(b.get_metadata().items())
+            assert a._trace_state == b._trace_state and a._trace_state.is_valid()
+            assert a[...].tolist() == b[...].tolist()
+    assert routes == ["general", STRUCTURE_PATH[hot_path], STRUCTURE_PATH[hot_path]]
+    # made for less: one TraceState shared by the Variables made at the top level
+    assert got["p"]._trace_state is got["state"]["c"]._trace_state
+
+
+@pytest.mark.parametrize("wrap", [as_pytree, fastcall.jit], ids=["pytree", "default"])
+def test_variables_returned_inside_an_outer_trace_belong_to_that_trace(wrap):
+    """A Variable made by a call inside an outer trace has that trace's TraceState (flax
+    refuses to change it elsewhere), and one made at the top level after it the top
+    level's, whichever was made first."""
+    f = wrap(_made)
+    x = jnp.arange(3.0)
+    top = f(x)
+
+    @jax.jit
+    def outer(x):
+        inner = f(x)
+        for v in _variables(inner):
+            assert v._trace_state.is_valid()
+        inner["p"][...] = inner["p"][...] + 1.0  # (allowed only to a Variable of this trace)
+        assert not top["p"]._trace_state.is_valid()
+        return inner["p"][...]
+
+    assert outer(x).tolist() == (x * 2.0 + 1.0).tolist()
+    after = f(x)
+    for v in _variables(top) + _variables(after):
+        assert v._trace_state.is_valid()
+    after["p"][...] = jnp.zeros(3)  # (a top-level Variable: writable here)
+    assert after["p"][...].tolist() == [0.0, 0.0, 0.0]

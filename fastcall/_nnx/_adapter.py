@@ -28,7 +28,7 @@ above it here):
 from __future__ import annotations
 
 from ._entries import clear, forget_function, install_record, slot_after_rebuild, slot_as_checked
-from ._inputs import TracedInputs, aliasing_error
+from ._inputs import TracedInputs, aliasing_error, pytree_outputs
 from ._reads import (
     NnxArg,
     explain_node,
@@ -94,6 +94,7 @@ __all__ = [
     "unmark_nodes",
     "unmark_leaves",
     "twin_states",
+    "pytree_outputs",
     "named_leaves",
     "leaf_names",
     "resolve_options",

@@ -20,7 +20,7 @@ from flax.nnx.variablelib import Variable, is_array_ref
 
 from .._errors import FastcallError
 from ._specs import _DYNAMIC, _STATIC, NodeSpec, TreeSpec, _copy_unhashable
-from ._variables import State, _child, _is_node, _is_node_fast, _is_variable, _own_maker, _var_metadata, raw_value
+from ._variables import State, _child, _is_node, _is_node_fast, _is_variable, _own_maker, _var_metadata, new_variable, raw_value
 
 _ARG_STRIDE = 1 << 32  # outer indices of NNX argument k are k * _ARG_STRIDE + index
 
@@ -556,9 +556,32 @@ class _FreshVariable:
         self.value = value
 
 
+def pytree_outputs(out: Any) -> tuple[Any, bool]:
+    """The function's output, with jax.jit's reading of NNX objects (`nnx_as_pytree`), as
+    the output tree to build after each call, and whether it holds a marker: each Variable
+    in it that flax's pytree node would rebuild with its type's `_new` (Variable's own:
+    `_own_maker`; not hijax, not a reference) put as a `_FreshVariable` holding its
+    metadata sorted by name, as flax's flatten gives them. Its build then makes the same
+    Variable as flax's unflatten (its type, `dict` of the sorted metadata, its value),
+    through `new_variable`, for less."""
+    marked = []
+
+    def mark(x: Any) -> Any:
+        if not _is_variable(x) or not _own_maker(type(x)):
+            return x
+        metadata = _var_metadata(x)
+        if metadata.get("hijax") or metadata.get("ref"):
+            return x
+        marked.append(x)
+        return _FreshVariable(type(x), tuple(sorted(metadata.items())), raw_value(x))
+
+    out = jax.tree_util.tree_map(mark, out, is_leaf=_is_variable)
+    return out, bool(marked)
+
+
 def _fresh_variable(aux: tuple[Any, tuple[tuple[str, Any], ...]], children: Any) -> Any:
-    kind, metadata = aux  # (a Variable type)
-    return kind._new(children[0], dict(metadata))
+    kind, metadata = aux  # (a Variable type with Variable's own `_new`: `_loose_variables`)
+    return new_variable(kind, children[0], dict(metadata))
 
 
 jax.tree_util.register_pytree_node(_FreshVariable, lambda n: ((n.value,), (n.kind, n.metadata)), _fresh_variable)
