@@ -264,7 +264,7 @@ def _argument(state: Any, name: str, value: Any, first: bool, read: Any, static:
         report = _as_nnx_object(state, name, value, read)
     if report is None:
         report = _as_cached(name, value)
-    if report is None:
+    if report is None and not state.options.nnx_as_pytree:  # (else NNX objects inside are pytree nodes)
         report = _as_nnx_container(state, name, value, read)
     if report is None:
         report = _as_pytree(state, name, value, first, read)
@@ -393,7 +393,7 @@ def _as_pytree(state: Any, name: str, value: Any, first: bool, read: Any) -> Arg
         return ArgumentReport(name, f"cannot be read: {err}", "")
     if spec.kind != "tree":
         return ArgumentReport(name, spec.kind, "")
-    if spec.has_nnx:
+    if spec.has_nnx and not state.options.nnx_as_pytree:  # (a container not yet recorded)
         return ArgumentReport(
             name,
             f"{type(value).__name__} holding NNX objects beside other leaves",

@@ -180,6 +180,14 @@ def test_explain_tells_the_pytree_reading():
     report = f.explain(model, jnp.ones(2))
     assert report.route == "structure"
     assert "read as a plain pytree" in report.arguments[0].kind
+    # a container holding NNX objects: read as jax.jit reads it, not object by object
+    g = as_pytree(lambda pair, x: pair[0](x) + pair[1](x))
+    for _ in range(3):
+        g((model, model), jnp.ones(2))
+    report = g.explain((model, model), jnp.ones(2))
+    assert report.route == "structure"
+    assert "as jax.jit reads them" in report.arguments[0].per_call
+    assert "NNX object" not in report.arguments[0].kind + report.arguments[0].per_call
 
 
 def test_a_pytree_functions_read_of_a_graphdef_leaves_the_default_functions_check_in_place():
