@@ -20,7 +20,9 @@ from flax.nnx.variablelib import Variable, is_array_ref
 
 from .._errors import FastcallError
 from ._specs import _DYNAMIC, _STATIC, NodeSpec, TreeSpec, _copy_unhashable
-from ._variables import State, _child, _is_node, _is_node_fast, _is_variable, _own_maker, _var_metadata, new_variable, raw_value
+from ._variables import (
+    State, _child, _is_node, _is_node_fast, _is_variable, _own_maker, _var_metadata, new_variable, raw_value
+)
 
 _ARG_STRIDE = 1 << 32  # outer indices of NNX argument k are k * _ARG_STRIDE + index
 
