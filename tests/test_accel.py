@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import functools
+import os
 import re
+import subprocess
+import sys
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -33,6 +36,39 @@ def test_c_accelerator_is_built_and_used(unchecked):
     assert f.stats().paths == {
         "c_fast": 1, "python_fast": 0, "c_structure": 0, "python_structure": 0, "general_cached": 1, "general_read": 1
     }
+
+
+def _import_without_the_extension(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`import fastcall` in a fresh interpreter where the extension cannot load, as after an
+    install without a C compiler, warnings as errors; then one call served."""
+    program = (
+        "import sys, warnings\n"
+        "sys.modules['fastcall._accel'] = None  # (its import fails, as where it was not built)\n"
+        "warnings.simplefilter('error')\n"
+        "import jax.numpy as jnp, fastcall\n"
+        "import fastcall._native as native\n"
+        "assert native.BUILT is None and native.ACCEL is None\n"
+        "f = fastcall.jit(lambda x: x + 1)\n"
+        "outs = [float(f(jnp.ones(()))) for _ in range(3)]\n"
+        "paths = f.stats().paths\n"
+        "print(outs, paths['python_fast'] + paths['python_structure'])\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "FASTCALL_DISABLE_ACCEL"} | env,
+    )
+
+
+def test_without_the_compiled_path_the_import_says_so_once_and_calls_still_run():
+    ran = _import_without_the_extension({})
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split() == ["[2.0,", "2.0,", "2.0]", "2"]  # (served by the Python hit path)
+    said = [line for line in ran.stderr.splitlines() if "compiled path" in line]
+    assert len(said) == 1 and "was not built, or does not load" in said[0], ran.stderr
+    assert "FASTCALL_DISABLE_ACCEL=1" in said[0]
+    # the Python path asked for: nothing said
+    quiet = _import_without_the_extension({"FASTCALL_DISABLE_ACCEL": "1"})
+    assert quiet.returncode == 0 and "compiled path" not in quiet.stderr, quiet.stderr
 
 
 def test_c_wrapper_behaves_like_a_function(unchecked):
