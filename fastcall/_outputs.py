@@ -80,7 +80,9 @@ class OutInfo:
         self.block = block
         self.nnx = nnx
         self.adapter: Any = _nnx_gate.adapter() if nnx is not None else None
-        self.regs = tuple(_registrations(out, mask))
+        # (an output holding Variables remade by markers is not noted: its spec, read off the
+        # markers, is not the spec of the objects a call returns)
+        self.regs = () if remade else tuple(_registrations(out, mask))
         # [the latest call's memo of what it returned], replaced each call (`_flatten.LATEST`)
         self.held: list[Any] = [None]
         # (the callback of the memo's weak references: a returned module died)
