@@ -228,7 +228,7 @@ def _trace_key() -> Any:
         from jax._src.core import trace_ctx
 
         def key() -> Any:
-            return trace_ctx.trace._weakref
+            return trace_ctx.trace._weakref  # type: ignore[union-attr]  # typed Trace | None in jax 0.8
 
         made = tracers.TraceState()
         if made._jax_trace._trace_ref is not key():
