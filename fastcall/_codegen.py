@@ -6,22 +6,21 @@
   than `jax.tree_util.tree_flatten` on Equinox modules (whose flatten runs
   Python per node). Anything unexpected makes the template decline (it
   returns None), and the generic path (`_flatten.flatten_generic`) takes over.
-* `make_builder`: the inverse for outputs: statements that rebuild a known
-  output structure from the flat list of dynamic outputs.
+* `make_builder`: the inverse for outputs: the plan (`_rebuild`) that rebuilds a
+  known output structure from the flat list of dynamic outputs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import itertools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import equinox as eqx
 import jax
 
-from . import _native
+from . import _rebuild
 from ._stats import read_whole
 from ._fast import SequenceRead, TreeRead
 from ._flatten import (
@@ -330,75 +329,47 @@ class Template:
         return self.rule is None or self.rule == trace_scalars
 
 
-# Instructions of an output recipe (the stack machine `_accel.build` runs; see _accel.c).
-_LEAF, _CONST, _TUPLE, _LIST, _DICT, _NTUPLE, _OBJECT = range(7)
-
-
-class _BuilderGen:
+class _PlanWalk:
     """Walks one known output structure (the inverse of a Template, used instead of
-    `treedef.unflatten`, whose Equinox unflatten runs Python per node anyway) and writes
-    how to rebuild it from the flat list `d` of dynamic outputs, twice from the one walk:
-    as Python (statements that build Equinox modules, leaves first, then one expression
-    for the whole output) and as a recipe for the C builder (`_accel.build`), the same
-    steps as stack instructions. `trace_scalars`: the scalar rule the output was read under
-    (`OutInfo`): under `fastcall.jit`'s, a Python scalar outside an Equinox module is one of
-    the dynamic outputs, as an array."""
+    `treedef.unflatten`, whose Equinox unflatten runs Python per node) into the plan that
+    rebuilds it from the flat list `d` of dynamic outputs: a tree of `_rebuild` nodes.
+    `trace_scalars`: the scalar rule the output was read under (`OutInfo`): under
+    `fastcall.jit`'s, a Python scalar outside an Equinox module is one of the dynamic
+    outputs, as an array."""
 
     def __init__(self, trace_scalars: bool) -> None:
         self.trace_scalars = trace_scalars
         self.in_module = 0
-        self.consts: dict[str, Any] = {}
-        self.counter = itertools.count()
         self.pos = 0
         self.nodes = 0
-        self.stmts: list[str] = []  # modules are built by statements, leaves-first
-        self.recipe: list[Any] = []
 
-    def const(self, value: Any) -> str:
-        """A value of the output (a static field or leaf): named for the Python builder and
-        pushed by the recipe. (A class or a dict key, which is not a value: `_name`.)"""
-        name = f"_c{next(self.counter)}"
-        self.consts[name] = value
-        self.recipe += (_CONST, value)
-        return name
-
-    def expr(self, value: Any) -> str:
+    def node(self, value: Any) -> _rebuild.OutNode:
         self.nodes += 1
         if self.nodes > _MAX_TEMPLATE_NODES:
             raise _NoTemplate
         t = type(value)
         if is_traced_leaf(value, self.trace_scalars and not self.in_module):
-            e = f"d[{self.pos}]"
-            self.recipe += (_LEAF, self.pos)
             self.pos += 1
-            return e
+            return _rebuild.OutLeaf(self.pos - 1)
         if value is None:
-            self.recipe += (_CONST, None)
-            return "None"
-        if t is tuple:
-            items = [self.expr(v) for v in value]
-            self.recipe += (_TUPLE, len(items))
-            return "(" + "".join(i + ", " for i in items) + ")"
-        if t is list:
-            items = [self.expr(v) for v in value]
-            self.recipe += (_LIST, len(items))
-            return "[" + ", ".join(items) + "]"
+            return _rebuild.OutConst(None)
+        if t is tuple or t is list:
+            return _rebuild.OutSequence(t, tuple(self.node(v) for v in value))
         if t is dict:
             try:
                 keys = sorted(value)
             except TypeError:
                 raise _NoTemplate from None
             # jax flattens dicts in sorted key order and rebuilds them that way too.
-            return self._dict(keys, [value[k] for k in keys])
+            return _rebuild.OutFields(None, tuple(keys), tuple(self.node(value[k]) for k in keys))
         if issubclass(t, tuple) and hasattr(t, "_fields"):
-            items = [self.expr(v) for v in value]
-            self.recipe += (_NTUPLE, t, len(items))
-            return f"_tnew({self._name(t)}, (" + "".join(i + ", " for i in items) + "))"
+            return _rebuild.OutSequence(t, tuple(self.node(v) for v in value))
         if t is STATE_TYPE:  # (as its tree_unflatten builds it)
             d = value.__dict__.get("_state")
             if type(d) is not dict or len(value.__dict__) != 1:
                 raise _NoTemplate
-            return self._object(t, {"_state": self._dict(list(d), list(d.values()))})
+            inner = _rebuild.OutFields(None, tuple(d), tuple(self.node(v) for v in d.values()))
+            return self._object(t, {"_state": inner})
         if isinstance(value, eqx.Module):
             fields = dataclasses.fields(value)
             d = value.__dict__
@@ -408,78 +379,44 @@ class _BuilderGen:
             self.in_module += 1
             for f in fields:
                 v = d[f.name]
-                parts[f.name] = self.const(v) if f.metadata.get("static", False) else self.expr(v)
+                parts[f.name] = _rebuild.OutConst(v) if f.metadata.get("static", False) else self.node(v)
             self.in_module -= 1
             return self._object(t, parts)
         if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
-            return self.const(value)  # a static output, returned as it was at trace time
+            return _rebuild.OutConst(value)  # a static output, returned as it was at trace time
         raise _NoTemplate
 
-    def _name(self, value: Any) -> str:
-        """A name for `value` in the Python builder only (a class, a dict key: the recipe
-        carries it inside an instruction, not as a value of its own)."""
-        name = f"_c{next(self.counter)}"
-        self.consts[name] = value
-        return name
-
-    def _dict(self, keys: list[Any], values: list[Any]) -> str:
-        entries = [f"{self._name(k)}: {self.expr(v)}" for k, v in zip(keys, values)]
-        self.recipe += (_DICT, tuple(keys))
-        return "{" + ", ".join(entries) + "}"
-
-    def _object(self, t: type, parts: dict[str, str]) -> str:
-        """`t` built with `parts` (field name -> its expression, already written) as its
-        fields: object.__new__, then the fields set as object.__setattr__ sets them, what
-        Equinox's own unflatten does, without a Python call per module. (The C builder sets
-        them one by one; the Python one assigns __dict__ at once, the same thing here: no
-        field name is a data descriptor of the class.)"""
+    def _object(self, t: type, parts: dict[str, _rebuild.OutNode]) -> _rebuild.OutNode:
+        """`t` built with `parts` (field name -> its node) as its fields, as Equinox's own
+        unflatten builds it (see `_rebuild.OutFields`)."""
         try:
             object.__new__(t)
         except TypeError:
             # (a class whose C base has its own __new__, an Exception say: object.__new__
-            # refuses it, and the C builder, which calls object's constructor directly, would
-            # skip that check; jax's unflatten builds it, or raises as Equinox does)
+            # refuses it, and the compiled plan, which calls object's constructor directly,
+            # would skip that check; jax's unflatten builds it, or raises as Equinox does)
             raise _NoTemplate from None
         for name in parts:
             attr = inspect.getattr_static(t, name, None)
             if hasattr(type(attr), "__set__") or hasattr(type(attr), "__delete__"):
                 raise _NoTemplate  # (object.__setattr__ would call it: jax's unflatten decides)
-        v = f"_o{next(self.counter)}"
-        self.stmts.append(f"{v} = _new({self._name(t)})")
-        self.stmts.append(f"_setattr({v}, '__dict__', {{{', '.join(f'{k!r}: {e}' for k, e in parts.items())}}})")
-        self.recipe += (_OBJECT, t, tuple(parts))
-        return v
+        return _rebuild.OutFields(t, tuple(parts), tuple(parts.values()))
 
 
-def make_builder(example: Any, trace_scalars: bool = False) -> Callable[[Sequence[Any]], Any] | None:
+def make_builder(example: Any, trace_scalars: bool = False) -> Callable[[list[Any]], Any] | None:
     """`build(dynamic_outputs) -> output` for `example`'s structure (read under the scalar
-    rule `trace_scalars`: see `_BuilderGen`), or None: the C builder where the extension
-    serves calls (`_native.ACCEL`), else generated Python."""
-    gen = _BuilderGen(trace_scalars)
+    rule `trace_scalars`: see `_PlanWalk`): the `build` method of its plan (`plan_of`
+    gives the plan back), or None where no plan is written for it."""
     try:
-        body = gen.expr(example)
+        return _PlanWalk(trace_scalars).node(example).build
     except (_NoTemplate, RecursionError):
         return None
-    if _native.ACCEL is not None:
-        # (checked and decoded once: each call runs the decoded program)
-        return functools.partial(_native.ACCEL.build, _native.ACCEL.compile_recipe(tuple(gen.recipe)))
-    namespace: dict[str, Any] = dict(gen.consts)
-    namespace.update(_tnew=tuple.__new__, _new=object.__new__, _setattr=object.__setattr__)
-    lines = "".join(f"    {stmt}\n" for stmt in gen.stmts)
-    try:
-        exec(compile(f"def build(d):\n{lines}    return {body}\n", "<fastcall output builder>", "exec"), namespace)
-    except Exception:
-        return None
-    return namespace["build"]
 
 
-def recipe_of(build: Any) -> Any:
-    """The compiled recipe of a C builder `make_builder` made (for `_accel.finish_output`),
-    else None."""
-    accel = _native.BUILT
-    if accel is not None and isinstance(build, functools.partial) and build.func is accel.build:
-        return build.args[0]
-    return None
+def plan_of(build: Any) -> _rebuild.OutNode | None:
+    """The plan of a builder `make_builder` made (for `_rebuild.finish_output`)."""
+    plan = getattr(build, "__self__", None)
+    return plan if isinstance(plan, _rebuild.OutNode) else None
 
 
 # root type -> templates, most recent first (a few structures per type: the general path

@@ -665,7 +665,7 @@ def follow(item: Any, path: tuple[tuple[int, Any], ...]) -> Any:
 _getattribute = object.__getattribute__
 
 
-def note_latest(held: list[Any], regs: Sequence[Registration], result: Any, dyn: Sequence[Any], on_death: Any) -> None:
+def note_latest(held: list[Any], regs: Sequence[Registration], on_death: Any, result: Any, dyn: Sequence[Any]) -> None:
     """Note the objects a call returned (`OutInfo._register`): see LATEST. Only concrete
     arrays (not tracers of an outer trace) are noted."""
     memo: list[Any] = [tuple(regs)]

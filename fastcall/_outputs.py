@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import equinox as eqx
 import jax
 
-from . import _codegen, _flatten, _native, _nnx_gate
+from . import _codegen, _flatten, _native, _nnx_gate, _rebuild
 from ._errors import FastcallError, describe_arg, for_decorator
 from ._flatten import ARRAY_TYPES, ArrayImpl
 from ._trace import Tracer
@@ -87,17 +87,19 @@ class OutInfo:
         self.held: list[Any] = [None]
         # (the callback of the memo's weak references: a returned module died)
         self.on_death = functools.partial(_flatten.forget_latest, self.held)
-        accel = _native.ACCEL if self.regs else None
-        # `remember(result, dyn)`: `_register`'s noting, done in C where calls are served there
-        self.remember = (
+        accel = _native.ACCEL
+        # `remember(result, dyn)`: `_flatten.note_latest`, done in C where calls are served there
+        self.remember: Callable[[Any, list[Any]], None] | None = (
             None
-            if accel is None
+            if not self.regs
             else functools.partial(accel.remember_outputs, self.on_death, self.regs, self.held)
+            if accel is not None
+            else functools.partial(_flatten.note_latest, self.held, self.regs, self.on_death)
         )
         needs_flat = bool(self.statics or self.block or self.regs or nnx is not None or remade)
-        # Generated code that rebuilds this output structure (None: use treedef.unflatten).
+        # The plan that rebuilds this output structure (None: use treedef.unflatten).
         # jax rebuilds an Equinox module or eqx.nn.State by calling its Python unflatten,
-        # once per node; the builder builds the whole output in one call, so an output
+        # once per node; the plan builds the whole output in one call, so an output
         # holding any is rebuilt by it too.
         self.build = (
             _codegen.make_builder(out, trace_scalars) if needs_flat or _has_python_nodes(treedef) else None
@@ -105,17 +107,15 @@ class OutInfo:
         self.mode = "flat" if needs_flat or self.build is not None else "pass"
         # Nothing to do after a call: jax's output is the user's output.
         self.passthrough = self.mode == "pass"
-        # `result`, as one C call (build by recipe, then cache by identity) where that is all
-        # it does: no wait, and a C builder
-        recipe = _codegen.recipe_of(self.build)
+        # `result`, as one call (build by the plan, then note) where that is all it does
+        plan = _codegen.plan_of(self.build)
         self.fast_result: Callable[[list[Any]], Any] = self.result
         if self.build is None and not (block or self.statics or self.regs):
             # (all `result` does then: jax's C++ unflatten, called directly; an output holding
             # new Variables on their own, `NnxOutputs.fresh`)
             self.fast_result = self.treedef.unflatten
-        elif recipe is not None and not block and (accel is not None or not self.regs):
-            on_death = self.on_death if self.regs else None
-            self.fast_result = functools.partial(_native.ACCEL.finish_output, recipe, on_death, self.regs, self.held)
+        elif plan is not None and not block:
+            self.fast_result = functools.partial(_rebuild.finish_output, plan, self.remember)
 
     def same_as(self, other: OutInfo) -> bool:
         if self.static_keys is None or other.static_keys is None:
@@ -236,10 +236,8 @@ class OutInfo:
         """Note returned modules (and tuples such as optimizer states) with their leaves,
         so that `model, opt_state = step(model, opt_state, ...)` finds them next step
         (`_flatten.note_latest`, or its C copy)."""
-        if self.remember is not None:  # (the same, in C)
+        if self.remember is not None:
             self.remember(result, dyn if type(dyn) is list else list(dyn))
-            return
-        _flatten.note_latest(self.held, self.regs, result, dyn, self.on_death)
 
     def take_memo(self) -> Any:
         """Stop noting the latest call's outputs: the memo, for the caller to release."""

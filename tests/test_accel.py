@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import functools
 import os
-import re
 import subprocess
 import sys
-from typing import Any, NamedTuple
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -38,16 +36,32 @@ def test_c_accelerator_is_built_and_used(unchecked):
     }
 
 
-def _import_without_the_extension(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """`import fastcall` in a fresh interpreter where the extension cannot load, as after an
-    install without a C compiler, warnings as errors; then one call served."""
+# (run before `import fastcall`: `fastcall._rebuild` found as its source, and Cython not
+# there, as where nothing was compiled)
+_REBUILD_AS_PYTHON = (
+    "import importlib.abc, importlib.util\n"
+    "class AsSource(importlib.abc.MetaPathFinder):\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        if name == 'fastcall._rebuild':\n"
+    "            return importlib.util.spec_from_file_location(name, path[0] + '/_rebuild.py')\n"
+    "sys.meta_path.insert(0, AsSource())\n"
+    "sys.modules['cython'] = None\n"
+)
+
+
+def _import_without_the_extension(env: dict[str, str], rebuild_as_python: bool = False) -> subprocess.CompletedProcess[str]:
+    """`import fastcall` in a fresh interpreter where the extension cannot load (and, with
+    `rebuild_as_python`, where `_rebuild` runs from its source), as after an install
+    without a C compiler, warnings as errors; then one call served."""
     program = (
         "import sys, warnings\n"
         "sys.modules['fastcall._accel'] = None  # (its import fails, as where it was not built)\n"
-        "warnings.simplefilter('error')\n"
+        + (_REBUILD_AS_PYTHON if rebuild_as_python else "")
+        + "warnings.simplefilter('error')\n"
         "import jax.numpy as jnp, fastcall\n"
         "import fastcall._native as native\n"
         "assert native.BUILT is None and native.ACCEL is None\n"
+        f"assert native._rebuild.COMPILED is {not rebuild_as_python}\n"
         "f = fastcall.jit(lambda x: x + 1)\n"
         "outs = [float(f(jnp.ones(()))) for _ in range(3)]\n"
         "paths = f.stats().paths\n"
@@ -64,8 +78,14 @@ def test_without_the_compiled_path_the_import_says_so_once_and_calls_still_run()
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.split() == ["[2.0,", "2.0,", "2.0]", "2"]  # (served by the Python hit path)
     said = [line for line in ran.stderr.splitlines() if "compiled path" in line]
-    assert len(said) == 1 and "was not built, or does not load" in said[0], ran.stderr
+    assert len(said) == 1 and "was not built, or does not load: fastcall._accel (" in said[0], ran.stderr
     assert "FASTCALL_DISABLE_ACCEL=1" in said[0]
+    # where Cython did not compile `_rebuild` either (no C compiler): both named, once
+    both = _import_without_the_extension({}, rebuild_as_python=True)
+    assert both.returncode == 0, both.stderr
+    assert both.stdout == ran.stdout
+    said = [line for line in both.stderr.splitlines() if "compiled path" in line]
+    assert len(said) == 1 and "; fastcall._rebuild (runs as Python)" in said[0], both.stderr
     # the Python path asked for: nothing said
     quiet = _import_without_the_extension({"FASTCALL_DISABLE_ACCEL": "1"})
     assert quiet.returncode == 0 and "compiled path" not in quiet.stderr, quiet.stderr
@@ -99,83 +119,6 @@ def test_c_wrapper_behaves_like_a_function(unchecked):
     hash(Model.double)
 
 
-class _Pair(NamedTuple):
-    a: Any
-    b: Any
-
-
-def _output_example():
-    """An output holding every kind of node the builders rebuild."""
-    mlp = eqx.nn.MLP(2, 2, 3, 2, key=jax.random.PRNGKey(0))
-    _, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(3, "batch", mode="batch")
-    return (mlp, [jnp.ones(2), None, "static"], {"b": jnp.zeros(1), "a": _Pair(jnp.ones(3), 7)}, state, 1.5)
-
-
-@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
-def test_output_builders_rebuild_every_kind_of_node(native, monkeypatch):
-    """The output builder (C from its recipe, or generated Python: one walk writes both)
-    rebuilds an output of new objects from the flat dynamic outputs: the same tree, the
-    same leaves (by identity), statics as they were."""
-    from fastcall import _codegen, _native
-
-    if native and _native.BUILT is None:
-        pytest.skip("not built")
-    monkeypatch.setattr(_native, "ACCEL", _native.BUILT if native else None)
-    example = _output_example()
-    build = _codegen.make_builder(example)
-    assert build is not None and (type(build) is functools.partial) == native
-    leaves, treedef = jax.tree_util.tree_flatten(example)
-    dynamic = [x for x in leaves if isinstance(x, jax.Array)]
-    fresh = [x + 1 for x in dynamic]
-    out = build(fresh)
-    out_leaves, out_treedef = jax.tree_util.tree_flatten(out)
-    assert out_treedef == treedef
-    assert all(a is b for a, b in zip([x for x in out_leaves if isinstance(x, jax.Array)], fresh))
-    assert [x for x in out_leaves if not isinstance(x, jax.Array)] == [x for x in leaves if not isinstance(x, jax.Array)]
-    assert out[0] is not example[0] and type(out[0]) is type(example[0])
-    assert type(out[2]["a"]) is _Pair and type(out[3]) is eqx.nn.State
-    assert list(out[2]) == ["a", "b"]  # (jax's order, as treedef.unflatten gives it)
-
-
-def test_c_builder_rejects_a_malformed_recipe():
-    from fastcall import _native
-
-    if _native.BUILT is None:
-        pytest.skip("not built")
-    build = _native.BUILT.build
-    assert build((0, 0, 1, "s", 2, 2), [jnp.ones(1)])[1] == "s"
-    for recipe in [(0, 5), (2, 1), (1, 1, 1, 2), (9, 0), (0,), (6, int, ("x",)), (5, list, 0)]:
-        with pytest.raises(SystemError, match="malformed output recipe"):
-            build(recipe, [jnp.ones(1)])
-    with pytest.raises(TypeError):
-        build([0, 0], [jnp.ones(1)])
-    finish = _native.BUILT.finish_output
-    assert finish((0, 0), None, (), [[]], [jnp.ones(1)]).shape == (1,)
-    for args in [((0, 0), None, (), [[]], (jnp.ones(1),)), ((0, 0), (1, 2), (), [[]], [jnp.ones(1)]),
-                 ((0, 0), None, (), [[]])]:
-        with pytest.raises(TypeError, match="finish_output"):
-            finish(*args)
-    with pytest.raises(SystemError, match="malformed output recipe"):
-        finish((2, 1), None, (), [[]], [jnp.ones(1)])
-    # Compiled once (what calls run): checked then, and a LEAF against the outputs' count
-    compile_recipe = _native.BUILT.compile_recipe
-    for recipe in [(2, 1), (1, 1, 1, 2), (9, 0), (0,), (), (0, -1), (2, "x"), (6, int, ("x",)), (5, list, 0)]:
-        with pytest.raises(SystemError, match="malformed output recipe"):
-            compile_recipe(recipe)
-    program = compile_recipe((0, 5))
-    with pytest.raises(SystemError, match="malformed output recipe"):
-        build(program, [jnp.ones(1)])
-    with pytest.raises(TypeError, match="compile_recipe"):
-        compile_recipe([0, 0])
-    # more values on the stack than the builder keeps on its own (a tuple of 40 leaves)
-    leaves = [jnp.full(1, i) for i in range(40)]
-    wide = tuple(x for i in range(40) for x in (0, i)) + (2, 40)
-    for recipe in (wide, compile_recipe(wide)):
-        built = build(recipe, leaves)
-        assert type(built) is tuple and all(a is b for a, b in zip(built, leaves))
-    assert finish(compile_recipe((0, 0, 0, 0, 3, 2)), None, (), [[]], leaves[:1])[1] is leaves[0]
-
-
 @pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
 def test_returned_modules_and_tuples_are_noted_for_the_next_call(native, monkeypatch):
     """`model, opt_state = step(model, opt_state)`: the entry notes what its latest call
@@ -186,7 +129,7 @@ def test_returned_modules_and_tuples_are_noted_for_the_next_call(native, monkeyp
     import gc
     import weakref
 
-    from fastcall import _flatten, _native
+    from fastcall import _flatten, _native, _rebuild
 
     if native and _native.BUILT is None:
         pytest.skip("not built")
@@ -206,9 +149,10 @@ def test_returned_modules_and_tuples_are_noted_for_the_next_call(native, monkeyp
     assert id(m1) not in _flatten.by_id and id(s1) not in _flatten.by_id
     out = entry_out(step)
     assert out.held[0] is not None and _flatten.LATEST[0] is out.held
-    (m2, s2), route = served(step, m1, s1)  # (built and noted in one C call: finish_output)
+    (m2, s2), route = served(step, m1, s1)  # (built and noted in one call: finish_output)
     assert route == ("c_structure" if native else "python_structure")
-    assert isinstance(out.fast_result, functools.partial) == native
+    assert out.fast_result.func is _rebuild.finish_output
+    assert out.fast_result.args[1].func is (_native.BUILT.remember_outputs if native else _flatten.note_latest)
     assert_trees_equal((m2, s2), (jax.tree.map(lambda w: w * 0.25, model), (state[0] + 2, state[1] * 4)))
     assert_trees_equal((m2, s2), eqx.filter_jit(step.__wrapped__)(m1, s1))
     assert _flatten.latest(m1) is None and _flatten.latest(s1) is None  # (the newer memo replaced it)
@@ -329,62 +273,6 @@ def entry_out(f: Any) -> Any:
     """The OutInfo of the one compiled entry of `f`."""
     (entry,) = f._fastcall_state.table.values()
     return entry.out
-
-
-class _ExceptionModule(eqx.Module, Exception):  # (a C base with its own __new__)
-    w: jax.Array
-
-
-@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
-def test_an_output_class_object_new_refuses_is_not_built_by_recipe(native, monkeypatch):
-    """object.__new__ refuses a class whose C base has its own __new__; the C builder calls
-    object's constructor directly, so no recipe is written for one and the output is built
-    (or refused) as eqx.filter_jit builds it."""
-    from fastcall import _codegen, _native
-
-    if native and _native.BUILT is None:
-        pytest.skip("not built")
-    monkeypatch.setattr(_native, "ACCEL", _native.BUILT if native else None)
-    assert _codegen.make_builder(_ExceptionModule(jnp.ones(1))) is None
-    with pytest.raises(TypeError) as theirs:
-        eqx.filter_jit(lambda x: _ExceptionModule(x * 2))(jnp.ones(1))
-    with pytest.raises(TypeError, match=re.escape(str(theirs.value))):
-        fastcall.jit(lambda x: _ExceptionModule(x * 2))(jnp.ones(1))
-
-
-class _Described:
-    """A data descriptor: object.__setattr__ calls its __set__ instead of storing the value."""
-
-    def __get__(self, obj: Any, owner: Any = None) -> Any:
-        return self if obj is None else obj.__dict__["w"]
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        obj.__dict__["w"] = value
-
-
-class _DescribedModule(eqx.Module):
-    w: jax.Array
-
-
-_DescribedModule.w = _Described()  # (set after the class is made: the field stays a field)
-
-
-@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
-def test_an_output_class_with_a_data_descriptor_field_is_not_built_by_recipe(native, monkeypatch):
-    """The C builder sets fields as object.__setattr__ does (which calls a data descriptor),
-    the Python one assigns __dict__ (which does not): no recipe is written for such a class,
-    and jax's unflatten (Equinox's own) builds it."""
-    from fastcall import _codegen, _native
-
-    if native and _native.BUILT is None:
-        pytest.skip("not built")
-    monkeypatch.setattr(_native, "ACCEL", _native.BUILT if native else None)
-    assert _codegen.make_builder(_DescribedModule(jnp.ones(1))) is None
-    assert _codegen.make_builder(eqx.nn.Linear(2, 2, key=jax.random.PRNGKey(0))) is not None
-    ours = fastcall.jit(lambda x: _DescribedModule(x * 2))(jnp.ones(1))
-    theirs = eqx.filter_jit(lambda x: _DescribedModule(x * 2))(jnp.ones(1))
-    assert type(ours) is _DescribedModule and list(ours.__dict__) == list(theirs.__dict__)
-    assert_trees_equal(ours, theirs)
 
 
 def test_the_c_guard_skips_an_unchanged_dict_by_its_version_and_sees_every_change():
