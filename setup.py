@@ -3,20 +3,25 @@ no Cython for the second), the package runs as Python and `import fastcall` says
 (`fastcall/_native.py`).
 
 * `fastcall._accel`: the C wrapper (`fastcall/_accel.c`).
-* `fastcall._rebuild`: `fastcall/_rebuild.py`, Python written in Cython's pure-Python mode,
-  compiled by Cython; the same file is the module where it is not compiled.
+* `COMPILED_SOURCES`: Python modules (some written in Cython's pure-Python mode) compiled by
+  Cython; the same file is the module where it is not compiled.
 
 Everything else about the package is in pyproject.toml."""
 
 from setuptools import Extension, setup
 
+# (`fastcall/_native.py` names the same list, to say which were not compiled)
+COMPILED_SOURCES = ["_rebuild", "_memo", "_guard"]
+
 extensions = [Extension("fastcall._accel", ["fastcall/_accel.c"], optional=True)]
-try:
-    from Cython.Build import cythonize
-except ImportError:  # (a build without its build requirements: the module runs as Python)
-    pass
-else:
-    for ext in cythonize([Extension("fastcall._rebuild", ["fastcall/_rebuild.py"])], quiet=True):
+for name in COMPILED_SOURCES:
+    try:
+        from Cython.Build import cythonize
+
+        (ext,) = cythonize([Extension(f"fastcall.{name}", [f"fastcall/{name}.py"])], quiet=True)
+    except Exception as err:  # (no Cython, or it failed on this file: the module runs as Python)
+        print(f"fastcall: {name}.py not compiled: {err!r}")
+    else:
         ext.optional = True
         extensions.append(ext)
 

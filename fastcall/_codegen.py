@@ -24,7 +24,7 @@ from . import _rebuild
 from ._stats import read_whole
 from ._fast import SequenceRead, TreeRead
 from ._flatten import (
-    ARRAY_TYPES, JIT_RULE_LEAVES, PLAIN_ARRAY_TYPES, PY_SCALARS, STATE_TYPE, ArrayImpl, Spec, is_traced_leaf, plain_leaf_types,
+    ARRAY_TYPES, JIT_RULE_LEAVES, PLAIN_ARRAY_TYPES, STATE_TYPE, ArrayImpl, Spec, is_traced_leaf, plain_leaf_types,
     static_equal,
 )
 

@@ -47,7 +47,7 @@ from typing import Any
 
 import jax
 
-from . import _agreement, _args, _codegen, _fast, _flatten, _guard, _hold, _native, _nnx_gate, _pack
+from . import _agreement, _args, _codegen, _fast, _flatten, _guard, _hold, _memo, _native, _nnx_gate, _pack
 from ._build import Entry
 from ._fast import (
     ArgRead, FastRecord, FastSlot, GraphdefRead, JointRead, MixedRead, NodeRead, NodesRead, PytreeShape,
@@ -69,7 +69,7 @@ def configure_accel() -> None:
         _guard.Watched, _fast.SequenceRead, StaticRead, JointRead, SharedVariableRead, _fast.TreeRead, MixedRead,
     )
     _native.BUILT.configure(
-        _fast.INDEX, _flatten.by_id, _flatten.LATEST, _fast.GRAPHDEFS, _fast.VALUE_SLOT, _fast.GRAPH_CONTEXT, ArrayImpl,
+        _fast.INDEX, _flatten.by_id, _memo.LATEST, _fast.GRAPHDEFS, _fast.VALUE_SLOT, _fast.GRAPH_CONTEXT, ArrayImpl,
         Varying, currently_jitting, TOP_LEVEL_PROBE,
         {cls.__name__: cls for cls in records},
     )

@@ -14,12 +14,9 @@ split once per structure and once per object:
   only if `entry.ref() is obj`, so a reused `id` never matches, and it is
   evicted by the weakref's callback when the object dies. (A top-level list or
   dict is held strongly, by `_hold`'s rule.)
-* the latest outputs (`LATEST`, `note_latest`): the modules, tuples and
-  eqx.nn.States (under a guard) the latest call of each recently run compiled
-  entry returned, with their leaves,
-  so that `model = step(model, ...)` finds them next step without an identity
-  cache entry being made for each (`lookup` makes one when a call served in
-  Python reads one).
+* `lookup` also takes back what the latest calls returned (`_memo`), so that
+  `model = step(model, ...)` finds the model next step without an identity cache
+  entry being made for each.
 
 For a new object of a structure seen before, `_codegen` generates code that
 extracts its leaves faster than `jax.tree_util.tree_flatten`.
@@ -28,7 +25,6 @@ extracts its leaves faster than `jax.tree_util.tree_flatten`.
 from __future__ import annotations
 
 import functools
-import importlib
 import itertools
 import threading
 import weakref
@@ -36,43 +32,13 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path
 
-from . import _fast, _guard, _native, _nnx_gate
+from . import _fast, _guard, _memo, _native, _nnx_gate
 from ._errors import FastcallError, describe_arg
 from ._stats import read_whole
 
-# jax's concrete array class, named directly: making an array here to learn it would start
-# jax's backend at import, fixing the device count before a program sets XLA_FLAGS.
-ArrayImpl: Any
-try:
-    from jax._src.array import ArrayImpl
-except ImportError:  # pragma: no cover - another jax layout
-    ArrayImpl = type(jnp.zeros(()))
-ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
-_KEY_ARRAY: tuple[type, ...] = ()
-for _module in ("jax._src.random.prng", "jax._src.prng"):  # (the typed PRNG key array)
-    try:
-        _KEY_ARRAY = (importlib.import_module(_module).PRNGKeyArray,)
-        break
-    except (ImportError, AttributeError):  # pragma: no cover - another jax layout
-        pass
-_NUMPY_SCALARS = (
-    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
-    np.float16, np.float32, np.float64, np.complex64, np.complex128,
-)
-# Arrays (and NumPy scalars) the fast and structure paths pass to jax.jit as they are,
-# checked by exact type: jax's own call path takes each, both scalar rules trace each, none
-# is a tracer, and none is cached (a NumPy array changed in place is read afresh by jax on
-# every call, as jax.jit reads it).
-PLAIN_ARRAY_TYPES = frozenset((ArrayImpl, np.ndarray, *_KEY_ARRAY, *_NUMPY_SCALARS))
-
-
-def is_array(x: Any) -> bool:
-    """The `eqx.filter_jit` rule: JAX and NumPy arrays (and NumPy scalars) are traced."""
-    return isinstance(x, ARRAY_TYPES)
+from ._arrays import ARRAY_TYPES, PLAIN_ARRAY_TYPES, ArrayImpl, is_array  # noqa: F401 (the array types, named here too)
 
 
 # Python scalars: static under `eqx.filter_jit`'s rule (`fastcall.filter_jit`), traced
@@ -189,20 +155,13 @@ def _treedef_is_immutable(treedef: Any) -> bool:
 
 # eqx.nn.State is not an Equinox module: its children are the values of its `_state`
 # dict, which `.set` replaces in place (invalidating the old State). A guard watches both
-# its attribute dict and that dict (`state_containers`).
+# its attribute dict and that dict (`_memo.state_containers`).
 STATE_TYPE = eqx.nn.State
-
-
-def state_containers(state: Any) -> list[Any]:
-    """The dicts a guard watches for an eqx.nn.State: its attribute dict (`.set` rebinds
-    `_state` there) and its `_state` dict (what it flattens to). (`_accel.c`'s
-    `state_guard` makes the same guard.)"""
-    return [_guard.Attributes(state), vars(state).get("_state")]
 
 
 def guards_as_state(spec: Any) -> bool:
     """Whether objects of `spec` are eqx.nn.States holding no list or dict below their
-    `_state` dict: a guard over `state_containers` alone then covers every change."""
+    `_state` dict: a guard over `_memo.state_containers` alone then covers every change."""
     node_data = spec.treedef.node_data() if spec.kind == "tree" else None
     return (
         node_data is not None
@@ -441,7 +400,7 @@ def lookup(obj: Any, adopt: bool = True) -> CacheEntry | None:
         if hit.guard is not None and not _guard.holds(hit.guard):
             return None  # a list or dict inside changed in place: read afresh
         return hit
-    found = latest(obj)
+    found = _memo.latest(obj)
     if found is None:
         return None
     leaves, spec, guard = found
@@ -555,7 +514,7 @@ def guard_of(obj: Any, leaves: Sequence[Any], spec: Any) -> Any:
         if type(x) is list or isinstance(x, dict):
             containers.append(x)
         elif type(x) is STATE_TYPE:
-            containers.extend(state_containers(x))
+            containers.extend(_memo.state_containers(x))
         return False
 
     again, treedef = tree_flatten(obj, is_leaf=collect)
@@ -579,24 +538,6 @@ def read_alike(spec: Any, leaves: Sequence[Any]) -> bool:
     return spec.rule_free and not any(type(x) in JIT_RULE_LEAVES for x in leaves)
 
 
-# The latest outputs. Each compiled entry that returns modules, tuples or eqx.nn.States
-# keeps a one-item list `held`: held[0] is its latest call's *memo* (or None),
-#     (regs, ref_0, leaves_0, guard_0, ref_1, leaves_1, guard_1, ...)
-# per `Registration` of `OutInfo.regs`: the returned object known by a weak reference (a
-# module or State: released when it dies, by `forget_latest`) or by itself (a tuple, which
-# cannot be weakly referenced: held until the entry's next call), or None (not noted); its
-# leaves; and, for an object holding lists or dicts (`Registration.guard`), a guard over
-# them, which may change in place (else None). `LATEST` lists the `held` of the entries
-# that returned most recently, newest first. A lookup compares live objects by identity
-# (`ref() is obj`, or `ref is obj`), so a reused id never matches, and takes a guarded one
-# only while its guard holds. `_accel.remember_outputs` and `_accel.latest_leaves` are the
-# C copies of `note_latest` and `latest`.
-LATEST_SIZE = 8
-LATEST: list[Any] = [None] * LATEST_SIZE
-_latest_lock = threading.Lock()
-MEMO_STRIDE = 3  # (ref, leaves, guard) per registration
-
-
 class Registration(NamedTuple):
     """One object an entry's output holds that its memo notes (`OutInfo.regs`)."""
 
@@ -605,14 +546,10 @@ class Registration(NamedTuple):
     stop: int
     spec: Any
     spec_id: int  # (interned: compares by identity)
-    # How each call's object is guarded: None (immutable: no guard); STATE_GUARD (an
-    # eqx.nn.State: over its dicts, `state_containers`); or the paths from it to each list
+    # How each call's object is guarded: None (immutable: no guard); `_memo.STATE_GUARD` (an
+    # eqx.nn.State: over its dicts, `_memo.state_containers`); or the paths from it to each list
     # and dict it holds (`container_paths`: a guard over them, made as it was returned)
     guard: Any
-
-
-STATE_GUARD = "state"
-_ATTR, _ITEM = 0, 1  # the steps of a container path: (_ATTR, name) or (_ITEM, index or key)
 
 
 def container_paths(item: Any) -> tuple[tuple[tuple[int, Any], ...], ...] | None:
@@ -635,15 +572,15 @@ def container_paths(item: Any) -> tuple[tuple[tuple[int, Any], ...], ...] | None
             steps = []
             for k in keys:
                 if type(k) is jax.tree_util.GetAttrKey:
-                    steps.append((_ATTR, k.name))
+                    steps.append((_memo.ATTR, k.name))
                 elif type(k) is jax.tree_util.SequenceKey:
-                    steps.append((_ITEM, k.idx))
+                    steps.append((_memo.ITEM, k.idx))
                 elif type(k) is jax.tree_util.DictKey:
-                    steps.append((_ITEM, k.key))
+                    steps.append((_memo.ITEM, k.key))
                 else:
                     return False
             path = prefix + tuple(steps)
-            if follow(item, path) is not x:  # (an attribute that is not read as stored)
+            if _memo.follow(item, path) is not x:  # (an attribute that is not read as stored)
                 return False
             paths.append(path)
             if not walk(x, path):
@@ -651,88 +588,6 @@ def container_paths(item: Any) -> tuple[tuple[tuple[int, Any], ...], ...] | None
         return True
 
     return tuple(paths) if walk(item, ()) else None
-
-
-def follow(item: Any, path: tuple[tuple[int, Any], ...]) -> Any:
-    """The object at `path` (`container_paths`) in `item`. Attributes are read by
-    `object.__getattribute__`: an Equinox module's own `__getattribute__` (Python code, which
-    wraps methods) is skipped, as `_accel.c`'s `paths_guard` skips it."""
-    for op, key in path:
-        item = _getattribute(item, key) if op == _ATTR else item[key]
-    return item
-
-
-_getattribute = object.__getattribute__
-
-
-def note_latest(held: list[Any], regs: Sequence[Registration], on_death: Any, result: Any, dyn: Sequence[Any]) -> None:
-    """Note the objects a call returned (`OutInfo._register`): see LATEST. Only concrete
-    arrays (not tracers of an outer trace) are noted."""
-    memo: list[Any] = [tuple(regs)]
-    for reg in regs:
-        ref: Any = None
-        leaves = guard = None
-        if all(type(x) is ArrayImpl for x in dyn[reg.start : reg.stop]):  # (none a tracer of an outer trace)
-            item = result if reg.position is None else result[reg.position]
-            if type(item) is tuple:
-                ref = item
-            else:
-                try:
-                    ref = weakref.ref(item, on_death)
-                except TypeError:
-                    pass  # (cannot be weakly referenced: not noted)
-            if ref is not None and reg.guard is not None:
-                if reg.guard == STATE_GUARD:
-                    containers = state_containers(item)
-                else:
-                    containers = [follow(item, path) for path in reg.guard]
-                guard = _guard.make(containers) if all(map(_guard.is_guardable, containers)) else None
-                if guard is None:
-                    ref = None
-            if ref is not None:
-                leaves = list(dyn[reg.start : reg.stop])
-        memo += (ref, leaves, guard)
-    new = tuple(memo)
-    dropped = None
-    # (nothing is made or released under the lock: either may run code that calls back here)
-    with _latest_lock:  # (two threads finishing calls at once)
-        previous, held[0] = held[0], new
-        if LATEST[0] is not held:
-            at = next((i for i in range(1, LATEST_SIZE) if LATEST[i] is held), LATEST_SIZE - 1)
-            dropped = LATEST[at]
-            for i in range(at, 0, -1):
-                LATEST[i] = LATEST[i - 1]
-            LATEST[0] = held
-    del previous, dropped
-
-
-def latest(obj: Any) -> tuple[Sequence[Any], Any, Any] | None:
-    """(leaves, spec, guard) of `obj` if the latest call of a recent entry returned it and
-    its guard (if any) holds: see LATEST. (None is never noted; a dead module's weak
-    reference reads as None until its callback has dropped the memo.)"""
-    if obj is None:
-        return None
-    for held in list(LATEST):
-        memo = held[0] if held is not None else None
-        if memo is None:
-            continue
-        for r, reg in enumerate(memo[0]):
-            ref, leaves, guard = memo[1 + MEMO_STRIDE * r : 1 + MEMO_STRIDE * (r + 1)]
-            if ref is not None and (ref is obj if type(ref) is tuple else ref() is obj):
-                if guard is not None and not _guard.holds(guard):
-                    return None  # (changed in place since it was returned: read afresh)
-                return leaves, reg.spec, guard
-    return None
-
-
-def forget_latest(held: list[Any], ref: Any) -> None:
-    """A returned module died: drop the memo that knew it (and so its leaves), if current.
-    (The weak references' callback, bound to its entry's `held`. Not under the lock: it
-    runs wherever the module dies; a memo noted meanwhile and dropped here costs the next
-    call a read, never a wrong one.)"""
-    memo = held[0]
-    if memo is not None and any(x is ref for x in memo[1::MEMO_STRIDE]):
-        held[0] = None
 
 
 def forget_strong(token: Strong) -> None:
@@ -743,13 +598,7 @@ def forget_strong(token: Strong) -> None:
 
 def clear() -> None:
     by_id.clear()
-    with _latest_lock:
-        memos = [held[0] for held in LATEST if held is not None]
-        for held in LATEST:
-            if held is not None:
-                held[0] = None
-        LATEST[:] = [None] * LATEST_SIZE
-    del memos  # (released outside the lock)
+    _memo.clear()
     _seen_once.clear()
     _holds_graphdef_nodes.clear()
     with _intern_lock:

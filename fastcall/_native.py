@@ -1,13 +1,13 @@
 """fastcall's compiled modules, and whether calls use them: decided here.
 
 `BUILT` is the C extension (`fastcall/_accel.c`), or None where it was not built. `ACCEL` is
-the module where fastcall serves calls with it (the C wrapper, the C output memo):
-`BUILT`, unless `FASTCALL_DISABLE_ACCEL=1` (read once, at import: every call is then
-served by the pure-Python twin, for debugging) or a test sets it to None to run that twin.
-Read when a wrapper or an output is set up, not per call. `fastcall/_rebuild.py` is
-compiled by Cython where it could be built and otherwise runs as Python, whatever
-`ACCEL` says: one source, so there is no twin to choose. Where either was not compiled (no
-C compiler at install), the import says so once, as a log record on the "fastcall" logger.
+the module where fastcall serves calls with it (the C wrapper): `BUILT`, unless
+`FASTCALL_DISABLE_ACCEL=1` (read once, at import: every call is then served by the
+pure-Python twin, for debugging) or a test sets it to None to run that twin. Read when a
+wrapper is made, not per call. `COMPILED_SOURCES` are compiled by Cython from their own
+source where a C compiler was found at install, and run as that source where not, whatever
+`ACCEL` says: one source, no twin to choose. Where something was not compiled, the import
+says so once, as a log record on the "fastcall" logger.
 """
 
 from __future__ import annotations
@@ -17,9 +17,12 @@ import logging
 import os
 from typing import Any
 
+from . import _guard, _memo, _rebuild
+
 DISABLED = os.environ.get("FASTCALL_DISABLE_ACCEL", "") in ("1", "true", "yes")
 
-from . import _rebuild
+# (as setup.py lists them)
+COMPILED_SOURCES = (_rebuild, _memo, _guard)
 
 BUILT: Any
 _missing: list[str] = []
@@ -28,8 +31,7 @@ try:
 except ImportError as err:  # not built: pure Python, same behaviour
     BUILT = None
     _missing.append(f"fastcall._accel ({err})")
-if not _rebuild.COMPILED:
-    _missing.append("fastcall._rebuild (runs as Python)")
+_missing += [f"{m.__name__} (runs as Python)" for m in COMPILED_SOURCES if (m.__file__ or "").endswith(".py")]
 if _missing and not DISABLED:
     # Said once per process, where it is seen: pip hides the build's own output, in which
     # setuptools notes the failed compile. A log record, not a warning (programs run with

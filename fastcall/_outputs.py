@@ -21,9 +21,9 @@ from typing import Any, Callable, Sequence
 import equinox as eqx
 import jax
 
-from . import _codegen, _flatten, _native, _nnx_gate, _rebuild
+from . import _codegen, _flatten, _memo, _nnx_gate, _rebuild
 from ._errors import FastcallError, describe_arg, for_decorator
-from ._flatten import ARRAY_TYPES, ArrayImpl
+from ._flatten import ArrayImpl
 from ._trace import Tracer
 
 try:
@@ -83,18 +83,13 @@ class OutInfo:
         # (an output holding Variables remade by markers is not noted: its spec, read off the
         # markers, is not the spec of the objects a call returns)
         self.regs = () if remade else tuple(_registrations(out, mask))
-        # [the latest call's memo of what it returned], replaced each call (`_flatten.LATEST`)
+        # [the latest call's memo of what it returned], replaced each call (`_memo`)
         self.held: list[Any] = [None]
         # (the callback of the memo's weak references: a returned module died)
-        self.on_death = functools.partial(_flatten.forget_latest, self.held)
-        accel = _native.ACCEL
-        # `remember(result, dyn)`: `_flatten.note_latest`, done in C where calls are served there
+        self.on_death = functools.partial(_memo.forget_latest, self.held)
+        # `remember(result, dyn)`: note what a call returned, for the next call
         self.remember: Callable[[Any, list[Any]], None] | None = (
-            None
-            if not self.regs
-            else functools.partial(accel.remember_outputs, self.on_death, self.regs, self.held)
-            if accel is not None
-            else functools.partial(_flatten.note_latest, self.held, self.regs, self.on_death)
+            functools.partial(_memo.note_latest, self.held, self.regs, self.on_death) if self.regs else None
         )
         needs_flat = bool(self.statics or self.block or self.regs or nnx is not None or remade)
         # The plan that rebuilds this output structure (None: use treedef.unflatten).
@@ -235,7 +230,7 @@ class OutInfo:
     def _register(self, result: Any, dyn: Sequence[Any]) -> None:
         """Note returned modules (and tuples such as optimizer states) with their leaves,
         so that `model, opt_state = step(model, opt_state, ...)` finds them next step
-        (`_flatten.note_latest`, or its C copy)."""
+        (`_memo.note_latest`)."""
         if self.remember is not None:
             self.remember(result, dyn if type(dyn) is list else list(dyn))
 
@@ -271,7 +266,7 @@ def _noted_guard(spec: Any, item: Any) -> Any:
     if not spec.rule_free or not _flatten.reads_alike(item):
         return _UNNOTED
     if _flatten.guards_as_state(spec):
-        return _flatten.STATE_GUARD
+        return _memo.STATE_GUARD
     if spec.cacheable:
         return None  # (immutable: nothing to guard)
     # lists or dicts inside, which can change in place

@@ -2,22 +2,52 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.abc
+import importlib.util
 import os
 import pathlib
+import sys
 import threading
 from typing import Any, Callable
 
-import equinox as eqx
-import jax
-import numpy as np
-import pytest
-from flax import nnx
-
-import fastcall
-
-from .models import make_with_statics
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent  # the repository root
+
+
+def compiled_sources() -> list[str]:
+    """The modules setup.py compiles with Cython (its `COMPILED_SOURCES`), as module names."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "COMPILED_SOURCES":
+            return [f"fastcall.{name}" for name in ast.literal_eval(node.value)]
+    raise AssertionError("setup.py names no COMPILED_SOURCES")
+
+
+class _AsPython(importlib.abc.MetaPathFinder):
+    """Finds fastcall's compiled sources as their .py files, as an install without a C
+    compiler has them (`FASTCALL_TEST_AS_PYTHON=1`: CI runs the suite so once)."""
+
+    names = frozenset(compiled_sources())
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name in self.names and path:
+            return importlib.util.spec_from_file_location(name, os.path.join(path[0], name.rsplit(".", 1)[1] + ".py"))
+        return None
+
+
+AS_PYTHON = os.environ.get("FASTCALL_TEST_AS_PYTHON", "") == "1"
+if AS_PYTHON:  # (before fastcall is imported)
+    sys.meta_path.insert(0, _AsPython())
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import fastcall  # noqa: E402
+
+from .models import make_with_statics  # noqa: E402
 
 # tests/conformance runs the peers' own suites in subprocesses (python -m tests.conformance);
 # nothing there belongs to this run.

@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import pytest
 
 import fastcall
+from fastcall import _memo
 
-from .conftest import assert_trees_equal, served
+from .conftest import assert_trees_equal, compiled_sources, served
 
 
 def test_c_accelerator_is_built_and_used(unchecked):
@@ -36,32 +37,32 @@ def test_c_accelerator_is_built_and_used(unchecked):
     }
 
 
-# (run before `import fastcall`: `fastcall._rebuild` found as its source, and Cython not
-# there, as where nothing was compiled)
-_REBUILD_AS_PYTHON = (
+# (run before `import fastcall`: the modules setup.py compiles found as their sources, and
+# Cython not there, as where nothing was compiled)
+_SOURCES_AS_PYTHON = (
     "import importlib.abc, importlib.util\n"
     "class AsSource(importlib.abc.MetaPathFinder):\n"
     "    def find_spec(self, name, path=None, target=None):\n"
-    "        if name == 'fastcall._rebuild':\n"
-    "            return importlib.util.spec_from_file_location(name, path[0] + '/_rebuild.py')\n"
+    f"        if name in {compiled_sources()!r}:\n"
+    "            return importlib.util.spec_from_file_location(name, path[0] + '/' + name[9:] + '.py')\n"
     "sys.meta_path.insert(0, AsSource())\n"
     "sys.modules['cython'] = None\n"
 )
 
 
-def _import_without_the_extension(env: dict[str, str], rebuild_as_python: bool = False) -> subprocess.CompletedProcess[str]:
+def _import_without_the_extension(env: dict[str, str], sources: bool = False) -> subprocess.CompletedProcess[str]:
     """`import fastcall` in a fresh interpreter where the extension cannot load (and, with
-    `rebuild_as_python`, where `_rebuild` runs from its source), as after an install
-    without a C compiler, warnings as errors; then one call served."""
+    `sources`, where the modules setup.py compiles run from their sources), as after an
+    install without a C compiler, warnings as errors; then one call served."""
     program = (
         "import sys, warnings\n"
         "sys.modules['fastcall._accel'] = None  # (its import fails, as where it was not built)\n"
-        + (_REBUILD_AS_PYTHON if rebuild_as_python else "")
+        + (_SOURCES_AS_PYTHON if sources else "")
         + "warnings.simplefilter('error')\n"
         "import jax.numpy as jnp, fastcall\n"
         "import fastcall._native as native\n"
         "assert native.BUILT is None and native.ACCEL is None\n"
-        f"assert native._rebuild.COMPILED is {not rebuild_as_python}\n"
+        f"assert native._rebuild.COMPILED is {not sources}\n"
         "f = fastcall.jit(lambda x: x + 1)\n"
         "outs = [float(f(jnp.ones(()))) for _ in range(3)]\n"
         "paths = f.stats().paths\n"
@@ -80,12 +81,13 @@ def test_without_the_compiled_path_the_import_says_so_once_and_calls_still_run()
     said = [line for line in ran.stderr.splitlines() if "compiled path" in line]
     assert len(said) == 1 and "was not built, or does not load: fastcall._accel (" in said[0], ran.stderr
     assert "FASTCALL_DISABLE_ACCEL=1" in said[0]
-    # where Cython did not compile `_rebuild` either (no C compiler): both named, once
-    both = _import_without_the_extension({}, rebuild_as_python=True)
-    assert both.returncode == 0, both.stderr
-    assert both.stdout == ran.stdout
-    said = [line for line in both.stderr.splitlines() if "compiled path" in line]
-    assert len(said) == 1 and "; fastcall._rebuild (runs as Python)" in said[0], both.stderr
+    # where Cython did not compile the sources either (no C compiler): all named, once
+    all_ = _import_without_the_extension({}, sources=True)
+    assert all_.returncode == 0, all_.stderr
+    assert all_.stdout == ran.stdout
+    said = [line for line in all_.stderr.splitlines() if "compiled path" in line]
+    assert len(said) == 1, all_.stderr
+    assert all(f"; {name} (runs as Python)" in said[0] for name in compiled_sources()), said[0]
     # the Python path asked for: nothing said
     quiet = _import_without_the_extension({"FASTCALL_DISABLE_ACCEL": "1"})
     assert quiet.returncode == 0 and "compiled path" not in quiet.stderr, quiet.stderr
@@ -124,8 +126,8 @@ def test_returned_modules_and_tuples_are_noted_for_the_next_call(native, monkeyp
     """`model, opt_state = step(model, opt_state)`: the entry notes what its latest call
     returned (the module by weak reference, the tuple strongly, each with its leaves) in
     one memo, which the next call's memo replaces; the next call reads them from it, with
-    nothing made per returned object; the same in C (`remember_outputs`, `latest_leaves`)
-    and in Python (`note_latest`, `latest`)."""
+    nothing made per returned object (`_memo.note_latest`); read back the same in C
+    (`latest_leaves`) and in Python (`_memo.latest`)."""
     import gc
     import weakref
 
@@ -142,22 +144,22 @@ def test_returned_modules_and_tuples_are_noted_for_the_next_call(native, monkeyp
         return jax.tree.map(lambda w: w * 0.5, m), (s[0] + 1, s[1] * 2)
 
     m1, s1 = step(model, state)
-    leaves, spec, guard = _flatten.latest(m1)
+    leaves, spec, guard = _memo.latest(m1)
     assert all(a is b for a, b in zip(leaves, (m1.weight, m1.bias), strict=True)) and guard is None
-    leaves, _, _ = _flatten.latest(s1)
+    leaves, _, _ = _memo.latest(s1)
     assert leaves[0] is s1[0] and leaves[1] is s1[1]
     assert id(m1) not in _flatten.by_id and id(s1) not in _flatten.by_id
     out = entry_out(step)
-    assert out.held[0] is not None and _flatten.LATEST[0] is out.held
+    assert out.held[0] is not None and _memo.LATEST[0] is out.held
     (m2, s2), route = served(step, m1, s1)  # (built and noted in one call: finish_output)
     assert route == ("c_structure" if native else "python_structure")
     assert out.fast_result.func is _rebuild.finish_output
-    assert out.fast_result.args[1].func is (_native.BUILT.remember_outputs if native else _flatten.note_latest)
+    assert out.fast_result.args[1].func is _memo.note_latest
     assert_trees_equal((m2, s2), (jax.tree.map(lambda w: w * 0.25, model), (state[0] + 2, state[1] * 4)))
     assert_trees_equal((m2, s2), eqx.filter_jit(step.__wrapped__)(m1, s1))
-    assert _flatten.latest(m1) is None and _flatten.latest(s1) is None  # (the newer memo replaced it)
-    assert _flatten.latest(m2) is not None and _flatten.latest(s2) is not None
-    assert [h for h in _flatten.LATEST if h is out.held] == [out.held]  # (once, at the front)
+    assert _memo.latest(m1) is None and _memo.latest(s1) is None  # (the newer memo replaced it)
+    assert _memo.latest(m2) is not None and _memo.latest(s2) is not None
+    assert [h for h in _memo.LATEST if h is out.held] == [out.held]  # (once, at the front)
     # A call served in Python takes a noted module into the identity cache (a tuple is
     # given an entry of its own, held by no table).
     hit = _flatten.lookup(m2)
@@ -169,7 +171,7 @@ def test_returned_modules_and_tuples_are_noted_for_the_next_call(native, monkeyp
     del m3
     gc.collect()
     assert out.held[0] is None and weight() is None
-    assert _flatten.latest(s3) is None
+    assert _memo.latest(s3) is None
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
@@ -180,7 +182,7 @@ def test_a_call_finishing_while_the_previous_memo_is_released_leaves_one_memo(na
     import gc
     import weakref
 
-    from fastcall import _flatten, _native
+    from fastcall import _native
 
     if native and _native.BUILT is None:
         pytest.skip("not built")
@@ -206,9 +208,9 @@ def test_a_call_finishing_while_the_previous_memo_is_released_leaves_one_memo(na
     assert not inner
     (second,) = out.result([jnp.full(2, 3.0), jnp.full(1, 3.0)])
     assert len(inner) == 1 and not hooks  # (the inner call finished inside the outer one)
-    noted = [x for x in (inner[0], second) if _flatten.latest(x) is not None]
+    noted = [x for x in (inner[0], second) if _memo.latest(x) is not None]
     assert len(noted) == 1
-    leaves, _, _ = _flatten.latest(noted[0])
+    leaves, _, _ = _memo.latest(noted[0])
     assert leaves[0] is noted[0][0].w and leaves[1] is noted[0][1]
     other = second if noted[0] is inner[0] else inner[0]
     kept = weakref.ref(other[1])

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import fastcall
+from fastcall import _memo
 
 from .conftest import assert_trees_equal
 from .models import WithStatics
@@ -159,7 +160,6 @@ def test_a_donated_array_passed_again_is_named(hot_path):
 
 
 def test_training_loop_registers_returned_model(mlp):
-    from fastcall import _flatten
 
     @fastcall.jit
     def step(m, x):
@@ -171,7 +171,7 @@ def test_training_loop_registers_returned_model(mlp):
         m, y = step(m, jnp.ones(4))
         ref, yref = eqx.filter_jit(step.__wrapped__)(ref, jnp.ones(4))
         assert_trees_equal(y, yref)
-        assert _flatten.latest(m) is not None  # the next call reads it from the step's memo
+        assert _memo.latest(m) is not None  # the next call reads it from the step's memo
     assert_trees_equal(m, ref)
     assert step.stats().compiles == 1
 

@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 import fastcall
+from fastcall import _memo
 from fastcall import _codegen
 
 from .conftest import FAST_PATH, STRUCTURE_PATH, assert_trees_equal, general_calls, served, state_of
@@ -1365,7 +1366,6 @@ def test_a_returned_eqx_state_is_read_back_from_the_memo_under_a_guard(hot_path)
     returns is noted with a guard over its dicts, and the next call reads it from the memo
     (no generated code runs); a State changed in place after it was returned (its `_state`
     dict written, or invalidated by `.set`) is read afresh, as Equinox reads it."""
-    from fastcall import _flatten
 
     model, state = eqx.nn.make_with_state(_NormNet)(jax.random.PRNGKey(0))
     f, peer = fastcall.filter_jit(_stateful_call), eqx.filter_jit(_stateful_call)
@@ -1376,7 +1376,7 @@ def test_a_returned_eqx_state_is_read_back_from_the_memo_under_a_guard(hot_path)
         y_ref, ref = peer(model, ref, x * (i + 1))
         assert_trees_equal((y, s), (y_ref, ref))
         assert route == ("general" if i == 0 else STRUCTURE_PATH[hot_path])
-        found = _flatten.latest(s)  # (noted, with a guard, for the next call)
+        found = _memo.latest(s)  # (noted, with a guard, for the next call)
         assert found is not None and found[2] is not None
     assert f.stats().compiles == 1
     extracted = []
@@ -1390,7 +1390,7 @@ def test_a_returned_eqx_state_is_read_back_from_the_memo_under_a_guard(hot_path)
     index = model.norm.batch_state_index
     s2._state[index.marker] = jax.tree_util.tree_map(lambda a: a + 1.0, s2._state[index.marker])
     assert_trees_equal(f(model, s2, x), _stateful_call(model, s2, x))
-    assert _flatten.latest(s2) is None
+    assert _memo.latest(s2) is None
     # `.set` invalidates the State it is called on: using it again raises, as in Equinox.
     (y, s3) = f(model, s2, x)
     s4 = s3.set(index, s3.get(index))
@@ -1445,7 +1445,6 @@ def test_a_returned_module_holding_lists_and_dicts_is_read_back_from_the_memo_un
     reads it from the memo (no generated code runs). A list or dict of the returned model
     changed in place before it is passed back (an item replaced, appended, deleted; a dict
     value replaced; a nested list changed) is seen, as Equinox sees it."""
-    from fastcall import _flatten
 
     f, peer = fastcall.filter_jit(_sgd_step), eqx.filter_jit(_sgd_step)
     x = jnp.arange(4.0)
@@ -1457,7 +1456,7 @@ def test_a_returned_module_holding_lists_and_dicts_is_read_back_from_the_memo_un
         assert_trees_equal((m, aux), (ref, ref_aux))
         assert route == ("general" if i == 0 else STRUCTURE_PATH[hot_path])
         for returned in (m, aux):
-            found = _flatten.latest(returned)  # (noted, with a guard, for the next call)
+            found = _memo.latest(returned)  # (noted, with a guard, for the next call)
             assert found is not None and found[2] is not None
     extracted = []
     for kind in (_Listed, tuple):  # (no generated code reads them)
@@ -1491,7 +1490,6 @@ def test_a_returned_module_with_a_tracer_among_its_leaves_is_not_noted(hot_path)
     differentiated input come back concrete, the others as tracers: a returned module whose
     first leaf is concrete and a later one a tracer is not noted (its leaves would keep the
     trace alive, and are no arrays to pass)."""
-    from fastcall import _flatten
 
     def two(w, c):
         return w * 2.0, _pair(c, w)
@@ -1508,7 +1506,7 @@ def test_a_returned_module_with_a_tracer_among_its_leaves_is_not_noted(hot_path)
     jax.grad(loss)(jnp.ones(2))
     (b,) = returned
     assert [type(x) for x in jax.tree_util.tree_leaves(b)][0] is type(jnp.ones(2))  # (the first is concrete)
-    assert _flatten.latest(b) is None
+    assert _memo.latest(b) is None
 
 
 class _Pair(eqx.Module):

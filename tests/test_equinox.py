@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import fastcall
+from fastcall import _memo
 
 from .conftest import assert_trees_equal, check_against_peers, general_calls
 
@@ -179,7 +180,6 @@ def test_output_dict_key_order_matches_filter_jit():
 def test_returned_optimizer_state_tuple_is_reused_next_step(mlp):
     import optax
 
-    from fastcall import _flatten
 
     opt = optax.adam(1e-2)
 
@@ -194,7 +194,7 @@ def test_returned_optimizer_state_tuple_is_reused_next_step(mlp):
     for _ in range(4):
         m, s = step(m, s, jnp.ones(4))
         rm, rs = eqx.filter_jit(step.__wrapped__)(rm, rs, jnp.ones(4))
-        leaves, _, _ = _flatten.latest(s)  # noted for the next step, with its leaves
+        leaves, _, _ = _memo.latest(s)  # noted for the next step, with its leaves
         assert all(a is b for a, b in zip(leaves, jax.tree_util.tree_leaves(s), strict=True))
     assert_trees_equal(m, rm)
     assert_trees_equal(s, rs)

@@ -16,7 +16,8 @@ import pytest
 import fastcall
 from fastcall import _codegen, _outputs, _rebuild
 
-from .conftest import STRUCTURE_PATH, assert_trees_equal, served
+from . import conftest
+from .conftest import STRUCTURE_PATH, assert_trees_equal, compiled_sources, served
 
 
 def _as_python() -> Any:
@@ -40,11 +41,15 @@ def _as_python() -> Any:
 AS_PYTHON = _as_python()
 
 
-def test_the_plans_are_compiled_where_fastcall_was_built():
-    """CI builds with a C compiler and Cython: a silent fallback would only show as lost speed."""
-    assert _rebuild.COMPILED, "fastcall/_rebuild.py was not compiled (are a C compiler and Cython installed?)"
-    assert Path(_rebuild.__file__).suffix != ".py"
-    assert AS_PYTHON.COMPILED is False
+def test_the_compiled_sources_are_compiled_where_fastcall_was_built():
+    """CI builds with a C compiler and Cython: a silent fallback would only show as lost speed
+    (except in the run that asks for the sources as Python, `FASTCALL_TEST_AS_PYTHON=1`)."""
+    from fastcall import _native
+
+    assert [m.__name__ for m in _native.COMPILED_SOURCES] == compiled_sources()  # (as setup.py lists them)
+    for module in _native.COMPILED_SOURCES:
+        assert (Path(module.__file__).suffix == ".py") == conftest.AS_PYTHON, module.__file__
+    assert _rebuild.COMPILED != conftest.AS_PYTHON and AS_PYTHON.COMPILED is False
 
 
 @pytest.fixture(params=["compiled", "python"])
@@ -53,7 +58,7 @@ def rebuild(request, monkeypatch):
     callers' module swapped: every plan a call makes is then of that kind)."""
     module = _rebuild if request.param == "compiled" else AS_PYTHON
     if module is _rebuild and not _rebuild.COMPILED:
-        pytest.skip("not compiled")
+        pytest.skip("not compiled (FASTCALL_TEST_AS_PYTHON=1)")
     monkeypatch.setattr(_codegen, "_rebuild", module)
     monkeypatch.setattr(_outputs, "_rebuild", module)
     return module
@@ -104,7 +109,7 @@ def test_a_plan_rebuilds_every_kind_of_node(rebuild):
 def test_compiled_and_python_plans_build_the_same_output():
     """The two ways of running the one source, against each other, on one output."""
     if not _rebuild.COMPILED:
-        pytest.skip("not compiled")
+        pytest.skip("not compiled (FASTCALL_TEST_AS_PYTHON=1)")
     example = _output_example()
     dynamic = [x for x in jax.tree_util.tree_leaves(example) if isinstance(x, jax.Array)]
     outs = []

@@ -230,13 +230,13 @@ class TracedInputs:
             # (an nnx.State, with graph updates: as nnx.jit, a Variable no longer in it after
             # the call gives nothing back)
             alive = {id(a) for a in after} if values_only and graph_updates else None
-            for index, value, new_variable in t.writes(aligned, everything[ordinal], graph_updates and not values_only,
+            for index, value, is_new in t.writes(aligned, everything[ordinal], graph_updates and not values_only,
                                                        raw=not values_only, alive=alive):
                 if per_leaf is not None and per_leaf[index] is not None:
                     value = jax.lax.with_sharding_constraint(value, per_leaf[index])
                 writes.append((ordinal, index))
                 written.append(value)
-                if new_variable:
+                if is_new:
                     replaced.append((ordinal, index))
             if not graph_updates:
                 # (as nnx.jit without graph updates, which writes each changed Variable back
