@@ -3,15 +3,15 @@ no Cython for the second), the package runs as Python and `import fastcall` says
 (`fastcall/_native.py`).
 
 * `fastcall._accel`: the C wrapper (`fastcall/_accel.c`).
-* `COMPILED_SOURCES`: Python modules (some written in Cython's pure-Python mode) compiled by
-  Cython; the same file is the module where it is not compiled.
+* `COMPILED_SOURCES`: Python modules written in Cython's pure-Python mode, compiled by Cython;
+  the same file is the module where it is not compiled.
 
 Everything else about the package is in pyproject.toml."""
 
 from setuptools import Extension, setup
 
 # (`fastcall/_native.py` names the same list, to say which were not compiled)
-COMPILED_SOURCES = ["_rebuild", "_memo", "_guard"]
+COMPILED_SOURCES = ["_rebuild"]
 
 extensions = [Extension("fastcall._accel", ["fastcall/_accel.c"], optional=True)]
 for name in COMPILED_SOURCES:

@@ -151,9 +151,13 @@ static const char *WRITE_BACK_FIELDS[] = {"writes", "result", "post", NULL};
 #define RAW_NAME 1
 static const char *RAW_LEAF_FIELDS[] = {"owner", "name", NULL};
 /* Registration(position, start, stop, spec, spec_id, guard): an output an entry's memo notes
- * (fastcall/_flatten.py); a memo is (regs, ref_0, leaves_0, guard_0, ref_1, ...), written by
- * fastcall/_memo.py */
+ * (fastcall/_flatten.py); a memo is (regs, ref_0, leaves_0, guard_0, ref_1, ...). `guard`:
+ * None, "state" (`state_guard`), or a tuple of container paths (`paths_guard`) */
+#define REG_POSITION 0
+#define REG_START 1
+#define REG_STOP 2
 #define REG_SPEC_ID 4
+#define REG_GUARD 5
 #define REG_SIZE 6
 #define MEMO_STRIDE 3
 static const char *REGISTRATION_FIELDS[] = {"position", "start", "stop", "spec", "spec_id", "guard", NULL};
@@ -172,7 +176,7 @@ static const char *CACHE_FIELDS[] = {"ref", "leaves", "spec_id", "spec", "guard"
 static struct {
     PyObject *index;       /* dict: id(first) -> FastSlot (the fast index) */
     PyObject *by_id;       /* dict: id(obj) -> CacheEntry (the identity cache) */
-    PyObject *latest;      /* list: the `held` lists of the entries that returned last (`_memo.LATEST`) */
+    PyObject *latest;      /* list: the `held` lists of the entries that returned last (see remember_outputs) */
     PyObject *graphdefs;   /* dict: id(graphdef) -> KnownGraphdef */
     PyObject *value_slot;  /* one-element list: the Variable._raw_value descriptor, or None */
     PyObject *graph_context; /* one-element list: NNX's (thread-local) graph context, or None */
@@ -189,6 +193,7 @@ static struct {
     PyObject *s_objects;      /* "objects" (NodesRead.objects) */
     PyObject *s_level;        /* "level" (PytreeShape.level) */
     PyObject *s_mapping;      /* "_mapping" (flax's HashableMapping's dict) */
+    PyObject *s_state;        /* "_state" (an eqx.nn.State's dict of values) */
     /* the graph context's dict for the thread whose id is `context_thread`, and the type
      * `_thread._local` (see no_static_cache_pending) */
     PyObject *context_of, *context_dict, *thread_local_type;
@@ -643,7 +648,7 @@ slot_of(FastWrapper *self, PyObject *a, Py_ssize_t position)
 
 /* The leaves of `a` (a new reference to a list) if it is one of the objects the latest
  * call of a recently run entry returned (`_memo.latest`, whose copy this is: see
- * fastcall/_memo.py), with spec `spec_id`, and its guard (if any) holds; NULL without an
+ * remember_outputs), with spec `spec_id`, and its guard (if any) holds; NULL without an
  * error if not. A returned module or State is known by a weak reference, a returned tuple
  * by a strong one: either way `a` itself, alive, so its id cannot have been reused. */
 static PyObject *
@@ -2647,16 +2652,17 @@ py_configure(PyObject *module, PyObject *args)
             return NULL;
         }
     }
-    if (!PyType_IsSubtype((PyTypeObject *)cls[14], &PyTuple_Type)) { /* (made by tuple.__new__: _guard.make) */
+    if (!PyType_IsSubtype((PyTypeObject *)cls[14], &PyTuple_Type)) { /* (made by tuple.__new__: watch_dict) */
         PyErr_SetString(PyExc_TypeError, "configure: Watched must be a tuple subclass");
         for (int j = 0; j < N_RECORDS; j++) Py_DECREF(cls[j]);
         return NULL;
     }
     /* (made once; each checked, so that a failure leaves none half made) */
     PyObject **made[] = {&G.s_spec_id, &G.s_fresh, &G.s_items, &G.s_paths, &G.s_disjoint, &G.s_node_ids,
-                         &G.s_static_cache, &G.s_dict, &G.s_pytree_nodes, &G.s_objects, &G.s_level, &G.s_mapping};
+                         &G.s_static_cache, &G.s_dict, &G.s_pytree_nodes, &G.s_objects, &G.s_level, &G.s_mapping,
+                         &G.s_state};
     const char *strings[] = {"spec_id", "fresh", "items", "paths", "disjoint", "node_ids", "tmp_static_cache",
-                             "__dict__", "_pytree__nodes", "objects", "level", "_mapping"};
+                             "__dict__", "_pytree__nodes", "objects", "level", "_mapping", "_state"};
     for (int i = 0; i < (int)(sizeof(strings) / sizeof(strings[0])); i++) { /* (made[] and strings[] pair up) */
         if (*made[i] == NULL && (*made[i] = PyUnicode_InternFromString(strings[i])) == NULL) {
             for (int j = 0; j < N_RECORDS; j++) Py_DECREF(cls[j]);
@@ -2788,6 +2794,294 @@ static PyTypeObject FastWrapperType = {
     .tp_getset = fw_getset,
 };
 
+/* A `Watched` record (fastcall/_guard.py) of the dict `d` as it holds now: (d, its keys
+ * and values interleaved, [None], owner) (a new reference), or NULL on error. */
+static PyObject *
+watch_dict(PyObject *d, PyObject *owner)
+{
+    Py_ssize_t n = PyDict_GET_SIZE(d);
+    PyObject *expected = PyTuple_New(2 * n);
+    PyObject *stamp = PyList_New(1);
+    PyObject *fields = NULL, *watched = NULL;
+    if (expected != NULL && stamp != NULL) {
+        Py_ssize_t pos = 0, i = 0;
+        PyObject *k, *v;
+        while (i < 2 * n && PyDict_Next(d, &pos, &k, &v)) {
+            PyTuple_SET_ITEM(expected, i++, Py_NewRef(k));
+            PyTuple_SET_ITEM(expected, i++, Py_NewRef(v));
+        }
+        PyList_SET_ITEM(stamp, 0, Py_NewRef(Py_None));
+        if (i == 2 * n && PyDict_GET_SIZE(d) == n) { /* (the allocations above may have run a finalizer) */
+            fields = PyTuple_Pack(4, d, expected, stamp, owner);
+        } else if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_RuntimeError, "fastcall: a dict changed while it was read");
+        }
+    }
+    if (fields != NULL) {
+        /* Watched(*fields), as a NamedTuple's own __new__ makes it: tuple.__new__(Watched, fields) */
+        PyObject *args = PyTuple_Pack(1, fields);
+        watched = args == NULL ? NULL : PyTuple_Type.tp_new((PyTypeObject *)G.watched, args, NULL);
+        Py_XDECREF(args);
+    }
+    Py_XDECREF(expected);
+    Py_XDECREF(stamp);
+    Py_XDECREF(fields);
+    return watched;
+}
+
+/* The guard of a returned eqx.nn.State `item` (`_memo.state_containers`): its attribute
+ * dict (owned by `item`) and its `_state` dict, each as it holds now (a new reference);
+ * None if either is not a plain dict (not noted); NULL on error. */
+static PyObject *
+state_guard(PyObject *item)
+{
+    if (G.watched == NULL || G.s_state == NULL) {
+        return Py_NewRef(Py_None); /* (not configured: nothing is read from the memo either) */
+    }
+    PyObject *attrs = PyObject_GenericGetDict(item, NULL);
+    if (attrs == NULL) {
+        return NULL;
+    }
+    PyObject *inner = PyDict_CheckExact(attrs) ? PyDict_GetItemWithError(attrs, G.s_state) : NULL; /* borrowed */
+    PyObject *guard = NULL;
+    if (inner != NULL && PyDict_CheckExact(inner)) {
+        Py_INCREF(inner);
+        PyObject *owner = PyWeakref_NewRef(item, NULL);
+        PyObject *outer_watched = owner == NULL ? NULL : watch_dict(attrs, owner);
+        PyObject *inner_watched = outer_watched == NULL ? NULL : watch_dict(inner, Py_None);
+        guard = inner_watched == NULL ? NULL : PyTuple_Pack(2, outer_watched, inner_watched);
+        Py_XDECREF(owner);
+        Py_XDECREF(outer_watched);
+        Py_XDECREF(inner_watched);
+        Py_DECREF(inner);
+    } else if (!PyErr_Occurred()) {
+        guard = Py_NewRef(Py_None);
+    }
+    Py_DECREF(attrs);
+    return guard;
+}
+
+/* A `Watched` record of the list `c` as it holds now: (c, its items, None, None) (a new
+ * reference), or NULL on error. */
+static PyObject *
+watch_list(PyObject *c)
+{
+    PyObject *expected = PyList_AsTuple(c);
+    PyObject *fields = expected == NULL ? NULL : PyTuple_Pack(4, c, expected, Py_None, Py_None);
+    PyObject *args = fields == NULL ? NULL : PyTuple_Pack(1, fields);
+    PyObject *watched = args == NULL ? NULL : PyTuple_Type.tp_new((PyTypeObject *)G.watched, args, NULL);
+    Py_XDECREF(expected);
+    Py_XDECREF(fields);
+    Py_XDECREF(args);
+    return watched;
+}
+
+/* The guard of a returned object `item` that holds lists or dicts: one `Watched` for the
+ * container at each of `paths` (`_flatten.container_paths`, each step (0, name): an
+ * attribute, or (1, key): an item), as it holds now (a new reference); None if one is not a
+ * plain list or dict (not noted); NULL on error. An attribute is read as
+ * `object.__getattribute__` reads it (an Equinox module's own, in Python, is not run), as
+ * `_memo.follow`, which `_memo.note_latest` calls. */
+static PyObject *
+paths_guard(PyObject *item, PyObject *paths)
+{
+    if (G.watched == NULL) {
+        return Py_NewRef(Py_None); /* (not configured: nothing is read from the memo either) */
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(paths);
+    PyObject *guard = PyTuple_New(n);
+    for (Py_ssize_t p = 0; guard != NULL && p < n; p++) {
+        PyObject *path = PyTuple_GET_ITEM(paths, p);
+        PyObject *at = PyTuple_CheckExact(path) ? Py_NewRef(item) : NULL;
+        for (Py_ssize_t k = 0; at != NULL && k < PyTuple_GET_SIZE(path); k++) {
+            PyObject *step = PyTuple_GET_ITEM(path, k);
+            if (!PyTuple_CheckExact(step) || PyTuple_GET_SIZE(step) != 2) {
+                Py_CLEAR(at);
+                break;
+            }
+            PyObject *op = PyTuple_GET_ITEM(step, 0), *key = PyTuple_GET_ITEM(step, 1);
+            long which = PyLong_CheckExact(op) ? PyLong_AsLong(op) : -1; /* (_flatten._ATTR: 0) */
+            if (which == -1 && PyErr_Occurred()) {
+                Py_CLEAR(at);
+                break;
+            }
+            Py_SETREF(at, which == 0 ? PyObject_GenericGetAttr(at, key) : PyObject_GetItem(at, key));
+        }
+        if (at == NULL) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_TypeError, "paths_guard: a path is a tuple of (op, key) steps");
+            }
+            Py_CLEAR(guard);
+            break;
+        }
+        PyObject *watched = NULL;
+        if (PyList_CheckExact(at)) {
+            watched = watch_list(at);
+        } else if (PyDict_CheckExact(at)) {
+            watched = watch_dict(at, Py_None);
+        } else {
+            Py_DECREF(at);
+            Py_SETREF(guard, Py_NewRef(Py_None)); /* (not a plain container: not noted) */
+            break;
+        }
+        Py_DECREF(at);
+        if (watched == NULL) {
+            Py_CLEAR(guard);
+            break;
+        }
+        PyTuple_SET_ITEM(guard, p, watched);
+    }
+    return guard;
+}
+
+/* remember_outputs(on_death, regs, held, result, dyn): `OutInfo._register` (whose Python
+ * copy `_memo.note_latest` is) in C. The objects a call returns that the next call may
+ * take back (`regs`: a `Registration` each) are noted in one tuple, the entry's *memo*,
+ * which replaces the previous call's in `held[0]`:
+ *     (regs, ref_0, leaves_0, guard_0, ref_1, leaves_1, guard_1, ...)
+ * per registration, `item` (`result`, or result[position]) known by a weak reference whose
+ * callback is `on_death` if it can be weakly referenced, by itself (held strongly until the
+ * entry's next call) if it is a plain tuple, else None (not noted); leaves_r its leaves
+ * dyn[start:stop] (a list); guard_r, for a registration with a `guard`, a guard over an
+ * eqx.nn.State's dicts (`state_guard`) or over the lists and dicts at its paths
+ * (`paths_guard`; an object whose containers are not plain is not noted), else None. Not noted either: a registration with a leaf that is not an ArrayImpl (a
+ * tracer of an outer trace). Then `held` goes to the front of the recent entries
+ * (`G.latest`, `latest_leaves` reads it). Nothing is allocated per returned node beyond
+ * its weak reference, its leaves and its guard: the identity cache proper (`by_id`)
+ * takes an object only when a call served in Python reads it (`_flatten.lookup`). 0, or -1. */
+static int
+remember_outputs(PyObject *on_death, PyObject *regs, PyObject *result, PyObject *dyn, PyObject *held)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(regs);
+    PyObject *memo = PyTuple_New(1 + MEMO_STRIDE * n);
+    if (memo == NULL) {
+        return -1;
+    }
+    PyTuple_SET_ITEM(memo, 0, Py_NewRef(regs));
+    for (Py_ssize_t j = 1; j < 1 + MEMO_STRIDE * n; j++) {
+        PyTuple_SET_ITEM(memo, j, Py_NewRef(Py_None));
+    }
+    for (Py_ssize_t r = 0; r < n; r++) {
+        PyObject *reg = PyTuple_GET_ITEM(regs, r);
+        if (!PyTuple_Check(reg) || PyTuple_GET_SIZE(reg) != REG_SIZE) {
+            PyErr_SetString(PyExc_TypeError, "remember_outputs: a registration is a Registration");
+            goto failed;
+        }
+        PyObject *position = PyTuple_GET_ITEM(reg, REG_POSITION);
+        Py_ssize_t start = PyLong_AsSsize_t(PyTuple_GET_ITEM(reg, REG_START));
+        Py_ssize_t stop = PyLong_AsSsize_t(PyTuple_GET_ITEM(reg, REG_STOP));
+        if (PyErr_Occurred()) {
+            goto failed;
+        }
+        if (start < 0 || start >= stop || stop > PyList_GET_SIZE(dyn)) {
+            PyErr_SetString(PyExc_IndexError, "remember_outputs: leaves out of range");
+            goto failed;
+        }
+        Py_ssize_t concrete = start;
+        while (concrete < stop && (PyObject *)Py_TYPE(PyList_GET_ITEM(dyn, concrete)) == G.array_type) {
+            concrete++;
+        }
+        if (concrete < stop) {
+            continue; /* (a tracer of an outer trace, which may be any of them: never cached) */
+        }
+        PyObject *item = position == Py_None ? Py_NewRef(result) : PyObject_GetItem(result, position);
+        if (item == NULL) {
+            goto failed;
+        }
+        PyObject *how = PyTuple_GET_ITEM(reg, REG_GUARD);
+        PyObject *guard = how == Py_None           ? Py_NewRef(Py_None)
+                          : PyTuple_CheckExact(how) ? paths_guard(item, how)
+                                                    : state_guard(item);
+        if (guard == NULL) {
+            Py_DECREF(item);
+            goto failed;
+        }
+        if (guard == Py_None && how != Py_None) {
+            Py_DECREF(guard);
+            Py_DECREF(item);
+            continue; /* (a container that is not plain: not noted) */
+        }
+        PyObject *ref = PyTuple_CheckExact(item) ? Py_NewRef(item) : PyWeakref_NewRef(item, on_death);
+        Py_DECREF(item);
+        if (ref == NULL) {
+            Py_DECREF(guard);
+            if (!PyErr_ExceptionMatches(PyExc_TypeError)) {
+                goto failed;
+            }
+            PyErr_Clear(); /* (cannot be weakly referenced: not noted) */
+            continue;
+        }
+        PyObject *leaves = PyList_GetSlice(dyn, start, stop);
+        if (leaves == NULL) {
+            Py_DECREF(ref);
+            Py_DECREF(guard);
+            goto failed;
+        }
+        Py_DECREF(Py_None); /* (the three Nones they replace) */
+        Py_DECREF(Py_None);
+        Py_DECREF(Py_None);
+        PyTuple_SET_ITEM(memo, 1 + MEMO_STRIDE * r, ref);
+        PyTuple_SET_ITEM(memo, 2 + MEMO_STRIDE * r, leaves);
+        PyTuple_SET_ITEM(memo, 3 + MEMO_STRIDE * r, guard);
+    }
+    /* The swap (atomic under the GIL); the previous memo and whatever falls off the recent
+     * entries are released after both tables are consistent (releasing may run code). */
+    PyObject *previous = Py_NewRef(PyList_GET_ITEM(held, 0));
+    PyList_SetItem(held, 0, memo); /* (steals memo) */
+    PyObject *dropped = NULL;
+    PyObject *ring = G.latest;
+    if (ring != NULL && PyList_CheckExact(ring) && PyList_GET_SIZE(ring) > 0 && PyList_GET_ITEM(ring, 0) != held) {
+        /* `held` to the front, the others one place back (the last falls off, unless it is
+         * `held`'s old place) */
+        Py_ssize_t k = PyList_GET_SIZE(ring);
+        Py_ssize_t at = k - 1;
+        for (Py_ssize_t i = 1; i < k; i++) {
+            if (PyList_GET_ITEM(ring, i) == held) {
+                at = i;
+                break;
+            }
+        }
+        PyObject **items = ((PyListObject *)ring)->ob_item;
+        dropped = items[at];
+        memmove(&items[1], &items[0], (size_t)at * sizeof(PyObject *));
+        items[0] = Py_NewRef(held);
+    }
+    Py_XDECREF(dropped);
+    Py_DECREF(previous);
+    return 0;
+failed:
+    Py_DECREF(memo);
+    return -1;
+}
+
+/* Whether (on_death, regs, held) are as remember_outputs reads them; else TypeError `usage`. */
+static int
+remember_args_ok(PyObject *on_death, PyObject *regs, PyObject *held, const char *usage)
+{
+    if (!PyCallable_Check(on_death) || !PyTuple_CheckExact(regs) || !PyList_CheckExact(held)
+        || PyList_GET_SIZE(held) != 1) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *
+py_remember_outputs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *usage = "remember_outputs(on_death, regs: tuple, held: [memo], result, dyn: list)";
+    if (nargs != 5 || !PyList_CheckExact(args[4]) || !remember_args_ok(args[0], args[1], args[2], usage)) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, usage);
+        }
+        return NULL;
+    }
+    if (remember_outputs(args[0], args[1], args[3], args[4], args[2]) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *G_s_oid; /* "oid": made at import */
 
 /* evict(by_id, index, ref): `_flatten._evict` in C, the callback of the identity cache's
@@ -2881,6 +3175,8 @@ static PyMethodDef accel_methods[] = {
     {"guard_holds", py_guard_holds, METH_O, "Whether a guard's containers are unchanged (see _guard.py)."},
     {"configure", py_configure, METH_VARARGS, "Set the tables and record classes every FastWrapper reads."},
     {"evict", (PyCFunction)(void (*)(void))py_evict, METH_FASTCALL, "Drop a dead object's cache entries."},
+    {"remember_outputs", (PyCFunction)(void (*)(void))py_remember_outputs, METH_FASTCALL,
+     "Note the modules and tuples a call returned, for the next call (OutInfo._register)."},
     {NULL, NULL, 0, NULL},
 };
 

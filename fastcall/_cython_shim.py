@@ -22,7 +22,3 @@ cclass = final = ccall = cfunc = inline = _same
 
 def declare(_type: Any, value: Any = None) -> Any:
     return value
-
-
-def cast(_type: Any, value: Any) -> Any:
-    return value

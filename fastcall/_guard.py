@@ -1,4 +1,3 @@
-# cython: language_level=3
 """Guards: the cheap check that a cached object holding lists or dicts is unchanged.
 
 An Equinox module, a tuple or an NNX graph is cached by identity (`_flatten`,
@@ -21,7 +20,6 @@ changes it moves on) is the one it had when the check last found it unchanged
 (`Watched.stamp`), for a dict that keeps its own values only: an object's attribute
 dict may share them with the object (Python 3.13), which writes an attribute there
 without a new tag. Python 3.14 has no such tag, and there every dict is walked.
-Compiled by Cython where a C compiler was found at install (setup.py), as Python where not.
 
 An object's attribute dict (an `eqx.nn.State`'s, an `nnx.State`'s: `Attributes`) is
 watched with its owner, by weak reference: `obj.__dict__ = {...}` gives the object

@@ -1,11 +1,9 @@
-# cython: language_level=3
 """The memo of returned objects: what the latest calls returned, for the next call to take back.
 
 Each compiled entry that returns modules, tuples or eqx.nn.States keeps a one-item list
 `held`: held[0] is its latest call's *memo* (or None),
     (regs, ref_0, leaves_0, guard_0, ref_1, leaves_1, guard_1, ...)
-per `_flatten.Registration` of `OutInfo.regs` (read here by position: position, start,
-stop, spec, spec_id, guard): the returned object known by a weak reference (a module or
+per `_flatten.Registration` of `OutInfo.regs`: the returned object known by a weak reference (a module or
 State: released when it dies, by `forget_latest`) or by itself (a tuple, which cannot be
 weakly referenced: held until the entry's next call), or None (not noted); its leaves; and,
 for an object holding lists or dicts (the registration's `guard`), a guard over them, which
@@ -14,23 +12,18 @@ most recently, newest first. A lookup compares live objects by identity (`ref() 
 or `ref is obj`), so a reused id never matches, and takes a guarded one only while its
 guard holds. So `model = step(model, ...)` finds the model next step without an identity
 cache entry being made for each (`_flatten.lookup` makes one when a call served in Python
-reads one); the C structure route reads `LATEST` itself (`_accel.c`, `latest_leaves`).
-
-One source, compiled by Cython where the package was built with a C compiler (see
-`_rebuild`), run as this file where not.
+reads one). The C extension has its own copy of the writer and the reader
+(`_accel.c`: `remember_outputs`, `latest_leaves`), which calls it serves use.
 """
+
+from __future__ import annotations
 
 import threading
 import weakref
 from typing import Any
 
-from fastcall import _guard
-from fastcall._arrays import ArrayImpl
-
-try:
-    import cython
-except ImportError:  # (Cython is needed only to build; run as Python without it)
-    from fastcall import _cython_shim as cython  # type: ignore[no-redef]
+from . import _guard
+from ._arrays import ArrayImpl
 
 LATEST_SIZE = 8
 LATEST: list[Any] = [None] * LATEST_SIZE
@@ -43,10 +36,7 @@ MEMO_STRIDE = 3  # (ref, leaves, guard) per registration
 STATE_GUARD = "state"
 ATTR, ITEM = 0, 1  # the steps of a container path: (ATTR, name) or (ITEM, index or key)
 
-_getattribute = cython.declare(object, object.__getattribute__)
-_array = cython.declare(object, ArrayImpl)
-_make_guard = cython.declare(object, _guard.make)
-_is_guardable = cython.declare(object, _guard.is_guardable)
+_getattribute = object.__getattribute__
 
 
 def state_containers(state: Any) -> list[Any]:
@@ -55,7 +45,7 @@ def state_containers(state: Any) -> list[Any]:
     return [_guard.Attributes(state), vars(state).get("_state")]
 
 
-def follow(item: Any, path: tuple) -> Any:
+def follow(item: Any, path: tuple[tuple[int, Any], ...]) -> Any:
     """The object at `path` (`_flatten.container_paths`) in `item`. Attributes are read by
     `object.__getattribute__`: an Equinox module's own `__getattribute__` (Python code, which
     wraps methods) is skipped."""
@@ -64,71 +54,50 @@ def follow(item: Any, path: tuple) -> Any:
     return item
 
 
-@cython.cfunc
-def _noted(registration: Any, result: Any, dyn: list, on_death: Any) -> Any:
-    """(ref, leaves, guard) of one registration's object, or None: not noted (a leaf that is
-    not a concrete array, a tracer of an outer trace; a container that is not plain; an
-    object that cannot be weakly referenced)."""
-    reg: tuple = cython.cast(tuple, registration)  # (a Registration: read by position)
-    start: cython.Py_ssize_t = reg[1]
-    stop: cython.Py_ssize_t = reg[2]
-    i: cython.Py_ssize_t
-    for i in range(start, stop):
-        if type(dyn[i]) is not _array:
-            return None
-    position = reg[0]
-    item = result if position is None else result[position]
-    how = reg[5]
-    guard = None
-    if how is not None:
-        containers = state_containers(item) if how == STATE_GUARD else [follow(item, path) for path in how]
-        for c in containers:
-            if not _is_guardable(c):
-                return None
-        guard = _make_guard(containers)
-        if guard is None:
-            return None
-    ref: Any = item  # (a tuple: itself)
-    if type(item) is not tuple:
-        try:
-            ref = weakref.ref(item, on_death)
-        except TypeError:
-            return None
-    return (ref, dyn[start:stop], guard)
-
-
-def note_latest(held: list, regs: tuple, on_death: Any, result: Any, dyn: list) -> None:
+def note_latest(held: list[Any], regs: tuple[Any, ...], on_death: Any, result: Any, dyn: list[Any]) -> None:
     """Note the objects a call returned (`OutInfo.remember`): its memo replaces the entry's
-    previous one in `held`, and `held` goes to the front of `LATEST`."""
-    r: cython.Py_ssize_t
-    n: cython.Py_ssize_t = len(regs)
-    memo: list = [regs]
-    for r in range(n):
-        found = _noted(regs[r], result, dyn, on_death)
-        if found is None:
-            memo += (None, None, None)
-        else:
-            memo += found
+    previous one in `held`, and `held` goes to the front of `LATEST`. Only concrete arrays
+    (not tracers of an outer trace) are noted; a container that is not plain, or an object
+    that cannot be weakly referenced, is not."""
+    memo: list[Any] = [regs]
+    for reg in regs:
+        ref: Any = None
+        leaves = guard = None
+        if all(type(x) is ArrayImpl for x in dyn[reg.start : reg.stop]):  # (none a tracer of an outer trace)
+            item = result if reg.position is None else result[reg.position]
+            if type(item) is tuple:
+                ref = item
+            else:
+                try:
+                    ref = weakref.ref(item, on_death)
+                except TypeError:
+                    pass  # (cannot be weakly referenced: not noted)
+            if ref is not None and reg.guard is not None:
+                if reg.guard == STATE_GUARD:
+                    containers = state_containers(item)
+                else:
+                    containers = [follow(item, path) for path in reg.guard]
+                guard = _guard.make(containers) if all(map(_guard.is_guardable, containers)) else None
+                if guard is None:
+                    ref = None
+            if ref is not None:
+                leaves = dyn[reg.start : reg.stop]
+        memo += (ref, leaves, guard)
     new = tuple(memo)
     dropped = None
     # (nothing is made or released under the lock: either may run code that calls back here)
     with _latest_lock:  # (two threads finishing calls at once)
-        previous = held[0]
-        held[0] = new
+        previous, held[0] = held[0], new
         if LATEST[0] is not held:
-            at: cython.Py_ssize_t = LATEST_SIZE - 1
-            for r in range(1, LATEST_SIZE):
-                if LATEST[r] is held:
-                    at = r
-                    break
+            at = next((i for i in range(1, LATEST_SIZE) if LATEST[i] is held), LATEST_SIZE - 1)
             dropped = LATEST[at]
-            for r in range(at, 0, -1):
-                LATEST[r] = LATEST[r - 1]
+            for i in range(at, 0, -1):
+                LATEST[i] = LATEST[i - 1]
             LATEST[0] = held
     del previous, dropped
 
 
-def latest(obj: Any) -> Any:
+def latest(obj: Any) -> tuple[list[Any], Any, Any] | None:
     """(leaves, spec, guard) of `obj` if the latest call of a recent entry returned it and
     its guard (if any) holds; else None. (None is never noted; a dead module's weak
     reference reads as None until its callback has dropped the memo.)"""
@@ -139,8 +108,7 @@ def latest(obj: Any) -> Any:
         if memo is None:
             continue
         for r, reg in enumerate(memo[0]):
-            at = 1 + MEMO_STRIDE * r
-            ref, leaves, guard = memo[at], memo[at + 1], memo[at + 2]
+            ref, leaves, guard = memo[1 + MEMO_STRIDE * r : 1 + MEMO_STRIDE * (r + 1)]
             if ref is not None and (ref is obj if type(ref) is tuple else ref() is obj):
                 if guard is not None and not _guard.holds(guard):
                     return None  # (changed in place since it was returned: read afresh)
@@ -148,7 +116,7 @@ def latest(obj: Any) -> Any:
     return None
 
 
-def forget_latest(held: list, ref: Any) -> None:
+def forget_latest(held: list[Any], ref: Any) -> None:
     """A returned module died: drop the memo that knew it (and so its leaves), if current.
     (The weak references' callback, bound to its entry's `held`. Not under the lock: it
     runs wherever the module dies; a memo noted meanwhile and dropped here costs the next

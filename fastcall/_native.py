@@ -1,13 +1,13 @@
 """fastcall's compiled modules, and whether calls use them: decided here.
 
 `BUILT` is the C extension (`fastcall/_accel.c`), or None where it was not built. `ACCEL` is
-the module where fastcall serves calls with it (the C wrapper): `BUILT`, unless
-`FASTCALL_DISABLE_ACCEL=1` (read once, at import: every call is then served by the
-pure-Python twin, for debugging) or a test sets it to None to run that twin. Read when a
-wrapper is made, not per call. `COMPILED_SOURCES` are compiled by Cython from their own
-source where a C compiler was found at install, and run as that source where not, whatever
-`ACCEL` says: one source, no twin to choose. Where something was not compiled, the import
-says so once, as a log record on the "fastcall" logger.
+the module where fastcall serves calls with it (the C wrapper, the C memo of returned
+objects): `BUILT`, unless `FASTCALL_DISABLE_ACCEL=1` (read once, at import: every call is
+then served by the pure-Python twin, for debugging) or a test sets it to None to run that
+twin. Read when a wrapper or an output is set up, not per call. `COMPILED_SOURCES` are
+compiled by Cython from their own source where a C compiler was found at install, and run as
+that source where not, whatever `ACCEL` says: one source, no twin to choose. Where something
+was not compiled, the import says so once, as a log record on the "fastcall" logger.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import logging
 import os
 from typing import Any
 
-from . import _guard, _memo, _rebuild
+from . import _rebuild
 
 DISABLED = os.environ.get("FASTCALL_DISABLE_ACCEL", "") in ("1", "true", "yes")
 
 # (as setup.py lists them)
-COMPILED_SOURCES = (_rebuild, _memo, _guard)
+COMPILED_SOURCES = (_rebuild,)
 
 BUILT: Any
 _missing: list[str] = []

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import equinox as eqx
 import jax
 
-from . import _codegen, _flatten, _memo, _nnx_gate, _rebuild
+from . import _codegen, _flatten, _memo, _native, _nnx_gate, _rebuild
 from ._errors import FastcallError, describe_arg, for_decorator
 from ._flatten import ArrayImpl
 from ._trace import Tracer
@@ -87,9 +87,15 @@ class OutInfo:
         self.held: list[Any] = [None]
         # (the callback of the memo's weak references: a returned module died)
         self.on_death = functools.partial(_memo.forget_latest, self.held)
-        # `remember(result, dyn)`: note what a call returned, for the next call
+        # `remember(result, dyn)`: note what a call returned, for the next call (`_memo`; in C
+        # where the extension serves calls)
+        accel = _native.ACCEL
         self.remember: Callable[[Any, list[Any]], None] | None = (
-            functools.partial(_memo.note_latest, self.held, self.regs, self.on_death) if self.regs else None
+            None
+            if not self.regs
+            else functools.partial(accel.remember_outputs, self.on_death, self.regs, self.held)
+            if accel is not None
+            else functools.partial(_memo.note_latest, self.held, self.regs, self.on_death)
         )
         needs_flat = bool(self.statics or self.block or self.regs or nnx is not None or remade)
         # The plan that rebuilds this output structure (None: use treedef.unflatten).
@@ -230,7 +236,7 @@ class OutInfo:
     def _register(self, result: Any, dyn: Sequence[Any]) -> None:
         """Note returned modules (and tuples such as optimizer states) with their leaves,
         so that `model, opt_state = step(model, opt_state, ...)` finds them next step
-        (`_memo.note_latest`)."""
+        (`_memo.note_latest`, or its C copy)."""
         if self.remember is not None:
             self.remember(result, dyn if type(dyn) is list else list(dyn))
 
