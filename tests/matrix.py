@@ -56,10 +56,13 @@ POINTS: dict[str, dict[str, str]] = {
 # Copied next to tests/ for the run: the suite reads them (bench/ and examples/ are
 # imported or run from the checkout root; README.md (and the pages it links), docs/ and
 # .ci/run by tests/test_docs.py and tests/test_doc_examples.py;
-# pyproject.toml holds the pytest settings and the mypy configuration).
+# pyproject.toml holds the pytest settings and the mypy configuration; setup.py names the
+# modules Cython compiles, which tests/conftest.py reads).
 # Never fastcall/: pytest puts the run directory on sys.path, where it would shadow the
 # installed package.
-SUITE_FILES = ("tests", "bench", "examples", "README.md", "CHANGELOG.md", "docs", "mkdocs.yml", ".ci", "pyproject.toml")
+SUITE_FILES = (
+    "tests", "bench", "examples", "README.md", "CHANGELOG.md", "docs", "mkdocs.yml", ".ci", "pyproject.toml", "setup.py",
+)
 # Left out when the checkout is not a git work tree (else git decides what is source).
 SKIP_IN_SOURCE = {".git", ".venv", "venv", "build", "dist", "__pycache__", ".pytest_cache",
                   ".hypothesis", ".mypy_cache"}
