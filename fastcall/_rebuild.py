@@ -5,9 +5,9 @@ An output structure that jax cannot rebuild in C++ (an Equinox module, an `eqx.n
 anything holding one) or that fastcall must finish itself (static leaves, returned objects
 noted for the next call) is rebuilt by a plan made once, when the function is traced
 (`_codegen.make_builder` walks the output into it): a tree of nodes, each building one
-value from `d`, the list of dynamic outputs. Building a module costs one allocation and a
-field store per field, with no Python call per node, which is what Equinox's own unflatten
-would cost (it runs Python per node).
+value from `d`, the list of dynamic outputs. Compiled, building a module costs one
+allocation and a field store per field, with no Python call per node (Equinox's own
+unflatten, which jax would call, runs Python per node).
 
 One source, two ways to run it: written in Cython's pure-Python mode, compiled by Cython
 where the package was built with a C compiler (`COMPILED`), run as this very file where
