@@ -3,17 +3,17 @@
 Each compiled entry that returns modules, tuples or eqx.nn.States keeps a one-item list
 `held`: held[0] is its latest call's *memo* (or None),
     (regs, ref_0, leaves_0, guard_0, ref_1, leaves_1, guard_1, ...)
-per `_flatten.Registration` of `OutInfo.regs`: the returned object known by a weak reference (a module or
-State: released when it dies, by `forget_latest`) or by itself (a tuple, which cannot be
-weakly referenced: held until the entry's next call), or None (not noted); its leaves; and,
-for an object holding lists or dicts (the registration's `guard`), a guard over them, which
-may change in place (else None). `LATEST` lists the `held` of the entries that returned
-most recently, newest first. A lookup compares live objects by identity (`ref() is obj`,
-or `ref is obj`), so a reused id never matches, and takes a guarded one only while its
+per `_flatten.Registration` of `OutInfo.regs`: the returned object known by a weak reference
+(a module or State: released when it dies, by `forget_latest`) or by itself (a tuple, which
+cannot be weakly referenced: held until the entry's next call), or None (not noted); its
+leaves; and, for an object holding lists or dicts (the registration's `guard`), a guard over
+them, which may change in place (else None). `LATEST` lists the `held` of the entries that
+returned most recently, newest first. A lookup compares live objects by identity (`ref() is
+obj`, or `ref is obj`), so a reused id never matches, and takes a guarded one only while its
 guard holds. So `model = step(model, ...)` finds the model next step without an identity
 cache entry being made for each (`_flatten.lookup` makes one when a call served in Python
-reads one). The C extension has its own copy of the writer and the reader
-(`_accel.c`: `remember_outputs`, `latest_leaves`), which calls it serves use.
+reads one). The C extension has its own copy of the writer and the reader (`_accel.c`:
+`remember_outputs`, `latest_leaves`), which calls it serves use.
 """
 
 from __future__ import annotations
