@@ -10,15 +10,17 @@ Everything else about the package is in pyproject.toml."""
 
 from setuptools import Extension, setup
 
-# (`fastcall/_native.py` names the same list, to say which were not compiled)
-COMPILED_SOURCES = ["_rebuild"]
+# (as module names under fastcall; `fastcall/_native.py` names the same list, to say which
+# were not compiled)
+COMPILED_SOURCES = ["_rebuild", "_nnx._leaf_writes"]
 
 extensions = [Extension("fastcall._accel", ["fastcall/_accel.c"], optional=True)]
 for name in COMPILED_SOURCES:
     try:
         from Cython.Build import cythonize
 
-        (ext,) = cythonize([Extension(f"fastcall.{name}", [f"fastcall/{name}.py"])], quiet=True)
+        source = "fastcall/" + name.replace(".", "/") + ".py"
+        (ext,) = cythonize([Extension(f"fastcall.{name}", [source])], quiet=True)
     except Exception as err:  # (no Cython, or it failed on this file: the module runs as Python)
         print(f"fastcall: {name}.py not compiled: {err!r}")
     else:

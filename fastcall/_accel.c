@@ -142,10 +142,6 @@ static const char *KNOWN_GRAPHDEF_FIELDS[] = {"graphdef", "snapshot", "spec_id",
 #define NNX_ARG_N_FIELDS 6
 static const char *NNX_ARG_FIELDS[] = {"obj", "variables", "entry", "ids", "paths", "index", NULL};
 /* WriteBack(writes, result, post): a record's post-processing, applied here */
-#define WB_WRITES 0
-#define WB_RESULT 1
-#define WB_POST 2
-static const char *WRITE_BACK_FIELDS[] = {"writes", "result", "post", NULL};
 /* RawLeaf(owner, name): a raw leaf of an NNX graph, read and written as owner.name */
 #define RAW_OWNER 0
 #define RAW_NAME 1
@@ -185,14 +181,13 @@ static struct {
     PyObject *jitting;     /* currently_jitting(): whether a JAX trace is running */
     PyObject *top_level;   /* _trace.TOP_LEVEL_PROBE: (holder, name, value) triples, or None */
     PyObject *arg_read, *node_read, *joint_read, *shared_variable_read, *nodes_read, *variable_read, *graphdef_read, *static_read,
-        *nnx_arg, *write_back, *raw_leaf, *watched, *tree_read, *mixed_read; /* record classes */
+        *nnx_arg, *raw_leaf, *watched, *tree_read, *mixed_read; /* record classes */
     PyObject *empty_ids;   /* frozenset(): NnxArg.ids of an object read from its entry */
     PyObject *s_spec_id, *s_fresh, *s_items, *s_paths, *s_disjoint, *s_node_ids; /* NodeEntry attributes */
     PyObject *s_static_cache; /* "tmp_static_cache" */
-    PyObject *s_dict, *s_pytree_nodes; /* "__dict__", "_pytree__nodes" (a raw leaf's owner) */
+    PyObject *s_dict;         /* "__dict__" */
     PyObject *s_objects;      /* "objects" (NodesRead.objects) */
     PyObject *s_level;        /* "level" (PytreeShape.level) */
-    PyObject *s_mapping;      /* "_mapping" (flax's HashableMapping's dict) */
     PyObject *s_state;        /* "_state" (an eqx.nn.State's dict of values) */
     /* the graph context's dict for the thread whose id is `context_thread`, and the type
      * `_thread._local` (see no_static_cache_pending) */
@@ -1527,160 +1522,19 @@ variables_apart(const Refs *loose, const Refs *entries)
     return 1;
 }
 
-/* Rebind a raw leaf of the caller's graph to `value` (an array), as `_nnx._variables.write_leaf`
- * does: a data array attribute rebound to an array directly in the owner's __dict__ (all
- * NNX's __setattr__ would do; the hooks see no structure change), anything else through
- * setattr. 0, or -1 with an exception set. */
-static int
-write_raw_leaf(PyObject *leaf, PyObject *value)
-{
-    PyObject *owner = owner_of(PyTuple_GET_ITEM(leaf, RAW_OWNER));
-    PyObject *name = PyTuple_GET_ITEM(leaf, RAW_NAME);
-    PyObject *held = owner != NULL ? attribute_dict(owner) : NULL;
-    if (held == NULL && owner != NULL) {
-        held = PyObject_GetAttr(owner, G.s_dict); /* (its error: a dead owner's ReferenceError) */
-    }
-    PyObject *nodes = held != NULL ? own_attr(owner, held, G.s_pytree_nodes) : NULL;
-    if (nodes == NULL) {
-        Py_XDECREF(held);
-        Py_XDECREF(owner);
-        return -1;
-    }
-    int direct = 0, res = 0;
-    if (PyDict_CheckExact(held) && (PyObject *)Py_TYPE(value) == G.array_type) {
-        PyObject *old = PyDict_GetItemWithError(held, name); /* borrowed */
-        if (old != NULL && (PyObject *)Py_TYPE(old) == G.array_type) {
-            /* (a mapping: `.get(name) is True`; flax's HashableMapping read through the dict
-             * its __getitem__ reads, with no Python frame) */
-            PyObject *nodes_attrs = strcmp(Py_TYPE(nodes)->tp_name, "HashableMapping") == 0 ? attribute_dict(nodes)
-                                                                                             : NULL;
-            PyObject *mapping = nodes_attrs != NULL ? own_attr(nodes, nodes_attrs, G.s_mapping) : NULL;
-            Py_XDECREF(nodes_attrs);
-            PyObject *data = NULL;
-            if (mapping != NULL && PyDict_CheckExact(mapping)) {
-                data = Py_XNewRef(PyDict_GetItemWithError(mapping, name));
-            } else {
-                PyErr_Clear(); /* (no such dict: ask the mapping) */
-                data = PyObject_GetItem(nodes, name);
-            }
-            Py_XDECREF(mapping);
-            if (data == NULL && PyErr_ExceptionMatches(PyExc_KeyError)) {
-                PyErr_Clear();
-            }
-            direct = data == Py_True;
-            Py_XDECREF(data);
-        }
-        res = PyErr_Occurred() ? -1 : 0;
-    }
-    if (res == 0) {
-        res = direct ? PyDict_SetItem(held, name, value) : PyObject_SetAttr(owner, name, value);
-    }
-    Py_DECREF(held);
-    Py_DECREF(nodes);
-    Py_DECREF(owner);
-    return res;
-}
-
 /* The user's result of a call from the compiled function's output `out` (a new
- * reference, consumed): `post(out, first, nnx)`, or for a WriteBack post (whose calls
- * change NNX objects only by new values of their leaves, or not at all) the same done
- * here: the last len(writes) outputs set into the leaves they name (a Variable through the
- * _raw_value slot, a RawLeaf as `write_raw_leaf` rebinds it), and `result(the other
- * outputs)`. `variables`: the one NNX object's leaves (the fast path), else NULL and `nnx`
- * lists the call's NnxArgs. Anything unexpected in a write (an output that is not an
- * array, e.g. a tracer) goes through the general `post`. */
+ * reference, consumed): `out` itself where the record's `post` is None, else
+ * `post(out, first, nnx)`, where `nnx` is the leaves of the one NNX object (the fast path)
+ * or the call's NnxArgs (the structure path), or None. (Where the call only writes new
+ * leaf values back, `post` is the NNX plugin's compiled `LeafWrites`.) */
 static PyObject *
-apply_post(PyObject *post, PyObject *out, PyObject *first, PyObject *nnx, PyObject *variables)
+apply_post(PyObject *post, PyObject *out, PyObject *first, PyObject *nnx)
 {
-    PyObject *result = NULL;
     if (post == Py_None) {
         return out;
     }
-    PyObject *descr = PyList_GET_ITEM(G.value_slot, 0);
-    if ((PyObject *)Py_TYPE(post) != G.write_back || !PyList_CheckExact(out)) {
-        goto general;
-    }
-    PyObject *writes = PyTuple_GET_ITEM(post, WB_WRITES);
-    Py_ssize_t n = PyList_GET_SIZE(out);
-    Py_ssize_t k = PyTuple_CheckExact(writes) ? PyTuple_GET_SIZE(writes) : -1;
-    if (k < 0 || k > n) {
-        goto general;
-    }
-    if (k == 0) { /* (nothing written: an Equinox output, say) */
-        result = PyObject_CallOneArg(PyTuple_GET_ITEM(post, WB_RESULT), out);
-        Py_DECREF(out);
-        return result;
-    }
-    if (Py_TYPE(descr) != &PyMemberDescr_Type || (variables == NULL && (nnx == NULL || !PyList_CheckExact(nnx)))) {
-        goto general;
-    }
-    /* Check everything before writing anything. */
-    for (Py_ssize_t j = 0; j < k; j++) {
-        PyObject *w = PyTuple_GET_ITEM(writes, j);
-        if (!PyTuple_CheckExact(w) || PyTuple_GET_SIZE(w) != 2
-            || (PyObject *)Py_TYPE(PyList_GET_ITEM(out, n - k + j)) != G.array_type) {
-            goto general;
-        }
-        Py_ssize_t ordinal = PyLong_AsSsize_t(PyTuple_GET_ITEM(w, 0));
-        Py_ssize_t index = PyLong_AsSsize_t(PyTuple_GET_ITEM(w, 1));
-        if (PyErr_Occurred()) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyObject *items = variables;
-        if (items == NULL) {
-            if (ordinal < 0 || ordinal >= PyList_GET_SIZE(nnx)) {
-                goto general;
-            }
-            PyObject *arg = PyList_GET_ITEM(nnx, ordinal);
-            items = PyTuple_Check(arg) && PyTuple_GET_SIZE(arg) == NNX_ARG_N_FIELDS
-                        ? PyTuple_GET_ITEM(arg, NNX_ARG_VARIABLES)
-                        : NULL;
-        } else if (ordinal != 0) {
-            goto general;
-        }
-        if (items == NULL || !PyList_CheckExact(items) || index < 0 || index >= PyList_GET_SIZE(items)) {
-            goto general;
-        }
-        PyObject *item = PyList_GET_ITEM(items, index);
-        if ((PyObject *)Py_TYPE(item) != G.raw_leaf
-            && (PyTuple_Check(item) || !PyObject_TypeCheck(item, PyDescr_TYPE(descr)))) {
-            goto general; /* (not a Variable or RawLeaf) */
-        }
-    }
-    for (Py_ssize_t j = 0; j < k; j++) {
-        PyObject *w = PyTuple_GET_ITEM(writes, j);
-        Py_ssize_t ordinal = PyLong_AsSsize_t(PyTuple_GET_ITEM(w, 0));
-        Py_ssize_t index = PyLong_AsSsize_t(PyTuple_GET_ITEM(w, 1));
-        PyObject *items = variables != NULL ? variables
-                                            : PyTuple_GET_ITEM(PyList_GET_ITEM(nnx, ordinal), NNX_ARG_VARIABLES);
-        if (index >= PyList_GET_SIZE(items)) { /* (changed by code an old value's release ran) */
-            PyErr_SetString(PyExc_RuntimeError, "fastcall: an NNX object's leaves changed during write-back");
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyObject *item = PyList_GET_ITEM(items, index);
-        Py_INCREF(item); /* (the old value's release may run code) */
-        PyObject *value = PyList_GET_ITEM(out, n - k + j);
-        int failed = ((PyObject *)Py_TYPE(item) == G.raw_leaf ? write_raw_leaf(item, value)
-                                                               : Py_TYPE(descr)->tp_descr_set(descr, item, value))
-                     < 0;
-        Py_DECREF(item);
-        if (failed) {
-            Py_DECREF(out);
-            return NULL;
-        }
-    }
-    PyObject *head = PyList_GetSlice(out, 0, n - k);
-    Py_DECREF(out);
-    if (head == NULL) {
-        return NULL;
-    }
-    result = PyObject_CallOneArg(PyTuple_GET_ITEM(post, WB_RESULT), head);
-    Py_DECREF(head);
-    return result;
-general:
-    result = PyObject_CallFunctionObjArgs(post, out, first, variables != NULL ? variables : nnx, NULL);
+    PyObject *stack[3] = {out, first, nnx};
+    PyObject *result = PyObject_Vectorcall(post, stack, 3, NULL);
     Py_DECREF(out);
     return result;
 }
@@ -2300,7 +2154,7 @@ structure_call(FastWrapper *self, PyObject *record, PyObject *const *args, size_
         out = fw_varying(self, &self->structure_calls, out, args, nargsf, kwnames);
         goto done;
     }
-    out = apply_post(post, out, args[0], nnx_args != NULL ? nnx_args : Py_None, NULL);
+    out = apply_post(post, out, args[0], nnx_args != NULL ? nnx_args : Py_None);
 done:
     if (leaves != NULL) {
         for (Py_ssize_t i = 0; i < nargs; i++) {
@@ -2486,8 +2340,7 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
         out = fw_varying(self, &self->calls, out, args, nargsf, kwnames);
         goto done;
     }
-    out = apply_post(PyTuple_GET_ITEM(record, REC_POST), out, first, Py_None,
-                     variables != Py_None ? variables : NULL);
+    out = apply_post(PyTuple_GET_ITEM(record, REC_POST), out, first, variables);
 done:
     for (Py_ssize_t i = 0; i < filled; i++) Py_DECREF(stack[i]);
     if (stack != NULL && stack != small) PyMem_Free(stack);
@@ -2632,16 +2485,16 @@ py_configure(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "configure: latest must be a list");
         return NULL;
     }
-    enum { N_RECORDS = 21 };
+    enum { N_RECORDS = 20 };
     PyObject *cls[N_RECORDS];
     const char *names[N_RECORDS] = {"FastSlot", "FastRecord", "StructureRecord", "CacheEntry", "ArgRead",
                                     "NodeRead", "NodesRead", "GraphdefRead", "KnownGraphdef", "NnxArg",
-                                    "WriteBack", "RawLeaf", "VariableRead", "Registration", "Watched",
+                                    "RawLeaf", "VariableRead", "Registration", "Watched",
                                     "SequenceRead", "StaticRead", "JointRead", "SharedVariableRead", "TreeRead",
                                     "MixedRead"};
     const char **layouts[N_RECORDS] = {SLOT_FIELDS, RECORD_FIELDS, STRUCTURE_FIELDS, CACHE_FIELDS,
                                        READ_FIELDS, NODE_READ_FIELDS, NODES_READ_FIELDS, NODE_READ_FIELDS,
-                                       KNOWN_GRAPHDEF_FIELDS, NNX_ARG_FIELDS, WRITE_BACK_FIELDS, RAW_LEAF_FIELDS,
+                                       KNOWN_GRAPHDEF_FIELDS, NNX_ARG_FIELDS, RAW_LEAF_FIELDS,
                                        VARIABLE_READ_FIELDS, REGISTRATION_FIELDS, WATCHED_FIELDS,
                                        SEQUENCE_READ_FIELDS, STATIC_READ_FIELDS, JOINT_READ_FIELDS,
                                        SHARED_VARIABLE_READ_FIELDS, TREE_READ_FIELDS, MIXED_READ_FIELDS};
@@ -2652,17 +2505,16 @@ py_configure(PyObject *module, PyObject *args)
             return NULL;
         }
     }
-    if (!PyType_IsSubtype((PyTypeObject *)cls[14], &PyTuple_Type)) { /* (made by tuple.__new__: watch_dict) */
+    if (!PyType_IsSubtype((PyTypeObject *)cls[13], &PyTuple_Type)) { /* (made by tuple.__new__: watch_dict) */
         PyErr_SetString(PyExc_TypeError, "configure: Watched must be a tuple subclass");
         for (int j = 0; j < N_RECORDS; j++) Py_DECREF(cls[j]);
         return NULL;
     }
     /* (made once; each checked, so that a failure leaves none half made) */
     PyObject **made[] = {&G.s_spec_id, &G.s_fresh, &G.s_items, &G.s_paths, &G.s_disjoint, &G.s_node_ids,
-                         &G.s_static_cache, &G.s_dict, &G.s_pytree_nodes, &G.s_objects, &G.s_level, &G.s_mapping,
-                         &G.s_state};
+                         &G.s_static_cache, &G.s_dict, &G.s_objects, &G.s_level, &G.s_state};
     const char *strings[] = {"spec_id", "fresh", "items", "paths", "disjoint", "node_ids", "tmp_static_cache",
-                             "__dict__", "_pytree__nodes", "objects", "level", "_mapping", "_state"};
+                             "__dict__", "objects", "level", "_state"};
     for (int i = 0; i < (int)(sizeof(strings) / sizeof(strings[0])); i++) { /* (made[] and strings[] pair up) */
         if (*made[i] == NULL && (*made[i] = PyUnicode_InternFromString(strings[i])) == NULL) {
             for (int j = 0; j < N_RECORDS; j++) Py_DECREF(cls[j]);
@@ -2689,17 +2541,16 @@ py_configure(PyObject *module, PyObject *args)
     SET_SHARED(graphdef_read, cls[7]);
     Py_DECREF(cls[8]);
     SET_SHARED(nnx_arg, cls[9]);
-    SET_SHARED(write_back, cls[10]);
-    SET_SHARED(raw_leaf, cls[11]);
-    SET_SHARED(variable_read, cls[12]);
-    Py_DECREF(cls[13]); /* (checked only: read by position) */
-    SET_SHARED(watched, cls[14]);
-    Py_DECREF(cls[15]); /* (checked only: read by position) */
-    SET_SHARED(static_read, cls[16]);
-    SET_SHARED(joint_read, cls[17]);
-    SET_SHARED(shared_variable_read, cls[18]);
-    SET_SHARED(tree_read, cls[19]);
-    SET_SHARED(mixed_read, cls[20]);
+    SET_SHARED(raw_leaf, cls[10]);
+    SET_SHARED(variable_read, cls[11]);
+    Py_DECREF(cls[12]); /* (checked only: read by position) */
+    SET_SHARED(watched, cls[13]);
+    Py_DECREF(cls[14]); /* (checked only: read by position) */
+    SET_SHARED(static_read, cls[15]);
+    SET_SHARED(joint_read, cls[16]);
+    SET_SHARED(shared_variable_read, cls[17]);
+    SET_SHARED(tree_read, cls[18]);
+    SET_SHARED(mixed_read, cls[19]);
     Py_INCREF(index); SET_SHARED(index, index);
     Py_INCREF(by_id); SET_SHARED(by_id, by_id);
     Py_INCREF(latest); SET_SHARED(latest, latest);

@@ -51,7 +51,7 @@ from . import _agreement, _args, _codegen, _fast, _flatten, _guard, _hold, _memo
 from ._build import Entry
 from ._fast import (
     ArgRead, FastRecord, FastSlot, GraphdefRead, JointRead, MixedRead, NodeRead, NodesRead, PytreeShape,
-    SharedVariableRead, StaticRead, StructureRecord, VariableRead, WriteBack,
+    SharedVariableRead, StaticRead, StructureRecord, VariableRead,
 )
 from ._errors import FastcallError, for_decorator
 from ._flatten import ArrayImpl
@@ -65,7 +65,7 @@ def configure_accel() -> None:
     each record's fields against the layout it reads)."""
     records = (
         FastSlot, FastRecord, StructureRecord, _flatten.CacheEntry, ArgRead, NodeRead, NodesRead, VariableRead,
-        GraphdefRead, _fast.KnownGraphdef, _fast.NnxArg, WriteBack, _fast.RawLeaf, _flatten.Registration,
+        GraphdefRead, _fast.KnownGraphdef, _fast.NnxArg, _fast.RawLeaf, _flatten.Registration,
         _guard.Watched, _fast.SequenceRead, StaticRead, JointRead, SharedVariableRead, _fast.TreeRead, MixedRead,
     )
     _native.BUILT.configure(
@@ -452,7 +452,7 @@ def _fast_post(entry: Entry) -> Any:
             return finish(out, ())
         return finish(out, [nnx_arg(first, variables, None)])  # type: ignore[misc]
 
-    return _writing_back(entry, post)
+    return _writing_back(entry, post, one_object=True)
 
 
 def _structure_post(entry: Entry) -> Any:
@@ -464,16 +464,21 @@ def _structure_post(entry: Entry) -> Any:
     def post(out: Any, first: Any, nnx_args: Any) -> Any:
         return finish(out, nnx_args or ())
 
-    return _writing_back(entry, post)
+    return _writing_back(entry, post, one_object=False)
 
 
-def _writing_back(entry: Entry, post: Any) -> Any:
-    """`post`, as a WriteBack the C path applies itself where the entry's calls only write
-    new values into the caller's Variables and raw leaves, or write nothing back."""
-    writes = entry.out.plain_writes() if entry.out is not None and not entry.varies else None
+def _writing_back(entry: Entry, post: Any, one_object: bool) -> Any:
+    """`post`, or a faster one where the entry's calls write nothing back (the output
+    built, `OutInfo.fast_post`) or only new values into the caller's Variables and raw
+    leaves (the NNX plugin's `LeafWrites`). `one_object`: `post` is a fast record's, whose
+    third argument is the leaves of the call's one NNX object, not its list of NnxArgs."""
+    out = entry.out
+    writes = out.plain_writes() if out is not None and not entry.varies else None
     if writes is None:
         return post
-    return WriteBack(writes, entry.out.fast_result, post)  # type: ignore[union-attr]
+    if not writes:
+        return out.fast_post or post  # type: ignore[union-attr]
+    return _nnx_gate.adapter().LeafWrites(writes, out.fast_result, post, one_object)  # type: ignore[union-attr]
 
 
 def _all_plain(values: tuple[Any, ...], start: int, plain: frozenset[type]) -> bool:

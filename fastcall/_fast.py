@@ -50,7 +50,7 @@ class FastRecord(NamedTuple):
     arity: int  # the number of positional arguments the call must have
     call: Callable[..., Any]  # the compiled function (first's leaves already bound, for pytrees)
     variables: Sequence[Any] | None  # NNX: Variables and RawLeafs whose current values are passed first
-    # post(out, first, variables); None: out is the result (a WriteBack: see there)
+    # post(out, first, variables); None: out is the result (see `_dispatch._writing_back`)
     post: Callable[[Any, Any, Any], Any] | None
 
 
@@ -338,7 +338,7 @@ class StructureRecord(NamedTuple):
     ]
     call: Callable[..., Any]  # the compiled function
     # post(out, first, the NnxArgs of the call's NNX arguments or None); None: out is the
-    # result (a WriteBack: see there)
+    # result (see `_dispatch._writing_back`)
     post: Callable[[Any, Any, Any], Any] | None
     # Per positional argument, a mark of the object last read there (`last_mark`). An
     # object extracted again is left to the general path, which caches it by identity
@@ -412,24 +412,6 @@ def passed_again(mark: Any, obj: Any) -> bool:
     if type(mark) is int:
         return mark == id(obj)
     return mark() is obj  # type: ignore[no-any-return]
-
-
-class WriteBack(NamedTuple):
-    """The post-processing of a record whose calls change NNX objects only by new values
-    of their Variables, or write nothing back (`_outputs.OutInfo.plain_writes`). The C path
-    applies it itself: the last `len(writes)` outputs are set into the leaves they name (a
-    Variable through its _raw_value slot, a RawLeaf as `_nnx._variables.write_leaf` rebinds it), and
-    `result` makes the user's output from the others. Anything else in a write (an output
-    not an array, e.g. a tracer) goes through `post`, as the Python copy always does
-    (calling the record calls `post`)."""
-
-    writes: tuple[tuple[int, int], ...]  # per new value: (NNX object ordinal, leaf index)
-    # the user's output from the other outputs (`OutInfo.fast_result`: in C, where it can be)
-    result: Callable[[list[Any]], Any]
-    post: Callable[[Any, Any, Any], Any]  # the general post-processing
-
-    def __call__(self, out: Any, first: Any, nnx: Any) -> Any:
-        return self.post(out, first, nnx)
 
 
 class NnxArg(NamedTuple):

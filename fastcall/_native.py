@@ -13,16 +13,21 @@ was not compiled, the import says so once, as a log record on the "fastcall" log
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 from typing import Any
 
-from . import _rebuild
-
 DISABLED = os.environ.get("FASTCALL_DISABLE_ACCEL", "") in ("1", "true", "yes")
 
-# (as setup.py lists them)
-COMPILED_SOURCES = (_rebuild,)
+# (as setup.py lists them; found, not imported: the NNX plugin's loads with flax)
+COMPILED_SOURCES = ("fastcall._rebuild", "fastcall._nnx._leaf_writes")
+
+
+def runs_as_python(name: str) -> bool:
+    """Whether the module `name` of COMPILED_SOURCES is (or will be) loaded from its .py file."""
+    spec = importlib.util.find_spec(name)
+    return spec is None or (spec.origin or "").endswith(".py")
 
 BUILT: Any
 _missing: list[str] = []
@@ -31,7 +36,7 @@ try:
 except ImportError as err:  # not built: pure Python, same behaviour
     BUILT = None
     _missing.append(f"fastcall._accel ({err})")
-_missing += [f"{m.__name__} (runs as Python)" for m in COMPILED_SOURCES if (m.__file__ or "").endswith(".py")]
+_missing += [f"{name} (runs as Python)" for name in COMPILED_SOURCES if runs_as_python(name)]
 if _missing and not DISABLED:
     # Said once per process, where it is seen: pip hides the build's own output, in which
     # setuptools notes the failed compile. A log record, not a warning (programs run with

@@ -72,6 +72,9 @@ class NnxAdapter(Protocol):
     @property
     def ShardingContext(self) -> Callable[[], Any]: ...  # (leaf_shardings)
 
+    @property
+    def LeafWrites(self) -> Callable[[tuple[tuple[int, int], ...], Any, Any, bool], Any]: ...  # (a post)
+
     def write_back(self, nnx_out: Any, written: Any, nnx_args: list[Any]) -> Any: ...
     def unmark_nodes(self, nnx_out: Any, result: Any, nnx_args: list[Any], link: Any) -> Any: ...
     def unmark_leaves(self, nnx_out: Any, leaves: Any, nnx_args: list[Any], link: Any) -> list[Any]: ...

@@ -55,7 +55,7 @@ class OutInfo:
 
     __slots__ = (
         "mode", "treedef", "mask", "statics", "static_keys", "block", "regs", "remember", "nnx", "build", "held",
-        "passthrough", "adapter", "fast_result", "on_death",
+        "passthrough", "adapter", "fast_result", "fast_post", "on_death",
     )
     treedef: Any
 
@@ -111,12 +111,15 @@ class OutInfo:
         # `result`, as one call (build by the plan, then note) where that is all it does
         plan = _codegen.plan_of(self.build)
         self.fast_result: Callable[[list[Any]], Any] = self.result
+        # `fast_result` as the post-processing of a call that writes nothing back,
+        # `post(out, first, nnx)` (None: the general one, `finish`)
+        self.fast_post: Callable[[list[Any], Any, Any], Any] | None = None
         if self.build is None and not (block or self.statics or self.regs):
             # (all `result` does then: jax's C++ unflatten, called directly; an output holding
             # new Variables on their own, `NnxOutputs.fresh`)
             self.fast_result = self.treedef.unflatten
         elif plan is not None and not block:
-            self.fast_result = functools.partial(_rebuild.finish_output, plan, self.remember)
+            self.fast_result = self.fast_post = functools.partial(_rebuild.finish_output, plan, self.remember)
 
     def same_as(self, other: OutInfo) -> bool:
         if self.static_keys is None or other.static_keys is None:

@@ -160,10 +160,12 @@ class OutFields(OutNode):
         return made
 
 
-def finish_output(plan: OutNode, note: Any, d: list) -> object:
+def finish_output(plan: OutNode, note: Any, d: list, first: Any = None, nnx: Any = None) -> object:
     """A call's output built from `d` by `plan`; then, if `note` is not None, noted with
     `note(output, d)` for the next call (`OutInfo.remember`). What a call does after the
-    compiled program returns, where that is all (`OutInfo.fast_result`)."""
+    compiled program returns, where that is all (`OutInfo.fast_result`). It takes the
+    arguments of a record's post-processing too, `post(d, first, nnx)`, and ignores the
+    last two: it is the post of a call that writes nothing back (`OutInfo.fast_post`)."""
     result = plan.build(d)
     if note is not None:
         note(result, d)

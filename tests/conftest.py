@@ -35,6 +35,26 @@ class _AsPython(importlib.abc.MetaPathFinder):
         return None
 
 
+def source_as_python(module: Any) -> Any:
+    """A compiled source of fastcall's run as Python, as where Cython did not compile it:
+    its .py file loaded anew, with no Cython to import (its stand-in, `_cython_shim`)."""
+    name = module.__name__ + "_as_python"  # (in the same package: its relative imports hold)
+    path = pathlib.Path(module.__file__).parent / (module.__name__.rsplit(".", 1)[1] + ".py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    loaded = importlib.util.module_from_spec(spec)
+    cython = sys.modules.get("cython", ...)
+    sys.modules["cython"] = None  # type: ignore[assignment]
+    try:
+        spec.loader.exec_module(loaded)
+    finally:
+        if cython is ...:
+            del sys.modules["cython"]
+        else:
+            sys.modules["cython"] = cython
+    return loaded
+
+
 AS_PYTHON = os.environ.get("FASTCALL_TEST_AS_PYTHON", "") == "1"
 if AS_PYTHON:  # (before fastcall is imported)
     sys.meta_path.insert(0, _AsPython())

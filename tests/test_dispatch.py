@@ -160,7 +160,7 @@ def test_c_wrapper_checks_the_record_layout():
     if _native.BUILT is None:
         pytest.skip("the C accelerator is not built")
     records = ["FastSlot", "FastRecord", "StructureRecord", "CacheEntry", "ArgRead", "NodeRead", "NodesRead",
-               "GraphdefRead", "KnownGraphdef", "NnxArg", "WriteBack", "RawLeaf", "VariableRead", "Registration",
+               "GraphdefRead", "KnownGraphdef", "NnxArg", "RawLeaf", "VariableRead", "Registration",
                "Watched", "SequenceRead", "StaticRead", "JointRead", "SharedVariableRead", "TreeRead", "MixedRead"]
     real = _native.BUILT.configure
     calls = []

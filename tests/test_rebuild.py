@@ -17,28 +17,10 @@ import fastcall
 from fastcall import _codegen, _outputs, _rebuild
 
 from . import conftest
-from .conftest import STRUCTURE_PATH, assert_trees_equal, compiled_sources, served
+from .conftest import STRUCTURE_PATH, assert_trees_equal, compiled_sources, served, source_as_python
 
 
-def _as_python() -> Any:
-    """`fastcall/_rebuild.py` run as Python, as where Cython did not compile it: with no
-    Cython to import (the module's own stand-in, `_cython_shim`)."""
-    spec = importlib.util.spec_from_file_location("fastcall._rebuild_as_python", Path(_rebuild.__file__).parent / "_rebuild.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    cython = sys.modules.get("cython", ...)
-    sys.modules["cython"] = None  # type: ignore[assignment]
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        if cython is ...:
-            del sys.modules["cython"]
-        else:
-            sys.modules["cython"] = cython
-    return module
-
-
-AS_PYTHON = _as_python()
+AS_PYTHON = source_as_python(_rebuild)
 
 
 def test_the_compiled_sources_are_compiled_where_fastcall_was_built():
@@ -46,9 +28,11 @@ def test_the_compiled_sources_are_compiled_where_fastcall_was_built():
     (except in the run that asks for the sources as Python, `FASTCALL_TEST_AS_PYTHON=1`)."""
     from fastcall import _native
 
-    assert [m.__name__ for m in _native.COMPILED_SOURCES] == compiled_sources()  # (as setup.py lists them)
-    for module in _native.COMPILED_SOURCES:
+    assert list(_native.COMPILED_SOURCES) == compiled_sources()  # (as setup.py lists them)
+    for name in _native.COMPILED_SOURCES:
+        module = importlib.import_module(name)
         assert (Path(module.__file__).suffix == ".py") == conftest.AS_PYTHON, module.__file__
+        assert module.COMPILED != conftest.AS_PYTHON and _native.runs_as_python(name) == conftest.AS_PYTHON
     assert _rebuild.COMPILED != conftest.AS_PYTHON and AS_PYTHON.COMPILED is False
 
 

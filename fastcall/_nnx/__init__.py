@@ -18,6 +18,7 @@ does, the first time an NNX object reaches a wrapped function (flax is in use by
 - `_reads`: reading a call's NNX arguments, and the structure path's records of them.
 - `_inputs`: inside the trace: the arguments rebuilt, what the function changed.
 - `_write_back`: after the call: changes written back, NNX objects in the output given back.
+- `_leaf_writes`: after a call that only wrote new leaf values: those written (compiled).
 - `_sharding`: the NNX options (`graph`, `graph_updates`) and shardings.
 
 From `_hooks` down, each module imports only modules listed before it (no import cycle).

@@ -21,6 +21,8 @@ above it here):
   in the output marked.
 - `_write_back`: after the call: changes written back to the caller's objects, markers
   turned back into objects.
+- `_leaf_writes`: after the call, where new leaf values are all it changed: those written
+  back (compiled by Cython where it can be; both hit routes call it).
 - `_sharding`: the NNX options (`graph`, `graph_updates`) and the shardings of NNX
   arguments.
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 from ._entries import clear, forget_function, install_record, slot_after_rebuild, slot_as_checked
 from ._inputs import TracedInputs, aliasing_error, pytree_outputs
+from ._leaf_writes import LeafWrites
 from ._reads import (
     NnxArg,
     explain_node,
@@ -90,6 +93,7 @@ __all__ = [
     "slot_as_checked",
     "TracedInputs",
     "ShardingContext",
+    "LeafWrites",
     "write_back",
     "unmark_nodes",
     "unmark_leaves",
