@@ -16,13 +16,13 @@ COMPILED_SOURCES = ["_rebuild", "_nnx._leaf_writes"]
 
 extensions = [Extension("fastcall._accel", ["fastcall/_accel.c"], optional=True)]
 for name in COMPILED_SOURCES:
+    source = "fastcall/" + name.replace(".", "/") + ".py"
     try:
         from Cython.Build import cythonize
 
-        source = "fastcall/" + name.replace(".", "/") + ".py"
         (ext,) = cythonize([Extension(f"fastcall.{name}", [source])], quiet=True)
     except Exception as err:  # (no Cython, or it failed on this file: the module runs as Python)
-        print(f"fastcall: {name}.py not compiled: {err!r}")
+        print(f"fastcall: {source} not compiled: {err!r}")
     else:
         ext.optional = True
         extensions.append(ext)

@@ -15,7 +15,7 @@
  * record for type(first) (and the call's keyword names, in call order:
  * `_fast.structure_key`; that record, then each of its `others`, tried in turn) with
  * arity == len(args), and every argument, taken in the record's `order`,
- * reads as the record says (`_dispatch.read_arguments` is the Python copy): a
+ * reads as the record says (`_structure_route.read_arguments` is the Python copy): a
  * plain leaf as is; a static one (`StaticRead`) if it is the recorded object,
  * or a scalar equal to it; any other from the identity cache (`by_id`: an entry whose ref() is the
  * argument, whose guard holds and whose spec id is the expected one), or as one
@@ -141,8 +141,7 @@ static const char *KNOWN_GRAPHDEF_FIELDS[] = {"graphdef", "snapshot", "spec_id",
 #define NNX_ARG_VARIABLES 1
 #define NNX_ARG_N_FIELDS 6
 static const char *NNX_ARG_FIELDS[] = {"obj", "variables", "entry", "ids", "paths", "index", NULL};
-/* WriteBack(writes, result, post): a record's post-processing, applied here */
-/* RawLeaf(owner, name): a raw leaf of an NNX graph, read and written as owner.name */
+/* RawLeaf(owner, name): a raw leaf of an NNX graph, read as owner.name */
 #define RAW_OWNER 0
 #define RAW_NAME 1
 static const char *RAW_LEAF_FIELDS[] = {"owner", "name", NULL};
@@ -1000,7 +999,7 @@ append_nnx_arg(PyObject *nnx_args, PyObject *obj, PyObject *variables, PyObject 
     return res;
 }
 
-/* The structure path's reading of one NNX object `a` (`_dispatch.read_arguments` reads
+/* The structure path's reading of one NNX object `a` (`_structure_route.read_arguments` reads
  * the same, through `_nnx._reads.read_cached`, or with `joint`, `_nnx._reads.read_joint`): if the fast
  * index publishes a slot for `a`, validated as the fast path validates one, whose entry
  * (`node`) has spec `spec_id` and has had its values checked for tracers (not `fresh`),
@@ -1525,8 +1524,9 @@ variables_apart(const Refs *loose, const Refs *entries)
 /* The user's result of a call from the compiled function's output `out` (a new
  * reference, consumed): `out` itself where the record's `post` is None, else
  * `post(out, first, nnx)`, where `nnx` is the leaves of the one NNX object (the fast path)
- * or the call's NnxArgs (the structure path), or None. (Where the call only writes new
- * leaf values back, `post` is the NNX plugin's compiled `LeafWrites`.) */
+ * or the call's NnxArgs (the structure path), or None. (Where the call writes nothing
+ * back, `post` is `OutInfo.fast_post`; where it only writes new leaf values, the NNX
+ * plugin's `LeafWrites`: see `_dispatch._writing_back`.) */
 static PyObject *
 apply_post(PyObject *post, PyObject *out, PyObject *first, PyObject *nnx)
 {
@@ -1776,7 +1776,7 @@ static_matches(PyObject *a, PyObject *read)
 }
 
 /* The structure path's reading of a pytree holding NNX objects beside other leaves
- * (`read`, a MixedRead; `_dispatch.read_mixed` is the Python copy): jax's flatten of `a`
+ * (`read`, a MixedRead; `_structure_route.read_mixed` is the Python copy): jax's flatten of `a`
  * down to its NNX objects, its treedef equal to the record's, then each leaf as the
  * record's layout says: a plain leaf (None) appended to `values`; a static one (StaticRead)
  * compared; a Variable (VariableRead) read by read_variable, and also appended to `loose`
@@ -1965,7 +1965,7 @@ structure_call(FastWrapper *self, PyObject *record, PyObject *const *args, size_
     for (Py_ssize_t i = 0; i < nargs; i++) {
         leaves[i] = (ArgLeaves){NULL, NULL, -1};
     }
-    /* Each non-array argument's leaves, as `_dispatch.read_arguments`. */
+    /* Each non-array argument's leaves, as `_structure_route.read_arguments`. */
     Py_ssize_t total = 0;
     for (Py_ssize_t i = 0; i < nargs; i++) {
         PyObject *read = PyTuple_GET_ITEM(reads, i);
@@ -2785,7 +2785,7 @@ paths_guard(PyObject *item, PyObject *paths)
     return guard;
 }
 
-/* remember_outputs(on_death, regs, held, result, dyn): `OutInfo._register` (whose Python
+/* remember_outputs(on_death, regs, held, result, dyn): `OutInfo.remember` (whose Python
  * copy `_memo.note_latest` is) in C. The objects a call returns that the next call may
  * take back (`regs`: a `Registration` each) are noted in one tuple, the entry's *memo*,
  * which replaces the previous call's in `held[0]`:
@@ -3027,7 +3027,7 @@ static PyMethodDef accel_methods[] = {
     {"configure", py_configure, METH_VARARGS, "Set the tables and record classes every FastWrapper reads."},
     {"evict", (PyCFunction)(void (*)(void))py_evict, METH_FASTCALL, "Drop a dead object's cache entries."},
     {"remember_outputs", (PyCFunction)(void (*)(void))py_remember_outputs, METH_FASTCALL,
-     "Note the modules and tuples a call returned, for the next call (OutInfo._register)."},
+     "Note the modules and tuples a call returned, for the next call (OutInfo.remember)."},
     {NULL, NULL, 0, NULL},
 };
 

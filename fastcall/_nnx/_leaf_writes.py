@@ -26,15 +26,15 @@ except ImportError:  # (Cython is needed only to build; run as Python without it
     from fastcall import _cython_shim as cython  # type: ignore[no-redef]
 
 from .._arrays import ArrayImpl
-from .._fast import VALUE_SLOT, RawLeaf
+from .._fast import VALUE_SLOT, NnxArg, RawLeaf
 from ._variables import write_leaf
 
 if cython.compiled:
-    from cython.cimports.cpython.object import Py_TYPE
+    from cython.cimports.cpython.object import Py_TYPE, PyObject_TypeCheck, PyTypeObject
 
 COMPILED: bool = cython.compiled
 
-_NNX_ARG_VARIABLES = cython.declare(cython.Py_ssize_t, 1)  # (the field of `_fast.NnxArg`)
+_VARIABLES = cython.declare(cython.Py_ssize_t, NnxArg._fields.index("variables"))  # (read by position)
 
 
 @cython.final
@@ -64,10 +64,12 @@ class LeafWrites:
         k: cython.Py_ssize_t = len(self.writes)
         n: cython.Py_ssize_t = len(out)
         j: cython.Py_ssize_t
+        ordinal: cython.Py_ssize_t
+        index: cython.Py_ssize_t
         descr = VALUE_SLOT[0]
         for j in range(k):
             ordinal, index = self.writes[j]
-            items: list = nnx if self.one_object else nnx[ordinal][_NNX_ARG_VARIABLES]
+            items: list = nnx if self.one_object else nnx[ordinal][_VARIABLES]
             if index >= len(items):  # (changed by code an old value's release ran)
                 raise RuntimeError("fastcall: an NNX object's leaves changed during write-back")
             item = items[index]  # (held here: the old value's release may run code)
@@ -89,10 +91,12 @@ class LeafWrites:
         k: cython.Py_ssize_t = len(self.writes)
         n: cython.Py_ssize_t = len(out)
         j: cython.Py_ssize_t
+        ordinal: cython.Py_ssize_t
+        index: cython.Py_ssize_t
         descr = VALUE_SLOT[0]
         if k > n or type(descr) is not MemberDescriptorType or type(nnx) is not list:
             return False
-        variable = descr.__objclass__
+        variable = descr.__objclass__  # (the class whose slot it is: nnx.Variable)
         for j in range(k):
             ordinal, index = self.writes[j]
             if type(out[n - k + j]) is not ArrayImpl:
@@ -102,12 +106,19 @@ class LeafWrites:
                     return False
                 items = nnx
             else:
-                if not 0 <= ordinal < len(nnx):
+                if not 0 <= ordinal < len(nnx) or type(nnx[ordinal]) is not NnxArg:
                     return False
-                items = nnx[ordinal][_NNX_ARG_VARIABLES]
+                items = nnx[ordinal][_VARIABLES]
             if type(items) is not list or not 0 <= index < len(items):
                 return False
             item = items[index]
-            if type(item) is not RawLeaf and (isinstance(item, tuple) or not isinstance(item, variable)):
-                return False  # (not a Variable or a raw leaf)
+            if type(item) is RawLeaf:
+                continue
+            # A Variable by its type (not isinstance: Variable's metaclass answers for
+            # other things too, through Python)
+            if cython.compiled:
+                if not PyObject_TypeCheck(item, cython.cast(cython.pointer[PyTypeObject], variable)):
+                    return False
+            elif variable not in type(item).__mro__:
+                return False
         return True
