@@ -15,7 +15,7 @@ whole route of a call:
 2. The structure path. Any other call whose arguments have the structures of
    a call this function ran (`_fast.StructureRecord`, per type of the first
    argument, with the call's keyword names; a few per key, tried in turn:
-   `_fast.records_of`): `read_arguments` reads each one,
+   `_fast.records_of`): `_structure_route.read_arguments` reads each one,
    positional then keyword as the general path resolves them
    (`arguments_as_read`), as the record says (a plain array; a static value
    compared with the recorded one; the identity cache or a generated
@@ -57,6 +57,7 @@ from ._errors import FastcallError, for_decorator
 from ._flatten import ArrayImpl
 from ._outputs import Varying, on_error
 from ._stats import WHOLE_READS
+from ._structure_route import arguments_as_read, read_arguments
 from ._trace import TOP_LEVEL_PROBE, StepAside, currently_jitting
 
 
@@ -491,174 +492,6 @@ def _all_plain(values: tuple[Any, ...], start: int, plain: frozenset[type]) -> b
     return True
 
 
-def arguments_as_read(known: StructureRecord, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
-    """A call's arguments in the order `known`'s reads take them (positional, then keyword,
-    as the general path resolves them: `StructureRecord.order`); None if the call has
-    another number of positional arguments or other keywords than the record's call."""
-    if known.arity != len(args) or known.kwnames != (tuple(kwargs) if kwargs else ()):
-        return None
-    if not kwargs:
-        return args
-    given = (*args, *kwargs.values())
-    return given if known.order is None else tuple([given[k] for k in known.order])
-
-
-def static_matches(read: StaticRead, a: Any) -> bool:
-    """Whether `a` is the static argument `read` expects: the recorded object, or (`by_value`)
-    a scalar with its `_flatten.leaf_key` (its type and exact value). (C: `static_matches`.)"""
-    return a is read.value or (read.by_value and _flatten.static_equal(a, read.value))
-
-
-def read_arguments(
-    known: StructureRecord,
-    args: tuple[Any, ...],
-    serves_nested: bool,
-    plain: frozenset[type],
-    why: list[tuple[int | None, str]] | None = None,
-) -> tuple[list[Any], list[Any]] | None:
-    """The structure path's reading of a call's arguments (`_fast.StructureRecord`;
-    `args`: as `arguments_as_read` gives them): their leaves, in order, and the NnxArgs of
-    its NNX arguments; None if the record does not serve this call. (`serves_nested`,
-    `plain`: the function's, see FunctionState.) `why` (`f.explain` only): where it
-    declines, the argument's index (None: the call as a whole) and why, in words."""
-    values: list[Any] = []
-    nnx_args: list[Any] = []
-    joint = 0  # NNX arguments read jointly (the record pins their entries: see JointRead)
-    for i, (a, read) in enumerate(zip(args, known.reads)):
-        if read is None:
-            t = type(a)
-            if t is not ArrayImpl and t not in plain:
-                return _declined(why, i, f"a {t.__name__} where the recorded call passed an array")
-            values.append(a)
-            continue
-        if isinstance(read, StaticRead):
-            if not static_matches(read, a):
-                return _declined(why, i, "static, and not the value the recorded call passed")
-            continue
-        if isinstance(read, NodeRead):
-            if not _nnx_gate.reads_as_node(a) or not _nnx_gate.adapter().read_cached(a, read.spec_id, values, nnx_args):
-                return _declined(
-                    why, i, "not an NNX object of the structure the recorded call read (or its cache entry changed)"
-                )
-            continue
-        if isinstance(read, JointRead):
-            if not _nnx_gate.reads_as_node(a) or not _nnx_gate.adapter().read_joint(a, read, values, nnx_args):
-                return _declined(
-                    why, i, "read jointly in the recorded call; not that object now, or its cache entry changed since"
-                )
-            joint += 1
-            continue
-        if isinstance(read, SharedVariableRead):
-            owner = known.reads[read.owner]  # (a JointRead: its argument read before or after this one)
-            if not _nnx_gate.adapter().read_shared_variable(a, read, owner, values, nnx_args):
-                return _declined(
-                    why,
-                    i,
-                    f"the recorded call passed the Variable that argument {read.owner} holds at one place; this is"
-                    " another",
-                )
-            joint += 1
-            continue
-        if isinstance(read, NodesRead):
-            objs = read.objects(a)
-            if objs is None:
-                return _declined(why, i, "not a container of the type, length or keys the recorded call passed")
-            for x, element in zip(objs, read.elements):
-                if not _nnx_gate.is_node(x):
-                    return _declined(why, i, "holds something other than an NNX object where the recorded call's did")
-                if type(element) is JointRead:
-                    if not _nnx_gate.adapter().read_joint(x, element, values, nnx_args):
-                        return _declined(why, i, "holds an object read jointly in the recorded call, changed since")
-                    joint += 1
-                elif not _nnx_gate.adapter().read_cached(x, element, values, nnx_args):
-                    return _declined(why, i, "holds an NNX object not of the structure the recorded call read")
-            continue
-        if isinstance(read, MixedRead):
-            if not read_mixed(a, read, values, nnx_args, plain):
-                return _declined(
-                    why, i, "not a pytree of the structure, static values and NNX objects the recorded call passed"
-                )
-            continue
-        if isinstance(read, VariableRead):
-            if not _nnx_gate.adapter().read_variable_again(a, read, values, nnx_args):
-                return _declined(why, i, "not a Variable of the type and metadata the recorded call passed")
-            continue
-        if isinstance(read, GraphdefRead):
-            if not _nnx_gate.is_graphdef(a) or _fast.known_graphdef(a) != read.spec_id:
-                return _declined(why, i, "not the graphdef the recorded call passed")
-            continue
-        if i == 0 and known.fast_shape and _fast.passed_again(known.last[0], a):
-            return _declined(why, i, "passed again: the general path gives it a fast record")
-        hit = _flatten.lookup(a)
-        if hit is not None and hit.spec_id == read.spec_id:
-            values += hit.leaves
-            continue
-        if read.extract is None or _fast.passed_again(known.last[i], a):
-            # (extracted again: the general path caches it by identity)
-            return _declined(why, i, "passed again, or of a structure read whole: the general path caches it")
-        leaves = read.extract(a)
-        if leaves is None:
-            return _declined(why, i, "not of the structure the recorded call passed")
-        values += leaves
-    if nnx_args and ((known.post is not None or not serves_nested) and currently_jitting()):
-        # (as the fast path: see FunctionState.serves_nested)
-        return _declined(why, None, "called inside a jax transformation, which this record cannot serve")
-    if nnx_args and (
-        joint != len(nnx_args) if joint else len(nnx_args) > 1 and _nnx_gate.adapter().overlapping(nnx_args)
-    ):
-        # (NNX arguments sharing Variables are read jointly, each by a JointRead, or not here)
-        return _declined(
-            why,
-            None,
-            "its NNX arguments share Variables or nodes, and the recorded call's did not (or the other way round): the"
-            " general path reads them jointly",
-        )
-    last = known.last
-    for i, read in enumerate(known.reads):
-        if type(read) is ArgRead:
-            last[i] = _fast.last_mark(args[i], i == 0 and known.hold_first) if read.by_identity else None
-    return values, nnx_args
-
-
-def read_mixed(a: Any, read: MixedRead, values: list[Any], nnx_args: list[Any], plain: frozenset[type]) -> bool:
-    """`read_arguments`' reading of a pytree holding NNX objects beside other leaves
-    (`MixedRead`): its leaves appended to `values` and its NNX objects' NnxArgs to
-    `nnx_args`, in the order the general path's `read_container` reads them; False if it
-    does not read as recorded."""
-    try:
-        items, treedef = read.flatten(a, read.is_leaf)
-        if treedef != read.treedef:
-            return False
-    except Exception:  # (a node data whose `==` raises: the general path names it)
-        return False
-    adapter = _nnx_gate.adapter()
-    for x, code in zip(items, read.layout):
-        if code is None:
-            t = type(x)
-            if t is not ArrayImpl and t not in plain:
-                return False
-            values.append(x)
-        elif type(code) is VariableRead:
-            if not adapter.read_variable_again(x, code, values, nnx_args):
-                return False
-        elif type(code) is StaticRead:
-            if not static_matches(code, x):
-                return False
-        elif not read.is_leaf(x) or not adapter.read_cached(x, code, values, nnx_args):
-            return False
-    return True
-
-
-def _declined(
-    why: list[tuple[int | None, str]] | None, index: int | None, reason: str
-) -> tuple[list[Any], list[Any]] | None:
-    """`read_arguments` declines the call (returns None): noted in `why` for `f.explain`,
-    if it asks."""
-    if why is not None:
-        why.append((index, reason))
-    return None
-
-
 def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: Any) -> Any:
     index_get = _fast.INDEX.get
     structures_get = state.structures.get
@@ -667,11 +500,11 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
     static_cache_pending = _fast.static_cache_pending
     guard_holds = _guard.holds
     counts = state.counts
-    resolve_call = _args.resolve_call
     fast_ok = not state.has_static
     serves_nested = state.serves_nested
     plain = state.plain_leaves
     checking = _agreement.ENABLED  # (FASTCALL_CHECK_HITS: see _agreement)
+    general = functools.partial(_general, state, fun, fun_leaves, checking)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         # ---- 1. the fast path: f(first, *arrays) with a record for `first`; else the
@@ -731,52 +564,63 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
                 return general(out, args, kwargs)
         return general(None, args, kwargs)
 
-    def general(ran: Varying | None, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
-        # ---- 2. the general path: resolve every argument, run the compiled entry (or
-        # finish the output `ran`, of a call the fast or structure path ran) ----
-        if checking:
-            _agreement.miss_taken()
-        kwargs = kwargs or {}
-        whole_reads = WHOLE_READS.count
-        try:
-            resolved = resolve_call(state, fun_leaves, args, kwargs)
-        except StepAside:
-            resolved = None  # traced arguments: run inline below, outside this handler
-        except FastcallError as err:  # (bad input: named as the wrapper the user wrote)
-            raise for_decorator(err, state.decorator) from err.__cause__
-        if resolved is None:  # (or the arguments do not fit: the function raises)
-            if ran is not None and ran.info.nnx is None:
-                # (a call the fast path served inside an outer trace, read-only: it ran, and
-                # its output needs no NNX argument to finish; not run inline a second time)
-                return ran.finish(())
-            return fun(*args, **kwargs)
-        entry = state.table.get(resolved.key) or state.entry(resolved.key)
-        was_read = WHOLE_READS.count != whole_reads  # (an argument read whole while resolving)
-        if was_read:
-            counts.general_read += 1
-        else:
-            counts.general_cached += 1
-        out = run(state, entry, resolved, ran=ran)  # (not counting the trace's reads: a compile reads no argument)
-        whole_reads = WHOLE_READS.count
-        _install_fast(state, fun_leaves, resolved, state.table.get(resolved.key) or entry, tuple(kwargs))
-        if not was_read and WHOLE_READS.count != whole_reads:  # (holding a list or dict flattens it again)
-            counts.general_cached -= 1
-            counts.general_read += 1
-        return out
+    return _public(wrapper, general, state, fun_leaves, user_fun)
 
+
+def _public(wrapper: Any, general: Any, state: Any, fun_leaves: tuple[Any, ...], user_fun: Any) -> Any:
+    """What the user calls: `wrapper`, or the same hit routes in C (see _accel.c), which
+    fall back to it; checked against the general path in the agreement mode."""
     functools.update_wrapper(wrapper, user_fun)
     if _native.ACCEL is None:
         public: Any = wrapper
     else:
-        # The same fast path in C (see _accel.c); every other call falls back to `wrapper`.
         public = _native.ACCEL.FastWrapper(
-            wrapper, state, state.structures, functools.partial(_c_error, state), general, state.serves_nested, plain
+            wrapper, state, state.structures, functools.partial(_c_error, state), general, state.serves_nested,
+            state.plain_leaves,
         )
         functools.update_wrapper(public, user_fun)
         state.c_wrappers.add(public)
-    if checking:
+    if _agreement.ENABLED:
         public = functools.update_wrapper(_agreement.checking_wrapper(public, state, fun_leaves), user_fun)
     return public
+
+
+def _general(
+    state: Any, fun: Any, fun_leaves: tuple[Any, ...], checking: bool, ran: Varying | None, args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None,
+) -> Any:
+    """The general path of a call of `fun` (`make_wrapper`'s `general`, bound to its
+    state): resolve every argument, run the compiled entry (or finish the output `ran`,
+    of a call the fast or structure path ran)."""
+    if checking:
+        _agreement.miss_taken()
+    kwargs = kwargs or {}
+    whole_reads = WHOLE_READS.count
+    try:
+        resolved = _args.resolve_call(state, fun_leaves, args, kwargs)
+    except StepAside:
+        resolved = None  # traced arguments: run inline below, outside this handler
+    except FastcallError as err:  # (bad input: named as the wrapper the user wrote)
+        raise for_decorator(err, state.decorator) from err.__cause__
+    if resolved is None:  # (or the arguments do not fit: the function raises)
+        if ran is not None and ran.info.nnx is None:
+            # (a call the fast path served inside an outer trace, read-only: it ran, and
+            # its output needs no NNX argument to finish; not run inline a second time)
+            return ran.finish(())
+        return fun(*args, **kwargs)
+    entry = state.table.get(resolved.key) or state.entry(resolved.key)
+    was_read = WHOLE_READS.count != whole_reads  # (an argument read whole while resolving)
+    if was_read:
+        state.counts.general_read += 1
+    else:
+        state.counts.general_cached += 1
+    out = run(state, entry, resolved, ran=ran)  # (not counting the trace's reads: a compile reads no argument)
+    whole_reads = WHOLE_READS.count
+    _install_fast(state, fun_leaves, resolved, state.table.get(resolved.key) or entry, tuple(kwargs))
+    if not was_read and WHOLE_READS.count != whole_reads:  # (holding a list or dict flattens it again)
+        state.counts.general_cached -= 1
+        state.counts.general_read += 1
+    return out
 
 
 def _c_error(state: Any, err: BaseException, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import _codegen, _fast, _flatten, _guard, _hold, _nnx_gate, _pack
-from ._dispatch import arguments_as_read, read_arguments, read_mixed, static_matches
+from ._structure_route import arguments_as_read, read_arguments, read_mixed, static_matches
 
 
 @dataclasses.dataclass(frozen=True)

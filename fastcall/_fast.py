@@ -261,7 +261,7 @@ class MixedRead(NamedTuple):
     `layout` says: None, an array or a Python scalar the function passes as it is (its
     `plain_leaves`); a StaticRead, a static value compared; a VariableRead, a Variable read
     as one passed on its own is; an int, an NNX object read from its cache entry, of that
-    spec (as NodeRead). (Python: `_dispatch.read_mixed`; C: `read_mixed`.)"""
+    spec (as NodeRead). (Python: `_structure_route.read_mixed`; C: `read_mixed`.)"""
 
     spec_id: int
     flatten: Callable[[Any, Any], Any]  # jax's registry flatten: (obj, is_leaf) -> (leaves list, treedef)

@@ -188,11 +188,13 @@ class OutInfo:
             result = self.treedef.unflatten([next(it_dyn) if m else next(it_stat) for m in self.mask])
         else:
             result = self.treedef.unflatten(dyn)
-        # (not an output whose markers `statics` replaced: `regs` was found on the marked
-        # output, where a marker is a static leaf; the caller's objects in its place would be
-        # taken back as if they were that static)
+        # Returned modules (and tuples such as optimizer states) noted with their leaves, so
+        # that `model, opt_state = step(model, opt_state, ...)` finds them next step
+        # (`remember`). Not an output whose markers `statics` replaced: `regs` was found on
+        # the marked output, where a marker is a static leaf; the caller's objects in its
+        # place would be taken back as if they were that static.
         if self.regs and statics is None:
-            self._register(result, dyn)
+            self.remember(result, dyn if type(dyn) is list else list(dyn))  # type: ignore[misc]
         return result
 
     @property
@@ -235,13 +237,6 @@ class OutInfo:
         if nnx.n_written != len(nnx.writes) or not (nnx.writes or nnx.fresh):
             return None
         return nnx.writes
-
-    def _register(self, result: Any, dyn: Sequence[Any]) -> None:
-        """Note returned modules (and tuples such as optimizer states) with their leaves,
-        so that `model, opt_state = step(model, opt_state, ...)` finds them next step
-        (`_memo.note_latest`, or its C copy)."""
-        if self.remember is not None:
-            self.remember(result, dyn if type(dyn) is list else list(dyn))
 
     def take_memo(self) -> Any:
         """Stop noting the latest call's outputs: the memo, for the caller to release."""

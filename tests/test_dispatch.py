@@ -300,13 +300,14 @@ def test_a_read_in_another_thread_is_not_counted_as_this_calls(hot_path, monkeyp
     original = _args.resolve_call
 
     def resolve_while_another_thread_reads(*a):
+        monkeypatch.setattr(_args, "resolve_call", original)  # (once: the other thread's call resolves as usual)
         t = threading.Thread(target=other, args=(nnx.Linear(3, 3, rngs=nnx.Rngs(1)), x))
         t.start()
         t.join()
         return original(*a)
 
+    g = fastcall.jit(lambda m, x: m(x) * 2.0)
     monkeypatch.setattr(_args, "resolve_call", resolve_while_another_thread_reads)
-    g = fastcall.jit(lambda m, x: m(x) * 2.0)  # (made now: its wrapper binds the patched function)
     y, path = served_exactly(g, m, x)  # (its first call: the general path, `m` from the cache)
     assert path == "general_cached"
     assert_trees_equal(y, m(x) * 2.0)
