@@ -34,7 +34,11 @@ if cython.compiled:
 
 COMPILED: bool = cython.compiled
 
+# (C constants where compiled: no module lookup per use)
 _VARIABLES = cython.declare(cython.Py_ssize_t, NnxArg._fields.index("variables"))  # (read by position)
+_ARRAY = cython.declare(object, ArrayImpl)
+_NNX_ARG = cython.declare(object, NnxArg)
+_RAW_LEAF = cython.declare(object, RawLeaf)
 
 
 @cython.final
@@ -45,18 +49,23 @@ class LeafWrites:
     (NNX object ordinal, leaf index) it goes to. `nnx` is the call's list of
     `_fast.NnxArg`, or with `one_object` the leaves of the call's one NNX object (the fast
     route's record). `result` builds the user's output from the other outputs; `post` is
-    the general write-back."""
+    the general write-back. (Made once the NNX plugin has loaded, which sets the slot.)"""
 
     writes: tuple
     result: Any
     post: Any
     one_object: cython.bint
+    slot: Any  # the Variable's `_raw_value` slot descriptor (None: writes go to `post`)
+    variable: Any  # the class whose slot it is, nnx.Variable
 
     def __init__(self, writes: tuple, result: Any, post: Any, one_object: bool):
         self.writes = writes
         self.result = result
         self.post = post
         self.one_object = one_object
+        descr = VALUE_SLOT[0]
+        self.slot = descr if type(descr) is MemberDescriptorType else None
+        self.variable = descr.__objclass__ if self.slot is not None else None
 
     def __call__(self, out: Any, first: Any, nnx: Any) -> Any:
         if not self._plain(out, nnx):
@@ -66,7 +75,7 @@ class LeafWrites:
         j: cython.Py_ssize_t
         ordinal: cython.Py_ssize_t
         index: cython.Py_ssize_t
-        descr = VALUE_SLOT[0]
+        descr = self.slot
         for j in range(k):
             ordinal, index = self.writes[j]
             items: list = nnx if self.one_object else nnx[ordinal][_VARIABLES]
@@ -74,7 +83,7 @@ class LeafWrites:
                 raise RuntimeError("fastcall: an NNX object's leaves changed during write-back")
             item = items[index]  # (held here: the old value's release may run code)
             value = out[n - k + j]
-            if type(item) is RawLeaf:
+            if type(item) is _RAW_LEAF:
                 write_leaf(item, value)
             elif cython.compiled:
                 Py_TYPE(descr).tp_descr_set(descr, item, value)
@@ -86,33 +95,32 @@ class LeafWrites:
     def _plain(self, out: Any, nnx: Any) -> cython.bint:
         """Whether every write is one `__call__` makes itself: an array into a Variable or
         a raw leaf of an object the call read."""
-        if type(out) is not list:
+        if type(out) is not list or type(nnx) is not list or self.slot is None:
             return False
         k: cython.Py_ssize_t = len(self.writes)
         n: cython.Py_ssize_t = len(out)
         j: cython.Py_ssize_t
         ordinal: cython.Py_ssize_t
         index: cython.Py_ssize_t
-        descr = VALUE_SLOT[0]
-        if k > n or type(descr) is not MemberDescriptorType or type(nnx) is not list:
+        if k > n:
             return False
-        variable = descr.__objclass__  # (the class whose slot it is: nnx.Variable)
+        variable = self.variable
         for j in range(k):
             ordinal, index = self.writes[j]
-            if type(out[n - k + j]) is not ArrayImpl:
+            if type(out[n - k + j]) is not _ARRAY:
                 return False
             if self.one_object:
                 if ordinal != 0:
                     return False
                 items = nnx
             else:
-                if not 0 <= ordinal < len(nnx) or type(nnx[ordinal]) is not NnxArg:
+                if not 0 <= ordinal < len(nnx) or type(nnx[ordinal]) is not _NNX_ARG:
                     return False
                 items = nnx[ordinal][_VARIABLES]
             if type(items) is not list or not 0 <= index < len(items):
                 return False
             item = items[index]
-            if type(item) is RawLeaf:
+            if type(item) is _RAW_LEAF:
                 continue
             # A Variable by its type (not isinstance: Variable's metaclass answers for
             # other things too, through Python)
