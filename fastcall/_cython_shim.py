@@ -22,3 +22,7 @@ cclass = final = ccall = cfunc = inline = _same
 
 def declare(_type: Any, value: Any = None) -> Any:
     return value
+
+
+def cast(_type: Any, value: Any) -> Any:
+    return value

@@ -39,6 +39,7 @@ _VARIABLES = cython.declare(cython.Py_ssize_t, NnxArg._fields.index("variables")
 _ARRAY = cython.declare(object, ArrayImpl)
 _NNX_ARG = cython.declare(object, NnxArg)
 _RAW_LEAF = cython.declare(object, RawLeaf)
+_is_subtype = cython.declare(object, type.__subclasscheck__)  # (type's own: no metaclass's override)
 
 
 @cython.final
@@ -78,7 +79,7 @@ class LeafWrites:
         descr = self.slot
         for j in range(k):
             ordinal, index = self.writes[j]
-            items: list = nnx if self.one_object else nnx[ordinal][_VARIABLES]
+            items: list = nnx if self.one_object else cython.cast(tuple, nnx[ordinal])[_VARIABLES]
             if index >= len(items):  # (changed by code an old value's release ran)
                 raise RuntimeError("fastcall: an NNX object's leaves changed during write-back")
             item = items[index]  # (held here: the old value's release may run code)
@@ -116,7 +117,8 @@ class LeafWrites:
             else:
                 if not 0 <= ordinal < len(nnx) or type(nnx[ordinal]) is not _NNX_ARG:
                     return False
-                items = nnx[ordinal][_VARIABLES]
+                # (indexed as a tuple: Cython would index a tuple subclass through Python)
+                items = cython.cast(tuple, nnx[ordinal])[_VARIABLES]
             if type(items) is not list or not 0 <= index < len(items):
                 return False
             item = items[index]
@@ -127,6 +129,6 @@ class LeafWrites:
             if cython.compiled:
                 if not PyObject_TypeCheck(item, cython.cast(cython.pointer[PyTypeObject], variable)):
                     return False
-            elif variable not in type(item).__mro__:
+            elif not _is_subtype(variable, type(item)):
                 return False
         return True
