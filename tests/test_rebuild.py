@@ -4,7 +4,6 @@ built and run as Python where not; both ways build the same outputs, which are E
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
