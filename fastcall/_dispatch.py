@@ -478,7 +478,7 @@ def _writing_back(entry: Entry, post: Any, one_object: bool) -> Any:
     if writes is None:
         return post
     if not writes:
-        return out.fast_post or post  # type: ignore[union-attr]
+        return out.fast_post  # type: ignore[union-attr]
     return _nnx_gate.adapter().LeafWrites(writes, out.fast_result, post, one_object)  # type: ignore[union-attr]
 
 

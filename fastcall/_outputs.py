@@ -111,14 +111,14 @@ class OutInfo:
         # `result`, as one call (build by the plan, then note) where that is all it does
         plan = _codegen.plan_of(self.build)
         self.fast_result: Callable[[list[Any]], Any] = self.result
-        # `fast_result` as the post-processing of a call that writes nothing back,
-        # `post(out, first, nnx)` (None: the general one, `finish`)
-        self.fast_post: Callable[[list[Any], Any, Any], Any] | None = None
         if self.build is None and not (block or self.statics or self.regs):
             # (all `result` does then: jax's C++ unflatten, called directly; an output holding
             # new Variables on their own, `NnxOutputs.fresh`)
             self.fast_result = self.treedef.unflatten
-        elif plan is not None and not block:
+        # `fast_result` as the post-processing of a call that writes nothing back,
+        # `post(out, first, nnx)`
+        self.fast_post: Callable[[list[Any], Any, Any], Any] = _as_post(self.fast_result)
+        if plan is not None and not block:  # (the plan's `finish_output` takes a post's arguments itself)
             self.fast_result = self.fast_post = functools.partial(_rebuild.finish_output, plan, self.remember)
 
     def same_as(self, other: OutInfo) -> bool:
@@ -248,6 +248,15 @@ class OutInfo:
         # here so that the latest outputs' leaves go with the entry)
         if hasattr(self, "held"):
             self.take_memo()
+
+
+def _as_post(result: Callable[[list[Any]], Any]) -> Callable[[list[Any], Any, Any], Any]:
+    """`result(out)`, called as a record's post-processing is: `post(out, first, nnx)`."""
+
+    def post(out: list[Any], first: Any, nnx: Any) -> Any:
+        return result(out)
+
+    return post
 
 
 def _has_python_nodes(treedef: Any) -> bool:

@@ -213,6 +213,34 @@ def test_errors_and_checks_on_the_structure_path(hot_path):
     assert_trees_equal(y, _models(4)[3](-X))
 
 
+def test_a_checked_output_is_finished_without_the_general_post(hot_path, monkeypatch):
+    """An output that waits on `eqx.error_if` checks (no output plan: `OutInfo.fast_post`
+    calls `OutInfo.result`) is finished by the hit routes directly; the error still reaches
+    the caller, and the wrapper keeps working."""
+    from fastcall._outputs import OutInfo
+
+    def checked(m, x):
+        return eqx.error_if(m(x), x[0] > 0, "x[0] must not be positive")
+
+    f, peer = fastcall.jit(checked), eqx.filter_jit(checked)
+    models = _models(4)
+    for m in models[:2]:
+        f(m, -X)
+    for _ in range(2):
+        f(models[0], -X)  # (its fast record)
+
+    def refuse(*args):
+        raise AssertionError("the general post ran")
+
+    monkeypatch.setattr(OutInfo, "finish", refuse)
+    for m, route in ((models[0], FAST_PATH[hot_path]), (models[3], STRUCTURE_PATH[hot_path])):
+        y, served_by = served(f, m, -X)
+        assert served_by == route
+        assert_trees_equal(y, peer(m, -X))
+        with pytest.raises(eqx.EquinoxRuntimeError, match="must not be positive"):
+            f(m, X + 1)
+
+
 def test_tracers_decline(hot_path):
     f = fastcall.jit(_call)
     for m in _models(2):
