@@ -1,16 +1,14 @@
-/* fastcall's hit path in C: `FastWrapper` (the fast and the structure path), the C output
+/* fastcall's hit path in C: `FastWrapper` (the object a wrapped function is, where this
+ * extension is built: it enters the fast route and runs the structure path), the C output
  * builder and the output memo. FASTCALL_CHECK_HITS=1 (fastcall/_agreement.py) checks every
  * call it serves against the general path.
  *
- * The fast path serves exactly the case `_dispatch.make_wrapper`'s Python fast path
- * serves, from the same records (`fastcall/_fast.py`):
+ * A call with positional arguments only first goes to the fast route
+ * (fastcall/_fast_route.py, one source: compiled by Cython, entered here through its C
+ * function `SERVE` with this call's argument array; run as Python, called as a function).
+ * It serves `f(first, *arrays)` from first's FastRecord, or declines.
  *
- *   f(first, *arrays)  where  INDEX[id(first)] is a FastSlot whose ref() is
- *   first and whose guard (if any) holds, slot.records[state] is a FastRecord
- *   with arity == len(args), and every other argument is a plain leaf: exactly a
- *   jax ArrayImpl, or of another type in the wrapper's `plain` (FunctionState.plain_leaves).
- *
- * Any call that does not meet those conditions tries the structure path
+ * Any call it declines (and any with keyword arguments) tries the structure path
  * (`StructureRecord`): `structures` (the function's `state.structures`) has a
  * record for type(first) (and the call's keyword names, in call order:
  * `_fast.structure_key`; that record, then each of its `others`, tried in turn) with
@@ -23,7 +21,7 @@
  * else from its structure's extractor (not None), unless it is the object last read
  * there (`last`); an NNX object (`NodeRead`; each of a tuple, list, dict or
  * other pytree of them, `NodesRead`) from its cache entry, if the fast index publishes a slot for it
- * (validated as the fast path validates one) whose entry (`FastSlot.node`) has
+ * (validated as the fast route validates one) whose entry (`FastSlot.node`) has
  * the expected spec: its leaves' current values; a Variable passed on its own, the
  * call's only NNX object (`VariableRead`), if of the recorded type and metadata: its
  * value; a GraphDef (`GraphdefRead`)
@@ -33,14 +31,9 @@
  * objects are known to share nothing (`NodeEntry.disjoint`). The call then
  * passes those leaves in order; `post` gets the NnxArgs of the NNX objects.
  *
- * Then: for an NNX record (variables is not None), the Variables' current
- * values are read through the _raw_value slot (a RawLeaf's through getattr)
- * and passed first (if the first
- * value is not an ArrayImpl, e.g. a tracer inside an nnx transform, the call
- * goes to the fallback); `call` runs; `post(out, first, variables)` is applied
- * when present. Every other case goes to `fallback`, the Python wrapper, which
- * holds all the logic. This module is an optional accelerator: if it fails to
- * build or import, fastcall behaves identically, only slower.
+ * Every other case goes to `fallback`, the Python wrapper, which holds all the logic. This
+ * module is an optional accelerator: if it fails to build or import, fastcall behaves
+ * identically, only slower.
  *
  * The records are NamedTuples; their fields are read through the index
  * constants below, and `configure` (called once, by `_dispatch`, with the
@@ -57,12 +50,6 @@
 #define SLOT_GUARD 2
 #define SLOT_NODE 3
 static const char *SLOT_FIELDS[] = {"ref", "records", "guard", "node", NULL};
-/* FastRecord(arity, call, variables, post) */
-#define REC_ARITY 0
-#define REC_CALL 1
-#define REC_VARIABLES 2
-#define REC_POST 3
-static const char *RECORD_FIELDS[] = {"arity", "call", "variables", "post", NULL};
 /* StructureRecord(arity, reads, call, post, last, fast_shape, kwnames, order, hold_first, others) */
 #define STR_ARITY 0
 #define STR_READS 1
@@ -200,6 +187,10 @@ static struct {
     /* node_test's table (`_nnx_gate.node_types`: type -> whether its instances are NNX
      * objects) and its test of a type the table lacks (`_nnx._variables._is_node_fast`, which fills it) */
     PyObject *node_table, *node_fallback;
+    /* The fast route's C entry (fastcall/_fast_route.py's SERVE), NULL where that module runs
+     * as Python; and what the route returns for a call it declines */
+    PyObject *(*serve)(PyObject *route, PyObject *const *args, Py_ssize_t nargs);
+    PyObject *declined;
 } G;
 
 /* A dict's version tag (PEP 509): changed by every dict operation that changes what the
@@ -234,20 +225,19 @@ typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
     PyObject *fallback;    /* the Python wrapper: handles every other case */
+    PyObject *fast;        /* the fast route (_fast_route.FastRoute), tried first */
     PyObject *structures;  /* dict: type(first) -> StructureRecord (this function's) */
     PyObject *state;       /* key of this wrapped function in slot.records */
     PyObject *on_error;    /* on_error(exception, args, kwargs or None): re-raises it, made clearer */
     PyObject *finish_varying; /* finish_varying(output, args, kwargs or None): see fw_varying */
-    Py_ssize_t calls;      /* calls served here (JitStats.paths["c_fast"]) */
     Py_ssize_t structure_calls; /* calls served by the structure path (paths["c_structure"]) */
     int serves_nested;     /* FunctionState.serves_nested: a read-only call may run nested in a trace */
     PyObject *plain;       /* frozenset: FunctionState.plain_leaves, types passed to jax.jit as they are */
     PyObject *dict;
     PyObject *weakreflist;
     /* The last call's lookups (see remembered): of the fast index per argument position up
-     * to MEMO_ARGS (slot_of), of this function's record in the first argument's slot, and of
-     * its structure record for the first argument's type */
-    Lookup memo_slot[MEMO_ARGS], memo_record, memo_structure;
+     * to MEMO_ARGS (slot_of), and of its structure record for the first argument's type */
+    Lookup memo_slot[MEMO_ARGS], memo_structure;
     Lookup memo_graphdef; /* (and of GRAPHDEFS, for a GraphDef argument: read_graphdef) */
     /* The address of the structure record that served this function's last structure-path
      * call among several of one key (fw_structure): compared with the key's records' only,
@@ -2242,110 +2232,17 @@ fw_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
     if (nargs == 0) {
         return fw_fallback(self, args, nargsf, kwnames);
     }
-    if (kwnames != NULL) { /* (the fast path takes positional arguments only) */
+    if (kwnames != NULL) { /* (the fast route takes positional arguments only) */
         return fw_structure(self, args, nargsf, kwnames);
     }
-    PyObject *first = args[0];
-    PyObject *slot = slot_of(self, first, 0); /* borrowed */
-    if (slot == NULL) {
-        return PyErr_Occurred() ? NULL : fw_structure(self, args, nargsf, kwnames);
+    /* The fast route (fastcall/_fast_route.py): compiled, through its C entry; run as
+     * Python, called as a Python function */
+    PyObject *out = G.serve != NULL ? G.serve(self->fast, args, nargs) : PyObject_Vectorcall(self->fast, args, nargs, NULL);
+    if (out != G.declined) {
+        return out; /* (or NULL: an error) */
     }
-    if (!PyTuple_Check(slot) || PyTuple_GET_SIZE(slot) != 4) {
-        return fw_structure(self, args, nargsf, kwnames);
-    }
-    int same = ref_is(PyTuple_GET_ITEM(slot, SLOT_REF), first);
-    if (same <= 0) {
-        return same < 0 ? NULL : fw_structure(self, args, nargsf, kwnames);
-    }
-    PyObject *guard = PyTuple_GET_ITEM(slot, SLOT_GUARD);
-    if (guard != Py_None && !guard_holds(guard)) {
-        return fw_structure(self, args, nargsf, kwnames); /* a list or dict changed in place */
-    }
-    PyObject *records = PyTuple_GET_ITEM(slot, SLOT_RECORDS);
-    if (!PyDict_CheckExact(records)) {
-        return fw_structure(self, args, nargsf, kwnames);
-    }
-    PyObject *record = remembered(&self->memo_record, records, self->state, 0); /* borrowed */
-    if (record == NULL) {
-        return PyErr_Occurred() ? NULL : fw_structure(self, args, nargsf, kwnames);
-    }
-    if (!PyTuple_Check(record) || PyTuple_GET_SIZE(record) != 4) {
-        return fw_structure(self, args, nargsf, kwnames);
-    }
-    Py_ssize_t arity = PyLong_AsSsize_t(PyTuple_GET_ITEM(record, REC_ARITY));
-    if (arity != nargs) {
-        return (arity == -1 && PyErr_Occurred()) ? NULL : fw_structure(self, args, nargsf, kwnames);
-    }
-    for (Py_ssize_t i = 1; i < nargs; i++) {
-        int plain = is_plain(self, args[i]);
-        if (plain != 1) {
-            return plain < 0 ? NULL : fw_structure(self, args, nargsf, kwnames);
-        }
-    }
-    PyObject *variables = PyTuple_GET_ITEM(record, REC_VARIABLES);
-    PyObject *descr = PyList_GET_ITEM(G.value_slot, 0);
-    if (variables != Py_None && (!PyList_CheckExact(variables) || descr == Py_None)) {
-        return fw_fallback(self, args, nargsf, kwnames);
-    }
-    /* Hold what we use: another thread may replace the records during the call. */
-    Py_INCREF(record);
-    Py_ssize_t nvars = variables == Py_None ? 0 : PyList_GET_SIZE(variables);
-    Py_ssize_t total = nvars + nargs - 1;
-    PyObject *small[SMALL_STACK];
-    PyObject **stack = total <= SMALL_STACK ? small : PyMem_Malloc(total * sizeof(PyObject *));
-    PyObject *out = NULL;
-    Py_ssize_t filled = 0; /* owned references at the start of the stack */
-    if (stack == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    if (variables != Py_None) { /* an NNX object (perhaps with no leaves at all) */
-        for (; filled < nvars; filled++) {
-            PyObject *value = leaf_value(descr, PyList_GET_ITEM(variables, filled));
-            if (value == NULL) {
-                goto done;
-            }
-            stack[filled] = value;
-        }
-        int pending = 0;
-        if ((nvars > 0 && (PyObject *)Py_TYPE(stack[0]) != G.array_type)
-            || (pending = no_static_cache_pending()) != 1
-            || ((PyTuple_GET_ITEM(record, REC_POST) != Py_None || !self->serves_nested)
-                && (pending = at_top_level()) != 1)) {
-            /* tracers (inside an nnx transform) or another kind of value; or nnx.cached_partial's
-             * cache pending (the general path consumes it); or a JAX trace running and a call
-             * that may change state, or that jax would treat otherwise nested (the general path
-             * runs it inline in that trace: state changed inside must stay in it; see
-             * FunctionState.serves_nested) */
-            for (Py_ssize_t i = 0; i < filled; i++) Py_DECREF(stack[i]);
-            filled = 0;
-            out = pending < 0 ? NULL : fw_fallback(self, args, nargsf, kwnames);
-            goto done;
-        }
-    }
-    for (Py_ssize_t i = 1; i < nargs; i++) {
-        stack[nvars + i - 1] = args[i]; /* borrowed: not decref'd below */
-    }
-    self->calls++;
-    out = PyObject_Vectorcall(PyTuple_GET_ITEM(record, REC_CALL), stack, total, NULL);
-    if (out == NULL) {
-        for (Py_ssize_t i = 0; i < filled; i++) Py_DECREF(stack[i]);
-        filled = 0;
-        out = fw_failed(self, args, nargsf, kwnames);
-        goto done;
-    }
-    if ((PyObject *)Py_TYPE(out) == G.varying_type) {
-        for (Py_ssize_t i = 0; i < filled; i++) Py_DECREF(stack[i]);
-        filled = 0;
-        out = fw_varying(self, &self->calls, out, args, nargsf, kwnames);
-        goto done;
-    }
-    out = apply_post(PyTuple_GET_ITEM(record, REC_POST), out, first, variables);
-done:
-    for (Py_ssize_t i = 0; i < filled; i++) Py_DECREF(stack[i]);
-    if (stack != NULL && stack != small) PyMem_Free(stack);
-    Py_DECREF(record);
-    return out;
+    Py_DECREF(out);
+    return fw_structure(self, args, nargsf, kwnames);
 }
 
 static PyObject *
@@ -2369,6 +2266,7 @@ fw_traverse(PyObject *op, visitproc visit, void *arg)
 {
     FastWrapper *self = (FastWrapper *)op;
     Py_VISIT(self->fallback);
+    Py_VISIT(self->fast);
     Py_VISIT(self->structures);
     Py_VISIT(self->state);
     Py_VISIT(self->on_error);
@@ -2386,6 +2284,7 @@ fw_clear(PyObject *op)
 {
     FastWrapper *self = (FastWrapper *)op;
     Py_CLEAR(self->fallback);
+    Py_CLEAR(self->fast);
     Py_CLEAR(self->structures);
     Py_CLEAR(self->state);
     Py_CLEAR(self->on_error);
@@ -2456,9 +2355,14 @@ static PyObject *
 py_configure(PyObject *module, PyObject *args)
 {
     PyObject *index, *by_id, *latest, *graphdefs, *value_slot, *graph_context, *array_type, *varying_type, *jitting,
-        *top_level, *records;
-    if (!PyArg_UnpackTuple(args, "configure", 11, 11, &index, &by_id, &latest, &graphdefs, &value_slot,
-                           &graph_context, &array_type, &varying_type, &jitting, &top_level, &records)) {
+        *top_level, *records, *serve, *declined;
+    if (!PyArg_UnpackTuple(args, "configure", 13, 13, &index, &by_id, &latest, &graphdefs, &value_slot,
+                           &graph_context, &array_type, &varying_type, &jitting, &top_level, &records, &serve,
+                           &declined)) {
+        return NULL;
+    }
+    void *serve_entry = NULL;
+    if (serve != Py_None && (serve_entry = PyCapsule_GetPointer(serve, "fastcall._fast_route.SERVE")) == NULL) {
         return NULL;
     }
     int probe_ok = top_level == Py_None || PyTuple_CheckExact(top_level);
@@ -2485,14 +2389,14 @@ py_configure(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "configure: latest must be a list");
         return NULL;
     }
-    enum { N_RECORDS = 20 };
+    enum { N_RECORDS = 19 };
     PyObject *cls[N_RECORDS];
-    const char *names[N_RECORDS] = {"FastSlot", "FastRecord", "StructureRecord", "CacheEntry", "ArgRead",
+    const char *names[N_RECORDS] = {"FastSlot", "StructureRecord", "CacheEntry", "ArgRead",
                                     "NodeRead", "NodesRead", "GraphdefRead", "KnownGraphdef", "NnxArg",
                                     "RawLeaf", "VariableRead", "Registration", "Watched",
                                     "SequenceRead", "StaticRead", "JointRead", "SharedVariableRead", "TreeRead",
                                     "MixedRead"};
-    const char **layouts[N_RECORDS] = {SLOT_FIELDS, RECORD_FIELDS, STRUCTURE_FIELDS, CACHE_FIELDS,
+    const char **layouts[N_RECORDS] = {SLOT_FIELDS, STRUCTURE_FIELDS, CACHE_FIELDS,
                                        READ_FIELDS, NODE_READ_FIELDS, NODES_READ_FIELDS, NODE_READ_FIELDS,
                                        KNOWN_GRAPHDEF_FIELDS, NNX_ARG_FIELDS, RAW_LEAF_FIELDS,
                                        VARIABLE_READ_FIELDS, REGISTRATION_FIELDS, WATCHED_FIELDS,
@@ -2505,7 +2409,7 @@ py_configure(PyObject *module, PyObject *args)
             return NULL;
         }
     }
-    if (!PyType_IsSubtype((PyTypeObject *)cls[13], &PyTuple_Type)) { /* (made by tuple.__new__: watch_dict) */
+    if (!PyType_IsSubtype((PyTypeObject *)cls[12], &PyTuple_Type)) { /* (made by tuple.__new__: watch_dict) */
         PyErr_SetString(PyExc_TypeError, "configure: Watched must be a tuple subclass");
         for (int j = 0; j < N_RECORDS; j++) Py_DECREF(cls[j]);
         return NULL;
@@ -2534,23 +2438,23 @@ py_configure(PyObject *module, PyObject *args)
         }
         PyErr_Clear(); /* (none: the graph context is read by getattr) */
     }
-    for (int j = 0; j < 4; j++) Py_DECREF(cls[j]); /* (checked only: read by position) */
-    SET_SHARED(arg_read, cls[4]);
-    SET_SHARED(node_read, cls[5]);
-    SET_SHARED(nodes_read, cls[6]);
-    SET_SHARED(graphdef_read, cls[7]);
-    Py_DECREF(cls[8]);
-    SET_SHARED(nnx_arg, cls[9]);
-    SET_SHARED(raw_leaf, cls[10]);
-    SET_SHARED(variable_read, cls[11]);
-    Py_DECREF(cls[12]); /* (checked only: read by position) */
-    SET_SHARED(watched, cls[13]);
-    Py_DECREF(cls[14]); /* (checked only: read by position) */
-    SET_SHARED(static_read, cls[15]);
-    SET_SHARED(joint_read, cls[16]);
-    SET_SHARED(shared_variable_read, cls[17]);
-    SET_SHARED(tree_read, cls[18]);
-    SET_SHARED(mixed_read, cls[19]);
+    for (int j = 0; j < 3; j++) Py_DECREF(cls[j]); /* (checked only: read by position) */
+    SET_SHARED(arg_read, cls[3]);
+    SET_SHARED(node_read, cls[4]);
+    SET_SHARED(nodes_read, cls[5]);
+    SET_SHARED(graphdef_read, cls[6]);
+    Py_DECREF(cls[7]);
+    SET_SHARED(nnx_arg, cls[8]);
+    SET_SHARED(raw_leaf, cls[9]);
+    SET_SHARED(variable_read, cls[10]);
+    Py_DECREF(cls[11]); /* (checked only: read by position) */
+    SET_SHARED(watched, cls[12]);
+    Py_DECREF(cls[13]); /* (checked only: read by position) */
+    SET_SHARED(static_read, cls[14]);
+    SET_SHARED(joint_read, cls[15]);
+    SET_SHARED(shared_variable_read, cls[16]);
+    SET_SHARED(tree_read, cls[17]);
+    SET_SHARED(mixed_read, cls[18]);
     Py_INCREF(index); SET_SHARED(index, index);
     Py_INCREF(by_id); SET_SHARED(by_id, by_id);
     Py_INCREF(latest); SET_SHARED(latest, latest);
@@ -2561,21 +2465,23 @@ py_configure(PyObject *module, PyObject *args)
     Py_INCREF(varying_type); SET_SHARED(varying_type, varying_type);
     Py_INCREF(jitting); SET_SHARED(jitting, jitting);
     Py_INCREF(top_level); SET_SHARED(top_level, top_level);
+    Py_INCREF(declined); SET_SHARED(declined, declined);
+    G.serve = (PyObject *(*)(PyObject *, PyObject *const *, Py_ssize_t))serve_entry;
     Py_RETURN_NONE;
 }
 
-/* FastWrapper(fallback, state, structures, on_error, finish_varying, serves_nested, plain), once `configure`
- * has run. */
+/* FastWrapper(fallback, fast, state, structures, on_error, finish_varying, serves_nested, plain), once
+ * `configure` has run. */
 static PyObject *
 fw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    PyObject *fallback, *state, *structures, *on_error, *finish_varying, *serves_nested, *plain;
+    PyObject *fallback, *fast, *state, *structures, *on_error, *finish_varying, *serves_nested, *plain;
     if (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) {
         PyErr_SetString(PyExc_TypeError, "FastWrapper takes positional arguments only");
         return NULL;
     }
-    if (!PyArg_UnpackTuple(args, "FastWrapper", 7, 7, &fallback, &state, &structures, &on_error, &finish_varying,
-                           &serves_nested, &plain)) {
+    if (!PyArg_UnpackTuple(args, "FastWrapper", 8, 8, &fallback, &fast, &state, &structures, &on_error,
+                           &finish_varying, &serves_nested, &plain)) {
         return NULL;
     }
     int nested = PyObject_IsTrue(serves_nested);
@@ -2600,12 +2506,12 @@ fw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     }
     self->vectorcall = fw_vectorcall;
     Py_INCREF(fallback); self->fallback = fallback;
+    Py_INCREF(fast); self->fast = fast;
     Py_INCREF(structures); self->structures = structures;
     Py_INCREF(state); self->state = state;
     Py_INCREF(on_error); self->on_error = on_error;
     Py_INCREF(finish_varying); self->finish_varying = finish_varying;
     Py_INCREF(plain); self->plain = plain;
-    self->calls = 0;
     self->structure_calls = 0;
     self->serves_nested = nested;
     self->dict = NULL;
@@ -2614,9 +2520,9 @@ fw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 }
 
 static PyMemberDef fw_members[] = {
-    {"_fastcall_c_calls", T_PYSSIZET, offsetof(FastWrapper, calls), READONLY, "calls served in C"},
     {"_fastcall_c_structure_calls", T_PYSSIZET, offsetof(FastWrapper, structure_calls), READONLY,
      "calls served by the structure path in C"},
+    {"fast", T_OBJECT, offsetof(FastWrapper, fast), READONLY, "the fast route, tried first"},
     {NULL},
 };
 

@@ -11,6 +11,17 @@ compiled = False
 # C types, named in annotations (evaluated only at a function's definition)
 Py_ssize_t = int
 bint = bool
+ulonglong = int
+p_void = object
+NULL = None
+
+
+def pointer(_type: Any) -> Any:
+    return object
+
+
+def typedef(_type: Any) -> Any:
+    return _type
 
 
 def _same(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -20,7 +31,11 @@ def _same(f: Callable[..., Any]) -> Callable[..., Any]:
 cclass = final = ccall = cfunc = inline = _same
 
 
-def declare(_type: Any, value: Any = None) -> Any:
+def exceptval(*_args: Any, **_kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return _same
+
+
+def declare(_type: Any, value: Any = None, visibility: str = "private") -> Any:
     return value
 
 

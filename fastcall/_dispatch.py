@@ -3,15 +3,13 @@
 Reading order: `make_wrapper` builds the closure `wrapper`, whose body is the
 whole route of a call:
 
-1. The fast path. `f(first, *arrays)` where `first` has a `FastRecord` for
-   this function in the fast index (`_fast.INDEX`) and every other argument
-   is a plain leaf (a jax array, usually; `FunctionState.plain_leaves`): one
-   dict lookup, one weakref check (and, for an
-   object holding lists or dicts, its guard: `_guard`), one type check per
-   argument, then the jax.jit C++ fast path. Nothing is flattened or keyed.
-   The C extension (`_accel.c`) serves exactly this case, reading the same
-   records; this Python copy serves it when the C one is not built or is
-   disabled (`FASTCALL_DISABLE_ACCEL=1`).
+1. The fast route (`_fast_route`, one source: compiled by Cython, or run as that file).
+   `f(first, *arrays)` where `first` has a `FastRecord` for this function in the fast
+   index (`_fast.INDEX`) and every other argument is a plain leaf (a jax array, usually;
+   `FunctionState.plain_leaves`): one dict lookup, one weakref check (and, for an object
+   holding lists or dicts, its guard: `_guard`), one type check per argument, then the
+   jax.jit C++ fast path. Nothing is flattened or keyed. The C wrapper (`_accel.c`) enters
+   it through its C function; `wrapper` calls it.
 2. The structure path. Any other call whose arguments have the structures of
    a call this function ran (`_fast.StructureRecord`, per type of the first
    argument, with the call's keyword names; a few per key, tried in turn:
@@ -47,7 +45,7 @@ from typing import Any
 
 import jax
 
-from . import _agreement, _args, _codegen, _fast, _flatten, _guard, _hold, _memo, _native, _nnx_gate, _pack
+from . import _agreement, _args, _codegen, _fast, _fast_route, _flatten, _guard, _hold, _memo, _native, _nnx_gate, _pack
 from ._build import Entry
 from ._fast import (
     ArgRead, FastRecord, FastSlot, GraphdefRead, JointRead, MixedRead, NodeRead, NodesRead, PytreeShape,
@@ -65,14 +63,14 @@ def configure_accel() -> None:
     """Give the C extension the tables and record classes every C wrapper reads (it checks
     each record's fields against the layout it reads)."""
     records = (
-        FastSlot, FastRecord, StructureRecord, _flatten.CacheEntry, ArgRead, NodeRead, NodesRead, VariableRead,
+        FastSlot, StructureRecord, _flatten.CacheEntry, ArgRead, NodeRead, NodesRead, VariableRead,
         GraphdefRead, _fast.KnownGraphdef, _fast.NnxArg, _fast.RawLeaf, _flatten.Registration,
         _guard.Watched, _fast.SequenceRead, StaticRead, JointRead, SharedVariableRead, _fast.TreeRead, MixedRead,
     )
     _native.BUILT.configure(
         _fast.INDEX, _flatten.by_id, _memo.LATEST, _fast.GRAPHDEFS, _fast.VALUE_SLOT, _fast.GRAPH_CONTEXT, ArrayImpl,
         Varying, currently_jitting, TOP_LEVEL_PROBE,
-        {cls.__name__: cls for cls in records},
+        {cls.__name__: cls for cls in records}, _fast_route.SERVE, _fast_route.DECLINED,
     )
 
 
@@ -482,101 +480,68 @@ def _writing_back(entry: Entry, post: Any, one_object: bool) -> Any:
     return _nnx_gate.adapter().LeafWrites(writes, out.fast_result, post, one_object)  # type: ignore[union-attr]
 
 
-def _all_plain(values: tuple[Any, ...], start: int, plain: frozenset[type]) -> bool:
-    """Whether every value from `start` on is passed to jax.jit as it is (`plain`:
-    FunctionState.plain_leaves; a jax array, the common case, is checked first)."""
-    for i in range(start, len(values)):
-        t = type(values[i])
-        if t is not ArrayImpl and t not in plain:
-            return False
-    return True
-
-
 def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: Any) -> Any:
-    index_get = _fast.INDEX.get
     structures_get = state.structures.get
     records_of = _fast.records_of
-    read_value = _fast.read_value
-    static_cache_pending = _fast.static_cache_pending
-    guard_holds = _guard.holds
     counts = state.counts
-    fast_ok = not state.has_static
     serves_nested = state.serves_nested
     plain = state.plain_leaves
     checking = _agreement.ENABLED  # (FASTCALL_CHECK_HITS: see _agreement)
     general = functools.partial(_general, state, fun, fun_leaves, checking)
+    route = _fast_route.FastRoute(state, functools.partial(_c_error, state), general, plain, serves_nested)
+    state.fast_routes.add(route)
+    declined = _fast_route.DECLINED
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        # ---- 1. the fast path: f(first, *arrays) with a record for `first`; else the
-        # structure path: arguments of structures this function has run ----
         if args:
             first = args[0]
-            call = None
-            slot = index_get(id(first)) if fast_ok and not kwargs else None
-            if slot is None and fast_ok and not kwargs and (nnx := _nnx_gate.loaded()) is not None:
-                slot = nnx.slot_after_rebuild(first)  # (a model nnx.jit rebuilt in place: checked)
-            if slot is not None and slot.ref() is first and (slot.guard is None or guard_holds(slot.guard)):
-                record = slot.records.get(state)
-                if record is not None and record.arity == len(args) and _all_plain(args, 1, plain):
-                    arity, call, variables, post = record
-                    if variables is None:
-                        values: Any = [*args[1:]]
-                    else:  # NNX: the Variables' current values, read through the slot
-                        values = [*map(read_value, variables), *args[1:]]
-                    # (tracers inside an nnx transform: the general path steps aside; a
-                    # pending nnx.cached_partial cache: the general path consumes it; a JAX
-                    # trace running and a call that may change state, or that jax treats
-                    # otherwise nested: the general path runs it inline in that trace, since
-                    # state changed inside must stay in it; see FunctionState.serves_nested)
-                    if variables is not None and (
-                        (variables and type(values[0]) is not ArrayImpl) or static_cache_pending()
-                        or ((post is not None or not serves_nested) and currently_jitting())
-                    ):
-                        call = None
-            structure = call is None
-            if structure:
-                head = structures_get((type(first), tuple(kwargs)) if kwargs else type(first))  # (structure_key)
-                for known in records_of(head, state.last_structure):  # (until one serves the call)
-                    given = arguments_as_read(known, args, kwargs)
-                    read = None if given is None else read_arguments(known, given, serves_nested, plain)
-                    if read is not None:
-                        values, variables = read
-                        call, post = known.call, known.post
-                        if head.others:
-                            state.last_structure = id(known)
-                        break
-            if call is not None:
-                if structure:
-                    counts.python_structure += 1
-                else:
-                    counts.python_fast += 1
+            # ---- 1. the fast route: f(first, *arrays) with a record for `first` ----
+            if not kwargs:
+                out = route(*args)
+                if out is not declined:
+                    return out
+                nnx = _nnx_gate.loaded()
+                if nnx is not None and nnx.slot_after_rebuild(first) is not None:
+                    # (a model nnx.jit rebuilt in place: checked, and its slot restored)
+                    out = route(*args)
+                    if out is not declined:
+                        return out
+            # ---- 2. the structure route: arguments of structures this function has run ----
+            head = structures_get((type(first), tuple(kwargs)) if kwargs else type(first))  # (structure_key)
+            for known in records_of(head, state.last_structure):  # (until one serves the call)
+                given = arguments_as_read(known, args, kwargs)
+                read = None if given is None else read_arguments(known, given, serves_nested, plain)
+                if read is None:
+                    continue
+                values, variables = read
+                if head.others:
+                    state.last_structure = id(known)
+                counts.python_structure += 1
                 try:
-                    out = call(*values)
+                    out = known.call(*values)
                 except (RuntimeError, ValueError) as err:
                     on_error(err, list(state.named_args(args, kwargs)), state.decorator)
                 if type(out) is not Varying:
-                    return out if post is None else post(out, first, variables)
+                    return out if known.post is None else known.post(out, first, variables)
                 # (its trace met a new output structure: finished, and counted, by the general path)
-                if structure:
-                    counts.python_structure -= 1
-                else:
-                    counts.python_fast -= 1
+                counts.python_structure -= 1
                 return general(out, args, kwargs)
+        # ---- 3. the general path ----
         return general(None, args, kwargs)
 
-    return _public(wrapper, general, state, fun_leaves, user_fun)
+    return _public(wrapper, route, general, state, fun_leaves, user_fun)
 
 
-def _public(wrapper: Any, general: Any, state: Any, fun_leaves: tuple[Any, ...], user_fun: Any) -> Any:
-    """What the user calls: `wrapper`, or the same hit routes in C (see _accel.c), which
-    fall back to it; checked against the general path in the agreement mode."""
+def _public(wrapper: Any, route: Any, general: Any, state: Any, fun_leaves: tuple[Any, ...], user_fun: Any) -> Any:
+    """What the user calls: `wrapper`, or the same hit routes entered from C (see _accel.c),
+    which fall back to it; checked against the general path in the agreement mode."""
     functools.update_wrapper(wrapper, user_fun)
     if _native.ACCEL is None:
         public: Any = wrapper
     else:
         public = _native.ACCEL.FastWrapper(
-            wrapper, state, state.structures, functools.partial(_c_error, state), general, state.serves_nested,
-            state.plain_leaves,
+            wrapper, route, state, state.structures, functools.partial(_c_error, state), general,
+            state.serves_nested, state.plain_leaves,
         )
         functools.update_wrapper(public, user_fun)
         state.c_wrappers.add(public)

@@ -16,7 +16,7 @@ from typing import Any, Iterator, NamedTuple
 
 import jax
 
-from . import _agreement, _build, _fast, _flatten, _hold, _nnx_gate, _stats
+from . import _agreement, _build, _fast, _fast_route, _flatten, _hold, _nnx_gate, _stats
 from ._build import Entry
 from ._errors import FastcallError
 from ._flatten import Spec
@@ -37,23 +37,23 @@ class KeyLayout(NamedTuple):
 
 
 class PathCounts:
-    """Calls served by each route (see `JitStats.paths`). The C fast path counts its
-    own calls on each C wrapper."""
+    """Calls served by each route (see `JitStats.paths`). The fast route and the C
+    structure route count their own calls, on each wrapper."""
 
-    __slots__ = ("python_fast", "python_structure", "general_cached", "general_read", "packed_leaves")
+    __slots__ = ("python_structure", "general_cached", "general_read", "packed_leaves")
 
     def __init__(self) -> None:
         self.packed_leaves = 0  # (not a route: leaves bound packed into fast records, `_pack`)
-        self.python_fast = 0
         self.python_structure = 0
         self.general_cached = 0
         self.general_read = 0
 
-    def paths(self, c_wrappers: list[Any]) -> dict[str, int]:
-        """The calls each route served (`JitStats.paths`), the C wrappers' own counts added."""
+    def paths(self, fast_routes: list[Any], c_wrappers: list[Any]) -> dict[str, int]:
+        """The calls each route served (`JitStats.paths`), the wrappers' own counts added."""
+        fast = sum(r.fast_calls for r in fast_routes)
         return {
-            "c_fast": sum(w._fastcall_c_calls for w in c_wrappers),
-            "python_fast": self.python_fast,
+            "c_fast": fast if _fast_route.COMPILED else 0,
+            "python_fast": 0 if _fast_route.COMPILED else fast,
             "c_structure": sum(w._fastcall_c_structure_calls for w in c_wrappers),
             "python_structure": self.python_structure,
             "general_cached": self.general_cached,
@@ -115,7 +115,10 @@ class FunctionState:
         # The arguments the fast and structure paths pass to jax.jit as they are, where a call
         # of this function passed a plain leaf (its spec id 0): `_flatten.plain_leaf_types`.
         self.plain_leaves = _flatten.plain_leaf_types(options.trace_scalars)
-        self.c_wrappers: weakref.WeakSet[Any] = weakref.WeakSet()  # (their call counts)
+        # The wrapper's routes, for their call counts: its fast route (`_fast_route.FastRoute`)
+        # and, where the C extension is built, its C structure route
+        self.fast_routes: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.c_wrappers: weakref.WeakSet[Any] = weakref.WeakSet()
         # The structure path (`_fast.StructureRecord`): `_fast.structure_key` -> record (the
         # newest; those of other structures met under the key in its `others`).
         self.structures: dict[Any, Any] = {}
@@ -271,11 +274,11 @@ class FunctionState:
             warnings.warn(f"{self.decorator}({self.name}): {storm}", _stats.RecompileWarning, stacklevel=2)
 
     def fast_calls(self) -> int:
-        """How many calls the fast path (C or Python) has served."""
-        return sum(w._fastcall_c_calls for w in list(self.c_wrappers)) + self.counts.python_fast
+        """How many calls the fast route (compiled or run as Python) has served."""
+        return sum(r.fast_calls for r in list(self.fast_routes))
 
     def stats(self) -> _stats.JitStats:
-        paths = self.counts.paths(list(self.c_wrappers))
+        paths = self.counts.paths(list(self.fast_routes), list(self.c_wrappers))
         calls = sum(paths.values())
         return _stats.JitStats(
             calls=calls,

@@ -108,7 +108,7 @@ def _holds(guard: Guard) -> bool:
     return True
 
 
-try:  # the same check in C (fastcall/_accel.c), which the C fast path calls directly
+try:  # the same check in C (fastcall/_accel.c), which the C structure path calls directly
     holds: Any = importlib.import_module("fastcall._accel").guard_holds
 except (ImportError, AttributeError):  # pragma: no cover - not built
     holds = _holds

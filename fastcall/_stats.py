@@ -139,9 +139,9 @@ class JitStats:
     - `hits`: calls that reused an already compiled program.
     - `recompiles`: one entry per compile after the first, saying what changed
       (argument, leaf path, old and new shape/dtype or static value).
-    - `paths`: how many calls each route served: `"c_fast"` (the C fast path),
-      `"python_fast"` (the same fast path in Python, when the C one is not
-      built or is disabled), `"c_structure"` / `"python_structure"` (a new
+    - `paths`: how many calls each route served: `"c_fast"` (the fast route,
+      compiled), `"python_fast"` (the same route run as Python, where fastcall
+      was installed without a C compiler), `"c_structure"` / `"python_structure"` (a new
       object of a structure this function has run, read by that structure's
       generated code: the structure path, in C or in Python), and the general
       path, everything else: `"general_cached"` (every argument found in a
@@ -150,7 +150,8 @@ class JitStats:
       by jax's flatten or NNX's graph walk: what the peer does on every call; so is
       the flatten that takes a guard over an object's lists and dicts).
       They add up to `calls`. Which of `c_` and `python_` serve a call depends on
-      whether the C extension is built.
+      whether the compiled modules were built (and, for the structure route, not
+      disabled by `FASTCALL_DISABLE_ACCEL=1`).
     - `packed_leaves`: small leaves the fast path passes packed into buffers (see
       `fastcall.jit`'s `pack`), counted each time a fast record packs them (an NNX model
       packed again after new weights were loaded counts again); 0 where none is.

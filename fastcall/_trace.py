@@ -76,7 +76,7 @@ def currently_jitting() -> bool:
 
 
 def _top_level_probe() -> tuple[tuple[Any, str, Any], ...] | None:
-    """`currently_jitting()` as (holder, attribute, value) triples for the C fast path:
+    """`currently_jitting()` as (holder, attribute, value) triples for the compiled hit routes:
     eager Python exactly when `getattr(holder, attribute) is value` for each. This is what
     `trace_ctx.is_top_level()` compares (the current trace is the eval trace, the axis
     environment the top one), read without a Python frame: inside a call that the trace
@@ -84,7 +84,7 @@ def _top_level_probe() -> tuple[tuple[Any, str, Any], ...] | None:
 
     The state lives in jaxlib's context-local config objects (jax >= 0.9: `.value`) or on
     the thread-local context itself (older jax). Used only if it agrees with
-    `is_top_level()` outside and inside a trace here; otherwise None, and the C path calls
+    `is_top_level()` outside and inside a trace here; otherwise None, and those routes call
     `currently_jitting` instead."""
     try:
         top = (_core.eval_trace, _core.top_axis_env)

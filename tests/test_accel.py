@@ -1,4 +1,5 @@
-"""The optional C fast path is built here and serves the hot case."""
+"""The optional compiled modules are built here and serve the hot case: the fast route
+(`_fast_route`, compiled by Cython), the C structure route and memo (`_accel.c`)."""
 
 from __future__ import annotations
 
@@ -15,25 +16,28 @@ import pytest
 import fastcall
 from fastcall import _memo
 
-from .conftest import assert_trees_equal, compiled_sources, served
+from .conftest import AS_PYTHON, assert_trees_equal, compiled_sources, served
 
 
 def test_c_accelerator_is_built_and_used(unchecked):
-    """CI builds the C fast path; a silent fallback would only show up as lost speed."""
-    from fastcall import _native
+    """CI builds the C extension and compiles the fast route; a silent fallback would only
+    show up as lost speed."""
+    from fastcall import _fast_route, _native
 
     assert _native.BUILT is not None, "fastcall/_accel.c was not built (is a C compiler installed?)"
+    assert _fast_route.COMPILED is not AS_PYTHON, "fastcall/_fast_route.py was not compiled (is Cython installed?)"
     f = fastcall.jit(lambda m, x: m(x))
-    assert type(f).__name__ == "FastWrapper"
+    assert type(f).__name__ == "FastWrapper" and type(f.fast) is _fast_route.FastRoute
     m = eqx.nn.Linear(2, 2, key=jax.random.PRNGKey(0))
     for _ in range(3):
         f(m, jnp.ones(2))
-    assert f._fastcall_c_calls >= 1
+    assert f.fast.fast_calls == 1
     assert f.stats().calls == 3 and f.stats().hits == 2
     # The first call reads and caches the model, the second finds it in the cache and
-    # installs its fast record, the third is served in C.
+    # installs its fast record, the third is served by the fast route.
     assert f.stats().paths == {
-        "c_fast": 1, "python_fast": 0, "c_structure": 0, "python_structure": 0, "general_cached": 1, "general_read": 1
+        "c_fast": 0 if AS_PYTHON else 1, "python_fast": 1 if AS_PYTHON else 0, "c_structure": 0,
+        "python_structure": 0, "general_cached": 1, "general_read": 1,
     }
 
 
@@ -66,7 +70,7 @@ def _import_without_the_extension(env: dict[str, str], sources: bool = False) ->
         "f = fastcall.jit(lambda x: x + 1)\n"
         "outs = [float(f(jnp.ones(()))) for _ in range(3)]\n"
         "paths = f.stats().paths\n"
-        "print(outs, paths['python_fast'] + paths['python_structure'])\n"
+        "print(outs, paths['c_fast'] + paths['python_fast'] + paths['python_structure'])\n"
     )
     return subprocess.run(
         [sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
@@ -77,7 +81,7 @@ def _import_without_the_extension(env: dict[str, str], sources: bool = False) ->
 def test_without_the_compiled_path_the_import_says_so_once_and_calls_still_run():
     ran = _import_without_the_extension({})
     assert ran.returncode == 0, ran.stderr
-    assert ran.stdout.split() == ["[2.0,", "2.0,", "2.0]", "2"]  # (served by the Python hit path)
+    assert ran.stdout.split() == ["[2.0,", "2.0,", "2.0]", "2"]  # (served by the hit routes)
     said = [line for line in ran.stderr.splitlines() if "compiled path" in line]
     assert len(said) == 1 and "was not built, or does not load: fastcall._accel (" in said[0], ran.stderr
     assert "FASTCALL_DISABLE_ACCEL=1" in said[0]

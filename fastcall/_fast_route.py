@@ -1,0 +1,326 @@
+# cython: language_level=3, wraparound=False, boundscheck=False
+"""The fast route: `f(first, *arrays)` served from the record `first` has in the fast index.
+
+A general call of `f(first, *plain leaves)` whose first argument is a cached Equinox or
+pytree object, or an NNX object of a cached structure, leaves a `_fast.FastRecord` for `f`
+in that object's `_fast.FastSlot` (`_dispatch._install_fast` decides when). A later call
+is served from it when: no keyword arguments; `INDEX[id(first)]` is a slot whose reference
+is `first` and whose guard (an object holding lists or dicts, `_guard`) holds; the slot has
+a record for `f` (its `state`) of this many arguments; and every other argument is a plain
+leaf (a jax array, or a type of `plain`: FunctionState.plain_leaves). Then: nothing is
+flattened or keyed; for an NNX object, its Variables' current values are read and passed
+first (unless a JAX trace or an nnx transform is running, see `_nnx_values`); the compiled
+entry runs; `post` finishes the output (writes NNX state back). Any other call is declined
+(`DECLINED`), and the wrapper tries its structure route, then its general path
+(`_dispatch`).
+
+One source, two ways to run it: written in Cython's pure-Python mode, compiled by Cython
+where the package was built with a C compiler, run as this very file where not (see
+`fastcall/_rebuild.py`). Compiled, the C wrapper (`_accel.c`) enters it through one C
+function (`SERVE`, a capsule) with the call's own argument array: no tuple, no Python call.
+The compiled branches read the same things through the C API (a weak reference's target, a
+slot's value) that the Python lines beside them read through Python.
+"""
+
+import types
+from typing import Any, Optional
+
+try:
+    import cython
+except ImportError:  # (Cython is needed only to build; run as Python without it)
+    from fastcall import _cython_shim as cython  # type: ignore[no-redef]
+
+from ._arrays import ArrayImpl
+from ._fast import GRAPH_CONTEXT, INDEX, VALUE_SLOT, FastRecord, FastSlot, RawLeaf, read_value
+from ._flatten import Strong
+from ._guard import holds
+from ._outputs import Varying
+from ._trace import TOP_LEVEL_PROBE, currently_jitting
+
+if cython.compiled:
+    from cython.cimports.cpython.long import PyLong_FromVoidPtr
+    from cython.cimports.cpython.object import Py_TYPE, PyObject
+    from cython.cimports.cpython.pycapsule import PyCapsule_New
+    from cython.cimports.cpython.ref import Py_INCREF, Py_XDECREF
+    from cython.cimports.cpython.sequence import PySequence_Fast_ITEMS
+    from cython.cimports.cpython.tuple import PyTuple_New, PyTuple_SET_ITEM
+    from cython.cimports.cpython.weakref import PyWeakref_CheckRef, PyWeakref_GetRef
+    from cython.cimports.fastcall._capi import PyObject_Vectorcall, dict_version
+
+# A call's arguments: the tuple of them, run as Python; compiled, C's array (PyObject *const *)
+if not cython.compiled:
+    Argv = tuple
+else:
+    Argv = cython.typedef(cython.pointer(cython.pointer(PyObject)))  # type: ignore[misc]
+
+COMPILED: bool = cython.compiled
+
+# (C constants where compiled: no module lookup per use)
+_INDEX = cython.declare(dict, INDEX)
+_VALUE_SLOT = cython.declare(list, VALUE_SLOT)
+_GRAPH_CONTEXT = cython.declare(list, GRAPH_CONTEXT)
+_ARRAY = cython.declare(object, ArrayImpl)
+_VARYING = cython.declare(object, Varying)
+_RAW_LEAF = cython.declare(object, RawLeaf)
+_FAST_SLOT = cython.declare(object, FastSlot)
+_FAST_RECORD = cython.declare(object, FastRecord)
+_STRONG = cython.declare(object, Strong)
+_read_value = cython.declare(object, read_value)
+_MEMBER = cython.declare(object, types.MemberDescriptorType)
+_guard_holds = cython.declare(object, holds)
+_jitting = cython.declare(object, currently_jitting)
+_PROBE = cython.declare(object, TOP_LEVEL_PROBE)  # (holder, name, value) triples, or None
+DECLINED: Any = object()  # (what the route returns for a call it does not serve)
+_DECLINED = cython.declare(object, DECLINED)
+
+
+@cython.final
+@cython.cclass
+class FastRoute:
+    """A wrapped function's fast route. `state`: the function's (its key in a slot's
+    records); `on_error(err, args, kwargs)` re-raises an error of the compiled function, made
+    clearer; `finish_varying(out, args, kwargs)` finishes a call whose output carries its own
+    structure (`Varying`: the general path does, and counts it); `plain` and
+    `serves_nested`: the function's (FunctionState). Called as `route(*args)` (the Python
+    wrapper; the C wrapper where this file runs as Python) or through `SERVE` (the C wrapper):
+    the output, or DECLINED."""
+
+    state: Any
+    on_error: Any
+    finish_varying: Any
+    plain: frozenset
+    serves_nested: cython.bint
+    fast_calls = cython.declare(cython.Py_ssize_t, visibility="readonly")  # calls served here
+    # The last call's two lookups (`_serve`, `_record_of`): of `first` in the fast index, of
+    # `state` in its slot's records; each with the dict's version tag then. What was found is
+    # borrowed (NULL: absent): the dict holds it while its tag is unchanged, and the route
+    # keeps no model alive.
+    _m_first: cython.p_void
+    _m_slot: cython.p_void
+    _m_index_version: cython.ulonglong
+    _m_records: cython.p_void
+    _m_record: cython.p_void
+    _m_records_version: cython.ulonglong
+    __weakref__: Any  # (FunctionState.fast_routes is a WeakSet)
+
+    def __init__(self, state: Any, on_error: Any, finish_varying: Any, plain: frozenset, serves_nested: bool):
+        self.state = state
+        self.on_error = on_error
+        self.finish_varying = finish_varying
+        self.plain = plain
+        self.serves_nested = serves_nested
+        self.fast_calls = 0
+
+    def __call__(self, *args: Any) -> Any:
+        if cython.compiled:
+            return _serve(self, PySequence_Fast_ITEMS(args), len(args))
+        else:
+            return _serve(self, args, len(args))
+
+    def serve_slot(self, slot: Any, args: tuple) -> Any:
+        """`f(*args)` served from `slot`, found for `args[0]` otherwise than by its id (a model
+        nnx.jit rebuilt in place: `_nnx.slot_after_rebuild`); or DECLINED."""
+        if cython.compiled:
+            return _serve_from(self, slot, PySequence_Fast_ITEMS(args), len(args))
+        else:
+            return _serve_from(self, slot, args, len(args))
+
+
+@cython.cfunc
+@cython.inline
+def _arg(argv: Argv, i: cython.Py_ssize_t) -> object:
+    if cython.compiled:
+        return cython.cast(object, argv[i])
+    else:
+        return argv[i]
+
+
+@cython.cfunc
+def _args_tuple(argv: Argv, n: cython.Py_ssize_t) -> tuple:
+    """The call's arguments as a tuple (for the rare callee that takes one)."""
+    if not cython.compiled:
+        return argv
+    args: tuple = PyTuple_New(n)
+    i: cython.Py_ssize_t
+    for i in range(n):
+        Py_INCREF(cython.cast(object, argv[i]))
+        PyTuple_SET_ITEM(args, i, cython.cast(object, argv[i]))
+    return args
+
+
+@cython.cfunc
+def _serve(route: FastRoute, argv: Argv, n: cython.Py_ssize_t) -> object:
+    """`f(*argv)` (`n` arguments) served by `route`, or DECLINED."""
+    if n == 0:
+        return _DECLINED
+    first = _arg(argv, 0)
+    if cython.compiled:
+        # A loop calling `f` with one object looks it up once (the C wrapper's `remembered`
+        # says why that pays): the index's version tag unchanged, its answer is
+        version: cython.ulonglong = dict_version(_INDEX)
+        if version != 0 and route._m_first == cython.cast(cython.p_void, first) and route._m_index_version == version:
+            if route._m_slot == cython.NULL:
+                return _DECLINED
+            found = cython.cast(object, route._m_slot)
+        else:
+            found = _INDEX.get(PyLong_FromVoidPtr(cython.cast(cython.p_void, first)))
+            route._m_first = cython.cast(cython.p_void, first)
+            route._m_slot = cython.NULL if found is None else cython.cast(cython.p_void, found)
+            route._m_index_version = version
+    else:
+        found = _INDEX.get(id(first))
+    if found is None:
+        return _DECLINED
+    return _serve_from(route, found, argv, n)
+
+
+@cython.cfunc
+def _record_of(route: FastRoute, records: dict) -> object:
+    """`records.get(route.state)`, remembered as `_serve` remembers its index lookup."""
+    if cython.compiled:
+        version: cython.ulonglong = dict_version(records)
+        if version != 0 and route._m_records == cython.cast(cython.p_void, records) and route._m_records_version == version:
+            return None if route._m_record == cython.NULL else cython.cast(object, route._m_record)
+        found = records.get(route.state)
+        route._m_records = cython.cast(cython.p_void, records)
+        route._m_record = cython.NULL if found is None else cython.cast(cython.p_void, found)
+        route._m_records_version = version
+        return found
+    else:
+        return records.get(route.state)
+
+
+@cython.cfunc
+def _serve_from(route: FastRoute, found: Any, argv: Argv, n: cython.Py_ssize_t) -> object:
+    """`f(*argv)` served from `found`, the fast index's slot for its first argument; or
+    DECLINED."""
+    if type(found) is not _FAST_SLOT:
+        return _DECLINED
+    slot: tuple = cython.cast(tuple, found) if cython.compiled else found
+    first = _arg(argv, 0)
+    ref = slot[0]
+    if cython.compiled and PyWeakref_CheckRef(ref):
+        target = cython.declare(cython.pointer(PyObject), cython.NULL)
+        if PyWeakref_GetRef(ref, cython.address(target)) < 0:
+            raise RuntimeError("fastcall: a fast-index slot's weak reference could not be read")
+        Py_XDECREF(target)  # (compared only, by address: `first` holds it alive)
+        if target != cython.cast(cython.pointer(PyObject), first):
+            return _DECLINED
+    elif cython.compiled and type(ref) is _STRONG:  # (a held list or dict: its object first)
+        if cython.cast(tuple, ref)[0] is not first:
+            return _DECLINED
+    elif ref() is not first:  # (a weak reference, or `_flatten.Strong`)
+        return _DECLINED
+    guard = slot[2]
+    if guard is not None and not _guard_holds(guard):
+        return _DECLINED  # (a list or dict it holds changed in place)
+    records = slot[1]
+    if type(records) is not dict:
+        return _DECLINED
+    found_record: Any = _record_of(route, records)
+    if type(found_record) is not _FAST_RECORD:
+        return _DECLINED
+    record: tuple = cython.cast(tuple, found_record) if cython.compiled else found_record
+    arity: cython.Py_ssize_t = record[0]
+    if arity != n:
+        return _DECLINED
+    plain: frozenset = route.plain
+    i: cython.Py_ssize_t
+    for i in range(1, n):
+        t = type(_arg(argv, i))
+        if t is not _ARRAY and t not in plain:
+            return _DECLINED
+    call = record[1]
+    variables = record[2]
+    post = record[3]
+    values: Optional[tuple] = None
+    if variables is not None:
+        values = _nnx_values(route, variables, argv, n, post is not None)
+        if values is None:
+            return _DECLINED
+    route.fast_calls += 1
+    try:
+        if values is not None:
+            out = call(*values)
+        elif cython.compiled:
+            out = PyObject_Vectorcall(call, argv + 1, n - 1, cython.NULL)  # type: ignore[operator]
+        else:
+            out = call(*argv[1:])
+    except Exception as err:
+        route.on_error(err, _args_tuple(argv, n), None)
+        raise  # (on_error raises; if it did not)
+    if type(out) is _VARYING:  # (its trace met a new output structure)
+        route.fast_calls -= 1
+        return route.finish_varying(out, _args_tuple(argv, n), None)
+    return out if post is None else post(out, first, variables)
+
+
+@cython.cfunc
+def _nnx_values(
+    route: FastRoute, variables: object, argv: Argv, n: cython.Py_ssize_t, writes: cython.bint
+) -> Optional[tuple]:
+    """An NNX call's arguments: its Variables' (and raw leaves') current values, then the
+    other arguments; None where the general path serves it: the values are tracers
+    (inside an nnx transform); nnx.cached_partial's cache waits to be consumed (the general
+    path consumes it); or a JAX trace is running and the call may change state (`writes`:
+    it has a post), or jax would treat it otherwise nested: the general path runs it
+    inline in that trace, since state changed inside must stay in it (see
+    FunctionState.serves_nested)."""
+    descr = _VALUE_SLOT[0]  # (a member descriptor: see _nnx._variables)
+    if type(variables) is not list or type(descr) is not _MEMBER:
+        return None
+    items: list = variables
+    nvars: cython.Py_ssize_t = len(items)
+    values: tuple
+    i: cython.Py_ssize_t
+    if cython.compiled:  # (the tuple the call takes, made to size)
+        values = PyTuple_New(nvars + n - 1)
+        for i in range(nvars):
+            item = items[i]
+            if type(item) is _RAW_LEAF:
+                value = _read_value(item)
+            else:  # (a Variable: its slot's value)
+                value = Py_TYPE(descr).tp_descr_get(descr, item, type(item))
+            Py_INCREF(value)
+            PyTuple_SET_ITEM(values, i, value)
+        for i in range(1, n):
+            Py_INCREF(cython.cast(object, argv[i]))
+            PyTuple_SET_ITEM(values, nvars + i - 1, cython.cast(object, argv[i]))
+    else:
+        values = (*map(_read_value, items), *argv[1:])
+    if nvars and type(values[0]) is not _ARRAY:
+        return None
+    context = _GRAPH_CONTEXT[0]  # (`_fast.static_cache_pending`, without its Python frame)
+    if context is not None and context.tmp_static_cache is not None:
+        return None
+    if (writes or not route.serves_nested) and not _at_top_level():
+        return None
+    return values
+
+
+@cython.cfunc
+@cython.exceptval(check=True)
+def _at_top_level() -> cython.bint:
+    """Whether no JAX trace is running: `currently_jitting()`, read as its probe says
+    (`_trace.TOP_LEVEL_PROBE`: no Python frame), or called where none was found."""
+    if _PROBE is None:
+        return not _jitting()
+    triple: tuple
+    for triple in _PROBE:
+        if getattr(triple[0], triple[1]) is not triple[2]:
+            return False
+    return True
+
+
+@cython.cfunc
+def _serve_c(route: object, argv: Argv, n: cython.Py_ssize_t) -> object:
+    """The C wrapper's entry (`SERVE`): `_serve`, for a FastRoute it holds."""
+    return _serve(cython.cast(FastRoute, route), argv, n)
+
+
+# The C wrapper's entry, `PyObject *(*)(PyObject *route, PyObject *const *args, Py_ssize_t n)`:
+# a new reference to the output, DECLINED, or NULL with an error set. None run as Python.
+SERVE: Any = (
+    PyCapsule_New(cython.cast(cython.p_void, _serve_c), b"fastcall._fast_route.SERVE", cython.NULL)
+    if cython.compiled else None
+)
