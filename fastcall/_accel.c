@@ -161,27 +161,16 @@ static struct {
     PyObject *latest;      /* list: the `held` lists of the entries that returned last (see remember_outputs) */
     PyObject *graphdefs;   /* dict: id(graphdef) -> KnownGraphdef */
     PyObject *value_slot;  /* one-element list: the Variable._raw_value descriptor, or None */
-    PyObject *graph_context; /* one-element list: NNX's (thread-local) graph context, or None */
     PyObject *array_type;  /* jaxlib ArrayImpl */
     PyObject *varying_type; /* _outputs.Varying: an output carrying its own structure */
-    PyObject *jitting;     /* currently_jitting(): whether a JAX trace is running */
-    PyObject *top_level;   /* _trace.TOP_LEVEL_PROBE: (holder, name, value) triples, or None */
     PyObject *arg_read, *node_read, *joint_read, *shared_variable_read, *nodes_read, *variable_read, *graphdef_read, *static_read,
         *nnx_arg, *raw_leaf, *watched, *tree_read, *mixed_read; /* record classes */
     PyObject *empty_ids;   /* frozenset(): NnxArg.ids of an object read from its entry */
     PyObject *s_spec_id, *s_fresh, *s_items, *s_paths, *s_disjoint, *s_node_ids; /* NodeEntry attributes */
-    PyObject *s_static_cache; /* "tmp_static_cache" */
     PyObject *s_dict;         /* "__dict__" */
     PyObject *s_objects;      /* "objects" (NodesRead.objects) */
     PyObject *s_level;        /* "level" (PytreeShape.level) */
     PyObject *s_state;        /* "_state" (an eqx.nn.State's dict of values) */
-    /* the graph context's dict for the thread whose id is `context_thread`, and the type
-     * `_thread._local` (see no_static_cache_pending) */
-    PyObject *context_of, *context_dict, *thread_local_type;
-    uint64_t context_thread;
-    /* what context_dict said (whether the static cache is pending), and its version tag then */
-    unsigned long long context_version;
-    int context_pending;
     /* NodeEntry's slot descriptors for s_spec_id .. s_node_ids, of `entry_type` (see entry_field) */
     PyObject *entry_type, *entry_slots[N_ENTRY_FIELDS];
     /* node_test's table (`_nnx_gate.node_types`: type -> whether its instances are NNX
@@ -191,6 +180,10 @@ static struct {
      * as Python; and what the route returns for a call it declines */
     PyObject *(*serve)(PyObject *route, PyObject *const *args, Py_ssize_t nargs);
     PyObject *declined;
+    /* `_trace.may_serve_nnx`'s C entry (`_trace.MAY_SERVE_NNX`), NULL where that module runs
+     * as Python; and the function (see may_serve_nnx) */
+    int (*may_serve_nnx)(int nested_ok);
+    PyObject *may_serve_nnx_py;
 } G;
 
 /* A dict's version tag (PEP 509): changed by every dict operation that changes what the
@@ -844,102 +837,21 @@ leaf_value(PyObject *descr, PyObject *item)
     return slot_get(descr, item); /* a Variable's */
 }
 
-/* Whether NNX calls are served here now: 1 yes; 0 no, while nnx.cached_partial's static
- * cache waits to be consumed (the general path consumes it; `_fast.static_cache_pending`);
- * -1 error. */
+/* `_trace.may_serve_nnx(nested_ok)`: whether a call with NNX objects may be served here
+ * now (1), not (0), or error (-1); through its C entry where that module is compiled. */
 static int
-no_static_cache_pending(void)
+may_serve_nnx(int nested_ok)
 {
-    PyObject *context = PyList_GET_ITEM(G.graph_context, 0);
-    if (context == Py_None) {
-        return 1;
+    if (G.may_serve_nnx != NULL) {
+        return G.may_serve_nnx(nested_ok);
     }
-#ifndef Py_GIL_DISABLED
-    /* The context is a threading.local: a getattr finds the calling thread's own dict
-     * first, which costs more than the rest of this check. For the C implementation
-     * (`_thread._local`: one dict per thread state, which a thread's greenlets share), that
-     * dict (what `__dict__` gives there) is kept for the thread state last seen, known by
-     * its id (no other thread state of this interpreter gets it), and read directly; a name
-     * not in it is read by getattr (the class default). Another implementation (gevent's
-     * local, one dict per greenlet) is read by getattr. What the kept dict said is kept
-     * too, with its version tag then: unchanged, it says the same (see dict_version). */
-    uint64_t thread = PyThreadState_Get()->id; /* (PyThreadState_GetID's read, without its call) */
-    PyObject *d = NULL;
-    if (G.context_dict != NULL && G.context_of == context && G.context_thread == thread) {
-        d = Py_NewRef(G.context_dict); /* (the context's type was checked when it was kept) */
-    } else if (G.thread_local_type != NULL && PyObject_TypeCheck(context, (PyTypeObject *)G.thread_local_type)) {
-        d = PyObject_GetAttr(context, G.s_dict);
-        if (d == NULL) {
-            return -1;
-        }
-        /* (all set before the old ones are released, which may run code that enters here
-         * from another thread) */
-        PyObject *old_dict = G.context_dict, *old_of = G.context_of;
-        G.context_dict = Py_NewRef(d);
-        G.context_of = Py_NewRef(context);
-        G.context_thread = thread;
-        G.context_version = 0; /* (nothing known of this dict yet: no tag is 0) */
-        Py_XDECREF(old_dict);
-        Py_XDECREF(old_of);
-    }
-    if (d != NULL) {
-        int pending = -2; /* (not known from the dict) */
-        if (PyDict_CheckExact(d)) {
-#ifdef HAVE_DICT_VERSION
-            int trusted = ((PyDictObject *)d)->ma_values == NULL && d == G.context_dict;
-            unsigned long long version = dict_version(d); /* (taken before the lookup, which may run code) */
-            if (trusted && G.context_version == version) {
-                Py_DECREF(d);
-                return !G.context_pending;
-            }
-#endif
-            PyObject *found = PyDict_GetItemWithError(d, G.s_static_cache); /* borrowed */
-            pending = found != NULL ? found != Py_None : PyErr_Occurred() ? -1 : -2;
-#ifdef HAVE_DICT_VERSION
-            if (trusted && pending >= 0 && d == G.context_dict) {
-                G.context_version = version;
-                G.context_pending = pending;
-            }
-#endif
-        }
-        Py_DECREF(d);
-        if (pending != -2) {
-            return pending == -1 ? -1 : !pending;
-        }
-    }
-#endif
-    PyObject *cache = PyObject_GetAttr(context, G.s_static_cache);
-    if (cache == NULL) {
+    PyObject *ok = PyObject_CallOneArg(G.may_serve_nnx_py, nested_ok ? Py_True : Py_False);
+    if (ok == NULL) {
         return -1;
     }
-    Py_DECREF(cache);
-    return cache == Py_None;
-}
-
-/* Whether no JAX trace is running (1), one is (0), or error (-1): `currently_jitting()`,
- * read as _trace.TOP_LEVEL_PROBE says (no Python frame), or called where no probe was found. */
-static int
-at_top_level(void)
-{
-    if (G.top_level == Py_None) {
-        PyObject *jitting = PyObject_CallNoArgs(G.jitting);
-        int top = jitting == NULL ? -1 : jitting == Py_False;
-        Py_XDECREF(jitting);
-        return top;
-    }
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(G.top_level); i++) {
-        PyObject *triple = PyTuple_GET_ITEM(G.top_level, i); /* (checked by configure) */
-        PyObject *now = PyObject_GetAttr(PyTuple_GET_ITEM(triple, 0), PyTuple_GET_ITEM(triple, 1));
-        if (now == NULL) {
-            return -1;
-        }
-        int same = now == PyTuple_GET_ITEM(triple, 2);
-        Py_DECREF(now);
-        if (!same) {
-            return 0;
-        }
-    }
-    return 1;
+    int yes = PyObject_IsTrue(ok);
+    Py_DECREF(ok);
+    return yes;
 }
 
 /* Field `i` (ENTRY_SPEC_ID ..) of a cache entry `node` (an `_nnx._entries.NodeEntry`), a new reference:
@@ -2085,10 +1997,7 @@ structure_call(FastWrapper *self, PyObject *record, PyObject *const *args, size_
             }
         }
         if (ok == 1) {
-            ok = no_static_cache_pending();
-        }
-        if (ok == 1 && (post != Py_None || !self->serves_nested)) {
-            ok = at_top_level();
+            ok = may_serve_nnx(post == Py_None && self->serves_nested);
         }
         if (ok != 1) {
             declined = ok == 0;
@@ -2346,33 +2255,30 @@ record_class(PyObject *records, const char *name, const char **expected)
 
 #define SET_SHARED(field, value) do { PyObject *old_ = G.field; G.field = (value); Py_XDECREF(old_); } while (0)
 
-/* configure(index, by_id, latest, graphdefs, value_slot, graph_context, array_type, varying_type, jitting,
- *           top_level, records):
+/* configure(index, by_id, latest, graphdefs, value_slot, array_type, varying_type, records, serve, declined,
+ *           may_serve_nnx, may_serve_nnx_entry):
  * the tables and types every wrapper reads (see the struct G); `records` maps each record
  * class's name to the class, whose fields are checked against the layout read here.
  * Nothing is changed if a check fails. */
 static PyObject *
 py_configure(PyObject *module, PyObject *args)
 {
-    PyObject *index, *by_id, *latest, *graphdefs, *value_slot, *graph_context, *array_type, *varying_type, *jitting,
-        *top_level, *records, *serve, *declined;
-    if (!PyArg_UnpackTuple(args, "configure", 13, 13, &index, &by_id, &latest, &graphdefs, &value_slot,
-                           &graph_context, &array_type, &varying_type, &jitting, &top_level, &records, &serve,
-                           &declined)) {
+    PyObject *index, *by_id, *latest, *graphdefs, *value_slot, *array_type, *varying_type, *records, *serve,
+        *declined, *may_serve, *may_serve_entry;
+    if (!PyArg_UnpackTuple(args, "configure", 12, 12, &index, &by_id, &latest, &graphdefs, &value_slot, &array_type,
+                           &varying_type, &records, &serve, &declined, &may_serve, &may_serve_entry)) {
         return NULL;
     }
-    void *serve_entry = NULL;
+    void *serve_entry = NULL, *may_serve_c = NULL;
     if (serve != Py_None && (serve_entry = PyCapsule_GetPointer(serve, "fastcall._fast_route.SERVE")) == NULL) {
         return NULL;
     }
-    int probe_ok = top_level == Py_None || PyTuple_CheckExact(top_level);
-    for (Py_ssize_t i = 0; probe_ok && top_level != Py_None && i < PyTuple_GET_SIZE(top_level); i++) {
-        PyObject *triple = PyTuple_GET_ITEM(top_level, i);
-        probe_ok = PyTuple_CheckExact(triple) && PyTuple_GET_SIZE(triple) == 3
-                   && PyUnicode_Check(PyTuple_GET_ITEM(triple, 1));
+    if (may_serve_entry != Py_None
+        && (may_serve_c = PyCapsule_GetPointer(may_serve_entry, "fastcall._trace.MAY_SERVE_NNX")) == NULL) {
+        return NULL;
     }
-    if (!probe_ok) {
-        PyErr_SetString(PyExc_TypeError, "configure: top_level must be None or a tuple of (holder, str, value)");
+    if (!PyCallable_Check(may_serve)) {
+        PyErr_SetString(PyExc_TypeError, "configure: may_serve_nnx must be callable");
         return NULL;
     }
     if (!PyDict_CheckExact(index) || !PyDict_CheckExact(by_id) || !PyDict_CheckExact(graphdefs)
@@ -2380,9 +2286,8 @@ py_configure(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "configure: index, by_id, graphdefs and records must be dicts");
         return NULL;
     }
-    if (!PyList_CheckExact(value_slot) || PyList_GET_SIZE(value_slot) != 1 || !PyList_CheckExact(graph_context)
-        || PyList_GET_SIZE(graph_context) != 1) {
-        PyErr_SetString(PyExc_TypeError, "configure: value_slot and graph_context must be one-element lists");
+    if (!PyList_CheckExact(value_slot) || PyList_GET_SIZE(value_slot) != 1) {
+        PyErr_SetString(PyExc_TypeError, "configure: value_slot must be a one-element list");
         return NULL;
     }
     if (!PyList_CheckExact(latest)) {
@@ -2416,8 +2321,8 @@ py_configure(PyObject *module, PyObject *args)
     }
     /* (made once; each checked, so that a failure leaves none half made) */
     PyObject **made[] = {&G.s_spec_id, &G.s_fresh, &G.s_items, &G.s_paths, &G.s_disjoint, &G.s_node_ids,
-                         &G.s_static_cache, &G.s_dict, &G.s_objects, &G.s_level, &G.s_state};
-    const char *strings[] = {"spec_id", "fresh", "items", "paths", "disjoint", "node_ids", "tmp_static_cache",
+                         &G.s_dict, &G.s_objects, &G.s_level, &G.s_state};
+    const char *strings[] = {"spec_id", "fresh", "items", "paths", "disjoint", "node_ids",
                              "__dict__", "objects", "level", "_state"};
     for (int i = 0; i < (int)(sizeof(strings) / sizeof(strings[0])); i++) { /* (made[] and strings[] pair up) */
         if (*made[i] == NULL && (*made[i] = PyUnicode_InternFromString(strings[i])) == NULL) {
@@ -2428,15 +2333,6 @@ py_configure(PyObject *module, PyObject *args)
     if (G.empty_ids == NULL && (G.empty_ids = PyFrozenSet_New(NULL)) == NULL) {
         for (int j = 0; j < N_RECORDS; j++) Py_DECREF(cls[j]);
         return NULL;
-    }
-    if (G.thread_local_type == NULL) {
-        PyObject *thread_module = PyImport_ImportModule("_thread");
-        G.thread_local_type = thread_module == NULL ? NULL : PyObject_GetAttrString(thread_module, "_local");
-        Py_XDECREF(thread_module);
-        if (G.thread_local_type != NULL && !PyType_Check(G.thread_local_type)) {
-            Py_CLEAR(G.thread_local_type);
-        }
-        PyErr_Clear(); /* (none: the graph context is read by getattr) */
     }
     for (int j = 0; j < 3; j++) Py_DECREF(cls[j]); /* (checked only: read by position) */
     SET_SHARED(arg_read, cls[3]);
@@ -2460,11 +2356,10 @@ py_configure(PyObject *module, PyObject *args)
     Py_INCREF(latest); SET_SHARED(latest, latest);
     Py_INCREF(graphdefs); SET_SHARED(graphdefs, graphdefs);
     Py_INCREF(value_slot); SET_SHARED(value_slot, value_slot);
-    Py_INCREF(graph_context); SET_SHARED(graph_context, graph_context);
     Py_INCREF(array_type); SET_SHARED(array_type, array_type);
     Py_INCREF(varying_type); SET_SHARED(varying_type, varying_type);
-    Py_INCREF(jitting); SET_SHARED(jitting, jitting);
-    Py_INCREF(top_level); SET_SHARED(top_level, top_level);
+    Py_INCREF(may_serve); SET_SHARED(may_serve_nnx_py, may_serve);
+    G.may_serve_nnx = (int (*)(int))may_serve_c;
     Py_INCREF(declined); SET_SHARED(declined, declined);
     G.serve = (PyObject *(*)(PyObject *, PyObject *const *, Py_ssize_t))serve_entry;
     Py_RETURN_NONE;

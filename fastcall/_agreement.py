@@ -39,7 +39,7 @@ import threading
 import weakref
 from typing import Any, Callable
 
-from . import _args, _fast, _flatten
+from . import _args, _flatten, _trace
 from ._trace import StepAside
 
 ENABLED: bool = os.environ.get("FASTCALL_CHECK_HITS", "") in ("1", "true", "yes")
@@ -152,7 +152,7 @@ def check_entry(entry: Any) -> None:
 def _compare(call: _Call, entry: Any, leaves: tuple[Any, ...]) -> None:
     global checked, skipped
     state = call.state
-    if _fast.static_cache_pending():
+    if _trace.static_cache_pending():
         skipped += 1
         return
     try:

@@ -23,3 +23,19 @@ cdef extern from *:
     #endif
     """
     unsigned long long dict_version "fastcall_dict_version" (object d)
+
+cdef extern from *:
+    """
+    /* The calling thread state's id: unique within the interpreter, never reused. */
+    static inline unsigned long long fastcall_thread_id(void) { return (unsigned long long)PyThreadState_Get()->id; }
+    /* Whether a dict keeps its own values (a combined table): its version tag then moves with
+     * every write (an object's attribute dict may share its values with the object, 3.13+,
+     * which writes an attribute there without a new tag). */
+    static inline int fastcall_dict_combined(PyObject *d) { return ((PyDictObject *)d)->ma_values == NULL; }
+    """
+    unsigned long long thread_id "fastcall_thread_id" ()
+    bint dict_combined "fastcall_dict_combined" (object d)
+
+# `_trace.may_serve_nnx`'s C entry, as `_trace.MAY_SERVE_NNX` carries it: 1, 0, or -1 with an
+# error set
+ctypedef int (*may_serve_fn)(int nested_ok) except -1

@@ -12,6 +12,7 @@ compiled = False
 Py_ssize_t = int
 bint = bool
 ulonglong = int
+int = int  # (C int)
 p_void = object
 NULL = None
 

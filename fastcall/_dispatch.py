@@ -45,7 +45,7 @@ from typing import Any
 
 import jax
 
-from . import _agreement, _args, _codegen, _fast, _fast_route, _flatten, _guard, _hold, _memo, _native, _nnx_gate, _pack
+from . import _agreement, _args, _codegen, _fast, _fast_route, _flatten, _guard, _hold, _memo, _native, _nnx_gate, _pack, _trace
 from ._build import Entry
 from ._fast import (
     ArgRead, FastRecord, FastSlot, GraphdefRead, JointRead, MixedRead, NodeRead, NodesRead, PytreeShape,
@@ -56,7 +56,7 @@ from ._flatten import ArrayImpl
 from ._outputs import Varying, on_error
 from ._stats import WHOLE_READS
 from ._structure_route import arguments_as_read, read_arguments
-from ._trace import TOP_LEVEL_PROBE, StepAside, currently_jitting
+from ._trace import StepAside
 
 
 def configure_accel() -> None:
@@ -68,9 +68,9 @@ def configure_accel() -> None:
         _guard.Watched, _fast.SequenceRead, StaticRead, JointRead, SharedVariableRead, _fast.TreeRead, MixedRead,
     )
     _native.BUILT.configure(
-        _fast.INDEX, _flatten.by_id, _memo.LATEST, _fast.GRAPHDEFS, _fast.VALUE_SLOT, _fast.GRAPH_CONTEXT, ArrayImpl,
-        Varying, currently_jitting, TOP_LEVEL_PROBE,
-        {cls.__name__: cls for cls in records}, _fast_route.SERVE, _fast_route.DECLINED,
+        _fast.INDEX, _flatten.by_id, _memo.LATEST, _fast.GRAPHDEFS, _fast.VALUE_SLOT, ArrayImpl, Varying,
+        {cls.__name__: cls for cls in records}, _fast_route.SERVE, _fast_route.DECLINED, _trace.may_serve_nnx,
+        _trace.MAY_SERVE_NNX,
     )
 
 

@@ -42,6 +42,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 
 from . import _nnx_gate
+from ._trace import GRAPH_CONTEXT  # (NNX's graph context, which `consume_static_cache` writes)
 
 
 class FastRecord(NamedTuple):
@@ -469,20 +470,6 @@ class RawLeaf(NamedTuple):
 # it from here); NNX records exist only after it loaded and verified the slot.
 VALUE_SLOT: list[Any] = [None]
 _raw_value = operator.attrgetter("_raw_value")
-
-# NNX's graph context (thread-local), put in this cell by the NNX adapter when it loads (or
-# by `consume_static_cache`, for a call without NNX objects while flax.nnx is imported).
-# While its `tmp_static_cache` is set (nnx.cached_partial is calling the function with
-# its cache pending), no fast or structure path serves an NNX call: the general path
-# consumes the cache (flax raises if nobody does).
-GRAPH_CONTEXT: list[Any] = [None]
-
-
-def static_cache_pending() -> bool:
-    """Whether nnx.cached_partial's static cache waits to be consumed (see GRAPH_CONTEXT)."""
-    context = GRAPH_CONTEXT[0]
-    return context is not None and context.tmp_static_cache is not None
-
 
 def consume_static_cache() -> None:
     """Consume nnx.cached_partial's pending static cache, as the NNX transform it hands it

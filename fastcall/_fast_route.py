@@ -31,21 +31,21 @@ except ImportError:  # (Cython is needed only to build; run as Python without it
     from fastcall import _cython_shim as cython  # type: ignore[no-redef]
 
 from ._arrays import ArrayImpl
-from ._fast import GRAPH_CONTEXT, INDEX, VALUE_SLOT, FastRecord, FastSlot, RawLeaf, read_value
+from ._fast import INDEX, VALUE_SLOT, FastRecord, FastSlot, RawLeaf, read_value
 from ._flatten import Strong
 from ._guard import holds
 from ._outputs import Varying
-from ._trace import TOP_LEVEL_PROBE, currently_jitting
+from ._trace import MAY_SERVE_NNX, may_serve_nnx
 
 if cython.compiled:
     from cython.cimports.cpython.long import PyLong_FromVoidPtr
     from cython.cimports.cpython.object import Py_TYPE, PyObject
-    from cython.cimports.cpython.pycapsule import PyCapsule_New
+    from cython.cimports.cpython.pycapsule import PyCapsule_GetPointer, PyCapsule_New
     from cython.cimports.cpython.ref import Py_INCREF, Py_XDECREF
     from cython.cimports.cpython.sequence import PySequence_Fast_ITEMS
     from cython.cimports.cpython.tuple import PyTuple_New, PyTuple_SET_ITEM
     from cython.cimports.cpython.weakref import PyWeakref_CheckRef, PyWeakref_GetRef
-    from cython.cimports.fastcall._capi import PyObject_Vectorcall, dict_version
+    from cython.cimports.fastcall._capi import PyObject_Vectorcall, dict_version, may_serve_fn
 
 # A call's arguments: the tuple of them, run as Python; compiled, C's array (PyObject *const *)
 if not cython.compiled:
@@ -58,7 +58,6 @@ COMPILED: bool = cython.compiled
 # (C constants where compiled: no module lookup per use)
 _INDEX = cython.declare(dict, INDEX)
 _VALUE_SLOT = cython.declare(list, VALUE_SLOT)
-_GRAPH_CONTEXT = cython.declare(list, GRAPH_CONTEXT)
 _ARRAY = cython.declare(object, ArrayImpl)
 _VARYING = cython.declare(object, Varying)
 _RAW_LEAF = cython.declare(object, RawLeaf)
@@ -68,8 +67,11 @@ _STRONG = cython.declare(object, Strong)
 _read_value = cython.declare(object, read_value)
 _MEMBER = cython.declare(object, types.MemberDescriptorType)
 _guard_holds = cython.declare(object, holds)
-_jitting = cython.declare(object, currently_jitting)
-_PROBE = cython.declare(object, TOP_LEVEL_PROBE)  # (holder, name, value) triples, or None
+_may_serve_nnx = cython.declare(object, may_serve_nnx)
+if cython.compiled:  # (`_trace.may_serve_nnx`'s C entry; NULL where that module runs as Python)
+    _MAY_SERVE_NNX = cython.declare(may_serve_fn, cython.NULL)
+    if MAY_SERVE_NNX is not None:
+        _MAY_SERVE_NNX = cython.cast(may_serve_fn, PyCapsule_GetPointer(MAY_SERVE_NNX, b"fastcall._trace.MAY_SERVE_NNX"))
 DECLINED: Any = object()  # (what the route returns for a call it does not serve)
 _DECLINED = cython.declare(object, DECLINED)
 
@@ -261,11 +263,8 @@ def _nnx_values(
 ) -> Optional[tuple]:
     """An NNX call's arguments: its Variables' (and raw leaves') current values, then the
     other arguments; None where the general path serves it: the values are tracers
-    (inside an nnx transform); nnx.cached_partial's cache waits to be consumed (the general
-    path consumes it); or a JAX trace is running and the call may change state (`writes`:
-    it has a post), or jax would treat it otherwise nested: the general path runs it
-    inline in that trace, since state changed inside must stay in it (see
-    FunctionState.serves_nested)."""
+    (inside an nnx transform), or `_trace.may_serve_nnx` says no (`writes`: the call has a
+    post, which may change state)."""
     descr = _VALUE_SLOT[0]  # (a member descriptor: see _nnx._variables)
     if type(variables) is not list or type(descr) is not _MEMBER:
         return None
@@ -290,26 +289,13 @@ def _nnx_values(
         values = (*map(_read_value, items), *argv[1:])
     if nvars and type(values[0]) is not _ARRAY:
         return None
-    context = _GRAPH_CONTEXT[0]  # (`_fast.static_cache_pending`, without its Python frame)
-    if context is not None and context.tmp_static_cache is not None:
-        return None
-    if (writes or not route.serves_nested) and not _at_top_level():
+    nested_ok: cython.bint = not writes and route.serves_nested
+    if cython.compiled and _MAY_SERVE_NNX != cython.NULL:
+        if not _MAY_SERVE_NNX(nested_ok):
+            return None
+    elif not _may_serve_nnx(nested_ok):
         return None
     return values
-
-
-@cython.cfunc
-@cython.exceptval(check=True)
-def _at_top_level() -> cython.bint:
-    """Whether no JAX trace is running: `currently_jitting()`, read as its probe says
-    (`_trace.TOP_LEVEL_PROBE`: no Python frame), or called where none was found."""
-    if _PROBE is None:
-        return not _jitting()
-    triple: tuple
-    for triple in _PROBE:
-        if getattr(triple[0], triple[1]) is not triple[2]:
-            return False
-    return True
 
 
 @cython.cfunc

@@ -19,7 +19,7 @@ from ._fast import (
     ArgRead, GraphdefRead, JointRead, MixedRead, NodeRead, NodesRead, SharedVariableRead, StaticRead, StructureRecord,
     VariableRead,
 )
-from ._trace import currently_jitting
+from ._trace import at_top_level
 
 
 def arguments_as_read(known: StructureRecord, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
@@ -173,7 +173,7 @@ def _serves_nnx_call(
     """Whether the record serves a call whose arguments read as `nnx_args` (`joint` of them
     read jointly): not inside a trace where the call may change state, and its NNX arguments
     sharing nothing, or read jointly as the recorded call's were."""
-    if (known.post is not None or not serves_nested) and currently_jitting():
+    if (known.post is not None or not serves_nested) and not at_top_level():
         # (as the fast path: see FunctionState.serves_nested)
         _declined(why, None, "called inside a jax transformation, which this record cannot serve")
         return False

@@ -1,3 +1,4 @@
+# cython: language_level=3, wraparound=False, boundscheck=False
 """Cheap questions about JAX's trace state.
 
 `currently_jitting()` answers "is a JAX transformation tracing right now?" in
@@ -6,14 +7,29 @@ by building an array and checking whether the result was a tracer, which cost
 tens of microseconds.) The hot path of `fastcall.jit` does not even pay that:
 a tracer argument fails the `type(x) is ArrayImpl` test and falls into the
 slow path, where `contains_tracer` decides to step aside.
+
+The hit routes ask one question here before they serve a call with NNX objects,
+`may_serve_nnx`. This module is one of the sources setup.py compiles with Cython (see
+`fastcall/_rebuild.py`): compiled, its C entry (`MAY_SERVE_NNX`) is what the C wrapper and
+the compiled fast route call, and it reads the trace state without a Python frame.
 """
 
-from __future__ import annotations
-
-from typing import Any, Iterable
+import _thread
+from typing import Any, Iterable, Optional
 
 import jax
 import jax.numpy as jnp
+
+try:
+    import cython
+except ImportError:  # (Cython is needed only to build; run as Python without it)
+    from fastcall import _cython_shim as cython  # type: ignore[no-redef]
+
+if cython.compiled:
+    from cython.cimports.cpython.pycapsule import PyCapsule_New
+    from cython.cimports.fastcall._capi import dict_combined, dict_version, thread_id
+
+COMPILED: bool = cython.compiled
 
 Tracer = jax.core.Tracer
 
@@ -75,7 +91,7 @@ def currently_jitting() -> bool:
     return not _is_top_level()
 
 
-def _top_level_probe() -> tuple[tuple[Any, str, Any], ...] | None:
+def _top_level_probe() -> Optional[tuple]:
     """`currently_jitting()` as (holder, attribute, value) triples for the compiled hit routes:
     eager Python exactly when `getattr(holder, attribute) is value` for each. This is what
     `trace_ctx.is_top_level()` compares (the current trace is the eval trace, the axis
@@ -111,6 +127,125 @@ def _top_level_probe() -> tuple[tuple[Any, str, Any], ...] | None:
 
 
 TOP_LEVEL_PROBE = _top_level_probe()
+_PROBE = cython.declare(object, TOP_LEVEL_PROBE)  # (what at_top_level reads: use_probe)
+
+
+def use_probe(probe: Optional[tuple]) -> None:
+    """Read the trace state as `probe` says from now on (None: by calling
+    `currently_jitting`). The import sets TOP_LEVEL_PROBE; tests set None, to run the other way."""
+    global _PROBE
+    _PROBE = probe
+
+
+@cython.ccall
+@cython.exceptval(-1, check=True)
+def at_top_level() -> cython.bint:
+    """`not currently_jitting()`, read as the probe says (no Python frame), or by calling
+    it where no probe was found."""
+    if _PROBE is None:
+        return not currently_jitting()
+    triple: tuple
+    for triple in _PROBE:
+        if getattr(triple[0], triple[1]) is not triple[2]:
+            return False
+    return True
+
+
+# NNX's graph context (thread-local), put in this cell by the NNX adapter when it loads (or
+# by `_fast.consume_static_cache`, for a call without NNX objects while flax.nnx is
+# imported). While its `tmp_static_cache` is set (nnx.cached_partial is calling the function
+# with its cache pending), no hit route serves an NNX call: the general path consumes the
+# cache (flax raises if nobody does).
+GRAPH_CONTEXT: list = [None]
+_GRAPH_CONTEXT = cython.declare(list, GRAPH_CONTEXT)
+_LOCAL = cython.declare(object, _thread._local)
+_ABSENT = cython.declare(object, object())
+# (compiled) What the calling thread's graph-context dict said last: see `_kept_says`
+_kept_context = cython.declare(object, None)
+_kept_dict = cython.declare(object, None)
+_kept_thread = cython.declare(cython.ulonglong, 0)
+_kept_version = cython.declare(cython.ulonglong, 0)
+_kept_pending = cython.declare(cython.bint, False)
+
+
+@cython.ccall
+@cython.exceptval(-1, check=True)
+def static_cache_pending() -> cython.bint:
+    """Whether nnx.cached_partial's static cache waits to be consumed (see GRAPH_CONTEXT)."""
+    context = _GRAPH_CONTEXT[0]
+    if context is None:
+        return False
+    if cython.compiled:
+        said: cython.int = _kept_says(context)
+        if said >= 0:
+            return said == 1
+    return getattr(context, "tmp_static_cache") is not None
+
+
+@cython.cfunc
+@cython.exceptval(-3, check=True)
+def _kept_says(context: Any) -> cython.int:
+    """(compiled) `static_cache_pending()` as the calling thread's dict of `context` says:
+    for a `_thread._local` (one dict per thread state, which a thread's greenlets share), that
+    dict, kept from the last call in the same thread state (known by its id, which no other
+    gets), read directly; and what it said then, while its version tag is unchanged. -2 where
+    this is not known so (another kind of context, or the name not in the dict: getattr reads
+    it, from the class)."""
+    global _kept_context, _kept_dict, _kept_thread, _kept_version, _kept_pending
+    thread: cython.ulonglong = thread_id()
+    if context is _kept_context and thread == _kept_thread:
+        d = _kept_dict
+    elif isinstance(context, _LOCAL):
+        d = context.__dict__
+        # (the old ones held until this returns: releasing them may run code that enters here)
+        old = (_kept_context, _kept_dict)  # noqa: F841
+        _kept_context = context
+        _kept_dict = d
+        _kept_thread = thread
+        _kept_version = 0
+    else:
+        return -2
+    if type(d) is not dict:
+        return -2
+    version: cython.ulonglong = dict_version(d) if dict_combined(d) and d is _kept_dict else 0
+    if version != 0 and version == _kept_version:
+        return _kept_pending
+    found = cython.cast(dict, d).get("tmp_static_cache", _ABSENT)
+    if found is _ABSENT:
+        return -2
+    pending: cython.bint = found is not None
+    if version != 0 and d is _kept_dict:
+        _kept_version = version
+        _kept_pending = pending
+    return pending
+
+
+@cython.ccall
+@cython.exceptval(-1, check=True)
+def may_serve_nnx(nested_ok: cython.bint) -> cython.bint:
+    """Whether a hit route may serve a call with NNX objects now: no nnx.cached_partial
+    cache pending (the general path consumes it), and, unless `nested_ok` (the call writes
+    nothing back and may run nested in a trace: FunctionState.serves_nested), no JAX trace
+    running (the general path runs such a call inline in that trace, since state changed
+    inside must stay in it)."""
+    if static_cache_pending():
+        return False
+    return nested_ok or at_top_level()
+
+
+@cython.cfunc
+@cython.exceptval(-1)
+def _may_serve_nnx_c(nested_ok: cython.int) -> cython.int:
+    """`may_serve_nnx` for C callers (`MAY_SERVE_NNX`): 1, 0, or -1 with an error set."""
+    return 1 if may_serve_nnx(nested_ok) else 0
+
+
+# `may_serve_nnx`'s C entry, `int (*)(int nested_ok)`: for the C wrapper and the compiled
+# fast route; None run as Python (they call `may_serve_nnx` then).
+MAY_SERVE_NNX: Any = (
+    PyCapsule_New(cython.cast(cython.p_void, _may_serve_nnx_c), b"fastcall._trace.MAY_SERVE_NNX", cython.NULL)
+    if cython.compiled else None
+)
 
 
 def contains_tracer(leaves: Iterable[Any]) -> bool:

@@ -171,7 +171,8 @@ def test_c_wrapper_checks_the_record_layout():
     finally:
         _native.BUILT.configure = real
     (tables,) = calls
-    tables, given, entry = tables[:-3], tables[-3], tables[-2:]  # (the records; the fast route's entry)
+    # (the tables; the records; the fast route's entry and DECLINED, may_serve_nnx and its entry)
+    tables, given, entry = tables[:-5], tables[-5], tables[-4:]
     assert sorted(given) == sorted(records)
     try:
         for name in records:
@@ -183,10 +184,11 @@ def test_c_wrapper_checks_the_record_layout():
                     real(*tables, {**given, name: wrong}, *entry)
             with pytest.raises(TypeError, match=f"no record class {name}"):
                 real(*tables, {k: v for k, v in given.items() if k != name}, *entry)
-        # (the fast route's C entry: its capsule, or None where that module runs as Python)
-        assert entry[0] is None or type(entry[0]).__name__ == "PyCapsule"
-        with pytest.raises(ValueError, match="PyCapsule"):
-            real(*tables, given, "not the entry", entry[1])
+        # (the C entries: capsules, or None where their module runs as Python)
+        assert all(e is None or type(e).__name__ == "PyCapsule" for e in (entry[0], entry[3]))
+        for wrong in ([None, *entry[1:3], "not the entry"], ["not the entry", *entry[1:]]):
+            with pytest.raises(ValueError, match="PyCapsule"):
+                real(*tables, given, *wrong)
     finally:
         _dispatch.configure_accel()  # (a failed configure changes nothing; restore anyway)
     f = fastcall.jit(lambda x: x + 1)

@@ -580,24 +580,20 @@ def test_closed_over_mutation_under_outer_jit_is_an_error(hot_path):
 @pytest.mark.parametrize("transform", ["jit", "vmap", "grad"])
 def test_nnx_calls_under_an_outer_trace(transform, probe, hot_path):
     # Every argument concrete, yet a trace is running: a call that may change state, or
-    # that jax treats otherwise when nested (compiler_options, donation), must notice (in C
-    # by reading jax's trace state directly, _trace.TOP_LEVEL_PROBE, or by calling
-    # currently_jitting where no probe was found) and leave the call to the general path,
+    # that jax treats otherwise when nested (compiler_options, donation), must notice
+    # (`_trace.at_top_level`: by reading jax's trace state directly, TOP_LEVEL_PROBE, or by
+    # calling currently_jitting where no probe was found) and leave the call to the general path,
     # which runs it inline in the outer trace; a read-only call may be served, its
     # compiled function nested in the trace (which gives what running it inline gives).
-    from fastcall import _dispatch
+    from fastcall import _trace
 
     if probe:
         return calls_under(transform, hot_path)
-    if hot_path == "python":
-        pytest.skip("the probe is read by the C path only")
     try:
-        _dispatch.TOP_LEVEL_PROBE, saved = None, _dispatch.TOP_LEVEL_PROBE
-        _dispatch.configure_accel()
+        _trace.use_probe(None)
         calls_under(transform, hot_path)
     finally:
-        _dispatch.TOP_LEVEL_PROBE = saved
-        _dispatch.configure_accel()
+        _trace.use_probe(_trace.TOP_LEVEL_PROBE)
 
 
 def bump_first(p, x):

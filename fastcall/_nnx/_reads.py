@@ -21,7 +21,7 @@ import jax
 from flax import nnx
 from flax.nnx import graphlib
 
-from .. import _fast
+from .. import _fast, _trace
 from .._errors import FastcallError, describe_arg
 from .._flatten import ArrayImpl, intern, is_traced_leaf, spec_by_id
 from .._flatten import interned as _interned
@@ -166,7 +166,7 @@ def read_variable_again(v: Any, read: _fast.VariableRead, values: list[Any], nnx
     """The structure path's reading of a Variable argument (`VariableRead`): its value and
     NnxArg, as `_read_variable` gives them, if it is of the recorded type and metadata and
     holds a jax array; False (nothing appended) otherwise."""
-    if type(v) is not read.kind or _fast.static_cache_pending():
+    if type(v) is not read.kind or _trace.static_cache_pending():
         return False
     value = raw_value(v)
     if type(value) is not ArrayImpl:
@@ -356,7 +356,7 @@ def read_cached(obj: Any, spec_id: int, values: list[Any], nnx_args: list[NnxArg
     `spec_id`; False (nothing appended) otherwise, or where `read_argument` would step
     aside or consume NNX's cached_partial cache."""
     entry = cached(obj)
-    if entry is None or entry.spec_id != spec_id or entry.fresh or _fast.static_cache_pending():
+    if entry is None or entry.spec_id != spec_id or entry.fresh or _trace.static_cache_pending():
         return False
     current = entry.values()
     if current and type(current[0]) is not ArrayImpl:
@@ -375,7 +375,7 @@ def read_joint(obj: Any, read: _fast.JointRead, values: list[Any], nnx_args: lis
     entry = cached(obj)
     if (
         entry is None or read.entry() is not entry or entry.node_ids is not read.node_ids
-        or entry.spec_id != read.spec_id or entry.fresh or _fast.static_cache_pending()
+        or entry.spec_id != read.spec_id or entry.fresh or _trace.static_cache_pending()
     ):
         return False
     items = entry.items if read.keep is None else [entry.items[k] for k in read.keep]
