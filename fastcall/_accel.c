@@ -184,6 +184,10 @@ static struct {
      * as Python; and the function (see may_serve_nnx) */
     int (*may_serve_nnx)(int nested_ok);
     PyObject *may_serve_nnx_py;
+    /* `_guard.holds`'s C entry (`_guard.HOLDS`), NULL where that module runs as Python; and
+     * the function (see guard_holds) */
+    int (*guard_holds)(PyObject *guard);
+    PyObject *guard_holds_py;
 } G;
 
 /* A dict's version tag (PEP 509): changed by every dict operation that changes what the
@@ -275,136 +279,26 @@ is_plain(FastWrapper *self, PyObject *a)
     return t == G.array_type ? 1 : PySet_Contains(self->plain, t);
 }
 
-/* Whether the dict `c` holds exactly `expected` (keys and values interleaved, in order),
- * compared by identity; with `stamp` (a one-element list: the version `c` had when this
- * last found it so, or None) first: an unchanged version means unchanged contents, and a
- * full comparison that holds stamps the version it held at. 1 holds, 0 not. */
-static int
-dict_holds(PyObject *c, PyObject *expected, PyObject *stamp)
-{
-    int stamped = PyList_CheckExact(stamp) && PyList_GET_SIZE(stamp) == 1;
-#ifdef HAVE_DICT_VERSION
-    stamped = stamped && ((PyDictObject *)c)->ma_values == NULL; /* (see dict_version) */
-    unsigned long long version = dict_version(c);
-    if (stamped && PyLong_CheckExact(PyList_GET_ITEM(stamp, 0))) {
-        unsigned long long seen = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(stamp, 0));
-        if (seen == (unsigned long long)-1 && PyErr_Occurred()) {
-            PyErr_Clear();
-        } else if (seen == version) {
-            return 1;
-        }
-    }
-#endif
-    if (!PyTuple_CheckExact(expected)) {
-        return 0;
-    }
-    Py_ssize_t m = PyTuple_GET_SIZE(expected);
-    if (2 * PyDict_GET_SIZE(c) != m) {
-        return 0;
-    }
-    Py_ssize_t pos = 0, i = 0;
-    PyObject *k, *v;
-    while (PyDict_Next(c, &pos, &k, &v)) {
-        if (i + 1 >= m || k != PyTuple_GET_ITEM(expected, i) || v != PyTuple_GET_ITEM(expected, i + 1)) {
-            return 0;
-        }
-        i += 2;
-    }
-#ifdef HAVE_DICT_VERSION
-    if (stamped) {
-        PyObject *now = PyLong_FromUnsignedLongLong(version);
-        if (now == NULL) {
-            PyErr_Clear(); /* (no stamp: the next check compares in full again) */
-        } else {
-            PyList_SetItem(stamp, 0, now); /* (steals `now`, releases the old stamp: an int or None) */
-        }
-    }
-#endif
-    return 1;
-}
-
-/* Whether `c` is still the attribute dict of the object that the weak reference `owner`
- * refers to, alive (`obj.__dict__ = {...}` gives the object another): 1, or 0. */
-static int
-owns_dict(PyObject *owner, PyObject *c)
-{
-    if (!PyWeakref_CheckRef(owner)) {
-        return 0;
-    }
-    PyObject *obj;
-#if PY_VERSION_HEX >= 0x030D0000
-    if (PyWeakref_GetRef(owner, &obj) <= 0) {
-        PyErr_Clear();
-        return 0;
-    }
-#else
-    obj = PyWeakref_GET_OBJECT(owner);
-    if (obj == Py_None) {
-        return 0;
-    }
-    Py_INCREF(obj);
-#endif
-    PyObject *d = PyObject_GenericGetDict(obj, NULL); /* (the object's own dict: no code runs) */
-    Py_DECREF(obj);
-    if (d == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
-    int same = d == c;
-    Py_DECREF(d);
-    return same;
-}
-
-/* Whether every container of a guard (fastcall/_guard.py) still holds exactly the
- * objects it held when the guard was made: a tuple of `Watched` (container, expected,
- * stamp, owner), `expected` a tuple of a list's items, or of a dict's keys and values
- * interleaved in iteration order, and an object's attribute dict still the object's
- * (`owner`, a weak reference to it, or None). Compared by identity only (never by ==); a
- * dict whose version is the one stamped when it last held is not walked again
- * (`dict_holds`). 1 holds, 0 not. */
+/* `_guard.holds(guard)`: whether every container of a guard (fastcall/_guard.py) still
+ * holds what it held: 1, or 0 (also where the check failed: a guard not known to hold
+ * sends the call to the general path, which reads the object afresh); through its C entry
+ * where that module is compiled. */
 static int
 guard_holds(PyObject *guard)
 {
-    if (!PyTuple_CheckExact(guard)) {
+    int held;
+    if (G.guard_holds != NULL) {
+        held = G.guard_holds(guard);
+    } else {
+        PyObject *res = PyObject_CallOneArg(G.guard_holds_py, guard);
+        held = res == NULL ? -1 : PyObject_IsTrue(res);
+        Py_XDECREF(res);
+    }
+    if (held < 0) {
+        PyErr_Clear();
         return 0;
     }
-    Py_ssize_t n = PyTuple_GET_SIZE(guard);
-    for (Py_ssize_t g = 0; g < n; g++) {
-        PyObject *watched = PyTuple_GET_ITEM(guard, g);
-        if (!PyTuple_Check(watched) || PyTuple_GET_SIZE(watched) != 4) {
-            return 0;
-        }
-        PyObject *c = PyTuple_GET_ITEM(watched, 0);
-        PyObject *expected = PyTuple_GET_ITEM(watched, 1); /* (read only where no stamp vouches) */
-        PyObject *owner = PyTuple_GET_ITEM(watched, 3);
-        if (owner != Py_None && !owns_dict(owner, c)) {
-            return 0;
-        }
-        if (PyList_CheckExact(c)) {
-            if (!PyTuple_CheckExact(expected) || PyList_GET_SIZE(c) != PyTuple_GET_SIZE(expected)) {
-                return 0;
-            }
-            Py_ssize_t m = PyTuple_GET_SIZE(expected);
-            for (Py_ssize_t i = 0; i < m; i++) {
-                if (PyList_GET_ITEM(c, i) != PyTuple_GET_ITEM(expected, i)) {
-                    return 0;
-                }
-            }
-        } else if (PyDict_CheckExact(c)) { /* (not a subclass: an OrderedDict keeps its order apart) */
-            if (!dict_holds(c, expected, PyTuple_GET_ITEM(watched, 2))) {
-                return 0;
-            }
-        } else {
-            return 0;
-        }
-    }
-    return 1;
-}
-
-static PyObject *
-py_guard_holds(PyObject *module, PyObject *guard)
-{
-    return PyBool_FromLong(guard_holds(guard));
+    return held;
 }
 
 /* Whether the weak reference `ref` refers to `obj` (1), not (0), or error (-1).
@@ -2256,7 +2150,7 @@ record_class(PyObject *records, const char *name, const char **expected)
 #define SET_SHARED(field, value) do { PyObject *old_ = G.field; G.field = (value); Py_XDECREF(old_); } while (0)
 
 /* configure(index, by_id, latest, graphdefs, value_slot, array_type, varying_type, records, serve, declined,
- *           may_serve_nnx, may_serve_nnx_entry):
+ *           may_serve_nnx, may_serve_nnx_entry, guard_holds, guard_holds_entry):
  * the tables and types every wrapper reads (see the struct G); `records` maps each record
  * class's name to the class, whose fields are checked against the layout read here.
  * Nothing is changed if a check fails. */
@@ -2264,12 +2158,16 @@ static PyObject *
 py_configure(PyObject *module, PyObject *args)
 {
     PyObject *index, *by_id, *latest, *graphdefs, *value_slot, *array_type, *varying_type, *records, *serve,
-        *declined, *may_serve, *may_serve_entry;
-    if (!PyArg_UnpackTuple(args, "configure", 12, 12, &index, &by_id, &latest, &graphdefs, &value_slot, &array_type,
-                           &varying_type, &records, &serve, &declined, &may_serve, &may_serve_entry)) {
+        *declined, *may_serve, *may_serve_entry, *holds, *holds_entry;
+    if (!PyArg_UnpackTuple(args, "configure", 14, 14, &index, &by_id, &latest, &graphdefs, &value_slot, &array_type,
+                           &varying_type, &records, &serve, &declined, &may_serve, &may_serve_entry, &holds,
+                           &holds_entry)) {
         return NULL;
     }
-    void *serve_entry = NULL, *may_serve_c = NULL;
+    void *serve_entry = NULL, *may_serve_c = NULL, *holds_c = NULL;
+    if (holds_entry != Py_None && (holds_c = PyCapsule_GetPointer(holds_entry, "fastcall._guard.HOLDS")) == NULL) {
+        return NULL;
+    }
     if (serve != Py_None && (serve_entry = PyCapsule_GetPointer(serve, "fastcall._fast_route.SERVE")) == NULL) {
         return NULL;
     }
@@ -2277,8 +2175,8 @@ py_configure(PyObject *module, PyObject *args)
         && (may_serve_c = PyCapsule_GetPointer(may_serve_entry, "fastcall._trace.MAY_SERVE_NNX")) == NULL) {
         return NULL;
     }
-    if (!PyCallable_Check(may_serve)) {
-        PyErr_SetString(PyExc_TypeError, "configure: may_serve_nnx must be callable");
+    if (!PyCallable_Check(may_serve) || !PyCallable_Check(holds)) {
+        PyErr_SetString(PyExc_TypeError, "configure: may_serve_nnx and guard_holds must be callable");
         return NULL;
     }
     if (!PyDict_CheckExact(index) || !PyDict_CheckExact(by_id) || !PyDict_CheckExact(graphdefs)
@@ -2360,6 +2258,8 @@ py_configure(PyObject *module, PyObject *args)
     Py_INCREF(varying_type); SET_SHARED(varying_type, varying_type);
     Py_INCREF(may_serve); SET_SHARED(may_serve_nnx_py, may_serve);
     G.may_serve_nnx = (int (*)(int))may_serve_c;
+    Py_INCREF(holds); SET_SHARED(guard_holds_py, holds);
+    G.guard_holds = (int (*)(PyObject *))holds_c;
     Py_INCREF(declined); SET_SHARED(declined, declined);
     G.serve = (PyObject *(*)(PyObject *, PyObject *const *, Py_ssize_t))serve_entry;
     Py_RETURN_NONE;
@@ -2824,7 +2724,6 @@ py_configure_node_test(PyObject *module, PyObject *args)
 static PyMethodDef accel_methods[] = {
     {"node_test", py_node_test, METH_O, "Whether an object is an NNX object, by its type (_nnx._variables._is_node_fast)."},
     {"configure_node_test", py_configure_node_test, METH_VARARGS, "Set node_test's table and its test of a new type."},
-    {"guard_holds", py_guard_holds, METH_O, "Whether a guard's containers are unchanged (see _guard.py)."},
     {"configure", py_configure, METH_VARARGS, "Set the tables and record classes every FastWrapper reads."},
     {"evict", (PyCFunction)(void (*)(void))py_evict, METH_FASTCALL, "Drop a dead object's cache entries."},
     {"remember_outputs", (PyCFunction)(void (*)(void))py_remember_outputs, METH_FASTCALL,

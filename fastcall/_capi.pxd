@@ -39,3 +39,9 @@ cdef extern from *:
 # `_trace.may_serve_nnx`'s C entry, as `_trace.MAY_SERVE_NNX` carries it: 1, 0, or -1 with an
 # error set
 ctypedef int (*may_serve_fn)(int nested_ok) except -1
+
+cdef extern from "Python.h":
+    object PyObject_GenericGetDict(object o, void *context)
+
+# `_guard.holds`'s C entry, as `_guard.HOLDS` carries it: 1, 0, or -1 with an error set
+ctypedef int (*holds_fn)(object guard) except -1

@@ -70,7 +70,7 @@ def configure_accel() -> None:
     _native.BUILT.configure(
         _fast.INDEX, _flatten.by_id, _memo.LATEST, _fast.GRAPHDEFS, _fast.VALUE_SLOT, ArrayImpl, Varying,
         {cls.__name__: cls for cls in records}, _fast_route.SERVE, _fast_route.DECLINED, _trace.may_serve_nnx,
-        _trace.MAY_SERVE_NNX,
+        _trace.MAY_SERVE_NNX, _guard.holds, _guard.HOLDS,
     )
 
 

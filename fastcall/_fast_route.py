@@ -33,7 +33,7 @@ except ImportError:  # (Cython is needed only to build; run as Python without it
 from ._arrays import ArrayImpl
 from ._fast import INDEX, VALUE_SLOT, FastRecord, FastSlot, RawLeaf, read_value
 from ._flatten import Strong
-from ._guard import holds
+from ._guard import HOLDS, holds
 from ._outputs import Varying
 from ._trace import MAY_SERVE_NNX, may_serve_nnx
 
@@ -45,7 +45,7 @@ if cython.compiled:
     from cython.cimports.cpython.sequence import PySequence_Fast_ITEMS
     from cython.cimports.cpython.tuple import PyTuple_New, PyTuple_SET_ITEM
     from cython.cimports.cpython.weakref import PyWeakref_CheckRef, PyWeakref_GetRef
-    from cython.cimports.fastcall._capi import PyObject_Vectorcall, dict_version, may_serve_fn
+    from cython.cimports.fastcall._capi import PyObject_Vectorcall, dict_version, holds_fn, may_serve_fn
 
 # A call's arguments: the tuple of them, run as Python; compiled, C's array (PyObject *const *)
 if not cython.compiled:
@@ -72,6 +72,9 @@ if cython.compiled:  # (`_trace.may_serve_nnx`'s C entry; NULL where that module
     _MAY_SERVE_NNX = cython.declare(may_serve_fn, cython.NULL)
     if MAY_SERVE_NNX is not None:
         _MAY_SERVE_NNX = cython.cast(may_serve_fn, PyCapsule_GetPointer(MAY_SERVE_NNX, b"fastcall._trace.MAY_SERVE_NNX"))
+    _HOLDS = cython.declare(holds_fn, cython.NULL)  # (`_guard.holds`'s, likewise)
+    if HOLDS is not None:
+        _HOLDS = cython.cast(holds_fn, PyCapsule_GetPointer(HOLDS, b"fastcall._guard.HOLDS"))
 DECLINED: Any = object()  # (what the route returns for a call it does not serve)
 _DECLINED = cython.declare(object, DECLINED)
 
@@ -214,8 +217,12 @@ def _serve_from(route: FastRoute, found: Any, argv: Argv, n: cython.Py_ssize_t) 
     elif ref() is not first:  # (a weak reference, or `_flatten.Strong`)
         return _DECLINED
     guard = slot[2]
-    if guard is not None and not _guard_holds(guard):
-        return _DECLINED  # (a list or dict it holds changed in place)
+    if guard is not None:
+        if cython.compiled and _HOLDS != cython.NULL:
+            if not _HOLDS(guard):
+                return _DECLINED  # (a list or dict it holds changed in place)
+        elif not _guard_holds(guard):
+            return _DECLINED
     records = slot[1]
     if type(records) is not dict:
         return _DECLINED

@@ -1,3 +1,4 @@
+# cython: language_level=3, wraparound=False, boundscheck=False
 """Guards: the cheap check that a cached object holding lists or dicts is unchanged.
 
 An Equinox module, a tuple or an NNX graph is cached by identity (`_flatten`,
@@ -14,12 +15,13 @@ and values in the same order. Anything else, and the object is read afresh.
 Why identity of items is enough: every other part of the object is immutable
 or itself guarded (a nested list is in the guard too), so an unchanged set of
 items in every container means an unchanged object. What it costs: one pointer
-comparison per item of every container, in C when the extension is built. The C
-check also skips a dict whose version tag (PEP 509, which every dict operation that
-changes it moves on) is the one it had when the check last found it unchanged
-(`Watched.stamp`), for a dict that keeps its own values only: an object's attribute
-dict may share them with the object (Python 3.13), which writes an attribute there
-without a new tag. Python 3.14 has no such tag, and there every dict is walked.
+comparison per item of every container. The check (`holds`) is one of the sources setup.py
+compiles with Cython (see `fastcall/_rebuild.py`); compiled, the C wrapper and the fast route
+call its C entry (`HOLDS`), and it also skips a dict whose version tag (PEP 509, which every
+dict operation that changes it moves on) is the one it had when the check last found it
+unchanged (`Watched.stamp`), for a dict that keeps its own values only: an object's
+attribute dict may share them with the object (Python 3.13), which writes an attribute
+there without a new tag. Python 3.14 has no such tag, and there every dict is walked.
 
 An object's attribute dict (an `eqx.nn.State`'s, an `nnx.State`'s: `Attributes`) is
 watched with its owner, by weak reference: `obj.__dict__ = {...}` gives the object
@@ -27,12 +29,20 @@ another dict and leaves the watched one as it was, so the guard also checks that
 the dict is still the owner's.
 """
 
-from __future__ import annotations
-
-import importlib
 import itertools
 import weakref
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
+
+try:
+    import cython
+except ImportError:  # (Cython is needed only to build; run as Python without it)
+    from fastcall import _cython_shim as cython  # type: ignore[no-redef]
+
+if cython.compiled:
+    from cython.cimports.cpython.pycapsule import PyCapsule_New
+    from cython.cimports.fastcall._capi import PyObject_GenericGetDict, dict_combined, dict_version
+
+COMPILED: bool = cython.compiled
 
 
 class Watched(NamedTuple):
@@ -40,9 +50,9 @@ class Watched(NamedTuple):
 
     container: Any  # a plain list or dict, held
     expected: tuple[Any, ...]  # a list's items; a dict's keys and values interleaved, in order
-    # dicts: [the dict's version tag when the C check last found it holding `expected`, or
-    # None]: written only by that check (`_accel.c`, `dict_holds`); None for lists
-    stamp: list[Any] | None
+    # dicts: [the dict's version tag when the compiled check last found it holding
+    # `expected`, or None]: written only by that check (`_dict_holds`); None for lists
+    stamp: Optional[list]
     # an object's attribute dict: a weak reference to the object, whose `__dict__` the
     # container must still be; else None
     owner: Any
@@ -61,14 +71,14 @@ def is_guardable(container: Any) -> bool:
     """Whether a guard can watch this container: a plain list or dict, or the attribute dict
     of an object that can be weakly referenced. (Not an OrderedDict, whose order, which jax
     flattens by, is kept apart from its storage: `move_to_end` changes it without changing
-    what the C check walks.)"""
+    what the check walks.)"""
     if type(container) is Attributes:
         obj = container.obj
         return type(getattr(obj, "__dict__", None)) is dict and bool(type(obj).__weakrefoffset__)
     return type(container) is list or type(container) is dict
 
 
-def make(containers: list[Any]) -> Guard | None:
+def make(containers: list) -> Optional[Guard]:
     """A guard over these containers (each once; each `is_guardable`), or None if there are none."""
     watched = []
     seen: set[int] = set()
@@ -94,21 +104,101 @@ _new = tuple.__new__
 _chain = itertools.chain.from_iterable  # (a dict's keys and values interleaved, in C)
 
 
-def _holds(guard: Guard) -> bool:
-    for c, expected, _, owner in guard:
-        if owner is not None:
-            obj = owner()
-            if obj is None or getattr(obj, "__dict__", None) is not c:
-                return False
+@cython.ccall
+@cython.exceptval(-1, check=True)
+def holds(guard: Any) -> cython.bint:
+    """Whether every container of `guard` still holds exactly the objects it held when the
+    guard was made (see the module's docstring): its items (a list's; a dict's keys and
+    values, in order) compared by identity only, never by ==; an attribute dict still its
+    owner's. Compiled, a dict whose version tag is the one stamped when this last found it
+    holding is not walked again (`_dict_holds`). Anything not a guard does not hold."""
+    if type(guard) is not tuple:
+        return False
+    watched: tuple
+    for w in cython.cast(tuple, guard):
+        if not isinstance(w, tuple) or len(w) != 4:
+            return False
+        watched = cython.cast(tuple, w) if cython.compiled else w  # (a Watched: read as the tuple it is)
+        c = watched[0]
+        expected = watched[1]
+        owner = watched[3]
+        if owner is not None and not _owns_dict(owner, c):
+            return False
+        if type(expected) is not tuple:
+            return False
         if type(c) is list:
-            if len(c) != len(expected) or any(a is not b for a, b in zip(c, expected)):
+            items: list = c
+            n: cython.Py_ssize_t = len(items)
+            if n != len(expected):
                 return False
-        elif 2 * len(c) != len(expected) or any(a is not b for a, b in zip(_chain(c.items()), expected)):
+            i: cython.Py_ssize_t
+            for i in range(n):
+                if items[i] is not cython.cast(tuple, expected)[i]:
+                    return False
+        elif type(c) is dict:  # (not a subclass: an OrderedDict keeps its order apart)
+            if not _dict_holds(c, expected, watched[2]):
+                return False
+        else:
             return False
     return True
 
 
-try:  # the same check in C (fastcall/_accel.c), which the C structure path calls directly
-    holds: Any = importlib.import_module("fastcall._accel").guard_holds
-except (ImportError, AttributeError):  # pragma: no cover - not built
-    holds = _holds
+@cython.cfunc
+@cython.exceptval(-1, check=True)
+def _dict_holds(c: dict, expected: tuple, stamp: Any) -> cython.bint:
+    """Whether the dict `c` holds exactly `expected` (keys and values interleaved, in order),
+    by identity. Compiled, with `stamp` (a one-element list: the version tag `c` had when this
+    last found it so, or None): an unchanged tag means unchanged contents, and a walk that
+    finds it holding stamps the tag it held at. (A tag is trusted only for a dict that keeps
+    its own values: an object's attribute dict may share them with the object, 3.13+, which
+    writes an attribute there without a new tag. No tag on 3.14: always walked.)"""
+    version: cython.ulonglong = 0
+    if cython.compiled and type(stamp) is list and len(stamp) == 1 and dict_combined(c):
+        version = dict_version(c)
+        seen = cython.cast(list, stamp)[0]
+        if version != 0 and type(seen) is int and seen == version:
+            return True
+    if 2 * len(c) != len(expected):
+        return False
+    i: cython.Py_ssize_t = 0
+    for k, v in c.items():
+        if k is not expected[i] or v is not expected[i + 1]:
+            return False
+        i += 2
+    if version != 0:
+        cython.cast(list, stamp)[0] = version
+    return True
+
+
+@cython.cfunc
+@cython.exceptval(-1, check=True)
+def _owns_dict(owner: Any, c: Any) -> cython.bint:
+    """Whether `c` is still the attribute dict of the object the weak reference `owner`
+    refers to, alive (`obj.__dict__ = {...}` gives the object another)."""
+    if not isinstance(owner, weakref.ref):
+        return False
+    obj = owner()
+    if obj is None:
+        return False
+    if cython.compiled:  # (the object's own dict, as `vars` finds it: no code runs)
+        try:
+            return PyObject_GenericGetDict(obj, cython.NULL) is c
+        except AttributeError:
+            return False
+    else:
+        return getattr(obj, "__dict__", None) is c
+
+
+@cython.cfunc
+@cython.exceptval(-1)
+def _holds_c(guard: Any) -> cython.int:
+    """`holds` for C callers (`HOLDS`): 1, 0, or -1 with an error set."""
+    return 1 if holds(guard) else 0
+
+
+# `holds`'s C entry, `int (*)(PyObject *guard)`: for the C wrapper and the compiled fast route;
+# None run as Python (they call `holds` then).
+HOLDS: Any = (
+    PyCapsule_New(cython.cast(cython.p_void, _holds_c), b"fastcall._guard.HOLDS", cython.NULL)
+    if cython.compiled else None
+)

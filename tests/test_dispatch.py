@@ -171,8 +171,9 @@ def test_c_wrapper_checks_the_record_layout():
     finally:
         _native.BUILT.configure = real
     (tables,) = calls
-    # (the tables; the records; the fast route's entry and DECLINED, may_serve_nnx and its entry)
-    tables, given, entry = tables[:-5], tables[-5], tables[-4:]
+    # (the tables; the records; the fast route's entry and DECLINED; may_serve_nnx, guard holds
+    # and their entries)
+    tables, given, entry = tables[:-7], tables[-7], tables[-6:]
     assert sorted(given) == sorted(records)
     try:
         for name in records:
@@ -185,8 +186,9 @@ def test_c_wrapper_checks_the_record_layout():
             with pytest.raises(TypeError, match=f"no record class {name}"):
                 real(*tables, {k: v for k, v in given.items() if k != name}, *entry)
         # (the C entries: capsules, or None where their module runs as Python)
-        assert all(e is None or type(e).__name__ == "PyCapsule" for e in (entry[0], entry[3]))
-        for wrong in ([None, *entry[1:3], "not the entry"], ["not the entry", *entry[1:]]):
+        assert all(e is None or type(e).__name__ == "PyCapsule" for e in (entry[0], entry[3], entry[5]))
+        for at in (0, 3, 5):
+            wrong = [*entry[:at], "not the entry", *entry[at + 1 :]]
             with pytest.raises(ValueError, match="PyCapsule"):
                 real(*tables, given, *wrong)
     finally:
