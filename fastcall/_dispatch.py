@@ -45,7 +45,9 @@ from typing import Any
 
 import jax
 
-from . import _agreement, _args, _codegen, _fast, _fast_route, _flatten, _guard, _hold, _memo, _native, _nnx_gate, _pack, _trace
+from . import (
+    _agreement, _args, _codegen, _fast, _fast_route, _flatten, _guard, _hold, _memo, _native, _nnx_gate, _pack, _trace,
+)
 from ._build import Entry
 from ._fast import (
     ArgRead, FastRecord, FastSlot, GraphdefRead, JointRead, MixedRead, NodeRead, NodesRead, PytreeShape,

@@ -71,7 +71,9 @@ _may_serve_nnx = cython.declare(object, may_serve_nnx)
 if cython.compiled:  # (`_trace.may_serve_nnx`'s C entry; NULL where that module runs as Python)
     _MAY_SERVE_NNX = cython.declare(may_serve_fn, cython.NULL)
     if MAY_SERVE_NNX is not None:
-        _MAY_SERVE_NNX = cython.cast(may_serve_fn, PyCapsule_GetPointer(MAY_SERVE_NNX, b"fastcall._trace.MAY_SERVE_NNX"))
+        _MAY_SERVE_NNX = cython.cast(
+            may_serve_fn, PyCapsule_GetPointer(MAY_SERVE_NNX, b"fastcall._trace.MAY_SERVE_NNX")
+        )
     _HOLDS = cython.declare(holds_fn, cython.NULL)  # (`_guard.holds`'s, likewise)
     if HOLDS is not None:
         _HOLDS = cython.cast(holds_fn, PyCapsule_GetPointer(HOLDS, b"fastcall._guard.HOLDS"))
@@ -184,7 +186,8 @@ def _record_of(route: FastRoute, records: dict) -> object:
     """`records.get(route.state)`, remembered as `_serve` remembers its index lookup."""
     if cython.compiled:
         version: cython.ulonglong = dict_version(records)
-        if version != 0 and route._m_records == cython.cast(cython.p_void, records) and route._m_records_version == version:
+        same: cython.bint = route._m_records == cython.cast(cython.p_void, records)
+        if version != 0 and same and route._m_records_version == version:
             return None if route._m_record == cython.NULL else cython.cast(object, route._m_record)
         found = records.get(route.state)
         route._m_records = cython.cast(cython.p_void, records)
