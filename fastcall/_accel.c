@@ -271,7 +271,7 @@ fw_fallback(FastWrapper *self, PyObject *const *args, size_t nargsf, PyObject *k
 }
 
 /* Whether `a` is passed to jax.jit as it is (a jax array, the common case, checked first):
- * 1, 0, or error (-1). (`_dispatch._all_plain` is the Python copy.) */
+ * 1, 0, or error (-1). (`_structure_route.read_arguments` is the Python copy.) */
 static inline int
 is_plain(FastWrapper *self, PyObject *a)
 {
@@ -797,7 +797,7 @@ append_nnx_arg(PyObject *nnx_args, PyObject *obj, PyObject *variables, PyObject 
 
 /* The structure path's reading of one NNX object `a` (`_structure_route.read_arguments` reads
  * the same, through `_nnx._reads.read_cached`, or with `joint`, `_nnx._reads.read_joint`): if the fast
- * index publishes a slot for `a`, validated as the fast path validates one, whose entry
+ * index publishes a slot for `a`, validated as the fast route validates one, whose entry
  * (`node`) has spec `spec_id` and has had its values checked for tracers (not `fresh`),
  * append its leaves' current values to `values`, its entry to `entries` and, if `nnx_args`
  * is not NULL, its NnxArg; then 1. With `joint` (a JointRead, whose spec_id is `spec_id`):
@@ -1877,8 +1877,8 @@ structure_call(FastWrapper *self, PyObject *record, PyObject *const *args, size_
         /* NNX objects: sharing nothing (a Variable read on its own, in no entry read and
          * not passed twice), or all read jointly from the entries the record pins, no
          * nnx.cached_partial cache pending, and, for a call that may change state or that jax
-         * treats otherwise nested, not inside a JAX trace (as the fast path; see
-         * FunctionState.serves_nested): the Python copy decides otherwise */
+         * treats otherwise nested, not inside a JAX trace (`_trace.may_serve_nnx`, as the fast
+         * route asks; see FunctionState.serves_nested): the Python copy decides otherwise */
         int ok = 1;
         if (n_joint > 0) {
             ok = entries.n == 0 && loose.n == 0;
