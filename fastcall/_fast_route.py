@@ -124,14 +124,6 @@ class FastRoute:
         else:
             return _serve(self, args, len(args))
 
-    def serve_slot(self, slot: Any, args: tuple) -> Any:
-        """`f(*args)` served from `slot`, found for `args[0]` otherwise than by its id (a model
-        nnx.jit rebuilt in place: `_nnx.slot_after_rebuild`); or DECLINED."""
-        if cython.compiled:
-            return _serve_from(self, slot, PySequence_Fast_ITEMS(args), len(args))
-        else:
-            return _serve_from(self, slot, args, len(args))
-
 
 @cython.cfunc
 @cython.inline
