@@ -156,8 +156,10 @@ def _dict_holds(c: dict, expected: tuple, stamp: Any) -> cython.bint:
     if cython.compiled and type(stamp) is list and len(stamp) == 1 and dict_combined(c):
         version = dict_version(c)
         seen = cython.cast(list, stamp)[0]
-        if version != 0 and type(seen) is int and seen == version:
-            return True
+        if version != 0 and type(seen) is int:
+            seen_tag: cython.ulonglong = seen  # (read as C reads it: no int made for the comparison)
+            if seen_tag == version:
+                return True
     if 2 * len(c) != len(expected):
         return False
     i: cython.Py_ssize_t = 0
