@@ -1,6 +1,6 @@
 /* fastcall's hit path in C: `FastWrapper` (the object a wrapped function is, where this
- * extension is built: it enters the fast route and runs the structure path), the C output
- * builder and the output memo. FASTCALL_CHECK_HITS=1 (fastcall/_agreement.py) checks every
+ * extension is built: it enters the fast route and runs the structure path).
+ * FASTCALL_CHECK_HITS=1 (fastcall/_agreement.py) checks every
  * call it serves against the general path.
  *
  * A call with positional arguments only first goes to the fast route
@@ -133,18 +133,11 @@ static const char *NNX_ARG_FIELDS[] = {"obj", "variables", "entry", "ids", "path
 #define RAW_NAME 1
 static const char *RAW_LEAF_FIELDS[] = {"owner", "name", NULL};
 /* Registration(position, start, stop, spec, spec_id, guard): an output an entry's memo notes
- * (fastcall/_flatten.py); a memo is (regs, ref_0, leaves_0, guard_0, ref_1, ...). `guard`:
- * None, "state" (`state_guard`), or a tuple of container paths (`paths_guard`) */
-#define REG_POSITION 0
-#define REG_START 1
-#define REG_STOP 2
+ * (fastcall/_memo.py, which writes the memo: (regs, ref_0, leaves_0, guard_0, ref_1, ...)) */
 #define REG_SPEC_ID 4
-#define REG_GUARD 5
 #define REG_SIZE 6
 #define MEMO_STRIDE 3
 static const char *REGISTRATION_FIELDS[] = {"position", "start", "stop", "spec", "spec_id", "guard", NULL};
-/* Watched(container, expected, stamp, owner): one container a guard watches (fastcall/_guard.py) */
-static const char *WATCHED_FIELDS[] = {"container", "expected", "stamp", "owner", NULL};
 /* CacheEntry(ref, leaves, spec_id, spec, guard): the identity cache's (fastcall/_flatten.py) */
 #define CACHE_REF 0
 #define CACHE_LEAVES 1
@@ -158,24 +151,19 @@ static const char *CACHE_FIELDS[] = {"ref", "leaves", "spec_id", "spec", "guard"
 static struct {
     PyObject *index;       /* dict: id(first) -> FastSlot (the fast index) */
     PyObject *by_id;       /* dict: id(obj) -> CacheEntry (the identity cache) */
-    PyObject *latest;      /* list: the `held` lists of the entries that returned last (see remember_outputs) */
     PyObject *graphdefs;   /* dict: id(graphdef) -> KnownGraphdef */
     PyObject *value_slot;  /* one-element list: the Variable._raw_value descriptor, or None */
     PyObject *array_type;  /* jaxlib ArrayImpl */
     PyObject *varying_type; /* _outputs.Varying: an output carrying its own structure */
     PyObject *arg_read, *node_read, *joint_read, *shared_variable_read, *nodes_read, *variable_read, *graphdef_read, *static_read,
-        *nnx_arg, *raw_leaf, *watched, *tree_read, *mixed_read; /* record classes */
+        *nnx_arg, *raw_leaf, *tree_read, *mixed_read; /* record classes */
     PyObject *empty_ids;   /* frozenset(): NnxArg.ids of an object read from its entry */
     PyObject *s_spec_id, *s_fresh, *s_items, *s_paths, *s_disjoint, *s_node_ids; /* NodeEntry attributes */
     PyObject *s_dict;         /* "__dict__" */
     PyObject *s_objects;      /* "objects" (NodesRead.objects) */
     PyObject *s_level;        /* "level" (PytreeShape.level) */
-    PyObject *s_state;        /* "_state" (an eqx.nn.State's dict of values) */
     /* NodeEntry's slot descriptors for s_spec_id .. s_node_ids, of `entry_type` (see entry_field) */
     PyObject *entry_type, *entry_slots[N_ENTRY_FIELDS];
-    /* node_test's table (`_nnx_gate.node_types`: type -> whether its instances are NNX
-     * objects) and its test of a type the table lacks (`_nnx._variables._is_node_fast`, which fills it) */
-    PyObject *node_table, *node_fallback;
     /* The fast route's C entry (fastcall/_fast_route.py's SERVE), NULL where that module runs
      * as Python; and what the route returns for a call it declines */
     PyObject *(*serve)(PyObject *route, PyObject *const *args, Py_ssize_t nargs);
@@ -188,6 +176,10 @@ static struct {
      * the function (see guard_holds) */
     int (*guard_holds)(PyObject *guard);
     PyObject *guard_holds_py;
+    /* `_memo.latest_leaves`'s C entry (`_memo.LATEST_LEAVES`), NULL where that module runs
+     * as Python; and the function (see latest_leaves) */
+    PyObject *(*latest_leaves)(PyObject *obj, PyObject *spec_id);
+    PyObject *latest_leaves_py;
 } G;
 
 /* A dict's version tag (PEP 509): changed by every dict operation that changes what the
@@ -518,58 +510,19 @@ slot_of(FastWrapper *self, PyObject *a, Py_ssize_t position)
 }
 
 /* The leaves of `a` (a new reference to a list) if it is one of the objects the latest
- * call of a recently run entry returned (`_memo.latest`, whose copy this is: see
- * remember_outputs), with spec `spec_id`, and its guard (if any) holds; NULL without an
- * error if not. A returned module or State is known by a weak reference, a returned tuple
- * by a strong one: either way `a` itself, alive, so its id cannot have been reused. */
+ * call of a recently run entry returned, with spec `spec_id`, and its guard (if any) holds;
+ * NULL without an error if not: `_memo.latest_leaves`, through its C entry where that module
+ * is compiled. */
 static PyObject *
 latest_leaves(PyObject *a, PyObject *spec_id)
 {
-    PyObject *ring = G.latest;
-    if (a == Py_None || ring == NULL) {
-        /* (None is never noted, and before 3.13 a weak reference reads as None from the
-         * moment its object dies until its callback drops the memo) */
+    PyObject *leaves = G.latest_leaves != NULL ? G.latest_leaves(a, spec_id)
+                                               : PyObject_CallFunctionObjArgs(G.latest_leaves_py, a, spec_id, NULL);
+    if (leaves == Py_None) {
+        Py_DECREF(leaves);
         return NULL;
     }
-    for (Py_ssize_t i = 0; PyList_CheckExact(ring) && i < PyList_GET_SIZE(ring); i++) {
-        PyObject *held = PyList_GET_ITEM(ring, i);
-        PyObject *memo = PyList_CheckExact(held) && PyList_GET_SIZE(held) == 1 ? PyList_GET_ITEM(held, 0) : NULL;
-        if (memo == NULL || !PyTuple_CheckExact(memo) || PyTuple_GET_SIZE(memo) < 1) {
-            continue;
-        }
-        PyObject *regs = PyTuple_GET_ITEM(memo, 0);
-        Py_ssize_t n = (PyTuple_GET_SIZE(memo) - 1) / MEMO_STRIDE;
-        if (!PyTuple_CheckExact(regs) || PyTuple_GET_SIZE(regs) != n) {
-            continue;
-        }
-        Py_INCREF(memo); /* (held while read: a comparison below may run code that replaces it) */
-        PyObject *found = NULL;
-        int failed = 0, seen = 0;
-        for (Py_ssize_t r = 0; r < n && !seen && !failed; r++) {
-            PyObject *ref = PyTuple_GET_ITEM(memo, 1 + MEMO_STRIDE * r);
-            PyObject *leaves = PyTuple_GET_ITEM(memo, 2 + MEMO_STRIDE * r);
-            PyObject *guard = PyTuple_GET_ITEM(memo, 3 + MEMO_STRIDE * r);
-            PyObject *reg = PyTuple_GET_ITEM(regs, r);
-            if (ref == Py_None || !PyList_CheckExact(leaves) || !PyTuple_Check(reg)
-                || PyTuple_GET_SIZE(reg) != REG_SIZE) {
-                continue;
-            }
-            int same = PyWeakref_CheckRefExact(ref) ? ref_is(ref, a) : ref == a;
-            if (same == 1) {
-                seen = 1; /* (a changed one is read afresh, as `latest`) */
-                if (guard == Py_None || guard_holds(guard)) {
-                    same = PyObject_RichCompareBool(PyTuple_GET_ITEM(reg, REG_SPEC_ID), spec_id, Py_EQ);
-                    found = same == 1 ? Py_NewRef(leaves) : NULL;
-                }
-            }
-            failed = same < 0;
-        }
-        Py_DECREF(memo);
-        if (seen || failed) {
-            return found;
-        }
-    }
-    return NULL;
+    return leaves;
 }
 
 /* The leaves of `a` (a new reference to a tuple or list) if the identity cache holds a
@@ -2149,22 +2102,27 @@ record_class(PyObject *records, const char *name, const char **expected)
 
 #define SET_SHARED(field, value) do { PyObject *old_ = G.field; G.field = (value); Py_XDECREF(old_); } while (0)
 
-/* configure(index, by_id, latest, graphdefs, value_slot, array_type, varying_type, records, serve, declined,
- *           may_serve_nnx, may_serve_nnx_entry, guard_holds, guard_holds_entry):
+/* configure(index, by_id, graphdefs, value_slot, array_type, varying_type, records, serve, declined,
+ *           may_serve_nnx, may_serve_nnx_entry, guard_holds, guard_holds_entry, latest_leaves,
+ *           latest_leaves_entry):
  * the tables and types every wrapper reads (see the struct G); `records` maps each record
  * class's name to the class, whose fields are checked against the layout read here.
  * Nothing is changed if a check fails. */
 static PyObject *
 py_configure(PyObject *module, PyObject *args)
 {
-    PyObject *index, *by_id, *latest, *graphdefs, *value_slot, *array_type, *varying_type, *records, *serve,
-        *declined, *may_serve, *may_serve_entry, *holds, *holds_entry;
-    if (!PyArg_UnpackTuple(args, "configure", 14, 14, &index, &by_id, &latest, &graphdefs, &value_slot, &array_type,
+    PyObject *index, *by_id, *graphdefs, *value_slot, *array_type, *varying_type, *records, *serve, *declined,
+        *may_serve, *may_serve_entry, *holds, *holds_entry, *latest, *latest_entry;
+    if (!PyArg_UnpackTuple(args, "configure", 15, 15, &index, &by_id, &graphdefs, &value_slot, &array_type,
                            &varying_type, &records, &serve, &declined, &may_serve, &may_serve_entry, &holds,
-                           &holds_entry)) {
+                           &holds_entry, &latest, &latest_entry)) {
         return NULL;
     }
-    void *serve_entry = NULL, *may_serve_c = NULL, *holds_c = NULL;
+    void *serve_entry = NULL, *may_serve_c = NULL, *holds_c = NULL, *latest_c = NULL;
+    if (latest_entry != Py_None
+        && (latest_c = PyCapsule_GetPointer(latest_entry, "fastcall._memo.LATEST_LEAVES")) == NULL) {
+        return NULL;
+    }
     if (holds_entry != Py_None && (holds_c = PyCapsule_GetPointer(holds_entry, "fastcall._guard.HOLDS")) == NULL) {
         return NULL;
     }
@@ -2175,8 +2133,8 @@ py_configure(PyObject *module, PyObject *args)
         && (may_serve_c = PyCapsule_GetPointer(may_serve_entry, "fastcall._trace.MAY_SERVE_NNX")) == NULL) {
         return NULL;
     }
-    if (!PyCallable_Check(may_serve) || !PyCallable_Check(holds)) {
-        PyErr_SetString(PyExc_TypeError, "configure: may_serve_nnx and guard_holds must be callable");
+    if (!PyCallable_Check(may_serve) || !PyCallable_Check(holds) || !PyCallable_Check(latest)) {
+        PyErr_SetString(PyExc_TypeError, "configure: may_serve_nnx, guard_holds and latest_leaves must be callable");
         return NULL;
     }
     if (!PyDict_CheckExact(index) || !PyDict_CheckExact(by_id) || !PyDict_CheckExact(graphdefs)
@@ -2188,22 +2146,16 @@ py_configure(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "configure: value_slot must be a one-element list");
         return NULL;
     }
-    if (!PyList_CheckExact(latest)) {
-        PyErr_SetString(PyExc_TypeError, "configure: latest must be a list");
-        return NULL;
-    }
-    enum { N_RECORDS = 19 };
+    enum { N_RECORDS = 18 };
     PyObject *cls[N_RECORDS];
     const char *names[N_RECORDS] = {"FastSlot", "StructureRecord", "CacheEntry", "ArgRead",
                                     "NodeRead", "NodesRead", "GraphdefRead", "KnownGraphdef", "NnxArg",
-                                    "RawLeaf", "VariableRead", "Registration", "Watched",
-                                    "SequenceRead", "StaticRead", "JointRead", "SharedVariableRead", "TreeRead",
+                                    "RawLeaf", "VariableRead", "Registration", "SequenceRead", "StaticRead", "JointRead", "SharedVariableRead", "TreeRead",
                                     "MixedRead"};
     const char **layouts[N_RECORDS] = {SLOT_FIELDS, STRUCTURE_FIELDS, CACHE_FIELDS,
                                        READ_FIELDS, NODE_READ_FIELDS, NODES_READ_FIELDS, NODE_READ_FIELDS,
                                        KNOWN_GRAPHDEF_FIELDS, NNX_ARG_FIELDS, RAW_LEAF_FIELDS,
-                                       VARIABLE_READ_FIELDS, REGISTRATION_FIELDS, WATCHED_FIELDS,
-                                       SEQUENCE_READ_FIELDS, STATIC_READ_FIELDS, JOINT_READ_FIELDS,
+                                       VARIABLE_READ_FIELDS, REGISTRATION_FIELDS, SEQUENCE_READ_FIELDS, STATIC_READ_FIELDS, JOINT_READ_FIELDS,
                                        SHARED_VARIABLE_READ_FIELDS, TREE_READ_FIELDS, MIXED_READ_FIELDS};
     for (int i = 0; i < N_RECORDS; i++) {
         cls[i] = record_class(records, names[i], layouts[i]);
@@ -2212,16 +2164,11 @@ py_configure(PyObject *module, PyObject *args)
             return NULL;
         }
     }
-    if (!PyType_IsSubtype((PyTypeObject *)cls[12], &PyTuple_Type)) { /* (made by tuple.__new__: watch_dict) */
-        PyErr_SetString(PyExc_TypeError, "configure: Watched must be a tuple subclass");
-        for (int j = 0; j < N_RECORDS; j++) Py_DECREF(cls[j]);
-        return NULL;
-    }
     /* (made once; each checked, so that a failure leaves none half made) */
     PyObject **made[] = {&G.s_spec_id, &G.s_fresh, &G.s_items, &G.s_paths, &G.s_disjoint, &G.s_node_ids,
-                         &G.s_dict, &G.s_objects, &G.s_level, &G.s_state};
+                         &G.s_dict, &G.s_objects, &G.s_level};
     const char *strings[] = {"spec_id", "fresh", "items", "paths", "disjoint", "node_ids",
-                             "__dict__", "objects", "level", "_state"};
+                             "__dict__", "objects", "level"};
     for (int i = 0; i < (int)(sizeof(strings) / sizeof(strings[0])); i++) { /* (made[] and strings[] pair up) */
         if (*made[i] == NULL && (*made[i] = PyUnicode_InternFromString(strings[i])) == NULL) {
             for (int j = 0; j < N_RECORDS; j++) Py_DECREF(cls[j]);
@@ -2242,16 +2189,14 @@ py_configure(PyObject *module, PyObject *args)
     SET_SHARED(raw_leaf, cls[9]);
     SET_SHARED(variable_read, cls[10]);
     Py_DECREF(cls[11]); /* (checked only: read by position) */
-    SET_SHARED(watched, cls[12]);
-    Py_DECREF(cls[13]); /* (checked only: read by position) */
-    SET_SHARED(static_read, cls[14]);
-    SET_SHARED(joint_read, cls[15]);
-    SET_SHARED(shared_variable_read, cls[16]);
-    SET_SHARED(tree_read, cls[17]);
-    SET_SHARED(mixed_read, cls[18]);
+    Py_DECREF(cls[12]); /* (checked only: read by position) */
+    SET_SHARED(static_read, cls[13]);
+    SET_SHARED(joint_read, cls[14]);
+    SET_SHARED(shared_variable_read, cls[15]);
+    SET_SHARED(tree_read, cls[16]);
+    SET_SHARED(mixed_read, cls[17]);
     Py_INCREF(index); SET_SHARED(index, index);
     Py_INCREF(by_id); SET_SHARED(by_id, by_id);
-    Py_INCREF(latest); SET_SHARED(latest, latest);
     Py_INCREF(graphdefs); SET_SHARED(graphdefs, graphdefs);
     Py_INCREF(value_slot); SET_SHARED(value_slot, value_slot);
     Py_INCREF(array_type); SET_SHARED(array_type, array_type);
@@ -2260,6 +2205,8 @@ py_configure(PyObject *module, PyObject *args)
     G.may_serve_nnx = (int (*)(int))may_serve_c;
     Py_INCREF(holds); SET_SHARED(guard_holds_py, holds);
     G.guard_holds = (int (*)(PyObject *))holds_c;
+    Py_INCREF(latest); SET_SHARED(latest_leaves_py, latest);
+    G.latest_leaves = (PyObject *(*)(PyObject *, PyObject *))latest_c;
     Py_INCREF(declined); SET_SHARED(declined, declined);
     G.serve = (PyObject *(*)(PyObject *, PyObject *const *, Py_ssize_t))serve_entry;
     Py_RETURN_NONE;
@@ -2346,388 +2293,8 @@ static PyTypeObject FastWrapperType = {
     .tp_getset = fw_getset,
 };
 
-/* A `Watched` record (fastcall/_guard.py) of the dict `d` as it holds now: (d, its keys
- * and values interleaved, [None], owner) (a new reference), or NULL on error. */
-static PyObject *
-watch_dict(PyObject *d, PyObject *owner)
-{
-    Py_ssize_t n = PyDict_GET_SIZE(d);
-    PyObject *expected = PyTuple_New(2 * n);
-    PyObject *stamp = PyList_New(1);
-    PyObject *fields = NULL, *watched = NULL;
-    if (expected != NULL && stamp != NULL) {
-        Py_ssize_t pos = 0, i = 0;
-        PyObject *k, *v;
-        while (i < 2 * n && PyDict_Next(d, &pos, &k, &v)) {
-            PyTuple_SET_ITEM(expected, i++, Py_NewRef(k));
-            PyTuple_SET_ITEM(expected, i++, Py_NewRef(v));
-        }
-        PyList_SET_ITEM(stamp, 0, Py_NewRef(Py_None));
-        if (i == 2 * n && PyDict_GET_SIZE(d) == n) { /* (the allocations above may have run a finalizer) */
-            fields = PyTuple_Pack(4, d, expected, stamp, owner);
-        } else if (!PyErr_Occurred()) {
-            PyErr_SetString(PyExc_RuntimeError, "fastcall: a dict changed while it was read");
-        }
-    }
-    if (fields != NULL) {
-        /* Watched(*fields), as a NamedTuple's own __new__ makes it: tuple.__new__(Watched, fields) */
-        PyObject *args = PyTuple_Pack(1, fields);
-        watched = args == NULL ? NULL : PyTuple_Type.tp_new((PyTypeObject *)G.watched, args, NULL);
-        Py_XDECREF(args);
-    }
-    Py_XDECREF(expected);
-    Py_XDECREF(stamp);
-    Py_XDECREF(fields);
-    return watched;
-}
-
-/* The guard of a returned eqx.nn.State `item` (`_memo.state_containers`): its attribute
- * dict (owned by `item`) and its `_state` dict, each as it holds now (a new reference);
- * None if either is not a plain dict (not noted); NULL on error. */
-static PyObject *
-state_guard(PyObject *item)
-{
-    if (G.watched == NULL || G.s_state == NULL) {
-        return Py_NewRef(Py_None); /* (not configured: nothing is read from the memo either) */
-    }
-    PyObject *attrs = PyObject_GenericGetDict(item, NULL);
-    if (attrs == NULL) {
-        return NULL;
-    }
-    PyObject *inner = PyDict_CheckExact(attrs) ? PyDict_GetItemWithError(attrs, G.s_state) : NULL; /* borrowed */
-    PyObject *guard = NULL;
-    if (inner != NULL && PyDict_CheckExact(inner)) {
-        Py_INCREF(inner);
-        PyObject *owner = PyWeakref_NewRef(item, NULL);
-        PyObject *outer_watched = owner == NULL ? NULL : watch_dict(attrs, owner);
-        PyObject *inner_watched = outer_watched == NULL ? NULL : watch_dict(inner, Py_None);
-        guard = inner_watched == NULL ? NULL : PyTuple_Pack(2, outer_watched, inner_watched);
-        Py_XDECREF(owner);
-        Py_XDECREF(outer_watched);
-        Py_XDECREF(inner_watched);
-        Py_DECREF(inner);
-    } else if (!PyErr_Occurred()) {
-        guard = Py_NewRef(Py_None);
-    }
-    Py_DECREF(attrs);
-    return guard;
-}
-
-/* A `Watched` record of the list `c` as it holds now: (c, its items, None, None) (a new
- * reference), or NULL on error. */
-static PyObject *
-watch_list(PyObject *c)
-{
-    PyObject *expected = PyList_AsTuple(c);
-    PyObject *fields = expected == NULL ? NULL : PyTuple_Pack(4, c, expected, Py_None, Py_None);
-    PyObject *args = fields == NULL ? NULL : PyTuple_Pack(1, fields);
-    PyObject *watched = args == NULL ? NULL : PyTuple_Type.tp_new((PyTypeObject *)G.watched, args, NULL);
-    Py_XDECREF(expected);
-    Py_XDECREF(fields);
-    Py_XDECREF(args);
-    return watched;
-}
-
-/* The guard of a returned object `item` that holds lists or dicts: one `Watched` for the
- * container at each of `paths` (`_flatten.container_paths`, each step (0, name): an
- * attribute, or (1, key): an item), as it holds now (a new reference); None if one is not a
- * plain list or dict (not noted); NULL on error. An attribute is read as
- * `object.__getattribute__` reads it (an Equinox module's own, in Python, is not run), as
- * `_memo.follow`, which `_memo.note_latest` calls. */
-static PyObject *
-paths_guard(PyObject *item, PyObject *paths)
-{
-    if (G.watched == NULL) {
-        return Py_NewRef(Py_None); /* (not configured: nothing is read from the memo either) */
-    }
-    Py_ssize_t n = PyTuple_GET_SIZE(paths);
-    PyObject *guard = PyTuple_New(n);
-    for (Py_ssize_t p = 0; guard != NULL && p < n; p++) {
-        PyObject *path = PyTuple_GET_ITEM(paths, p);
-        PyObject *at = PyTuple_CheckExact(path) ? Py_NewRef(item) : NULL;
-        for (Py_ssize_t k = 0; at != NULL && k < PyTuple_GET_SIZE(path); k++) {
-            PyObject *step = PyTuple_GET_ITEM(path, k);
-            if (!PyTuple_CheckExact(step) || PyTuple_GET_SIZE(step) != 2) {
-                Py_CLEAR(at);
-                break;
-            }
-            PyObject *op = PyTuple_GET_ITEM(step, 0), *key = PyTuple_GET_ITEM(step, 1);
-            long which = PyLong_CheckExact(op) ? PyLong_AsLong(op) : -1; /* (_flatten._ATTR: 0) */
-            if (which == -1 && PyErr_Occurred()) {
-                Py_CLEAR(at);
-                break;
-            }
-            Py_SETREF(at, which == 0 ? PyObject_GenericGetAttr(at, key) : PyObject_GetItem(at, key));
-        }
-        if (at == NULL) {
-            if (!PyErr_Occurred()) {
-                PyErr_SetString(PyExc_TypeError, "paths_guard: a path is a tuple of (op, key) steps");
-            }
-            Py_CLEAR(guard);
-            break;
-        }
-        PyObject *watched = NULL;
-        if (PyList_CheckExact(at)) {
-            watched = watch_list(at);
-        } else if (PyDict_CheckExact(at)) {
-            watched = watch_dict(at, Py_None);
-        } else {
-            Py_DECREF(at);
-            Py_SETREF(guard, Py_NewRef(Py_None)); /* (not a plain container: not noted) */
-            break;
-        }
-        Py_DECREF(at);
-        if (watched == NULL) {
-            Py_CLEAR(guard);
-            break;
-        }
-        PyTuple_SET_ITEM(guard, p, watched);
-    }
-    return guard;
-}
-
-/* remember_outputs(on_death, regs, held, result, dyn): `OutInfo.remember` (whose Python
- * copy `_memo.note_latest` is) in C. The objects a call returns that the next call may
- * take back (`regs`: a `Registration` each) are noted in one tuple, the entry's *memo*,
- * which replaces the previous call's in `held[0]`:
- *     (regs, ref_0, leaves_0, guard_0, ref_1, leaves_1, guard_1, ...)
- * per registration, `item` (`result`, or result[position]) known by a weak reference whose
- * callback is `on_death` if it can be weakly referenced, by itself (held strongly until the
- * entry's next call) if it is a plain tuple, else None (not noted); leaves_r its leaves
- * dyn[start:stop] (a list); guard_r, for a registration with a `guard`, a guard over an
- * eqx.nn.State's dicts (`state_guard`) or over the lists and dicts at its paths
- * (`paths_guard`; an object whose containers are not plain is not noted), else None. Not noted either: a registration with a leaf that is not an ArrayImpl (a
- * tracer of an outer trace). Then `held` goes to the front of the recent entries
- * (`G.latest`, `latest_leaves` reads it). Nothing is allocated per returned node beyond
- * its weak reference, its leaves and its guard: the identity cache proper (`by_id`)
- * takes an object only when a call served in Python reads it (`_flatten.lookup`). 0, or -1. */
-static int
-remember_outputs(PyObject *on_death, PyObject *regs, PyObject *result, PyObject *dyn, PyObject *held)
-{
-    Py_ssize_t n = PyTuple_GET_SIZE(regs);
-    PyObject *memo = PyTuple_New(1 + MEMO_STRIDE * n);
-    if (memo == NULL) {
-        return -1;
-    }
-    PyTuple_SET_ITEM(memo, 0, Py_NewRef(regs));
-    for (Py_ssize_t j = 1; j < 1 + MEMO_STRIDE * n; j++) {
-        PyTuple_SET_ITEM(memo, j, Py_NewRef(Py_None));
-    }
-    for (Py_ssize_t r = 0; r < n; r++) {
-        PyObject *reg = PyTuple_GET_ITEM(regs, r);
-        if (!PyTuple_Check(reg) || PyTuple_GET_SIZE(reg) != REG_SIZE) {
-            PyErr_SetString(PyExc_TypeError, "remember_outputs: a registration is a Registration");
-            goto failed;
-        }
-        PyObject *position = PyTuple_GET_ITEM(reg, REG_POSITION);
-        Py_ssize_t start = PyLong_AsSsize_t(PyTuple_GET_ITEM(reg, REG_START));
-        Py_ssize_t stop = PyLong_AsSsize_t(PyTuple_GET_ITEM(reg, REG_STOP));
-        if (PyErr_Occurred()) {
-            goto failed;
-        }
-        if (start < 0 || start >= stop || stop > PyList_GET_SIZE(dyn)) {
-            PyErr_SetString(PyExc_IndexError, "remember_outputs: leaves out of range");
-            goto failed;
-        }
-        Py_ssize_t concrete = start;
-        while (concrete < stop && (PyObject *)Py_TYPE(PyList_GET_ITEM(dyn, concrete)) == G.array_type) {
-            concrete++;
-        }
-        if (concrete < stop) {
-            continue; /* (a tracer of an outer trace, which may be any of them: never cached) */
-        }
-        PyObject *item = position == Py_None ? Py_NewRef(result) : PyObject_GetItem(result, position);
-        if (item == NULL) {
-            goto failed;
-        }
-        PyObject *how = PyTuple_GET_ITEM(reg, REG_GUARD);
-        PyObject *guard = how == Py_None           ? Py_NewRef(Py_None)
-                          : PyTuple_CheckExact(how) ? paths_guard(item, how)
-                                                    : state_guard(item);
-        if (guard == NULL) {
-            Py_DECREF(item);
-            goto failed;
-        }
-        if (guard == Py_None && how != Py_None) {
-            Py_DECREF(guard);
-            Py_DECREF(item);
-            continue; /* (a container that is not plain: not noted) */
-        }
-        PyObject *ref = PyTuple_CheckExact(item) ? Py_NewRef(item) : PyWeakref_NewRef(item, on_death);
-        Py_DECREF(item);
-        if (ref == NULL) {
-            Py_DECREF(guard);
-            if (!PyErr_ExceptionMatches(PyExc_TypeError)) {
-                goto failed;
-            }
-            PyErr_Clear(); /* (cannot be weakly referenced: not noted) */
-            continue;
-        }
-        PyObject *leaves = PyList_GetSlice(dyn, start, stop);
-        if (leaves == NULL) {
-            Py_DECREF(ref);
-            Py_DECREF(guard);
-            goto failed;
-        }
-        Py_DECREF(Py_None); /* (the three Nones they replace) */
-        Py_DECREF(Py_None);
-        Py_DECREF(Py_None);
-        PyTuple_SET_ITEM(memo, 1 + MEMO_STRIDE * r, ref);
-        PyTuple_SET_ITEM(memo, 2 + MEMO_STRIDE * r, leaves);
-        PyTuple_SET_ITEM(memo, 3 + MEMO_STRIDE * r, guard);
-    }
-    /* The swap (atomic under the GIL); the previous memo and whatever falls off the recent
-     * entries are released after both tables are consistent (releasing may run code). */
-    PyObject *previous = Py_NewRef(PyList_GET_ITEM(held, 0));
-    PyList_SetItem(held, 0, memo); /* (steals memo) */
-    PyObject *dropped = NULL;
-    PyObject *ring = G.latest;
-    if (ring != NULL && PyList_CheckExact(ring) && PyList_GET_SIZE(ring) > 0 && PyList_GET_ITEM(ring, 0) != held) {
-        /* `held` to the front, the others one place back (the last falls off, unless it is
-         * `held`'s old place) */
-        Py_ssize_t k = PyList_GET_SIZE(ring);
-        Py_ssize_t at = k - 1;
-        for (Py_ssize_t i = 1; i < k; i++) {
-            if (PyList_GET_ITEM(ring, i) == held) {
-                at = i;
-                break;
-            }
-        }
-        PyObject **items = ((PyListObject *)ring)->ob_item;
-        dropped = items[at];
-        memmove(&items[1], &items[0], (size_t)at * sizeof(PyObject *));
-        items[0] = Py_NewRef(held);
-    }
-    Py_XDECREF(dropped);
-    Py_DECREF(previous);
-    return 0;
-failed:
-    Py_DECREF(memo);
-    return -1;
-}
-
-/* Whether (on_death, regs, held) are as remember_outputs reads them; else TypeError `usage`. */
-static int
-remember_args_ok(PyObject *on_death, PyObject *regs, PyObject *held, const char *usage)
-{
-    if (!PyCallable_Check(on_death) || !PyTuple_CheckExact(regs) || !PyList_CheckExact(held)
-        || PyList_GET_SIZE(held) != 1) {
-        PyErr_SetString(PyExc_TypeError, usage);
-        return 0;
-    }
-    return 1;
-}
-
-static PyObject *
-py_remember_outputs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    const char *usage = "remember_outputs(on_death, regs: tuple, held: [memo], result, dyn: list)";
-    if (nargs != 5 || !PyList_CheckExact(args[4]) || !remember_args_ok(args[0], args[1], args[2], usage)) {
-        if (!PyErr_Occurred()) {
-            PyErr_SetString(PyExc_TypeError, usage);
-        }
-        return NULL;
-    }
-    if (remember_outputs(args[0], args[1], args[3], args[4], args[2]) < 0) {
-        return NULL;
-    }
-    Py_RETURN_NONE;
-}
-
-static PyObject *G_s_oid; /* "oid": made at import */
-
-/* evict(by_id, index, ref): `_flatten._evict` in C, the callback of the identity cache's
- * weak references: when an object dies (before its id can be reused), drop its identity
- * cache entry and its fast index slot, each only if it is still `ref`'s (a newer one under
- * the same id stays). */
-static int
-drop_if_own(PyObject *table, PyObject *oid, PyObject *ref)
-{
-    if (!PyDict_CheckExact(table)) {
-        return 0;
-    }
-    PyObject *held = PyDict_GetItemWithError(table, oid); /* borrowed */
-    if (held == NULL) {
-        return PyErr_Occurred() ? -1 : 0;
-    }
-    _Static_assert(CACHE_REF == 0 && SLOT_REF == 0, "a CacheEntry's and a FastSlot's ref are both field 0");
-    if (PyTuple_Check(held) && PyTuple_GET_SIZE(held) > 0 && PyTuple_GET_ITEM(held, CACHE_REF) == ref) {
-        return PyDict_DelItem(table, oid);
-    }
-    return 0;
-}
-
-static PyObject *
-py_evict(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "evict(by_id, index, ref)");
-        return NULL;
-    }
-    PyObject *oid = PyObject_GetAttr(args[2], G_s_oid);
-    if (oid == NULL) {
-        return NULL;
-    }
-    int failed = drop_if_own(args[0], oid, args[2]) < 0 || drop_if_own(args[1], oid, args[2]) < 0;
-    Py_DECREF(oid);
-    if (failed) {
-        return NULL;
-    }
-    Py_RETURN_NONE;
-}
-
-/* `_nnx._variables._is_node_fast` in C: whether `x` is an NNX object, by its type, as the table says
- * (a type it lacks: the Python test, which adds it). jax's flatten calls it once per node
- * of an argument a MixedRead reads (a Python call there cost more than the rest of the
- * read of each leaf). */
-static PyObject *
-py_node_test(PyObject *module, PyObject *x)
-{
-    (void)module;
-    if (G.node_table == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "node_test: configure_node_test has not run");
-        return NULL;
-    }
-    PyObject *known = PyDict_GetItemWithError(G.node_table, (PyObject *)Py_TYPE(x)); /* borrowed */
-    if (known != NULL) {
-        return Py_NewRef(known);
-    }
-    if (PyErr_Occurred()) {
-        if (!PyErr_ExceptionMatches(PyExc_TypeError)) {
-            return NULL;
-        }
-        PyErr_Clear(); /* (a type whose metaclass cannot be hashed: as the Python test, not one) */
-        Py_RETURN_FALSE;
-    }
-    return PyObject_CallOneArg(G.node_fallback, x);
-}
-
-static PyObject *
-py_configure_node_test(PyObject *module, PyObject *args)
-{
-    (void)module;
-    PyObject *table, *fallback;
-    if (!PyArg_UnpackTuple(args, "configure_node_test", 2, 2, &table, &fallback)) {
-        return NULL;
-    }
-    if (!PyDict_CheckExact(table) || !PyCallable_Check(fallback)) {
-        PyErr_SetString(PyExc_TypeError, "configure_node_test: a dict and a callable");
-        return NULL;
-    }
-    Py_INCREF(table);
-    SET_SHARED(node_table, table);
-    Py_INCREF(fallback);
-    SET_SHARED(node_fallback, fallback);
-    Py_RETURN_NONE;
-}
-
 static PyMethodDef accel_methods[] = {
-    {"node_test", py_node_test, METH_O, "Whether an object is an NNX object, by its type (_nnx._variables._is_node_fast)."},
-    {"configure_node_test", py_configure_node_test, METH_VARARGS, "Set node_test's table and its test of a new type."},
     {"configure", py_configure, METH_VARARGS, "Set the tables and record classes every FastWrapper reads."},
-    {"evict", (PyCFunction)(void (*)(void))py_evict, METH_FASTCALL, "Drop a dead object's cache entries."},
-    {"remember_outputs", (PyCFunction)(void (*)(void))py_remember_outputs, METH_FASTCALL,
-     "Note the modules and tuples a call returned, for the next call (OutInfo.remember)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -2743,9 +2310,6 @@ PyMODINIT_FUNC
 PyInit__accel(void)
 {
     if (PyType_Ready(&FastWrapperType) < 0) {
-        return NULL;
-    }
-    if (G_s_oid == NULL && (G_s_oid = PyUnicode_InternFromString("oid")) == NULL) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&accel_module);

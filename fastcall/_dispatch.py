@@ -66,13 +66,13 @@ def configure_accel() -> None:
     each record's fields against the layout it reads)."""
     records = (
         FastSlot, StructureRecord, _flatten.CacheEntry, ArgRead, NodeRead, NodesRead, VariableRead,
-        GraphdefRead, _fast.KnownGraphdef, _fast.NnxArg, _fast.RawLeaf, _flatten.Registration,
-        _guard.Watched, _fast.SequenceRead, StaticRead, JointRead, SharedVariableRead, _fast.TreeRead, MixedRead,
+        GraphdefRead, _fast.KnownGraphdef, _fast.NnxArg, _fast.RawLeaf, _memo.Registration,
+        _fast.SequenceRead, StaticRead, JointRead, SharedVariableRead, _fast.TreeRead, MixedRead,
     )
     _native.BUILT.configure(
-        _fast.INDEX, _flatten.by_id, _memo.LATEST, _fast.GRAPHDEFS, _fast.VALUE_SLOT, ArrayImpl, Varying,
+        _fast.INDEX, _flatten.by_id, _fast.GRAPHDEFS, _fast.VALUE_SLOT, ArrayImpl, Varying,
         {cls.__name__: cls for cls in records}, _fast_route.SERVE, _fast_route.DECLINED, _trace.may_serve_nnx,
-        _trace.MAY_SERVE_NNX, _guard.holds, _guard.HOLDS,
+        _trace.MAY_SERVE_NNX, _guard.holds, _guard.HOLDS, _memo.latest_leaves, _memo.LATEST_LEAVES,
     )
 
 

@@ -24,7 +24,6 @@ extracts its leaves faster than `jax.tree_util.tree_flatten`.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import threading
 import weakref
@@ -34,7 +33,7 @@ import equinox as eqx
 import jax
 from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path
 
-from . import _fast, _guard, _memo, _native, _nnx_gate
+from . import _fast, _guard, _memo, _nnx_gate
 from ._errors import FastcallError, describe_arg
 from ._stats import read_whole
 
@@ -451,20 +450,10 @@ def _evict(ref: _Ref, _by_id: dict = by_id, _withdraw: Callable = _fast.withdraw
     _withdraw(ref)
 
 
-# `_evict` in C, bound to the tables early too (None: the extension is not built).
-_native_evict = functools.partial(_native.BUILT.evict, by_id, _fast.INDEX) if _native.BUILT is not None else None
-
-
-def _evicts() -> Callable[[_Ref], None]:
-    """The callback of the identity cache's weak references: `_evict`, or its C copy where
-    calls are served in C."""
-    return _native_evict if _native.ACCEL is not None and _native_evict is not None else _evict
-
-
 def remember(obj: Any, leaves: Sequence[Any], spec: Any, guard: Any = None) -> None:
     """Cache `obj`'s dynamic leaves by identity (no-op for non-weakrefable objects)."""
     try:
-        ref = _Ref(obj, _evicts())
+        ref = _Ref(obj, _evict)
     except TypeError:
         return
     ref.oid = id(obj)
@@ -536,20 +525,6 @@ def read_alike(spec: Any, leaves: Sequence[Any]) -> bool:
     jax.jit reads them: one program), and whichever made the spec set its `rule_free`; a
     Python scalar it traces is among the leaves, one it keeps static makes `rule_free` False."""
     return spec.rule_free and not any(type(x) in JIT_RULE_LEAVES for x in leaves)
-
-
-class Registration(NamedTuple):
-    """One object an entry's output holds that its memo notes (`OutInfo.regs`)."""
-
-    position: int | None  # its place in the output tuple (None: the output itself)
-    start: int  # its leaves: the dynamic outputs [start, stop)
-    stop: int
-    spec: Any
-    spec_id: int  # (interned: compares by identity)
-    # How each call's object is guarded: None (immutable: no guard); `_memo.STATE_GUARD` (an
-    # eqx.nn.State: over its dicts, `_memo.state_containers`); or the paths from it to each list
-    # and dict it holds (`container_paths`: a guard over them, made as it was returned)
-    guard: Any
 
 
 def container_paths(item: Any) -> tuple[tuple[tuple[int, Any], ...], ...] | None:

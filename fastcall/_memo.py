@@ -1,9 +1,10 @@
+# cython: language_level=3, wraparound=False
 """The memo of returned objects: what the latest calls returned, for the next call to take back.
 
 Each compiled entry that returns modules, tuples or eqx.nn.States keeps a one-item list
 `held`: held[0] is its latest call's *memo* (or None),
     (regs, ref_0, leaves_0, guard_0, ref_1, leaves_1, guard_1, ...)
-per `_flatten.Registration` of `OutInfo.regs`: the returned object known by a weak reference
+per `Registration` of `OutInfo.regs`: the returned object known by a weak reference
 (a module or State: released when it dies, by `forget_latest`) or by itself (a tuple, which
 cannot be weakly referenced: held until the entry's next call), or None (not noted); its
 leaves; and, for an object holding lists or dicts (the registration's `guard`), a guard over
@@ -12,18 +13,32 @@ returned most recently, newest first. A lookup compares live objects by identity
 obj`, or `ref is obj`), so a reused id never matches, and takes a guarded one only while its
 guard holds. So `model = step(model, ...)` finds the model next step without an identity
 cache entry being made for each (`_flatten.lookup` makes one when a call served in Python
-reads one). The C extension has its own copy of the writer and the reader (`_accel.c`:
-`remember_outputs`, `latest_leaves`), which calls it serves use.
+reads one).
+
+One of the sources setup.py compiles with Cython (see `fastcall/_rebuild.py`): the writer,
+`note_latest`, runs after every call that returns such objects, and the C wrapper reads the
+memo through `latest_leaves`'s C entry.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
+
+try:
+    import cython
+except ImportError:  # (Cython is needed only to build; run as Python without it)
+    from fastcall import _cython_shim as cython  # type: ignore[no-redef]
 
 from . import _guard
 from ._arrays import ArrayImpl
+
+if cython.compiled:
+    from cython.cimports.cpython.pycapsule import PyCapsule_New
+    from cython.cimports.cpython.weakref import PyWeakref_NewRef
+
+COMPILED: bool = cython.compiled
 
 LATEST_SIZE = 8
 LATEST: list[Any] = [None] * LATEST_SIZE
@@ -37,6 +52,21 @@ STATE_GUARD = "state"
 ATTR, ITEM = 0, 1  # the steps of a container path: (ATTR, name) or (ITEM, index or key)
 
 _getattribute = object.__getattribute__
+_array = cython.declare(object, ArrayImpl)
+
+
+class Registration(NamedTuple):
+    """One object an entry's output holds that its memo notes (`OutInfo.regs`)."""
+
+    position: int | None  # its place in the output tuple (None: the output itself)
+    start: int  # its leaves: the dynamic outputs [start, stop)
+    stop: int
+    spec: Any
+    spec_id: int  # (interned: compares by identity)
+    # How each call's object is guarded: None (immutable: no guard); STATE_GUARD (an
+    # eqx.nn.State: over its dicts, `state_containers`); or the paths from it to each list
+    # and dict it holds (`_flatten.container_paths`: a guard over them, made as it was returned)
+    guard: Any
 
 
 def state_containers(state: Any) -> list[Any]:
@@ -54,66 +84,154 @@ def follow(item: Any, path: tuple[tuple[int, Any], ...]) -> Any:
     return item
 
 
-def note_latest(held: list[Any], regs: tuple[Any, ...], on_death: Any, result: Any, dyn: list[Any]) -> None:
+def note_latest(held: list, regs: tuple, on_death: Any, result: Any, dyn: list) -> None:
     """Note the objects a call returned (`OutInfo.remember`): its memo replaces the entry's
     previous one in `held`, and `held` goes to the front of `LATEST`. Only concrete arrays
     (not tracers of an outer trace) are noted; a container that is not plain, or an object
     that cannot be weakly referenced, is not."""
-    memo: list[Any] = [regs]
-    for reg in regs:
-        ref: Any = None
-        leaves = guard = None
-        if all(type(x) is ArrayImpl for x in dyn[reg.start : reg.stop]):  # (none a tracer of an outer trace)
-            item = result if reg.position is None else result[reg.position]
-            if type(item) is tuple:
-                ref = item
-            else:
-                try:
-                    ref = weakref.ref(item, on_death)
-                except TypeError:
-                    pass  # (cannot be weakly referenced: not noted)
-            if ref is not None and reg.guard is not None:
-                if reg.guard == STATE_GUARD:
-                    containers = state_containers(item)
-                else:
-                    containers = [follow(item, path) for path in reg.guard]
-                guard = _guard.make(containers) if all(map(_guard.is_guardable, containers)) else None
-                if guard is None:
-                    ref = None
-            if ref is not None:
-                leaves = dyn[reg.start : reg.stop]
-        memo += (ref, leaves, guard)
-    new = tuple(memo)
+    n: cython.Py_ssize_t = len(regs)
+    memo: list = [None] * (1 + MEMO_STRIDE * n)
+    memo[0] = regs
+    r: cython.Py_ssize_t
+    k: cython.Py_ssize_t
+    for r in range(n):
+        position, start, stop, _spec, _spec_id, how = cython.cast(tuple, regs[r])
+        first: cython.Py_ssize_t = start
+        last: cython.Py_ssize_t = stop
+        for k in range(first, last):
+            if type(dyn[k]) is not _array:
+                break  # (a tracer of an outer trace, which may be any of them: never noted)
+        else:
+            _note(memo, r, result if position is None else result[position], how, on_death, dyn[first:last])
+    _to_front(held, tuple(memo))
+
+
+@cython.cfunc
+def _note(memo: list, r: cython.Py_ssize_t, item: Any, how: Any, on_death: Any, leaves: list) -> cython.void:
+    """`note_latest`'s noting of one returned object `item` in `memo` (registration `r`),
+    guarded as `how` says; not noted where it cannot be weakly referenced (a tuple is held
+    itself) or a container it holds is not plain."""
+    ref: Any = None
+    guard: Any = None
+    if type(item) is tuple:
+        ref = item
+    else:
+        try:
+            ref = PyWeakref_NewRef(item, on_death) if cython.compiled else weakref.ref(item, on_death)
+        except TypeError:
+            return  # (cannot be weakly referenced: not noted)
+    if how is not None:
+        containers = state_containers(item) if how == STATE_GUARD else [follow(item, path) for path in how]
+        for c in containers:
+            if not _guard.is_guardable(c):
+                return  # (a container that is not plain: not noted)
+        guard = _guard.make(containers)
+        if guard is None:
+            return  # (nothing to watch where the registration says there is: not noted)
+    memo[1 + MEMO_STRIDE * r] = ref
+    memo[2 + MEMO_STRIDE * r] = leaves
+    memo[3 + MEMO_STRIDE * r] = guard
+
+
+@cython.cfunc
+def _to_front(held: list, memo: tuple) -> cython.void:
+    """`memo` replaces `held[0]`, and `held` goes to the front of `LATEST`. The replaced
+    memo and the entry that fell off are released after the swap, outside the lock:
+    releasing may run code that calls back here."""
+    if cython.compiled:
+        # (compiled, the swap runs no Python code and releases nothing, so no other thread
+        # runs during it: the GIL is its lock)
+        released = _swap(held, memo)
+    else:
+        with _latest_lock:  # (two threads finishing calls at once)
+            released = _swap(held, memo)
+    del released
+
+
+@cython.cfunc
+def _swap(held: list, memo: tuple) -> tuple:
+    """`_to_front`'s swap: (the replaced memo, the entry that fell off `LATEST`), for the
+    caller to release. The others move one place back; the last falls off, unless it is
+    `held`'s old place. Nothing is made or released until the swap is done."""
+    i: cython.Py_ssize_t
+    at: cython.Py_ssize_t = LATEST_SIZE - 1
+    latest: list = LATEST
+    previous = held[0]
+    held[0] = memo
     dropped = None
-    # (nothing is made or released under the lock: either may run code that calls back here)
-    with _latest_lock:  # (two threads finishing calls at once)
-        previous, held[0] = held[0], new
-        if LATEST[0] is not held:
-            at = next((i for i in range(1, LATEST_SIZE) if LATEST[i] is held), LATEST_SIZE - 1)
-            dropped = LATEST[at]
-            for i in range(at, 0, -1):
-                LATEST[i] = LATEST[i - 1]
-            LATEST[0] = held
-    del previous, dropped
+    if latest[0] is not held:
+        for i in range(1, LATEST_SIZE):
+            if latest[i] is held:
+                at = i
+                break
+        dropped = latest[at]
+        for i in range(at, 0, -1):
+            latest[i] = latest[i - 1]
+        latest[0] = held
+    return previous, dropped
 
 
 def latest(obj: Any) -> tuple[list[Any], Any, Any] | None:
     """(leaves, spec, guard) of `obj` if the latest call of a recent entry returned it and
-    its guard (if any) holds; else None. (None is never noted; a dead module's weak
-    reference reads as None until its callback has dropped the memo.)"""
+    its guard (if any) holds; else None."""
+    found = _noted(obj)
+    if found is None:
+        return None
+    leaves, reg, guard = cython.cast(tuple, found)
+    return leaves, reg.spec, guard
+
+
+@cython.ccall
+def latest_leaves(obj: Any, spec_id: Any) -> Any:
+    """The leaves of `obj` if the latest call of a recent entry returned it as an object of
+    the spec `spec_id` and its guard (if any) holds; else None. (The C wrapper's reading,
+    through `LATEST_LEAVES`.)"""
+    found = _noted(obj)
+    if found is None:
+        return None
+    leaves, reg, _ = cython.cast(tuple, found)
+    return leaves if cython.cast(tuple, reg)[4] == spec_id else None  # (Registration.spec_id)
+
+
+@cython.cfunc
+def _noted(obj: Any) -> Any:
+    """(leaves, registration, guard) of `obj` as the newest memo that notes it holds it, or
+    None: not noted, or changed in place since (its guard no longer holds: read afresh). None
+    is never noted; a dead module's weak reference reads as None until its callback has
+    dropped the memo."""
     if obj is None:
         return None
-    for held in list(LATEST):
+    i: cython.Py_ssize_t
+    r: cython.Py_ssize_t
+    for i in range(LATEST_SIZE):
+        held = LATEST[i]
         memo = held[0] if held is not None else None
         if memo is None:
             continue
-        for r, reg in enumerate(memo[0]):
-            ref, leaves, guard = memo[1 + MEMO_STRIDE * r : 1 + MEMO_STRIDE * (r + 1)]
+        regs: tuple = memo[0]
+        for r in range(len(regs)):
+            ref = memo[1 + MEMO_STRIDE * r]
             if ref is not None and (ref is obj if type(ref) is tuple else ref() is obj):
+                guard = memo[3 + MEMO_STRIDE * r]
                 if guard is not None and not _guard.holds(guard):
-                    return None  # (changed in place since it was returned: read afresh)
-                return leaves, reg.spec, guard
+                    return None
+                return memo[2 + MEMO_STRIDE * r], regs[r], guard
     return None
+
+
+@cython.cfunc
+def _latest_leaves_c(obj: Any, spec_id: Any) -> Any:
+    """`latest_leaves` for C callers (`LATEST_LEAVES`)."""
+    return latest_leaves(obj, spec_id)
+
+
+# `latest_leaves`'s C entry, `PyObject *(*)(PyObject *obj, PyObject *spec_id)` (a new
+# reference, or NULL with an error set): for the C wrapper; None run as Python (it calls
+# `latest_leaves` then).
+LATEST_LEAVES: Any = (
+    PyCapsule_New(cython.cast(cython.p_void, _latest_leaves_c), b"fastcall._memo.LATEST_LEAVES", cython.NULL)
+    if cython.compiled else None
+)
 
 
 def forget_latest(held: list[Any], ref: Any) -> None:

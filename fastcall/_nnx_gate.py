@@ -1,3 +1,4 @@
+# cython: language_level=3, annotation_typing=False
 """The gate to the Flax NNX plugin (`fastcall._nnx`): what the core needs of it, and when it loads.
 
 The core never imports the plugin, nor flax. It asks this gate. `NnxAdapter` is the whole
@@ -14,6 +15,15 @@ from __future__ import annotations
 
 import sys
 from typing import Any, Callable, Iterator, Protocol
+
+try:
+    import cython
+except ImportError:  # (Cython is needed only to build; run as Python without it)
+    from fastcall import _cython_shim as cython  # type: ignore[no-redef]
+
+# (compiled by Cython, as setup.py's COMPILED_SOURCES: `is_node` runs once per node of every
+# pytree holding NNX objects that a hit route flattens)
+COMPILED: bool = cython.compiled
 
 
 class NnxAdapter(Protocol):
@@ -127,7 +137,10 @@ def flax_imported() -> bool:
 
 def is_node_type(t: type) -> bool:
     """Whether instances of `t` are NNX graph nodes or Variables (cached per type)."""
-    known = node_types.get(t)
+    try:
+        known = node_types.get(t)
+    except TypeError:  # (a class whose metaclass cannot be hashed: NNX registers no such class)
+        return False
     if known is not None:
         return known
     if "flax.nnx" not in sys.modules:
@@ -163,5 +176,6 @@ def reads_as_node(x: Any) -> bool:
 
 
 def is_node(x: Any) -> bool:
-    """Whether `x` is an NNX graph node (Module, Pytree, Rngs, Optimizer) or a Variable."""
+    """Whether `x` is an NNX graph node (Module, Pytree, Rngs, Optimizer) or a Variable. (jax's
+    flatten calls it once per node of a pytree holding NNX objects: `is_leaf=is_node`.)"""
     return is_node_type(type(x))

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import equinox as eqx
 import jax
 
-from . import _codegen, _flatten, _memo, _native, _nnx_gate, _rebuild
+from . import _codegen, _flatten, _memo, _nnx_gate, _rebuild
 from ._errors import FastcallError, describe_arg, for_decorator
 from ._flatten import ArrayImpl
 from ._trace import Tracer
@@ -87,15 +87,9 @@ class OutInfo:
         self.held: list[Any] = [None]
         # (the callback of the memo's weak references: a returned module died)
         self.on_death = functools.partial(_memo.forget_latest, self.held)
-        # `remember(result, dyn)`: note what a call returned, for the next call (`_memo`; in C
-        # where the extension serves calls)
-        accel = _native.ACCEL
+        # `remember(result, dyn)`: note what a call returned, for the next call (`_memo`)
         self.remember: Callable[[Any, list[Any]], None] | None = (
-            None
-            if not self.regs
-            else functools.partial(accel.remember_outputs, self.on_death, self.regs, self.held)
-            if accel is not None
-            else functools.partial(_memo.note_latest, self.held, self.regs, self.on_death)
+            functools.partial(_memo.note_latest, self.held, self.regs, self.on_death) if self.regs else None
         )
         needs_flat = bool(self.statics or self.block or self.regs or nnx is not None or remade)
         # The plan that rebuilds this output structure (None: use treedef.unflatten).
@@ -287,7 +281,7 @@ def _noted_guard(spec: Any, item: Any) -> Any:
 
 
 def _registrations(out: Any, mask: tuple[bool, ...]):
-    """A `_flatten.Registration` for each Equinox module, tuple or eqx.nn.State returned at
+    """A `_memo.Registration` for each Equinox module, tuple or eqx.nn.State returned at
     top level (as the output, or as an element of an output tuple) that is immutable, or
     whose lists and dicts a guard can watch. (`mask`: which of the output's leaves are
     outputs of the compiled function.)"""
@@ -312,7 +306,7 @@ def _registrations(out: Any, mask: tuple[bool, ...]):
                 spec = None
             guard = _UNNOTED if spec is None else _noted_guard(spec, item)
             if spec is not None and guard is not _UNNOTED:
-                yield _flatten.Registration(index, pos, pos + n_dyn, spec, spec.id, guard)
+                yield _memo.Registration(index, pos, pos + n_dyn, spec, spec.id, guard)
         pos += n_dyn
 
 

@@ -130,8 +130,8 @@ def test_returned_modules_and_tuples_are_noted_for_the_next_call(native, monkeyp
     """`model, opt_state = step(model, opt_state)`: the entry notes what its latest call
     returned (the module by weak reference, the tuple strongly, each with its leaves) in
     one memo, which the next call's memo replaces; the next call reads them from it, with
-    nothing made per returned object; the same in C (`remember_outputs`, `latest_leaves`)
-    and in Python (`_memo.note_latest`, `_memo.latest`)."""
+    nothing made per returned object; the same whether the C wrapper (`latest_leaves`) or
+    Python (`_memo.latest`) reads it. `_memo.note_latest` writes it either way."""
     import gc
     import weakref
 
@@ -158,7 +158,7 @@ def test_returned_modules_and_tuples_are_noted_for_the_next_call(native, monkeyp
     (m2, s2), route = served(step, m1, s1)  # (built and noted in one call: finish_output)
     assert route == ("c_structure" if native else "python_structure")
     assert out.fast_result.func is _rebuild.finish_output
-    assert out.fast_result.args[1].func is (_native.BUILT.remember_outputs if native else _memo.note_latest)
+    assert out.fast_result.args[1].func is _memo.note_latest
     assert_trees_equal((m2, s2), (jax.tree.map(lambda w: w * 0.25, model), (state[0] + 2, state[1] * 4)))
     assert_trees_equal((m2, s2), eqx.filter_jit(step.__wrapped__)(m1, s1))
     assert _memo.latest(m1) is None and _memo.latest(s1) is None  # (the newer memo replaced it)

@@ -162,7 +162,7 @@ def test_c_wrapper_checks_the_record_layout():
         pytest.skip("the C accelerator is not built")
     records = ["FastSlot", "StructureRecord", "CacheEntry", "ArgRead", "NodeRead", "NodesRead",
                "GraphdefRead", "KnownGraphdef", "NnxArg", "RawLeaf", "VariableRead", "Registration",
-               "Watched", "SequenceRead", "StaticRead", "JointRead", "SharedVariableRead", "TreeRead", "MixedRead"]
+               "SequenceRead", "StaticRead", "JointRead", "SharedVariableRead", "TreeRead", "MixedRead"]
     real = _native.BUILT.configure
     calls = []
     try:
@@ -171,9 +171,9 @@ def test_c_wrapper_checks_the_record_layout():
     finally:
         _native.BUILT.configure = real
     (tables,) = calls
-    # (the tables; the records; the fast route's entry and DECLINED; may_serve_nnx, guard holds
-    # and their entries)
-    tables, given, entry = tables[:-7], tables[-7], tables[-6:]
+    # (the tables; the records; the fast route's entry and DECLINED; may_serve_nnx, guard holds,
+    # latest_leaves and their entries)
+    tables, given, entry = tables[:-9], tables[-9], tables[-8:]
     assert sorted(given) == sorted(records)
     try:
         for name in records:
@@ -186,8 +186,8 @@ def test_c_wrapper_checks_the_record_layout():
             with pytest.raises(TypeError, match=f"no record class {name}"):
                 real(*tables, {k: v for k, v in given.items() if k != name}, *entry)
         # (the C entries: capsules, or None where their module runs as Python)
-        assert all(e is None or type(e).__name__ == "PyCapsule" for e in (entry[0], entry[3], entry[5]))
-        for at in (0, 3, 5):
+        assert all(e is None or type(e).__name__ == "PyCapsule" for e in (entry[0], entry[3], entry[5], entry[7]))
+        for at in (0, 3, 5, 7):
             wrong = [*entry[:at], "not the entry", *entry[at + 1 :]]
             with pytest.raises(ValueError, match="PyCapsule"):
                 real(*tables, given, *wrong)

@@ -32,7 +32,7 @@ import jax
 from flax import nnx
 from flax.nnx import graphlib
 
-from .. import _fast, _guard
+from .. import _fast, _guard, _nnx_gate
 from .._errors import FastcallError, describe_arg
 from .._flatten import leaf_key as _leaf_key
 from .._stats import read_whole
@@ -43,7 +43,6 @@ from ._variables import (
     _HIJAX_TYPE,
     RawItem,
     RawLeaf,
-    _is_node_fast,
     _is_variable,
     _leaf_items,
     _var_metadata,
@@ -532,7 +531,7 @@ def _plain_state_read(state: Any) -> _PlainState | None:
     """A State's Variables by jax's pytree flatten, if it holds Variables only, each once,
     with hashable metadata; with the spec remembered for their structure, if any."""
     read_whole()
-    variables, treedef = jax.tree_util.tree_flatten(state, is_leaf=_is_node_fast)
+    variables, treedef = jax.tree_util.tree_flatten(state, is_leaf=_nnx_gate.is_node)
     if not all(map(_is_variable, variables)) or len(set(map(id, variables))) != len(variables):
         return None
     try:  # (each Variable's key as `_variable_key` makes it, without copying its metadata)

@@ -18,10 +18,11 @@ import jax
 from flax.nnx import graphlib
 from flax.nnx.variablelib import Variable, is_array_ref
 
+from .. import _nnx_gate
 from .._errors import FastcallError
 from ._specs import _DYNAMIC, _STATIC, NodeSpec, TreeSpec, _copy_unhashable
 from ._variables import (
-    State, _child, _is_node, _is_node_fast, _is_variable, _own_maker, _var_metadata, new_variable, raw_value
+    State, _child, _is_node, _is_variable, _own_maker, _var_metadata, new_variable, raw_value
 )
 
 _ARG_STRIDE = 1 << 32  # outer indices of NNX argument k are k * _ARG_STRIDE + index
@@ -44,7 +45,7 @@ class _Traced:
         self.node = graphlib.unflatten(graphdef, list(given), index_ref=self.index_ref)
         # an nnx.State's pytree structure as given, Variables as leaves (see `_twins`)
         self.state_treedef = (
-            jax.tree_util.tree_structure(self.node, is_leaf=_is_node_fast) if type(self.node) is State else None
+            jax.tree_util.tree_structure(self.node, is_leaf=_nnx_gate.is_node) if type(self.node) is State else None
         )
         self.inner: list[Any] = []  # the leaves (Variables, raw values) before the call
         self.paths: list[Any] = []  # and their paths
@@ -324,12 +325,12 @@ def _twins(args: list[_Traced], out: Any, changed: set[int]) -> tuple[tuple[int 
     # and returned as the caller's own)
     unchanged = [
         t.state_treedef is not None and ordinal not in changed
-        and same(jax.tree_util.tree_flatten(t.node, is_leaf=_is_node_fast), t)
+        and same(jax.tree_util.tree_flatten(t.node, is_leaf=_nnx_gate.is_node), t)
         for ordinal, t in enumerate(args)
     ]
     twins = []
     for position, state in places:
-        flat = jax.tree_util.tree_flatten(state, is_leaf=_is_node_fast)
+        flat = jax.tree_util.tree_flatten(state, is_leaf=_nnx_gate.is_node)
         ordinal = next((k for k, t in enumerate(args) if unchanged[k] and same(flat, t)), None)
         if ordinal is not None:
             twins.append((position, ordinal))

@@ -21,7 +21,7 @@ import jax
 from flax import nnx
 from flax.nnx import graphlib
 
-from .. import _fast, _trace
+from .. import _fast, _nnx_gate, _trace
 from .._errors import FastcallError, describe_arg
 from .._flatten import ArrayImpl, intern, is_traced_leaf, spec_by_id
 from .._flatten import interned as _interned
@@ -44,11 +44,9 @@ from ._variables import (
     _REF_TYPE,
     METADATA_SLOT,
     RawLeaf,
-    _is_node_fast,
     _is_variable,
     _leaf_items,
     _var_metadata,
-    node_test,
     raw_value,
     read_leaf,
 )
@@ -210,9 +208,9 @@ def holds_nodes(value: Any) -> bool:
     `read_container`; deeper ones are found by the generic flatten)."""
     t = type(value)
     if t is tuple or t is list:
-        return any(map(_is_node_fast, value))
+        return any(map(_nnx_gate.is_node, value))
     if t is dict:
-        return any(map(_is_node_fast, value.values()))
+        return any(map(_nnx_gate.is_node, value.values()))
     return t is nnx.State
 
 
@@ -235,12 +233,12 @@ def read_container(
         if plain is not None or _plain_state(value):
             return _read_node(value, leaves, arg_name, nnx_args, None).id
     read_whole()
-    items, treedef = jax.tree_util.tree_flatten(value, is_leaf=_is_node_fast)
+    items, treedef = jax.tree_util.tree_flatten(value, is_leaf=_nnx_gate.is_node)
     layout: list[Any] = []
     codes: list[Any] = []
     statics: list[Any] = []
     for x in items:
-        if _is_node_fast(x):
+        if _nnx_gate.is_node(x):
             spec = _read_node(x, leaves, arg_name, nnx_args, joint)
             layout.append(spec)
             codes.append(spec.id)
@@ -299,14 +297,14 @@ def mixed_read(spec_id: int, nnx_args: Iterator[NnxArg]) -> _fast.MixedRead | No
                 layout.append(code.id)
             else:
                 return None
-    return _fast.MixedRead(spec_id, jax.tree_util.default_registry.flatten, node_test(), spec.treedef, tuple(layout))
+    return _fast.MixedRead(spec_id, jax.tree_util.default_registry.flatten, _nnx_gate.is_node, spec.treedef, tuple(layout))
 
 
 def _plain_state(state: Any) -> bool:
     """Whether an nnx.State holds Variables only (in its dicts and nested States, at any
     depth): no module (which keeps its graph updates), no raw leaf (which nnx.jit does not
     write back)."""
-    return all(map(_is_variable, jax.tree_util.tree_leaves(state, is_leaf=_is_node_fast)))
+    return all(map(_is_variable, jax.tree_util.tree_leaves(state, is_leaf=_nnx_gate.is_node)))
 
 
 def read_as_one_object(state: Any) -> bool:

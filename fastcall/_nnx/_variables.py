@@ -1,7 +1,8 @@
 """What an NNX object is to fastcall, and how the leaves of its graph are read and written.
 
 An NNX graph node (Module, Pytree, Rngs, Optimizer), a Variable or a mutable array
-reference is an NNX object, by its type (`is_node_type`; `node_test`, the same test in C).
+reference is an NNX object, by its type (`is_node_type`, which the core's `_nnx_gate.is_node`
+caches per type).
 The leaves of a graph fastcall caches are its Variable objects, in flatten order, and a
 handle on each raw leaf (`_leaf_items`). The Variables' values are read at call time
 through the `_raw_value` slot (no deprecated `.value`, no graph walk), so `v[...] = ...`,
@@ -15,14 +16,14 @@ import collections.abc
 import inspect
 import operator
 import weakref
-from typing import Any, Callable
+from typing import Any
 
 from flax import nnx
 from flax.nnx import graphlib, variablelib
 from flax.nnx.tracers import TraceState as _TraceState
 from flax.nnx.variablelib import Variable
 
-from .. import _fast, _native, _nnx_gate
+from .. import _fast
 from .._errors import FastcallError
 from .._flatten import ArrayImpl
 from . import _hooks
@@ -59,29 +60,6 @@ State = nnx.State
 
 def _is_node(x: Any) -> bool:
     return isinstance(x, Variable) or graphlib.is_graph_node(x)
-
-
-_node_types = _nnx_gate.node_types
-
-
-def _is_node_fast(x: Any) -> bool:
-    """`_is_node`, cached per type (the hot paths)."""
-    t = type(x)
-    try:
-        known = _node_types.get(t)
-    except TypeError:  # (a class whose metaclass cannot be hashed: NNX registers no such class)
-        return False
-    return _nnx_gate.is_node_type(t) if known is None else known
-
-
-if _native.BUILT is not None:  # (the same test in C, for jax's flatten to call: `node_test`)
-    _native.BUILT.configure_node_test(_node_types, _is_node_fast)
-
-
-def node_test() -> Callable[[Any], bool]:
-    """`_is_node_fast`, in C where calls use the extension (a MixedRead's flatten calls it
-    once per node of its argument)."""
-    return _native.ACCEL.node_test if _native.ACCEL is not None else _is_node_fast
 
 
 # --------------------------------------------------------------------------
