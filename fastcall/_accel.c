@@ -70,24 +70,11 @@ static const char *STRUCTURE_FIELDS[] = {"arity", "reads", "call", "post", "last
 #define READ_SEQUENCE 2
 #define READ_BY_IDENTITY 3
 static const char *READ_FIELDS[] = {"spec_id", "extract", "sequence", "by_identity", NULL};
-/* SequenceRead(kind, length, leaf_types, keys, items, n_leaves) */
-#define SEQ_KIND 0
-#define SEQ_LENGTH 1
-#define SEQ_LEAF_TYPES 2
-#define SEQ_KEYS 3
-#define SEQ_ITEMS 4
-#define SEQ_N_LEAVES 5
-#define SEQ_N_FIELDS 6
+/* SequenceRead, TreeRead: read by `_tree_reads` (see read_leaves); their classes told apart here */
 static const char *SEQUENCE_READ_FIELDS[] = {"kind", "length", "leaf_types", "keys", "items", "n_leaves", NULL};
-/* TreeRead(flatten, treedef, leaf_types) */
-#define TREE_FLATTEN 0
-#define TREE_TREEDEF 1
-#define TREE_LEAF_TYPES 2
-#define TREE_N_FIELDS 3
 static const char *TREE_READ_FIELDS[] = {"flatten", "treedef", "leaf_types", NULL};
-/* StaticRead(spec_id, value, by_value) */
+/* StaticRead(spec_id, value, by_value): matched by `_tree_reads.static_matches` */
 #define STATIC_VALUE 1
-#define STATIC_BY_VALUE 2
 static const char *STATIC_READ_FIELDS[] = {"spec_id", "value", "by_value", NULL};
 /* NodeRead(spec_id), GraphdefRead(spec_id) */
 #define NODE_SPEC_ID 0
@@ -180,6 +167,12 @@ static struct {
      * as Python; and the function (see latest_leaves) */
     PyObject *(*latest_leaves)(PyObject *obj, PyObject *spec_id);
     PyObject *latest_leaves_py;
+    /* `_tree_reads`'s C entries, NULL where that module runs as Python; and its functions
+     * (see read_leaves) */
+    PyObject *(*sequence_leaves)(PyObject *read, PyObject *a);
+    PyObject *(*tree_leaves)(PyObject *read, PyObject *a);
+    int (*static_matches)(PyObject *read, PyObject *a);
+    PyObject *sequence_leaves_py, *tree_leaves_py, *static_matches_py;
 } G;
 
 /* A dict's version tag (PEP 509): changed by every dict operation that changes what the
@@ -1288,240 +1281,35 @@ apply_post(PyObject *post, PyObject *out, PyObject *first, PyObject *nnx)
     return result;
 }
 
-/* A dict's values at `keys` (a tuple, in that order) as a new tuple; NULL with KeyError if
- * one is missing, or on another error. Each value is referenced as it is found: a key's
- * __eq__ may run code that changes the dict. */
-static PyObject *
-dict_values_at(PyObject *d, PyObject *keys)
-{
-    Py_ssize_t n = PyTuple_GET_SIZE(keys);
-    PyObject *items = PyTuple_New(n);
-    for (Py_ssize_t j = 0; items != NULL && j < n; j++) {
-        PyObject *value = PyDict_GetItemWithError(d, PyTuple_GET_ITEM(keys, j)); /* borrowed */
-        if (value == NULL) {
-            if (!PyErr_Occurred()) {
-                PyErr_SetObject(PyExc_KeyError, PyTuple_GET_ITEM(keys, j));
-            }
-            Py_CLEAR(items);
-            break;
-        }
-        PyTuple_SET_ITEM(items, j, Py_NewRef(value));
-    }
-    return items;
-}
-
-/* The items of `a` as the SequenceRead `sequence` reads them (a dict's values at the read's
- * keys, in their order), as a new tuple, if `a` is of exactly its kind and length; else
- * Py_None (new reference; a missing key too, as the extractor says); NULL on error. A
- * list's or dict's items are taken into a new tuple first: the leaf test may run code (a
- * metaclass's __hash__) that changes a list or dict, and the compiled call may too while
- * the stack borrows the items. */
+/* The readers of `_tree_reads` (one source, compiled by Cython: see that module), through
+ * their C entries where it is compiled, else called as functions. `read_leaves`: the leaves of
+ * `a` (a new reference to a tuple, or to None: not of this structure) as the SequenceRead or
+ * TreeRead `read` reads them, NULL on error; `static_matches`: whether `a` is the static
+ * argument the StaticRead `read` expects, 1, 0, or -1 on error. */
 ONE_KIND static PyObject *
-sequence_items(PyObject *a, PyObject *sequence)
+read_leaves(PyObject *read, PyObject *a)
 {
-    if (!PyTuple_Check(sequence) || PyTuple_GET_SIZE(sequence) != SEQ_N_FIELDS) {
-        Py_RETURN_NONE;
+    if ((PyObject *)Py_TYPE(read) == G.tree_read) {
+        return G.tree_leaves != NULL ? G.tree_leaves(read, a)
+                                     : PyObject_CallFunctionObjArgs(G.tree_leaves_py, read, a, NULL);
     }
-    PyObject *kind = PyTuple_GET_ITEM(sequence, SEQ_KIND);
-    PyObject *keys = PyTuple_GET_ITEM(sequence, SEQ_KEYS);
-    Py_ssize_t length = PyLong_AsSsize_t(PyTuple_GET_ITEM(sequence, SEQ_LENGTH));
-    if (length == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    int is_dict = kind == (PyObject *)&PyDict_Type;
-    if ((PyObject *)Py_TYPE(a) != kind
-        || (kind != (PyObject *)&PyTuple_Type && kind != (PyObject *)&PyList_Type && !is_dict)
-        || (is_dict && (!PyTuple_CheckExact(keys) || PyTuple_GET_SIZE(keys) != length))) {
-        Py_RETURN_NONE;
-    }
-    if (is_dict && PyDict_GET_SIZE(a) != length) {
-        Py_RETURN_NONE;
-    }
-    PyObject *items = is_dict ? dict_values_at(a, keys)
-                      : kind == (PyObject *)&PyTuple_Type ? Py_NewRef(a) : PyList_AsTuple(a);
-    if (items == NULL) {
-        if (is_dict && PyErr_ExceptionMatches(PyExc_KeyError)) {
-            PyErr_Clear();
-            Py_RETURN_NONE;
-        }
-        return NULL;
-    }
-    if (PyTuple_GET_SIZE(items) != length) {
-        Py_DECREF(items);
-        Py_RETURN_NONE;
-    }
-    return items;
+    return G.sequence_leaves != NULL ? G.sequence_leaves(read, a)
+                                     : PyObject_CallFunctionObjArgs(G.sequence_leaves_py, read, a, NULL);
 }
 
-/* Whether `item` is a leaf of `leaf_types` (a set of exact types): 1, 0, -1 error. */
-static inline int
-is_sequence_leaf(PyObject *item, PyObject *leaf_types)
-{
-    PyObject *t = (PyObject *)Py_TYPE(item);
-    return t == G.array_type ? 1 : PySet_Contains(leaf_types, t);
-}
-
-/* Appends the leaves of `a`, nested as the SequenceRead `sequence` says (`items`: per item,
- * Py_None for a leaf or the read of the container it is), to `out` (a new tuple being
- * filled) from `*pos`, depth first. 1 read, 0 not of this structure, -1 error. The
- * recursion is as deep as the read's nesting (`_codegen.sequence_read` bounds it). */
-ONE_KIND static int
-fill_sequence_leaves(PyObject *a, PyObject *sequence, PyObject *leaf_types, PyObject *out, Py_ssize_t *pos)
-{
-    if (Py_EnterRecursiveCall(" in fastcall's read of nested containers")) {
-        return -1;
-    }
-    PyObject *items = sequence_items(a, sequence);
-    if (items == NULL || items == Py_None) {
-        Py_LeaveRecursiveCall();
-        Py_XDECREF(items);
-        return items == NULL ? -1 : 0;
-    }
-    PyObject *reads = PyTuple_GET_ITEM(sequence, SEQ_ITEMS);
-    Py_ssize_t n = PyTuple_GET_SIZE(items);
-    int got = reads == Py_None || (PyTuple_CheckExact(reads) && PyTuple_GET_SIZE(reads) == n);
-    for (Py_ssize_t j = 0; got == 1 && j < n; j++) {
-        PyObject *item = PyTuple_GET_ITEM(items, j);
-        PyObject *inner = reads == Py_None ? Py_None : PyTuple_GET_ITEM(reads, j);
-        if (inner != Py_None) {
-            got = fill_sequence_leaves(item, inner, leaf_types, out, pos);
-            continue;
-        }
-        got = is_sequence_leaf(item, leaf_types);
-        if (got == 1) {
-            if (*pos >= PyTuple_GET_SIZE(out)) {
-                got = 0;
-                break;
-            }
-            PyTuple_SET_ITEM(out, (*pos)++, Py_NewRef(item));
-        }
-    }
-    Py_DECREF(items);
-    Py_LeaveRecursiveCall();
-    return got;
-}
-
-/* A tuple, list or dict argument's leaves as its extractor reads them when its structure is
- * a SequenceRead (`_codegen.Template.sequence`): its items (a dict's values at the read's
- * keys, in their order) as a tuple if it is of exactly that type and length and each
- * item's exact type is one of the read's leaf types, or, where the read nests, the leaves
- * of each container among them, depth first; else None (not of this structure, as the
- * extractor says). */
-ONE_KIND static PyObject *
-sequence_leaves(PyObject *a, PyObject *sequence)
-{
-    if (!PyTuple_Check(sequence) || PyTuple_GET_SIZE(sequence) != SEQ_N_FIELDS
-        || !PyAnySet_CheckExact(PyTuple_GET_ITEM(sequence, SEQ_LEAF_TYPES))) {
-        Py_RETURN_NONE;
-    }
-    PyObject *leaf_types = PyTuple_GET_ITEM(sequence, SEQ_LEAF_TYPES);
-    PyObject *leaves;
-    int got;
-    if (PyTuple_GET_ITEM(sequence, SEQ_ITEMS) == Py_None) { /* leaves only: its items */
-        leaves = sequence_items(a, sequence);
-        if (leaves == Py_None) {
-            return leaves;
-        }
-        got = leaves == NULL ? -1 : 1;
-        for (Py_ssize_t j = 0; got == 1 && j < PyTuple_GET_SIZE(leaves); j++) {
-            got = is_sequence_leaf(PyTuple_GET_ITEM(leaves, j), leaf_types);
-        }
-    } else {
-        Py_ssize_t n = PyLong_AsSsize_t(PyTuple_GET_ITEM(sequence, SEQ_N_LEAVES));
-        if (n < 0) {
-            return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
-        }
-        leaves = PyTuple_New(n);
-        if (leaves == NULL) {
-            return NULL;
-        }
-        Py_ssize_t pos = 0;
-        got = fill_sequence_leaves(a, sequence, leaf_types, leaves, &pos);
-        if (got == 1 && pos != n) {
-            got = 0;
-        }
-    }
-    if (got == 1) {
-        return leaves;
-    }
-    Py_XDECREF(leaves);
-    if (got < 0) {
-        /* as the extractor: an error of its checks (a dict key's __eq__ may raise too) says "not
-         * of this structure"; the general path reads it again, and names any error */
-        if (!PyErr_ExceptionMatches(PyExc_Exception)) {
-            return NULL;
-        }
-        PyErr_Clear();
-    }
-    Py_RETURN_NONE;
-}
-
-/* An argument's leaves as a FlattenTemplate's extractor reads them when its read is a
- * TreeRead (`_codegen.FlattenTemplate`, a pytree node type of its own): jax's flatten of
- * `a`, if its treedef equals the read's (node types and node data, as jax compares them)
- * and each leaf's exact type is one of the read's leaf types, as a new tuple; else None
- * (not of this structure: an exception the flatten or the comparison raises too, as the
- * extractor says). NULL on any other error. */
-ONE_KIND static PyObject *
-tree_leaves(PyObject *a, PyObject *read)
-{
-    if (!PyTuple_Check(read) || PyTuple_GET_SIZE(read) != TREE_N_FIELDS
-        || !PyAnySet_CheckExact(PyTuple_GET_ITEM(read, TREE_LEAF_TYPES))) {
-        Py_RETURN_NONE;
-    }
-    PyObject *leaf_types = PyTuple_GET_ITEM(read, TREE_LEAF_TYPES);
-    PyObject *result = NULL;
-    PyObject *flat = PyObject_CallOneArg(PyTuple_GET_ITEM(read, TREE_FLATTEN), a);
-    int got = flat != NULL && PyTuple_CheckExact(flat) && PyTuple_GET_SIZE(flat) == 2
-              && PyList_CheckExact(PyTuple_GET_ITEM(flat, 0));
-    if (got == 1) {
-        got = PyObject_RichCompareBool(PyTuple_GET_ITEM(flat, 1), PyTuple_GET_ITEM(read, TREE_TREEDEF), Py_EQ);
-    }
-    if (got == 1) {
-        PyObject *leaves = PyTuple_GET_ITEM(flat, 0);
-        for (Py_ssize_t j = 0; got == 1 && j < PyList_GET_SIZE(leaves); j++) {
-            got = is_sequence_leaf(PyList_GET_ITEM(leaves, j), leaf_types);
-        }
-        if (got == 1) {
-            result = PyList_AsTuple(leaves);
-            got = result == NULL ? -1 : 1;
-        }
-    }
-    Py_XDECREF(flat);
-    if (result != NULL) {
-        return result;
-    }
-    if (PyErr_Occurred()) {
-        if (!PyErr_ExceptionMatches(PyExc_Exception)) {
-            return NULL;
-        }
-        PyErr_Clear(); /* (the general path reads it again, and names the argument) */
-    }
-    Py_RETURN_NONE;
-}
-
-/* Whether `a` is the static argument a StaticRead `read` expects: that very object or, where
- * `by_value`, one of the same exact type and the same `_flatten.leaf_key` (an int or str
- * equal to it; a float of the same bits, or both NaN). 1, 0 (a complex, and anything else
- * not known equal here: the fallback compares it), -1 error. */
 ONE_KIND static int
 static_matches(PyObject *a, PyObject *read)
 {
-    PyObject *value = PyTuple_GET_ITEM(read, STATIC_VALUE);
-    if (a == value) {
-        return 1;
+    if (a == PyTuple_GET_ITEM(read, STATIC_VALUE)) {
+        return 1; /* (the common case, without a call) */
     }
-    if (PyTuple_GET_ITEM(read, STATIC_BY_VALUE) != Py_True || Py_TYPE(a) != Py_TYPE(value)) {
-        return 0;
+    if (G.static_matches != NULL) {
+        return G.static_matches(read, a);
     }
-    if (PyLong_CheckExact(a) || PyUnicode_CheckExact(a)) {
-        return PyObject_RichCompareBool(a, value, Py_EQ); /* (exact types: no user code) */
-    }
-    if (PyFloat_CheckExact(a)) {
-        double x = PyFloat_AS_DOUBLE(a), y = PyFloat_AS_DOUBLE(value);
-        return (x != x && y != y) || memcmp(&x, &y, sizeof x) == 0;
-    }
-    return 0;
+    PyObject *res = PyObject_CallFunctionObjArgs(G.static_matches_py, read, a, NULL);
+    int same = res == NULL ? -1 : PyObject_IsTrue(res);
+    Py_XDECREF(res);
+    return same;
 }
 
 /* The structure path's reading of a pytree holding NNX objects beside other leaves
@@ -1813,9 +1601,7 @@ structure_call(FastWrapper *self, PyObject *record, PyObject *const *args, size_
                 goto done;
             }
             PyObject *sequence = PyTuple_GET_ITEM(read, READ_SEQUENCE);
-            leaves[i].part = sequence == Py_None ? PyObject_CallOneArg(extract, a)
-                             : (PyObject *)Py_TYPE(sequence) == G.tree_read ? tree_leaves(a, sequence)
-                                                                           : sequence_leaves(a, sequence);
+            leaves[i].part = sequence == Py_None ? PyObject_CallOneArg(extract, a) : read_leaves(sequence, a);
             if (leaves[i].part == NULL) {
                 goto done;
             }
@@ -2104,7 +1890,7 @@ record_class(PyObject *records, const char *name, const char **expected)
 
 /* configure(index, by_id, graphdefs, value_slot, array_type, varying_type, records, serve, declined,
  *           may_serve_nnx, may_serve_nnx_entry, guard_holds, guard_holds_entry, latest_leaves,
- *           latest_leaves_entry):
+ *           latest_leaves_entry, tree_reads):
  * the tables and types every wrapper reads (see the struct G); `records` maps each record
  * class's name to the class, whose fields are checked against the layout read here.
  * Nothing is changed if a check fails. */
@@ -2112,10 +1898,10 @@ static PyObject *
 py_configure(PyObject *module, PyObject *args)
 {
     PyObject *index, *by_id, *graphdefs, *value_slot, *array_type, *varying_type, *records, *serve, *declined,
-        *may_serve, *may_serve_entry, *holds, *holds_entry, *latest, *latest_entry;
-    if (!PyArg_UnpackTuple(args, "configure", 15, 15, &index, &by_id, &graphdefs, &value_slot, &array_type,
+        *may_serve, *may_serve_entry, *holds, *holds_entry, *latest, *latest_entry, *tree_reads;
+    if (!PyArg_UnpackTuple(args, "configure", 16, 16, &index, &by_id, &graphdefs, &value_slot, &array_type,
                            &varying_type, &records, &serve, &declined, &may_serve, &may_serve_entry, &holds,
-                           &holds_entry, &latest, &latest_entry)) {
+                           &holds_entry, &latest, &latest_entry, &tree_reads)) {
         return NULL;
     }
     void *serve_entry = NULL, *may_serve_c = NULL, *holds_c = NULL, *latest_c = NULL;
@@ -2179,6 +1965,31 @@ py_configure(PyObject *module, PyObject *args)
         for (int j = 0; j < N_RECORDS; j++) Py_DECREF(cls[j]);
         return NULL;
     }
+    /* `_tree_reads`'s functions and their C entries (capsules, or None run as Python) */
+    static const char *reader_names[3] = {"sequence_leaves", "tree_leaves", "static_matches"};
+    static const char *entry_names[3] = {"SEQUENCE_LEAVES", "TREE_LEAVES", "STATIC_MATCHES"};
+    static const char *capsule_names[3] = {"fastcall._tree_reads.SEQUENCE_LEAVES", "fastcall._tree_reads.TREE_LEAVES",
+                                           "fastcall._tree_reads.STATIC_MATCHES"};
+    PyObject *readers[3] = {NULL, NULL, NULL};
+    void *reader_c[3] = {NULL, NULL, NULL};
+    for (int i = 0; i < 3; i++) {
+        PyObject *entry = PyObject_GetAttrString(tree_reads, entry_names[i]);
+        readers[i] = entry == NULL ? NULL : PyObject_GetAttrString(tree_reads, reader_names[i]);
+        if (readers[i] != NULL && !PyCallable_Check(readers[i])) {
+            PyErr_Format(PyExc_TypeError, "configure: tree_reads.%s must be callable", reader_names[i]);
+            Py_CLEAR(readers[i]);
+        }
+        if (readers[i] != NULL && entry != Py_None
+            && (reader_c[i] = PyCapsule_GetPointer(entry, capsule_names[i])) == NULL) {
+            Py_CLEAR(readers[i]);
+        }
+        Py_XDECREF(entry);
+        if (readers[i] == NULL) {
+            for (int j = 0; j < i; j++) Py_DECREF(readers[j]);
+            for (int j = 0; j < N_RECORDS; j++) Py_DECREF(cls[j]);
+            return NULL;
+        }
+    }
     for (int j = 0; j < 3; j++) Py_DECREF(cls[j]); /* (checked only: read by position) */
     SET_SHARED(arg_read, cls[3]);
     SET_SHARED(node_read, cls[4]);
@@ -2207,6 +2018,12 @@ py_configure(PyObject *module, PyObject *args)
     G.guard_holds = (int (*)(PyObject *))holds_c;
     Py_INCREF(latest); SET_SHARED(latest_leaves_py, latest);
     G.latest_leaves = (PyObject *(*)(PyObject *, PyObject *))latest_c;
+    SET_SHARED(sequence_leaves_py, readers[0]);
+    SET_SHARED(tree_leaves_py, readers[1]);
+    SET_SHARED(static_matches_py, readers[2]);
+    G.sequence_leaves = (PyObject *(*)(PyObject *, PyObject *))reader_c[0];
+    G.tree_leaves = (PyObject *(*)(PyObject *, PyObject *))reader_c[1];
+    G.static_matches = (int (*)(PyObject *, PyObject *))reader_c[2];
     Py_INCREF(declined); SET_SHARED(declined, declined);
     G.serve = (PyObject *(*)(PyObject *, PyObject *const *, Py_ssize_t))serve_entry;
     Py_RETURN_NONE;

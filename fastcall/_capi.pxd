@@ -45,3 +45,7 @@ cdef extern from "Python.h":
 
 # `_guard.holds`'s C entry, as `_guard.HOLDS` carries it: 1, 0, or -1 with an error set
 ctypedef int (*holds_fn)(object guard) except -1
+
+# `_guard.make_checked`'s C entry, as `_guard.MAKE_CHECKED` carries it: a new reference, or
+# NULL with an error set
+ctypedef object (*make_checked_fn)(object containers)

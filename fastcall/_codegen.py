@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import itertools
 from typing import Any, Callable
@@ -20,7 +21,7 @@ from typing import Any, Callable
 import equinox as eqx
 import jax
 
-from . import _rebuild
+from . import _rebuild, _tree_reads
 from ._stats import read_whole
 from ._fast import SequenceRead, TreeRead
 from ._flatten import (
@@ -246,11 +247,11 @@ def _flax_struct_fields(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return data, meta
 
 
-_MAX_SEQUENCE_DEPTH = 16  # (the C read recurses once per level)
+_MAX_SEQUENCE_DEPTH = 16  # (`_tree_reads` recurses once per level)
 
 
 def sequence_read(value: Any, leaf_types: frozenset[type], depth: int = 0) -> SequenceRead | None:
-    """How the C path reads `value`, a tuple, list or dict (exactly) whose items are leaves
+    """How `_tree_reads.sequence_leaves` reads `value`, a tuple, list or dict (exactly) whose items are leaves
     (of `leaf_types`) or, nested, such containers themselves; None if it is not one."""
     kind = type(value)
     if kind not in (tuple, list, dict) or depth > _MAX_SEQUENCE_DEPTH:
@@ -314,15 +315,19 @@ class Template:
         exec(compile(self.source, f"<fastcall template {spec.id}>", "exec"), namespace)
         self.spec = spec
         self.rule = trace_scalars if gen.rule_bound else None
-        self.extract: Callable[[Any], tuple[Any, ...] | None] = namespace["_extract"]
+        # Tuples, lists and dicts of leaves only, nested or not: read by `_tree_reads` (compiled),
+        # which tests just each one's type, its length (and a dict's keys) and each leaf's type,
+        # as `_inner` does; the C structure route calls it too.
+        self.sequence = sequence_read(example, TRACED_TYPES if gen.traces_scalars else PLAIN_ARRAY_TYPES)
+        self.extract: Callable[[Any], tuple[Any, ...] | None] = (
+            namespace["_extract"]
+            if self.sequence is None
+            else functools.partial(_tree_reads.sequence_leaves, self.sequence)
+        )
         # Prove the template agrees with tree_flatten on the object it came from.
         check = self.extract(example)
         if check is None or len(check) != len(dynamic) or any(a is not b for a, b in zip(check, dynamic)):
             raise _NoTemplate
-        # Tuples, lists and dicts of leaves only: `_inner` tests just each one's type, its
-        # length (and a dict's keys) and each leaf's type, and returns the leaves; the C path
-        # makes that same test itself.
-        self.sequence = sequence_read(example, TRACED_TYPES if gen.traces_scalars else PLAIN_ARRAY_TYPES)
 
     def serves(self, trace_scalars: bool, nnx_as_pytree: bool = False) -> bool:
         """Whether a function of this scalar rule may read its arguments with this template."""
@@ -440,23 +445,13 @@ class FlattenTemplate:
         # as pytrees, `nnx_as_pytree`; only such functions use it: `serves`)
         if not (all(spec.mask) and all(type(x) in PLAIN_ARRAY_TYPES for x in dynamic)):
             raise _NoTemplate
-        # The read, which the C path runs itself (`_accel.c` tree_leaves) and `extract` in
-        # Python: jax's registry flatten (what `tree_flatten` calls), the treedef compared.
+        # The read (`_tree_reads.tree_leaves`, which the C structure route calls too): jax's
+        # registry flatten (what `tree_flatten` calls), the treedef compared.
         read = TreeRead(jax.tree_util.default_registry.flatten, spec.treedef, PLAIN_ARRAY_TYPES)
-        treedef, flatten = read.treedef, read.flatten
 
         def extract(obj: Any) -> tuple[Any, ...] | None:
             read_whole()  # (jax's flatten of the whole argument: `JitStats.paths` counts it a read)
-            try:
-                leaves, found = flatten(obj)
-                if found != treedef:
-                    return None
-            except Exception:  # (the general path reads it again, and names the argument)
-                return None
-            for x in leaves:
-                if type(x) is not ArrayImpl and type(x) not in PLAIN_ARRAY_TYPES:
-                    return None
-            return tuple(leaves)
+            return _tree_reads.tree_leaves(read, obj)
 
         check = extract(example)
         if check is None or len(check) != len(dynamic) or any(a is not b for a, b in zip(check, dynamic)):

@@ -47,6 +47,7 @@ import jax
 
 from . import (
     _agreement, _args, _codegen, _fast, _fast_route, _flatten, _guard, _hold, _memo, _native, _nnx_gate, _pack, _trace,
+    _tree_reads,
 )
 from ._build import Entry
 from ._fast import (
@@ -72,7 +73,7 @@ def configure_accel() -> None:
     _native.BUILT.configure(
         _fast.INDEX, _flatten.by_id, _fast.GRAPHDEFS, _fast.VALUE_SLOT, ArrayImpl, Varying,
         {cls.__name__: cls for cls in records}, _fast_route.SERVE, _fast_route.DECLINED, _trace.may_serve_nnx,
-        _trace.MAY_SERVE_NNX, _guard.holds, _guard.HOLDS, _memo.latest_leaves, _memo.LATEST_LEAVES,
+        _trace.MAY_SERVE_NNX, _guard.holds, _guard.HOLDS, _memo.latest_leaves, _memo.LATEST_LEAVES, _tree_reads,
     )
 
 

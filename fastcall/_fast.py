@@ -72,8 +72,9 @@ class SequenceRead(NamedTuple):
     `step(model, (x, y))`, `step(model, {"image": x, "label": y})`), or of leaves and such
     containers, nested (a params dict of dicts, `{"layer_0": {"w": w, "b": b}, ...}`): its
     items (a dict's values, in the order of its sorted keys, as jax flattens it) are its
-    leaves, or hold them, depth first. The C path reads such an argument itself, as its
-    extractor would (`_codegen.Template.sequence`), with no Python call."""
+    leaves, or hold them, depth first. Read by `_tree_reads.sequence_leaves` (compiled), the
+    extractor of its template (`_codegen.Template.sequence`), which the C structure route
+    calls too."""
 
     kind: type  # tuple, list or dict, exactly
     length: int
@@ -91,9 +92,8 @@ class TreeRead(NamedTuple):
     """A structure that is a pytree node type of its own (`jax.tree_util.register_dataclass`,
     a flax struct dataclass, `register_pytree_node_class`), every leaf an array: read as
     jax.jit reads it, by jax's flatten, the treedef compared (`==`: node types and node data,
-    as jax compares them) and each leaf's exact type checked. The C path reads such an
-    argument itself, as its extractor would (`_codegen.FlattenTemplate`), with no Python
-    frame of ours."""
+    as jax compares them) and each leaf's exact type checked: `_tree_reads.tree_leaves`
+    (compiled), which the C structure route calls too (`_codegen.FlattenTemplate`)."""
 
     flatten: Callable[[Any], Any]  # jax's registry flatten: obj -> (leaves list, treedef)
     treedef: Any

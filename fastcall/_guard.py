@@ -29,7 +29,6 @@ another dict and leaves the watched one as it was, so the guard also checks that
 the dict is still the owner's.
 """
 
-import itertools
 import weakref
 from typing import Any, NamedTuple, Optional
 
@@ -39,7 +38,10 @@ except ImportError:  # (Cython is needed only to build; run as Python without it
     from fastcall import _cython_shim as cython  # type: ignore[no-redef]
 
 if cython.compiled:
+    from cython.cimports.cpython.long import PyLong_FromVoidPtr
+    from cython.cimports.cpython.object import PyObject, PyTypeObject
     from cython.cimports.cpython.pycapsule import PyCapsule_New
+    from cython.cimports.cpython.weakref import PyWeakref_NewRef
     from cython.cimports.fastcall._capi import PyObject_GenericGetDict, dict_combined, dict_version
 
 COMPILED: bool = cython.compiled
@@ -67,41 +69,87 @@ class Attributes(NamedTuple):
 Guard = tuple[Watched, ...]
 
 
-def is_guardable(container: Any) -> bool:
+@cython.ccall
+@cython.exceptval(-1, check=True)
+def is_guardable(container: Any) -> cython.bint:
     """Whether a guard can watch this container: a plain list or dict, or the attribute dict
     of an object that can be weakly referenced. (Not an OrderedDict, whose order, which jax
     flattens by, is kept apart from its storage: `move_to_end` changes it without changing
     what the check walks.)"""
     if type(container) is Attributes:
-        obj = container.obj
-        return type(getattr(obj, "__dict__", None)) is dict and bool(type(obj).__weakrefoffset__)
+        obj = cython.cast(tuple, container)[0]
+        return type(_own_dict(obj)) is dict and bool(type(obj).__weakrefoffset__)
     return type(container) is list or type(container) is dict
 
 
-def make(containers: list) -> Optional[Guard]:
+@cython.ccall
+def make(containers: Any) -> Optional[Guard]:
     """A guard over these containers (each once; each `is_guardable`), or None if there are none."""
-    watched = []
-    seen: set[int] = set()
+    watched: list = []
+    seen: set = set()
     for c in containers:
         owner = None
         if type(c) is Attributes:
-            owner, c = weakref.ref(c.obj), vars(c.obj)
-        if id(c) in seen:
+            obj = cython.cast(tuple, c)[0]
+            owner = PyWeakref_NewRef(obj, None) if cython.compiled else weakref.ref(obj)
+            c = _own_dict(obj)
+        key = PyLong_FromVoidPtr(cython.cast(cython.p_void, c)) if cython.compiled else id(c)
+        if key in seen:
             continue
-        seen.add(id(c))
-        # (tuple.__new__: a Watched without the Python frame of its generated __new__; a
-        # guard is made on every call that returns a new nnx.State, see _nnx._write_back.twin_states)
-        if type(c) is list:
-            watched.append(_new(Watched, (c, tuple(c), None, owner)))
-        else:
-            watched.append(_new(Watched, (c, tuple(_chain(c.items())), [None], owner)))
+        seen.add(key)
+        watched.append(_watch(c, owner))
     return tuple(watched) or None
 
 
-_new = tuple.__new__
+@cython.ccall
+def make_checked(containers: Any) -> Optional[Guard]:
+    """`make`, where each container `is_guardable`; else None (a container that is not plain
+    cannot be watched, and the object holding it is not cached)."""
+    for c in containers:
+        if not is_guardable(c):
+            return None
+    return make(containers)
 
 
-_chain = itertools.chain.from_iterable  # (a dict's keys and values interleaved, in C)
+@cython.cfunc
+def _watch(c: Any, owner: Any) -> Any:
+    """A `Watched` of the list or dict `c` as it holds now. (Made by `tuple.__new__`, without
+    the Python frame of a NamedTuple's generated `__new__`: a guard is made on every call
+    that returns an eqx.nn.State or a new nnx.State, see `_memo` and `_nnx._write_back`.)"""
+    if type(c) is list:
+        return _new_watched((c, tuple(cython.cast(list, c)), None, owner))
+    d = cython.cast(dict, c)
+    expected: list = [None] * (2 * len(d))
+    i: cython.Py_ssize_t = 0
+    for k, v in d.items():  # (its keys and values interleaved, in order)
+        expected[i] = k
+        expected[i + 1] = v
+        i += 2
+    return _new_watched((c, tuple(expected), [None], owner))
+
+
+@cython.cfunc
+def _new_watched(fields: tuple) -> Any:
+    """`Watched(*fields)`, made as its own `__new__` makes it (`tuple.__new__`); compiled,
+    through the C slot, with no Python call."""
+    if cython.compiled:
+        base: cython.pointer[PyTypeObject] = cython.cast(cython.pointer[PyTypeObject], tuple)
+        args: tuple = (fields,)
+        return base.tp_new(Watched, cython.cast(cython.pointer[PyObject], args), cython.NULL)
+    else:
+        return tuple.__new__(Watched, fields)
+
+
+@cython.cfunc
+def _own_dict(obj: Any) -> Any:
+    """The object's own attribute dict, as `vars` finds it (no code of its runs), or None."""
+    if cython.compiled:
+        try:
+            return PyObject_GenericGetDict(obj, cython.NULL)
+        except AttributeError:
+            return None
+    else:
+        return getattr(obj, "__dict__", None)
 
 
 @cython.ccall
@@ -196,6 +244,20 @@ def _owns_dict(owner: Any, c: Any) -> cython.bint:
 def _holds_c(guard: Any) -> cython.int:
     """`holds` for C callers (`HOLDS`): 1, 0, or -1 with an error set."""
     return 1 if holds(guard) else 0
+
+
+@cython.cfunc
+def _make_checked_c(containers: Any) -> Any:
+    """`make_checked` for C callers (`MAKE_CHECKED`)."""
+    return make_checked(containers)
+
+
+# `make_checked`'s C entry, `PyObject *(*)(PyObject *containers)` (a new reference, or NULL
+# with an error set): for the compiled memo of returned objects; None run as Python.
+MAKE_CHECKED: Any = (
+    PyCapsule_New(cython.cast(cython.p_void, _make_checked_c), b"fastcall._guard.MAKE_CHECKED", cython.NULL)
+    if cython.compiled else None
+)
 
 
 # `holds`'s C entry, `int (*)(PyObject *guard)`: for the C wrapper and the compiled fast route;

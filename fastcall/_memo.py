@@ -35,8 +35,10 @@ from . import _guard
 from ._arrays import ArrayImpl
 
 if cython.compiled:
-    from cython.cimports.cpython.pycapsule import PyCapsule_New
+    from cython.cimports.cpython.object import PyObject, PyObject_GenericGetAttr, PyTypeObject
+    from cython.cimports.cpython.pycapsule import PyCapsule_GetPointer, PyCapsule_New
     from cython.cimports.cpython.weakref import PyWeakref_NewRef
+    from cython.cimports.fastcall._capi import holds_fn, make_checked_fn
 
 COMPILED: bool = cython.compiled
 
@@ -53,6 +55,15 @@ ATTR, ITEM = 0, 1  # the steps of a container path: (ATTR, name) or (ITEM, index
 
 _getattribute = object.__getattribute__
 _array = cython.declare(object, ArrayImpl)
+_ATTRIBUTES = cython.declare(type, _guard.Attributes)
+if cython.compiled:  # (the guards' C entries, where `_guard` is compiled: no Python call per use)
+    _HOLDS = cython.declare(holds_fn, cython.NULL)
+    _MAKE_CHECKED = cython.declare(make_checked_fn, cython.NULL)
+    if _guard.HOLDS is not None:
+        _HOLDS = cython.cast(holds_fn, PyCapsule_GetPointer(_guard.HOLDS, b"fastcall._guard.HOLDS"))
+        _MAKE_CHECKED = cython.cast(
+            make_checked_fn, PyCapsule_GetPointer(_guard.MAKE_CHECKED, b"fastcall._guard.MAKE_CHECKED")
+        )
 
 
 class Registration(NamedTuple):
@@ -69,18 +80,37 @@ class Registration(NamedTuple):
     guard: Any
 
 
-def state_containers(state: Any) -> list[Any]:
+@cython.ccall
+def state_containers(state: Any) -> list:
     """The dicts a guard watches for an eqx.nn.State: its attribute dict (`.set` rebinds
     `_state` there) and its `_state` dict (what it flattens to)."""
-    return [_guard.Attributes(state), vars(state).get("_state")]
+    return [_attributes(state), vars(state).get("_state")]
 
 
-def follow(item: Any, path: tuple[tuple[int, Any], ...]) -> Any:
+@cython.cfunc
+def _attributes(obj: Any) -> Any:
+    """`_guard.Attributes(obj)`, made as its own `__new__` makes it (`tuple.__new__`);
+    compiled, through the C slot, with no Python call."""
+    if cython.compiled:
+        base: cython.pointer[PyTypeObject] = cython.cast(cython.pointer[PyTypeObject], tuple)
+        args: tuple = ((obj,),)
+        return base.tp_new(_ATTRIBUTES, cython.cast(cython.pointer[PyObject], args), cython.NULL)
+    else:
+        return _guard.Attributes(obj)
+
+
+@cython.ccall
+def follow(item: Any, path: Any) -> Any:
     """The object at `path` (`_flatten.container_paths`) in `item`. Attributes are read by
     `object.__getattribute__`: an Equinox module's own `__getattribute__` (Python code, which
     wraps methods) is skipped."""
-    for op, key in path:
-        item = _getattribute(item, key) if op == ATTR else item[key]
+    op: cython.int
+    for step in path:
+        op, key = cython.cast(tuple, step)
+        if op == ATTR:
+            item = PyObject_GenericGetAttr(item, key) if cython.compiled else _getattribute(item, key)
+        else:
+            item = item[key]
     return item
 
 
@@ -122,12 +152,9 @@ def _note(memo: list, r: cython.Py_ssize_t, item: Any, how: Any, on_death: Any, 
             return  # (cannot be weakly referenced: not noted)
     if how is not None:
         containers = state_containers(item) if how == STATE_GUARD else [follow(item, path) for path in how]
-        for c in containers:
-            if not _guard.is_guardable(c):
-                return  # (a container that is not plain: not noted)
-        guard = _guard.make(containers)
+        guard = _make_checked(containers)
         if guard is None:
-            return  # (nothing to watch where the registration says there is: not noted)
+            return  # (a container that is not plain, or none at all: not noted)
     memo[1 + MEMO_STRIDE * r] = ref
     memo[2 + MEMO_STRIDE * r] = leaves
     memo[3 + MEMO_STRIDE * r] = guard
@@ -213,10 +240,27 @@ def _noted(obj: Any) -> Any:
             ref = memo[1 + MEMO_STRIDE * r]
             if ref is not None and (ref is obj if type(ref) is tuple else ref() is obj):
                 guard = memo[3 + MEMO_STRIDE * r]
-                if guard is not None and not _guard.holds(guard):
+                if guard is not None and not _holds(guard):
                     return None
                 return memo[2 + MEMO_STRIDE * r], regs[r], guard
     return None
+
+
+@cython.cfunc
+def _make_checked(containers: list) -> Any:
+    """`_guard.make_checked`, through its C entry where it is compiled."""
+    if cython.compiled and _MAKE_CHECKED != cython.NULL:
+        return _MAKE_CHECKED(containers)
+    return _guard.make_checked(containers)
+
+
+@cython.cfunc
+@cython.exceptval(-1, check=True)
+def _holds(guard: Any) -> cython.bint:
+    """`_guard.holds`, through its C entry where it is compiled."""
+    if cython.compiled and _HOLDS != cython.NULL:
+        return _HOLDS(guard) == 1
+    return _guard.holds(guard)
 
 
 @cython.cfunc

@@ -1,4 +1,4 @@
-# cython: language_level=3, annotation_typing=False
+# cython: language_level=3
 """The gate to the Flax NNX plugin (`fastcall._nnx`): what the core needs of it, and when it loads.
 
 The core never imports the plugin, nor flax. It asks this gate. `NnxAdapter` is the whole
@@ -135,25 +135,30 @@ def flax_imported() -> bool:
     return "flax.nnx" in sys.modules
 
 
-def is_node_type(t: type) -> bool:
+@cython.ccall
+@cython.exceptval(-1, check=True)
+def is_node_type(t: Any) -> cython.bint:
     """Whether instances of `t` are NNX graph nodes or Variables (cached per type)."""
+    table: dict = node_types
     try:
-        known = node_types.get(t)
+        known = table.get(t)
     except TypeError:  # (a class whose metaclass cannot be hashed: NNX registers no such class)
         return False
     if known is not None:
-        return known
+        return known is True
     if "flax.nnx" not in sys.modules:
         return False  # no NNX class exists yet; not cached (flax may be imported later)
-    known = node_types[t] = adapter().is_node_type(t)
-    return known
+    known = table[t] = adapter().is_node_type(t)
+    return known is True
 
 
 graphdef_types: dict[type, bool] = {}
 state_types: dict[type, bool] = {}
 
 
-def _is_adapter_type(known: dict[type, bool], t: type, name: str) -> bool:
+@cython.cfunc
+@cython.exceptval(-1, check=True)
+def _is_adapter_type(known: dict, t: Any, name: str) -> cython.bint:
     """Whether `t` is the adapter's class `name` (cached per type; never loads the adapter
     before flax.nnx is imported, and caches nothing then: flax may be imported later)."""
     found = known.get(t)
@@ -175,7 +180,9 @@ def reads_as_node(x: Any) -> bool:
     return is_node_type(t) or _is_adapter_type(state_types, t, "State")
 
 
-def is_node(x: Any) -> bool:
+@cython.ccall
+@cython.exceptval(-1, check=True)
+def is_node(x: Any) -> cython.bint:
     """Whether `x` is an NNX graph node (Module, Pytree, Rngs, Optimizer) or a Variable. (jax's
     flatten calls it once per node of a pytree holding NNX objects: `is_leaf=is_node`.)"""
     return is_node_type(type(x))

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import _fast, _flatten, _nnx_gate
+from ._tree_reads import static_matches
 from ._arrays import ArrayImpl
 from ._fast import (
     ArgRead, GraphdefRead, JointRead, MixedRead, NodeRead, NodesRead, SharedVariableRead, StaticRead, StructureRecord,
@@ -32,12 +33,6 @@ def arguments_as_read(known: StructureRecord, args: tuple[Any, ...], kwargs: dic
         return args
     given = (*args, *kwargs.values())
     return given if known.order is None else tuple([given[k] for k in known.order])
-
-
-def static_matches(read: StaticRead, a: Any) -> bool:
-    """Whether `a` is the static argument `read` expects: the recorded object, or (`by_value`)
-    a scalar with its `_flatten.leaf_key` (its type and exact value). (C: `static_matches`.)"""
-    return a is read.value or (read.by_value and _flatten.static_equal(a, read.value))
 
 
 def read_arguments(

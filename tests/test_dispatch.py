@@ -172,8 +172,8 @@ def test_c_wrapper_checks_the_record_layout():
         _native.BUILT.configure = real
     (tables,) = calls
     # (the tables; the records; the fast route's entry and DECLINED; may_serve_nnx, guard holds,
-    # latest_leaves and their entries)
-    tables, given, entry = tables[:-9], tables[-9], tables[-8:]
+    # latest_leaves and their entries; the module of the tree readers)
+    tables, given, entry = tables[:-10], tables[-10], tables[-9:]
     assert sorted(given) == sorted(records)
     try:
         for name in records:

@@ -885,8 +885,9 @@ def _serve_batches(f, m, batches, *references):
 
 @pytest.mark.parametrize("kind", [tuple, list])
 def test_a_new_batch_of_arrays_is_read_without_its_extractor(kind, hot_path):
-    """A tuple or list of plain arrays only (a batch) is read in C as its extractor reads
-    it: its items, with no Python call; the Python copy calls the extractor."""
+    """A tuple or list of plain arrays only (a batch) is read by `_tree_reads.sequence_leaves`:
+    the C route calls its C entry, with no Python call; the Python route calls the extractor,
+    which is that reader."""
     from fastcall import _fast
 
     f, peer = fastcall.jit(_batch_step), eqx.filter_jit(_batch_step)
@@ -1217,8 +1218,8 @@ def _dict_step(m, batch):
 @pytest.mark.parametrize("leaf", ["numpy", "python scalar"])
 def test_a_new_batch_dict_is_read_without_its_extractor(leaf, hot_path):
     """A dict of leaves only (a batch, `train_step(model, {"image": x, "label": y})`) is read
-    in C as its extractor reads it, by its sorted keys, with no Python call; the Python copy
-    calls the extractor. Its keys in another insertion order are the same structure."""
+    by `_tree_reads.sequence_leaves`, by its sorted keys: the C route calls its C entry, with no
+    Python call; the Python route calls the extractor, which is that reader. Its keys in another insertion order are the same structure."""
     from fastcall import _fast
 
     f, peer = fastcall.jit(_dict_step), jax.jit(_dict_step)
@@ -1416,8 +1417,8 @@ def test_a_pytree_node_type_of_its_own_takes_the_structure_path(hot_path):
         assert_trees_equal(y, pair_peer(p, x))
     assert route == STRUCTURE_PATH[hot_path]
     assert served(g, _Pair(x, x, "c"), x)[1] == "general"
-    # (the C path reads these itself, as the extractor does: jax's flatten, the treedef
-    # compared, each leaf's type checked, with no Python frame of fastcall's)
+    # (read by `_tree_reads.tree_leaves`, the C route through its C entry: jax's flatten, the
+    # treedef compared, each leaf's type checked, with no Python frame of fastcall's)
     from fastcall import _fast
 
     reads = [r for rec in _records(f) for r in rec.reads if type(r) is _fast.ArgRead]

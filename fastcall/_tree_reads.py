@@ -1,0 +1,181 @@
+# cython: language_level=3, wraparound=False
+"""Reading a pytree argument's leaves by the structure a call recorded, with no Python frame.
+
+A structure record (`_fast.ArgRead`) says how a later call reads a new object of a known
+structure. For a tuple, list or dict of leaves, nested or not (`_fast.SequenceRead`: a batch,
+a params dict of dicts), and for a pytree node type of its own whose leaves are all arrays
+(`_fast.TreeRead`: a registered dataclass, read by jax's flatten), the reader is one of these
+functions; so is the check of a static argument (`_fast.StaticRead`). The structure route runs
+them through their C entries (`SEQUENCE_LEAVES`, `TREE_LEAVES`, `STATIC_MATCHES`) and the
+Python route and the general path call them (a template's `extract`, `_codegen`).
+
+One of the sources setup.py compiles with Cython (see `fastcall/_rebuild.py`), run as this
+file where it is not compiled.
+"""
+
+from typing import Any
+
+try:
+    import cython
+except ImportError:  # (Cython is needed only to build; run as Python without it)
+    from fastcall import _cython_shim as cython  # type: ignore[no-redef]
+
+from ._arrays import ArrayImpl
+from ._flatten import static_equal
+
+if cython.compiled:
+    from cython.cimports.cpython.pycapsule import PyCapsule_New
+
+COMPILED: bool = cython.compiled
+
+_array = cython.declare(object, ArrayImpl)
+
+
+@cython.ccall
+def sequence_leaves(read: Any, a: Any) -> Any:
+    """The leaves of `a` as the SequenceRead `read` reads them: its items (a dict's values at
+    the read's keys, in their order) as a tuple if `a` is of exactly the read's type and
+    length and each item's exact type is one of its leaf types, or, where the read nests,
+    the leaves of each container among them, depth first; else None (not of this
+    structure). An exception of the checks (a dict key's `__eq__` may raise) says None too:
+    the general path reads the argument again, and names any error."""
+    seq = cython.cast(tuple, read)
+    leaf_types: frozenset = seq[2]
+    try:
+        if seq[4] is None:  # (leaves only: its items)
+            items = _items(seq, a)
+            if items is None:
+                return None
+            for x in cython.cast(tuple, items):
+                if type(x) is not _array and type(x) not in leaf_types:
+                    return None
+            return items
+        out: list = []
+        if not _fill(seq, a, leaf_types, out) or len(out) != seq[5]:
+            return None
+        return tuple(out)
+    except Exception:
+        return None
+
+
+@cython.cfunc
+def _items(seq: tuple, a: Any) -> Any:
+    """The items of `a` as the SequenceRead `seq` reads them, as a tuple, if `a` is of
+    exactly its kind and length; else None. (A list's or dict's items are taken into a new
+    tuple: the leaf tests may run code, a metaclass's `__hash__`, that changes them.)"""
+    kind = seq[0]
+    if type(a) is not kind:
+        return None
+    if kind is tuple:
+        items = a
+    elif kind is list:
+        items = tuple(cython.cast(list, a))
+    elif kind is dict:
+        d = cython.cast(dict, a)
+        keys: tuple = seq[3]
+        if len(d) != len(keys):
+            return None
+        items = tuple([d[k] for k in keys])  # (a missing key: KeyError, not of this structure)
+    else:
+        return None
+    if len(cython.cast(tuple, items)) != seq[1]:
+        return None
+    return items
+
+
+@cython.cfunc
+@cython.exceptval(-1, check=True)
+def _fill(seq: tuple, a: Any, leaf_types: frozenset, out: list) -> cython.bint:
+    """Appends the leaves of `a`, nested as the SequenceRead `seq` says (its `items`: per
+    item, None for a leaf or the read of the container it is), to `out`, depth first;
+    whether `a` reads so. (As deep as the read nests: `_codegen.sequence_read` bounds it.)"""
+    items = _items(seq, a)
+    if items is None:
+        return False
+    reads = seq[4]
+    if reads is not None and len(cython.cast(tuple, reads)) != len(cython.cast(tuple, items)):
+        return False
+    i: cython.Py_ssize_t
+    for i in range(len(cython.cast(tuple, items))):
+        x = cython.cast(tuple, items)[i]
+        inner = None if reads is None else cython.cast(tuple, reads)[i]
+        if inner is not None:
+            if not _fill(cython.cast(tuple, inner), x, leaf_types, out):
+                return False
+        elif type(x) is _array or type(x) in leaf_types:
+            out.append(x)
+        else:
+            return False
+    return True
+
+
+@cython.ccall
+def tree_leaves(read: Any, a: Any) -> Any:
+    """The leaves of `a` as the TreeRead `read` reads them, as jax.jit reads it: jax's flatten
+    of `a`, if its treedef equals the read's (node types and node data, as jax compares
+    them) and each leaf's exact type is one of the read's leaf types, as a tuple; else None
+    (not of this structure; an exception of the flatten or the comparison says so too: the
+    general path reads it again, and names the argument)."""
+    flatten, treedef, leaf_types = cython.cast(tuple, read)
+    try:
+        flat = flatten(a)
+        leaves, found = cython.cast(tuple, flat)
+        if not found == treedef:
+            return None
+    except Exception:
+        return None
+    for x in cython.cast(list, leaves):
+        if type(x) is not _array and type(x) not in cython.cast(frozenset, leaf_types):
+            return None
+    return tuple(cython.cast(list, leaves))
+
+
+@cython.ccall
+@cython.exceptval(-1, check=True)
+def static_matches(read: Any, a: Any) -> cython.bint:
+    """Whether `a` is the static argument the StaticRead `read` expects: the recorded object,
+    or (`by_value`) one with its `_flatten.leaf_key` (its exact type and value: an int or
+    str equal to it, a float of the same bits)."""
+    _spec_id, value, by_value = cython.cast(tuple, read)
+    if a is value:
+        return True
+    if by_value is not True or type(a) is not type(value):
+        return False
+    if type(a) is int or type(a) is str:
+        return a == value  # (exact types: no user code)
+    return static_equal(a, value)
+
+
+@cython.cfunc
+def _sequence_leaves_c(read: Any, a: Any) -> Any:
+    return sequence_leaves(read, a)
+
+
+@cython.cfunc
+def _tree_leaves_c(read: Any, a: Any) -> Any:
+    return tree_leaves(read, a)
+
+
+@cython.cfunc
+@cython.exceptval(-1)
+def _static_matches_c(read: Any, a: Any) -> cython.int:
+    return 1 if static_matches(read, a) else 0
+
+
+# The C entries of the three readers, for the C wrapper's structure route; None run as Python
+# (it calls the functions then). `SEQUENCE_LEAVES` and `TREE_LEAVES`:
+# `PyObject *(*)(PyObject *read, PyObject *a)`, a new reference (a tuple, or None) or NULL
+# with an error set; `STATIC_MATCHES`: `int (*)(PyObject *read, PyObject *a)`, 1, 0, or -1
+# with an error set.
+SEQUENCE_LEAVES: Any = (
+    PyCapsule_New(cython.cast(cython.p_void, _sequence_leaves_c), b"fastcall._tree_reads.SEQUENCE_LEAVES", cython.NULL)
+    if cython.compiled else None
+)
+TREE_LEAVES: Any = (
+    PyCapsule_New(cython.cast(cython.p_void, _tree_leaves_c), b"fastcall._tree_reads.TREE_LEAVES", cython.NULL)
+    if cython.compiled else None
+)
+STATIC_MATCHES: Any = (
+    PyCapsule_New(cython.cast(cython.p_void, _static_matches_c), b"fastcall._tree_reads.STATIC_MATCHES", cython.NULL)
+    if cython.compiled else None
+)
