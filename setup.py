@@ -12,7 +12,7 @@ from setuptools import Extension, setup
 
 # (as module names under fastcall; `fastcall/_native.py` names the same list, to say which
 # were not compiled)
-COMPILED_SOURCES = ["_trace", "_guard", "_memo", "_nnx_gate", "_tree_reads", "_fast_route", "_rebuild", "_nnx._leaf_writes"]
+COMPILED_SOURCES = ["_trace", "_guard", "_memo", "_nnx_gate", "_tree_reads", "_fast_route", "_entry_reads", "_structure_route", "_rebuild", "_nnx._leaf_writes"]
 
 extensions = [Extension("fastcall._accel", ["fastcall/_accel.c"], optional=True)]
 for name in COMPILED_SOURCES:

@@ -32,9 +32,12 @@ cdef extern from *:
      * every write (an object's attribute dict may share its values with the object, 3.13+,
      * which writes an attribute there without a new tag). */
     static inline int fastcall_dict_combined(PyObject *d) { return ((PyDictObject *)d)->ma_values == NULL; }
+    /* Whether an object's type lets it be weakly referenced. */
+    static inline int fastcall_weakrefable(PyObject *o) { return PyType_SUPPORTS_WEAKREFS(Py_TYPE(o)); }
     """
     unsigned long long thread_id "fastcall_thread_id" ()
     bint dict_combined "fastcall_dict_combined" (object d)
+    bint weakrefable "fastcall_weakrefable" (object o)
 
 # `_trace.may_serve_nnx`'s C entry, as `_trace.MAY_SERVE_NNX` carries it: 1, 0, or -1 with an
 # error set
@@ -49,3 +52,10 @@ ctypedef int (*holds_fn)(object guard) except -1
 # `_guard.make_checked`'s C entry, as `_guard.MAKE_CHECKED` carries it: a new reference, or
 # NULL with an error set
 ctypedef object (*make_checked_fn)(object containers)
+
+# `_memo.latest_leaves`'s C entry (`_memo.LATEST_LEAVES`); `_tree_reads`'s readers'
+# (`SEQUENCE_LEAVES`, `TREE_LEAVES`): a new reference, or NULL with an error set
+ctypedef object (*latest_fn)(object obj, object spec_id)
+ctypedef object (*reader_fn)(object read, object a)
+# `_tree_reads.static_matches`'s (`STATIC_MATCHES`): 1, 0, or -1 with an error set
+ctypedef int (*matches_fn)(object read, object a) except -1

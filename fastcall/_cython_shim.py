@@ -14,6 +14,7 @@ bint = bool
 ulonglong = int
 int = int  # (C int)
 p_void = object
+void = None
 NULL = None
 
 

@@ -46,8 +46,8 @@ from typing import Any
 import jax
 
 from . import (
-    _agreement, _args, _codegen, _fast, _fast_route, _flatten, _guard, _hold, _memo, _native, _nnx_gate, _pack, _trace,
-    _tree_reads,
+    _agreement, _args, _codegen, _fast, _fast_route, _flatten, _hold, _native, _nnx_gate, _pack,
+    _structure_route,
 )
 from ._build import Entry
 from ._fast import (
@@ -55,26 +55,16 @@ from ._fast import (
     SharedVariableRead, StaticRead, StructureRecord, VariableRead,
 )
 from ._errors import FastcallError, for_decorator
-from ._flatten import ArrayImpl
 from ._outputs import Varying, on_error
 from ._stats import WHOLE_READS
-from ._structure_route import arguments_as_read, read_arguments
+from ._structure_route import StructureRoute, last_mark
 from ._trace import StepAside
 
 
 def configure_accel() -> None:
-    """Give the C extension the tables and record classes every C wrapper reads (it checks
-    each record's fields against the layout it reads)."""
-    records = (
-        FastSlot, StructureRecord, _flatten.CacheEntry, ArgRead, NodeRead, NodesRead, VariableRead,
-        GraphdefRead, _fast.KnownGraphdef, _fast.NnxArg, _fast.RawLeaf, _memo.Registration,
-        _fast.SequenceRead, StaticRead, JointRead, SharedVariableRead, _fast.TreeRead, MixedRead,
-    )
-    _native.BUILT.configure(
-        _fast.INDEX, _flatten.by_id, _fast.GRAPHDEFS, _fast.VALUE_SLOT, ArrayImpl, Varying,
-        {cls.__name__: cls for cls in records}, _fast_route.SERVE, _fast_route.DECLINED, _trace.may_serve_nnx,
-        _trace.MAY_SERVE_NNX, _guard.holds, _guard.HOLDS, _memo.latest_leaves, _memo.LATEST_LEAVES, _tree_reads,
-    )
+    """Give the C wrapper the hit routes' C entries (None where a route runs as Python: it is
+    called then) and what they return for a call they decline."""
+    _native.BUILT.configure(_fast_route.SERVE, _structure_route.SERVE, _fast_route.DECLINED)
 
 
 if _native.BUILT is not None:
@@ -332,7 +322,7 @@ def _file_structure(
     # which caches them by identity.
     for i, read in enumerate(reads_now):
         if type(read) is ArgRead:
-            known.last[i] = _fast.last_mark(args[i], i == 0 and hold_first) if read.by_identity else None
+            known.last[i] = last_mark(args[i], i == 0 and hold_first) if read.by_identity else None
 
 
 def _kept_read(record: StructureRecord | None, at: int, spec_id: int) -> ArgRead | None:
@@ -484,70 +474,49 @@ def _writing_back(entry: Entry, post: Any, one_object: bool) -> Any:
 
 
 def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: Any) -> Any:
-    structures_get = state.structures.get
-    records_of = _fast.records_of
-    counts = state.counts
-    serves_nested = state.serves_nested
-    plain = state.plain_leaves
     checking = _agreement.ENABLED  # (FASTCALL_CHECK_HITS: see _agreement)
     general = functools.partial(_general, state, fun, fun_leaves, checking)
-    route = _fast_route.FastRoute(state, functools.partial(_c_error, state), general, plain, serves_nested)
+    on_error = functools.partial(_c_error, state)
+    route = _fast_route.FastRoute(state, on_error, general, state.plain_leaves, state.serves_nested)
+    structure = StructureRoute(state.structures, state, on_error, general, state.plain_leaves, state.serves_nested)
     state.fast_routes.add(route)
+    state.structure_routes.add(structure)
     declined = _fast_route.DECLINED
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if args:
-            first = args[0]
             # ---- 1. the fast route: f(first, *arrays) with a record for `first` ----
             if not kwargs:
                 out = route(*args)
                 if out is not declined:
                     return out
                 nnx = _nnx_gate.loaded()
-                if nnx is not None and nnx.slot_after_rebuild(first) is not None:
+                if nnx is not None and nnx.slot_after_rebuild(args[0]) is not None:
                     # (a model nnx.jit rebuilt in place: checked, and its slot restored)
                     out = route(*args)
                     if out is not declined:
                         return out
             # ---- 2. the structure route: arguments of structures this function has run ----
-            head = structures_get((type(first), tuple(kwargs)) if kwargs else type(first))  # (structure_key)
-            for known in records_of(head, state.last_structure):  # (until one serves the call)
-                given = arguments_as_read(known, args, kwargs)
-                read = None if given is None else read_arguments(known, given, serves_nested, plain)
-                if read is None:
-                    continue
-                values, variables = read
-                if head.others:
-                    state.last_structure = id(known)
-                counts.python_structure += 1
-                try:
-                    out = known.call(*values)
-                except (RuntimeError, ValueError) as err:
-                    on_error(err, list(state.named_args(args, kwargs)), state.decorator)
-                if type(out) is not Varying:
-                    return out if known.post is None else known.post(out, first, variables)
-                # (its trace met a new output structure: finished, and counted, by the general path)
-                counts.python_structure -= 1
-                return general(out, args, kwargs)
+            out = structure(*args, **kwargs)
+            if out is not declined:
+                return out
         # ---- 3. the general path ----
         return general(None, args, kwargs)
 
-    return _public(wrapper, route, general, state, fun_leaves, user_fun)
+    return _public(wrapper, route, structure, general, state, fun_leaves, user_fun)
 
 
-def _public(wrapper: Any, route: Any, general: Any, state: Any, fun_leaves: tuple[Any, ...], user_fun: Any) -> Any:
+def _public(
+    wrapper: Any, route: Any, structure: Any, general: Any, state: Any, fun_leaves: tuple[Any, ...], user_fun: Any
+) -> Any:
     """What the user calls: `wrapper`, or the same hit routes entered from C (see _accel.c),
     which fall back to it; checked against the general path in the agreement mode."""
     functools.update_wrapper(wrapper, user_fun)
     if _native.ACCEL is None:
         public: Any = wrapper
     else:
-        public = _native.ACCEL.FastWrapper(
-            wrapper, route, state, state.structures, functools.partial(_c_error, state), general,
-            state.serves_nested, state.plain_leaves,
-        )
+        public = _native.ACCEL.FastWrapper(wrapper, route, structure)
         functools.update_wrapper(public, user_fun)
-        state.c_wrappers.add(public)
     if _agreement.ENABLED:
         public = functools.update_wrapper(_agreement.checking_wrapper(public, state, fun_leaves), user_fun)
     return public

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import _codegen, _fast, _flatten, _guard, _hold, _nnx_gate, _pack
-from ._structure_route import arguments_as_read, read_arguments, read_mixed, static_matches
+from ._structure_route import arguments_as_read, declined_reads, reads_as_mixed, static_matches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +145,7 @@ def explain(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallRe
             + " (a call the structure path can serve records one)"
         )
     if reasons and known is not None:
-        declined = _why_not_structure(state, known, given)
+        declined = declined_reads(known, args, kwargs, state.plain_leaves, state.serves_nested)
         if not declined:
             route, reasons = "structure", []
         else:
@@ -185,21 +185,9 @@ def _serving_record(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     first whose reads take it), else the one under its key (None if none is)."""
     head = state.structures.get(_fast.structure_key(args[0], tuple(kwargs))) if args else None
     for known in _fast.records_of(head):
-        given = arguments_as_read(known, args, kwargs)
-        if given is not None and not _why_not_structure(state, known, given):
+        if not declined_reads(known, args, kwargs, state.plain_leaves, state.serves_nested):
             return known
     return head
-
-
-def _why_not_structure(state: Any, known: Any, given: tuple[Any, ...] | None) -> list[tuple[int | None, str]]:
-    """Why the structure path, reading the call as it does (changing nothing), would not
-    serve it under the record `known` of its call shape: (argument index or None, reason);
-    empty if it would."""
-    if given is None:
-        return [(None, "its arguments are not passed as the recorded call's were (positions and keywords)")]
-    why: list[tuple[int | None, str]] = []
-    read_arguments(known._replace(last=list(known.last)), given, state.serves_nested, state.plain_leaves, why)
-    return why
 
 
 def _why_not_fast(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
@@ -368,7 +356,7 @@ def _as_nnx_container(state: Any, name: str, value: Any, read: Any) -> ArgumentR
             "flattened down to its NNX objects and its tree structure compared, each object read from its cache"
             " entry (the objects are not flattened)",
         )
-    if type(read) is _fast.MixedRead and read_mixed(value, read, [], [], state.plain_leaves):
+    if type(read) is _fast.MixedRead and reads_as_mixed(value, read, state.plain_leaves):
         n_variables = sum(type(code) is _fast.VariableRead for code in read.layout)
         n_objects = sum(type(code) is int for code in read.layout)
         return ArgumentReport(

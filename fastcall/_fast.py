@@ -33,10 +33,8 @@ call returned, a new params dict each call, `step(model, optimizer, x, y)`.
 
 from __future__ import annotations
 
-import operator
 import sys
 import types
-import weakref
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -393,28 +391,6 @@ def structure_key(first: Any, kwnames: tuple[str, ...]) -> Any:
     return (type(first), kwnames) if kwnames else type(first)
 
 
-def last_mark(obj: Any, first: bool) -> Any:
-    """What `StructureRecord.last` keeps of an object read at one position, to tell whether
-    a later call passes this very object again: a weak reference to it (a new object that
-    reuses a dead one's id is not it); for a list or dict passed first (`first`: where the
-    record's `hold_first` says), which `_hold.hold` caches (checking its leaves), its id; else None: the
-    identity cache cannot hold it, so passing it again gains nothing (a new batch dict each
-    call, whose id Python reuses, must not look passed again). (C: the same.)"""
-    try:
-        return weakref.ref(obj)
-    except TypeError:
-        return id(obj) if first and type(obj) in (list, dict) else None
-
-
-def passed_again(mark: Any, obj: Any) -> bool:
-    """Whether `obj` is the object `mark` (`last_mark`) was taken of."""
-    if mark is None:
-        return False
-    if type(mark) is int:
-        return mark == id(obj)
-    return mark() is obj  # type: ignore[no-any-return]
-
-
 class NnxArg(NamedTuple):
     """An NNX object of one call (an argument, or an object inside a container
     argument), for writing state back after it. (Made by the NNX adapter, and by the
@@ -456,7 +432,7 @@ def known_graphdef(graphdef: Any) -> int | None:
 class RawLeaf(NamedTuple):
     """A leaf of an NNX graph held directly as an attribute of a graph node (a raw array
     attribute, `self.pos = nnx.data(jnp.arange(n))`; an item of an nnx.List), read at
-    call time as NNX reads it (`read_raw`; `owner` is a weak proxy: a cache entry holding
+    call time as NNX reads it (`_entry_reads.raw_leaf_value`; `owner` is a weak proxy: a cache entry holding
     it keeps nothing alive). Rebinding it goes through the node's hooked `__setattr__`,
     so the cached structure stays trustworthy."""
 
@@ -465,11 +441,10 @@ class RawLeaf(NamedTuple):
 
 
 # NNX records pass their leaves' current values: each Variable's read through its
-# `_raw_value` slot, each RawLeaf's by `read_raw`. The slot descriptor is put in this
+# `_raw_value` slot, each RawLeaf's by `_entry_reads.raw_leaf_value`. The slot descriptor is put in this
 # one-element cell by the NNX adapter when it loads (C wrappers built before that read
 # it from here); NNX records exist only after it loaded and verified the slot.
 VALUE_SLOT: list[Any] = [None]
-_raw_value = operator.attrgetter("_raw_value")
 
 def consume_static_cache() -> None:
     """Consume nnx.cached_partial's pending static cache, as the NNX transform it hands it
@@ -483,25 +458,6 @@ def consume_static_cache() -> None:
     if context.tmp_static_cache is not None:
         context.tmp_static_cache = None
 
-
-_ABSENT = object()  # (a raw leaf not in its owner's attribute dict)
-
-
-def read_raw(leaf: RawLeaf) -> Any:
-    """A raw leaf's current value as NNX's graph flatten reads it: from its owner's
-    attribute dict (`vars(owner)`), by getattr where it is not there. (They differ only
-    where a property of the class shadows the attribute. `_accel.c`'s `own_attr` reads the
-    same.)"""
-    owner, name = leaf.owner, leaf.name
-    value = owner.__dict__.get(name, _ABSENT)
-    return getattr(owner, name) if value is _ABSENT else value
-
-
-def read_value(item: Any) -> Any:
-    """The current value of one leaf of an NNX record (a Variable or a RawLeaf)."""
-    if type(item) is RawLeaf:
-        return read_raw(item)
-    return _raw_value(item)
 
 
 def publish(ref: Any, records: dict[Any, FastRecord], guard: Any = None, node: Any = None) -> None:

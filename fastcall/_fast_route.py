@@ -31,7 +31,7 @@ except ImportError:  # (Cython is needed only to build; run as Python without it
     from fastcall import _cython_shim as cython  # type: ignore[no-redef]
 
 from ._arrays import ArrayImpl
-from ._fast import INDEX, VALUE_SLOT, FastRecord, FastSlot, RawLeaf, read_value
+from ._fast import INDEX, VALUE_SLOT, FastRecord, FastSlot
 from ._flatten import Strong
 from ._guard import HOLDS, holds
 from ._outputs import Varying
@@ -46,6 +46,9 @@ if cython.compiled:
     from cython.cimports.cpython.tuple import PyTuple_New, PyTuple_SET_ITEM
     from cython.cimports.cpython.weakref import PyWeakref_CheckRef, PyWeakref_GetRef
     from cython.cimports.fastcall._capi import PyObject_Vectorcall, dict_version, holds_fn, may_serve_fn
+    from cython.cimports.fastcall._entry_reads import item_value
+else:  # (the same function, called as Python)
+    from ._entry_reads import item_value
 
 # A call's arguments: the tuple of them, run as Python; compiled, C's array (PyObject *const *)
 if not cython.compiled:
@@ -60,11 +63,9 @@ _INDEX = cython.declare(dict, INDEX)
 _VALUE_SLOT = cython.declare(list, VALUE_SLOT)
 _ARRAY = cython.declare(object, ArrayImpl)
 _VARYING = cython.declare(object, Varying)
-_RAW_LEAF = cython.declare(object, RawLeaf)
 _FAST_SLOT = cython.declare(object, FastSlot)
 _FAST_RECORD = cython.declare(object, FastRecord)
 _STRONG = cython.declare(object, Strong)
-_read_value = cython.declare(object, read_value)
 _MEMBER = cython.declare(object, types.MemberDescriptorType)
 _guard_holds = cython.declare(object, holds)
 _may_serve_nnx = cython.declare(object, may_serve_nnx)
@@ -277,18 +278,14 @@ def _nnx_values(
     if cython.compiled:  # (the tuple the call takes, made to size)
         values = PyTuple_New(nvars + n - 1)
         for i in range(nvars):
-            item = items[i]
-            if type(item) is _RAW_LEAF:
-                value = _read_value(item)
-            else:  # (a Variable: its slot's value)
-                value = Py_TYPE(descr).tp_descr_get(descr, item, type(item))
+            value = item_value(descr, items[i])
             Py_INCREF(value)
             PyTuple_SET_ITEM(values, i, value)
         for i in range(1, n):
             Py_INCREF(cython.cast(object, argv[i]))
             PyTuple_SET_ITEM(values, nvars + i - 1, cython.cast(object, argv[i]))
     else:
-        values = (*map(_read_value, items), *argv[1:])
+        values = (*[item_value(descr, item) for item in items], *argv[1:])
     if nvars and type(values[0]) is not _ARRAY:
         return None
     nested_ok: cython.bint = not writes and route.serves_nested

@@ -16,7 +16,7 @@ from typing import Any, Iterator, NamedTuple
 
 import jax
 
-from . import _agreement, _build, _fast, _fast_route, _flatten, _hold, _nnx_gate, _stats
+from . import _agreement, _build, _fast, _fast_route, _flatten, _hold, _nnx_gate, _stats, _structure_route
 from ._build import Entry
 from ._errors import FastcallError
 from ._flatten import Spec
@@ -37,25 +37,25 @@ class KeyLayout(NamedTuple):
 
 
 class PathCounts:
-    """Calls served by each route (see `JitStats.paths`). The fast route and the C
-    structure route count their own calls, on each wrapper."""
+    """Calls served by each route (see `JitStats.paths`). The fast and structure routes
+    count their own calls, on each wrapper's route objects."""
 
-    __slots__ = ("python_structure", "general_cached", "general_read", "packed_leaves")
+    __slots__ = ("general_cached", "general_read", "packed_leaves")
 
     def __init__(self) -> None:
         self.packed_leaves = 0  # (not a route: leaves bound packed into fast records, `_pack`)
-        self.python_structure = 0
         self.general_cached = 0
         self.general_read = 0
 
-    def paths(self, fast_routes: list[Any], c_wrappers: list[Any]) -> dict[str, int]:
-        """The calls each route served (`JitStats.paths`), the wrappers' own counts added."""
+    def paths(self, fast_routes: list[Any], structure_routes: list[Any]) -> dict[str, int]:
+        """The calls each route served (`JitStats.paths`), the routes' own counts added."""
         fast = sum(r.fast_calls for r in fast_routes)
+        structure = sum(r.structure_calls for r in structure_routes)
         return {
             "c_fast": fast if _fast_route.COMPILED else 0,
             "python_fast": 0 if _fast_route.COMPILED else fast,
-            "c_structure": sum(w._fastcall_c_structure_calls for w in c_wrappers),
-            "python_structure": self.python_structure,
+            "c_structure": structure if _structure_route.COMPILED else 0,
+            "python_structure": 0 if _structure_route.COMPILED else structure,
             "general_cached": self.general_cached,
             "general_read": self.general_read,
         }
@@ -115,16 +115,13 @@ class FunctionState:
         # The arguments the fast and structure paths pass to jax.jit as they are, where a call
         # of this function passed a plain leaf (its spec id 0): `_flatten.plain_leaf_types`.
         self.plain_leaves = _flatten.plain_leaf_types(options.trace_scalars)
-        # The wrapper's routes, for their call counts: its fast route (`_fast_route.FastRoute`)
-        # and, where the C extension is built, its C structure route
+        # The wrapper's routes, for their call counts (`_fast_route.FastRoute`,
+        # `_structure_route.StructureRoute`)
         self.fast_routes: weakref.WeakSet[Any] = weakref.WeakSet()
-        self.c_wrappers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.structure_routes: weakref.WeakSet[Any] = weakref.WeakSet()
         # The structure path (`_fast.StructureRecord`): `_fast.structure_key` -> record (the
         # newest; those of other structures met under the key in its `others`).
         self.structures: dict[Any, Any] = {}
-        # id() of the record that served the last structure-path call among several of one
-        # key: tried first (compared with the key's records only: `_fast.records_of`)
-        self.last_structure = 0
         self.storm_warned = False
         # (top-level lists and dicts passed first: see `_hold.hold`)
         self.last_first: Any = None
@@ -278,7 +275,7 @@ class FunctionState:
         return sum(r.fast_calls for r in list(self.fast_routes))
 
     def stats(self) -> _stats.JitStats:
-        paths = self.counts.paths(list(self.fast_routes), list(self.c_wrappers))
+        paths = self.counts.paths(list(self.fast_routes), list(self.structure_routes))
         calls = sum(paths.values())
         return _stats.JitStats(
             calls=calls,

@@ -22,7 +22,7 @@ DISABLED = os.environ.get("FASTCALL_DISABLE_ACCEL", "") in ("1", "true", "yes")
 
 # (as setup.py lists them; found, not imported: the NNX plugin's loads with flax)
 COMPILED_SOURCES = (
-    "fastcall._trace", "fastcall._guard", "fastcall._memo", "fastcall._nnx_gate", "fastcall._tree_reads", "fastcall._fast_route", "fastcall._rebuild", "fastcall._nnx._leaf_writes",
+    "fastcall._trace", "fastcall._guard", "fastcall._memo", "fastcall._nnx_gate", "fastcall._tree_reads", "fastcall._fast_route", "fastcall._entry_reads", "fastcall._structure_route", "fastcall._rebuild", "fastcall._nnx._leaf_writes",
 )
 
 

@@ -1,221 +1,679 @@
-"""The structure route at call time: a call's arguments read as a `_fast.StructureRecord` says.
+# cython: language_level=3, wraparound=False, boundscheck=False
+"""The structure route: a call whose arguments have the structures of one the function ran.
 
-A structure record (left by `_dispatch._publish_structure` after a general call) says, per
-argument, how to read it again without resolving it: a plain array; a static value compared
-with the recorded one; the identity cache or a generated extractor; an NNX object's cache
-entry, read by the NNX plugin; a known GraphDef. `read_arguments` reads each argument so, in
-the order the general path resolves them (`arguments_as_read`), or declines the call, saying
-why where `f.explain` asks. The Python hit route (`_dispatch.make_wrapper`) and `f.explain`
-read through it; the C extension reads the same records (its `structure_call`).
+A general call leaves a `_fast.StructureRecord` in the function's `structures` table (made by
+`_dispatch._publish_structure`), keyed by its first argument's type and keyword names
+(`_fast.structure_key`; the record, then its `others`, tried in turn, the one that served the
+last such call first). The route serves a later call under a record when the call has the
+record's arity and keyword names, and each argument, taken in the record's `order`, reads as
+its read says:
+
+* None: a plain leaf (a jax array, or a type of the function's `plain`), passed as it is;
+* `StaticRead`: the recorded object, or a scalar equal to it (`_tree_reads.static_matches`);
+* `ArgRead`: a pytree's leaves from the identity cache (an entry whose ref is the argument,
+  whose guard holds, of the expected spec), or the memo of returned objects
+  (`_memo.latest_leaves`), or else its structure's extractor, unless it is the object last read
+  there (`StructureRecord.last`: the general path caches it by identity);
+* `NodeRead`, `JointRead`: an NNX object, from the cache entry its fast-index slot publishes
+  (`FastSlot.node`: checked as the fast route checks a slot), of the expected spec: its
+  leaves' current values (a JointRead: from that very entry, unchanged, only the leaves it
+  keeps); `NodesRead`: each of a tuple, list, dict or other pytree of them;
+* `VariableRead`: a Variable on its own, of the recorded type and metadata;
+  `SharedVariableRead`: one another argument holds at the recorded place;
+* `MixedRead`: a pytree holding NNX objects beside other leaves, each read as above;
+* `GraphdefRead`: a GraphDef `GRAPHDEFS` knows as this very object, unchanged.
+
+A call with NNX objects is served where they share nothing (or all were read jointly, as
+recorded) and `_trace.may_serve_nnx` allows it. The compiled function then runs on the
+leaves, in order; the record's `post` finishes its output (writes NNX state back). Any other
+call is declined (`DECLINED`): the general path serves it (`_dispatch`).
+
+The cache entries read through a slot are the NNX plugin's; the route reads only the fields
+`FastSlot.node` documents (`spec_id`, `fresh`, `items`, `paths`, `node_ids`, `disjoint`).
+
+One source, two ways to run it, as `_fast_route`: compiled by Cython where the package was
+built with a C compiler (the C wrapper enters it through `SERVE`, with the call's own argument
+array), run as this very file where not (the Python wrapper calls the route). `f.explain`
+reads a call through the same code (`declined_reads`), which then says why it declines.
 """
 
-from __future__ import annotations
+import weakref
+from typing import Any, Optional
 
-from typing import Any
+try:
+    import cython
+except ImportError:  # (Cython is needed only to build; run as Python without it)
+    from fastcall import _cython_shim as cython  # type: ignore[no-redef]
 
-from . import _fast, _flatten, _nnx_gate
-from ._tree_reads import static_matches
+from . import _flatten, _memo, _tree_reads
 from ._arrays import ArrayImpl
+from ._fast_route import DECLINED
 from ._fast import (
-    ArgRead, GraphdefRead, JointRead, MixedRead, NodeRead, NodesRead, SharedVariableRead, StaticRead, StructureRecord,
-    VariableRead,
+    GRAPHDEFS, ArgRead, FastRecord, FastSlot, GraphdefRead, JointRead, KnownGraphdef, MixedRead, NnxArg, NodeRead,
+    NodesRead, SharedVariableRead, StaticRead, StructureRecord, TreeRead, VariableRead,
 )
-from ._trace import at_top_level
+from ._outputs import Varying
+from ._trace import MAY_SERVE_NNX, may_serve_nnx
+from ._tree_reads import static_matches
+
+if cython.compiled:
+    from cython.cimports.cpython.object import PyObject
+    from cython.cimports.cpython.pycapsule import PyCapsule_GetPointer, PyCapsule_New
+    from cython.cimports.cpython.sequence import PySequence_Fast_ITEMS
+    from cython.cimports.cpython.weakref import PyWeakref_NewRef
+    from cython.cimports.fastcall._entry_reads import (
+        apart, guard_holds, read_node, read_nodes, read_shared_variable, read_variable, ref_is,
+    )
+    from cython.cimports.fastcall._capi import (
+        PyObject_Vectorcall, dict_version, latest_fn, matches_fn, may_serve_fn, reader_fn, weakrefable,
+    )
+else:  # (the same functions, called as Python)
+    from ._entry_reads import apart, guard_holds, read_node, read_nodes, read_shared_variable, read_variable, ref_is
+
+# A call's arguments, positional then keyword: a tuple, run as Python; compiled, C's array
+if not cython.compiled:
+    Argv = tuple
+else:
+    Argv = cython.typedef(cython.pointer(cython.pointer(PyObject)))  # type: ignore[misc]
+
+COMPILED: bool = cython.compiled
+
+# (C constants where compiled: no module lookup per use)
+_BY_ID = cython.declare(dict, _flatten.by_id)
+_GRAPHDEFS = cython.declare(dict, GRAPHDEFS)
+_ARRAY = cython.declare(object, ArrayImpl)
+_VARYING = cython.declare(object, Varying)
+_CACHE_ENTRY = cython.declare(object, _flatten.CacheEntry)
+_KNOWN_GRAPHDEF = cython.declare(object, KnownGraphdef)
+_RECORD = cython.declare(object, StructureRecord)
+_ARG_READ = cython.declare(object, ArgRead)
+_STATIC_READ = cython.declare(object, StaticRead)
+_NODE_READ = cython.declare(object, NodeRead)
+_JOINT_READ = cython.declare(object, JointRead)
+_NODES_READ = cython.declare(object, NodesRead)
+_MIXED_READ = cython.declare(object, MixedRead)
+_VARIABLE_READ = cython.declare(object, VariableRead)
+_SHARED_READ = cython.declare(object, SharedVariableRead)
+_GRAPHDEF_READ = cython.declare(object, GraphdefRead)
+_TREE_READ = cython.declare(object, TreeRead)
+_may_serve_nnx = cython.declare(object, may_serve_nnx)
+_latest_leaves = cython.declare(object, _memo.latest_leaves)
+_sequence_leaves = cython.declare(object, _tree_reads.sequence_leaves)
+_tree_leaves = cython.declare(object, _tree_reads.tree_leaves)
+_static_matches = cython.declare(object, static_matches)
+if cython.compiled:  # (the other compiled modules' C entries; NULL where one runs as Python)
+    _MAY_SERVE_NNX = cython.declare(may_serve_fn, cython.NULL)
+    _LATEST = cython.declare(latest_fn, cython.NULL)
+    _SEQUENCE_LEAVES = cython.declare(reader_fn, cython.NULL)
+    _TREE_LEAVES = cython.declare(reader_fn, cython.NULL)
+    _STATIC_MATCHES = cython.declare(matches_fn, cython.NULL)
+    if MAY_SERVE_NNX is not None:
+        _MAY_SERVE_NNX = cython.cast(may_serve_fn, PyCapsule_GetPointer(MAY_SERVE_NNX, b"fastcall._trace.MAY_SERVE_NNX"))
+    if _memo.LATEST_LEAVES is not None:
+        _LATEST = cython.cast(latest_fn, PyCapsule_GetPointer(_memo.LATEST_LEAVES, b"fastcall._memo.LATEST_LEAVES"))
+    if _tree_reads.SEQUENCE_LEAVES is not None:
+        _SEQUENCE_LEAVES = cython.cast(
+            reader_fn, PyCapsule_GetPointer(_tree_reads.SEQUENCE_LEAVES, b"fastcall._tree_reads.SEQUENCE_LEAVES")
+        )
+        _TREE_LEAVES = cython.cast(
+            reader_fn, PyCapsule_GetPointer(_tree_reads.TREE_LEAVES, b"fastcall._tree_reads.TREE_LEAVES")
+        )
+        _STATIC_MATCHES = cython.cast(
+            matches_fn, PyCapsule_GetPointer(_tree_reads.STATIC_MATCHES, b"fastcall._tree_reads.STATIC_MATCHES")
+        )
+_DECLINED = cython.declare(object, DECLINED)  # (what the routes return for a call they do not serve)
+
+# The records the hit routes read by position (compiled, as tuples), with their fields in that
+# order: checked at import, so that a change of layout fails there instead of misreading.
+LAYOUTS: dict[Any, tuple[str, ...]] = {
+    FastSlot: ("ref", "records", "guard", "node"),
+    FastRecord: ("arity", "call", "variables", "post"),
+    StructureRecord: (
+        "arity", "reads", "call", "post", "last", "fast_shape", "kwnames", "order", "hold_first", "others",
+    ),
+    _flatten.CacheEntry: ("ref", "leaves", "spec_id", "spec", "guard"),
+    KnownGraphdef: ("graphdef", "snapshot", "spec_id", "spec"),
+    ArgRead: ("spec_id", "extract", "sequence", "by_identity"),
+    StaticRead: ("spec_id", "value", "by_value"),
+    NodeRead: ("spec_id",),
+    GraphdefRead: ("spec_id",),
+    JointRead: ("spec_id", "entry", "node_ids", "keep"),
+    NodesRead: ("spec_id", "kind", "elements", "keys"),
+    MixedRead: ("spec_id", "flatten", "is_leaf", "treedef", "layout"),
+    VariableRead: ("spec_id", "kind", "metadata", "metadata_slot"),
+    SharedVariableRead: ("spec_id", "owner", "position", "first"),
+    NnxArg: ("obj", "variables", "entry", "ids", "paths", "index"),
+}
 
 
-def arguments_as_read(known: StructureRecord, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
-    """A call's arguments in the order `known`'s reads take them (positional, then keyword,
-    as the general path resolves them: `StructureRecord.order`); None if the call has
-    another number of positional arguments or other keywords than the record's call."""
-    if known.arity != len(args) or known.kwnames != (tuple(kwargs) if kwargs else ()):
-        return None
-    if not kwargs:
-        return args
-    given = (*args, *kwargs.values())
-    return given if known.order is None else tuple([given[k] for k in known.order])
+def check_layout(cls: Any, fields: tuple) -> None:
+    """Raise TypeError, naming the field, if the record class `cls` has other fields than
+    `fields` (the order the routes read them in)."""
+    given = tuple(cls._fields)
+    for i, (field, expected) in enumerate(zip(given, fields)):
+        if field != expected:
+            raise TypeError(f"fastcall: {cls.__name__} field {i} is {field!r}; the hit routes read it as {expected!r}")
+    if len(given) != len(fields):
+        raise TypeError(f"fastcall: {cls.__name__} has {len(given)} fields; the hit routes read {len(fields)}")
 
 
-def read_arguments(
-    known: StructureRecord,
-    args: tuple[Any, ...],
-    serves_nested: bool,
-    plain: frozenset[type],
-    why: list[tuple[int | None, str]] | None = None,
-) -> tuple[list[Any], list[Any]] | None:
-    """The structure path's reading of a call's arguments (`_fast.StructureRecord`;
-    `args`: as `arguments_as_read` gives them): their leaves, in order, and the NnxArgs of
-    its NNX arguments; None if the record does not serve this call. (`serves_nested`,
-    `plain`: the function's, see FunctionState.) `why` (`f.explain` only): where it
-    declines, the argument's index (None: the call as a whole) and why, in words."""
-    values: list[Any] = []
-    nnx_args: list[Any] = []
-    joint = 0  # NNX arguments read jointly (the record pins their entries: see JointRead)
-    for i, (a, read) in enumerate(zip(args, known.reads)):
+for _cls, _fields in LAYOUTS.items():
+    check_layout(_cls, _fields)
+
+
+@cython.final
+@cython.cclass
+class StructureRoute:
+    """A wrapped function's structure route. `structures`: its table of records
+    (`state.structures`); `state`, `on_error`, `finish_varying`, `plain`, `serves_nested`: as
+    `_fast_route.FastRoute`'s. Called as `route(*args, **kwargs)` (the Python wrapper) or
+    through `SERVE` (the C wrapper): the output, or DECLINED."""
+
+    structures: dict
+    state: Any
+    on_error: Any
+    finish_varying: Any
+    plain: frozenset
+    serves_nested: cython.bint
+    structure_calls = cython.declare(cython.Py_ssize_t, visibility="readonly")  # calls served here
+    # The address of the record that served the last call among several of one key: compared
+    # with that key's records' only, never followed (a new record at a reused address only
+    # goes first)
+    _last_served: cython.Py_ssize_t
+    # The last call's lookup of its record (no keywords): the first argument's type, what was
+    # found (borrowed, NULL: absent) and the table's version tag then (see `_fast_route`)
+    _m_type: cython.p_void
+    _m_head: cython.p_void
+    _m_version: cython.ulonglong
+    __weakref__: Any  # (FunctionState.structure_routes is a WeakSet)
+
+    def __init__(
+        self, structures: dict, state: Any, on_error: Any, finish_varying: Any, plain: frozenset, serves_nested: bool
+    ):
+        self.structures = structures
+        self.state = state
+        self.on_error = on_error
+        self.finish_varying = finish_varying
+        self.plain = plain
+        self.serves_nested = serves_nested
+        self.structure_calls = 0
+        self._last_served = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        argv: tuple = (*args, *kwargs.values()) if kwargs else args
+        kwnames: Any = tuple(kwargs) if kwargs else None
+        if cython.compiled:
+            return _serve(self, PySequence_Fast_ITEMS(argv), len(args), kwnames)
+        else:
+            return _serve(self, argv, len(args), kwnames)
+
+
+@cython.cfunc
+@cython.inline
+def _arg(argv: Argv, i: cython.Py_ssize_t) -> object:
+    if cython.compiled:
+        return cython.cast(object, argv[i])
+    else:
+        return argv[i]
+
+
+@cython.cfunc
+def _serve(route: StructureRoute, argv: Argv, nargs: cython.Py_ssize_t, kwnames: Any) -> object:
+    """`f(*argv)` (`nargs` positional arguments, then one per name of `kwnames`, None if
+    none) served by the first of its key's records that reads it, or DECLINED."""
+    if nargs == 0:
+        return _DECLINED
+    head: Any = _record_for(route, type(_arg(argv, 0)), kwnames)
+    if type(head) is not _RECORD:
+        return _DECLINED
+    others: tuple = cython.cast(tuple, head)[9] if cython.compiled else head.others
+    if not others:
+        return _serve_record(route, head, argv, nargs, kwnames)
+    hot: Any = None  # (the record that served the last call, if it is one of these)
+    if _address(head) == route._last_served:
+        hot = head
+    else:
+        for r in others:
+            if _address(r) == route._last_served:
+                hot = r
+                break
+    out: Any
+    if hot is not None:
+        out = _serve_record(route, hot, argv, nargs, kwnames)
+        if out is not _DECLINED:
+            return out
+    for r in (head, *others):
+        if r is not hot:
+            out = _serve_record(route, r, argv, nargs, kwnames)
+            if out is not _DECLINED:
+                route._last_served = _address(r)
+                return out
+    return _DECLINED
+
+
+@cython.cfunc
+@cython.inline
+def _address(obj: Any) -> cython.Py_ssize_t:
+    """`id(obj)`, compiled without making an int."""
+    if cython.compiled:
+        return cython.cast(cython.Py_ssize_t, cython.cast(cython.p_void, obj))
+    else:
+        return id(obj)
+
+
+@cython.cfunc
+def _record_for(route: StructureRoute, first_type: Any, kwnames: Any) -> object:
+    """`structures[_fast.structure_key(...)]`, or None; without keywords, remembered as
+    `_fast_route` remembers its lookups."""
+    if kwnames is not None:
+        return route.structures.get((first_type, kwnames))
+    if cython.compiled:
+        version: cython.ulonglong = dict_version(route.structures)
+        if version != 0 and route._m_type == cython.cast(cython.p_void, first_type) and route._m_version == version:
+            return None if route._m_head == cython.NULL else cython.cast(object, route._m_head)
+        found = route.structures.get(first_type)
+        route._m_type = cython.cast(cython.p_void, first_type)
+        route._m_head = cython.NULL if found is None else cython.cast(cython.p_void, found)
+        route._m_version = version
+        return found
+    else:
+        return route.structures.get(first_type)
+
+
+@cython.cfunc
+def _serve_record(route: StructureRoute, record: Any, argv: Argv, nargs: cython.Py_ssize_t, kwnames: Any) -> object:
+    """`f(*argv)` served under `record`, or DECLINED."""
+    known: tuple = cython.cast(tuple, record) if cython.compiled else record
+    post = known[3]
+    nnx_args: Optional[list] = [] if post is not None else None
+    values = _read_arguments(route, known, argv, nargs, kwnames, nnx_args, None)
+    if values is None:
+        return _DECLINED
+    _mark(known, argv)
+    call = known[2]
+    route.structure_calls += 1
+    try:
+        if cython.compiled:
+            out = PyObject_Vectorcall(call, PySequence_Fast_ITEMS(values), len(values), cython.NULL)
+        else:
+            out = call(*values)
+    except Exception as err:
+        route.on_error(err, *_call_arguments(argv, nargs, kwnames))
+        raise  # (on_error raises; if it did not)
+    if type(out) is _VARYING:  # (its trace met a new output structure: the general path finishes it)
+        route.structure_calls -= 1
+        return route.finish_varying(out, *_call_arguments(argv, nargs, kwnames))
+    if post is None:
+        return out
+    return post(out, _arg(argv, 0), nnx_args if nnx_args else None)
+
+
+@cython.cfunc
+def _call_arguments(argv: Argv, nargs: cython.Py_ssize_t, kwnames: Any) -> tuple:
+    """(args, kwargs or None) of the call, for the general path's handlers."""
+    args = tuple([_arg(argv, i) for i in range(nargs)])
+    if kwnames is None:
+        return (args, None)
+    names: tuple = kwnames
+    return (args, {names[j]: _arg(argv, nargs + j) for j in range(len(names))})
+
+
+@cython.cfunc
+def _read_arguments(
+    route: StructureRoute, known: tuple, argv: Argv, nargs: cython.Py_ssize_t, kwnames: Any, nnx_args: Optional[list],
+    why: Optional[list],
+) -> Optional[list]:
+    """The leaves the call passes, read as the record `known` says (its NNX objects' NnxArgs
+    appended to `nnx_args`, if a list); None if the record does not serve it. `why`
+    (`f.explain` only): where it declines, (argument index or None, reason in words)."""
+    arity: cython.Py_ssize_t = known[0]
+    if arity != nargs:
+        return _declined(why, None, "another number of positional arguments than the recorded call's")
+    expected_names = known[6]
+    if kwnames is None:
+        if expected_names:
+            return _declined(why, None, "without the keyword arguments the recorded call passed")
+    elif kwnames != expected_names:
+        return _declined(why, None, "other keyword arguments, or in another order, than the recorded call's")
+    reads: tuple = known[1]
+    last: list = known[4]
+    order = known[7]
+    n: cython.Py_ssize_t = len(reads)
+    if n != nargs + (0 if kwnames is None else len(kwnames)) or len(last) != n:
+        return _declined(why, None, "not passed as the recorded call's arguments were")
+    fast_shape: cython.bint = known[5]
+    values: list = []
+    # (made at the first NNX object read) the cache entries of NNX objects read on their own,
+    # and the Variables read on their own (by a VariableRead, or in a MixedRead)
+    entries: Optional[list] = None
+    loose: Optional[list] = None
+    joint: cython.Py_ssize_t = 0  # (NNX objects read jointly: then every one must be)
+    nnx: cython.bint = False
+    i: cython.Py_ssize_t
+    if order is not None:  # (each a position among the call's arguments: checked once here)
+        for k in order:
+            if type(k) is not int or not 0 <= k < n:
+                return _declined(why, None, "not passed as the recorded call's arguments were")
+    for i in range(n):
+        a = _arg(argv, _position(known, i))
+        read = reads[i]
         if read is None:
             t = type(a)
-            if t is not ArrayImpl and t not in plain:
+            if t is not _ARRAY and t not in route.plain:
                 return _declined(why, i, f"a {t.__name__} where the recorded call passed an array")
             values.append(a)
             continue
-        if isinstance(read, StaticRead):
-            if not static_matches(read, a):
+        kind = type(read)
+        if kind is _STATIC_READ:
+            if a is not cython.cast(tuple, read)[1] and not _matches(read, a):
                 return _declined(why, i, "static, and not the value the recorded call passed")
             continue
-        if isinstance(read, NodeRead):
-            if not _nnx_gate.reads_as_node(a) or not _nnx_gate.adapter().read_cached(a, read.spec_id, values, nnx_args):
+        if kind is _ARG_READ:
+            if not _read_pytree(read, a, i, last, fast_shape and i == 0, values, why):
+                return None
+            continue
+        if kind is _GRAPHDEF_READ:
+            if not _read_graphdef(a, cython.cast(tuple, read)[0]):
+                return _declined(why, i, "not the graphdef the recorded call passed")
+            continue
+        if not nnx:
+            nnx = True
+            entries = []
+            loose = []
+        if kind is _NODE_READ:
+            if not read_node(a, cython.cast(tuple, read)[0], None, values, entries, nnx_args):
                 return _declined(
                     why, i, "not an NNX object of the structure the recorded call read (or its cache entry changed)"
                 )
-            continue
-        if isinstance(read, JointRead):
-            if not _nnx_gate.reads_as_node(a) or not _nnx_gate.adapter().read_joint(a, read, values, nnx_args):
+        elif kind is _JOINT_READ:
+            if not read_node(a, cython.cast(tuple, read)[0], read, values, entries, nnx_args):
                 return _declined(
                     why, i, "read jointly in the recorded call; not that object now, or its cache entry changed since"
                 )
             joint += 1
-            continue
-        if isinstance(read, SharedVariableRead):
-            owner = known.reads[read.owner]  # (a JointRead: its argument read before or after this one)
-            if not _nnx_gate.adapter().read_shared_variable(a, read, owner, values, nnx_args):
+        elif kind is _VARIABLE_READ:
+            if not read_variable(a, read, values, nnx_args):
+                return _declined(why, i, "not a Variable of the type and metadata the recorded call passed")
+            cython.cast(list, loose).append(a)
+        elif kind is _SHARED_READ:
+            if not read_shared_variable(a, read, reads, values, nnx_args):
                 return _declined(
                     why,
                     i,
-                    f"the recorded call passed the Variable that argument {read.owner} holds at one place; this is"
-                    " another",
+                    f"the recorded call passed the Variable that argument {cython.cast(tuple, read)[1]} holds at one"
+                    " place; this is another",
                 )
             joint += 1
-            continue
-        if isinstance(read, NodesRead):
-            read_jointly = _read_nodes(a, read, values, nnx_args, why, i)
-            if read_jointly is None:
-                return None
-            joint += read_jointly
-            continue
-        if isinstance(read, MixedRead):
-            if not read_mixed(a, read, values, nnx_args, plain):
+        elif kind is _NODES_READ:
+            found = read_nodes(a, read, values, entries, nnx_args)
+            if found < 0:
+                return _declined(why, i, "not a container of the NNX objects, of the structures, the recorded call read")
+            joint += found
+        elif kind is _MIXED_READ:
+            if not _read_mixed(route, a, read, values, entries, loose, nnx_args):
                 return _declined(
                     why, i, "not a pytree of the structure, static values and NNX objects the recorded call passed"
                 )
-            continue
-        if isinstance(read, VariableRead):
-            if not _nnx_gate.adapter().read_variable_again(a, read, values, nnx_args):
-                return _declined(why, i, "not a Variable of the type and metadata the recorded call passed")
-            continue
-        if isinstance(read, GraphdefRead):
-            if not _nnx_gate.is_graphdef(a) or _fast.known_graphdef(a) != read.spec_id:
-                return _declined(why, i, "not the graphdef the recorded call passed")
-            continue
-        if not _read_pytree(known, i, a, read, values, why):
-            return None
-    if nnx_args and not _serves_nnx_call(known, nnx_args, joint, serves_nested, why):
-        return None
-    last = known.last
-    for i, read in enumerate(known.reads):
-        if type(read) is ArgRead:
-            last[i] = _fast.last_mark(args[i], i == 0 and known.hold_first) if read.by_identity else None
-    return values, nnx_args
+        else:
+            return _declined(why, i, "read in a way this route does not know")
+    if nnx and (entries or loose or joint):
+        # (a record reading one NNX object jointly reads every one so)
+        if not (not entries and not loose if joint else apart(entries, loose)):
+            return _declined(
+                why,
+                None,
+                "its NNX arguments share Variables or nodes, and the recorded call's did not (or the other way"
+                " round), or they are not known not to: the general path reads them jointly",
+            )
+        if not _may_serve(known[3] is None and route.serves_nested):
+            return _declined(why, None, "called inside a jax transformation, which this record cannot serve")
+    return values
 
 
-def _read_pytree(
-    known: StructureRecord, i: int, a: Any, read: ArgRead, values: list[Any], why: list[tuple[int | None, str]] | None
-) -> bool:
-    """`read_arguments`' reading of a pytree argument `a` (argument `i`): its leaves from
-    the identity cache or the record's extractor, added to `values`; False where the
-    record does not serve it."""
-    if i == 0 and known.fast_shape and _fast.passed_again(known.last[0], a):
-        _declined(why, i, "passed again: the general path gives it a fast record")
-        return False
-    hit = _flatten.lookup(a)
-    if hit is not None and hit.spec_id == read.spec_id:
-        values += hit.leaves
-        return True
-    if read.extract is None or _fast.passed_again(known.last[i], a):
-        # (extracted again: the general path caches it by identity)
-        _declined(why, i, "passed again, or of a structure read whole: the general path caches it")
-        return False
-    leaves = read.extract(a)
-    if leaves is None:
-        _declined(why, i, "not of the structure the recorded call passed")
-        return False
-    values += leaves
-    return True
+@cython.cfunc
+def _mark(known: tuple, argv: Argv) -> cython.void:
+    """Note in the record's `last` the objects this call read by identity (`last_mark`)."""
+    reads: tuple = known[1]
+    last: list = known[4]
+    hold_first: cython.bint = known[8]
+    i: cython.Py_ssize_t
+    for i in range(len(reads)):
+        read = reads[i]
+        if type(read) is _ARG_READ:
+            if cython.cast(tuple, read)[3] if cython.compiled else read.by_identity:
+                last[i] = last_mark(_arg(argv, _position(known, i)), hold_first and i == 0)
+            else:
+                last[i] = None
 
 
-def _read_nodes(
-    a: Any, read: NodesRead, values: list[Any], nnx_args: list[Any], why: list[tuple[int | None, str]] | None, i: int
-) -> int | None:
-    """`read_arguments`' reading of a container of NNX objects (argument `i`): how many it
-    read jointly, or None where the record does not serve it."""
-    objs = read.objects(a)
-    if objs is None:
-        return _declined(why, i, "not a container of the type, length or keys the recorded call passed")
-    joint = 0
-    for x, element in zip(objs, read.elements):
-        if not _nnx_gate.is_node(x):
-            return _declined(why, i, "holds something other than an NNX object where the recorded call's did")
-        if type(element) is JointRead:
-            if not _nnx_gate.adapter().read_joint(x, element, values, nnx_args):
-                return _declined(why, i, "holds an object read jointly in the recorded call, changed since")
-            joint += 1
-        elif not _nnx_gate.adapter().read_cached(x, element, values, nnx_args):
-            return _declined(why, i, "holds an NNX object not of the structure the recorded call read")
-    return joint
+@cython.ccall
+def last_mark(obj: Any, first: cython.bint) -> object:
+    """What `StructureRecord.last` keeps of an object read at one position, to tell whether
+    a later call passes this very object again: a weak reference to it (a new object that
+    reuses a dead one's id is not it); for a list or dict passed first (`first`: where the
+    record's `hold_first` says), which `_hold.hold` caches (checking its leaves), its id; else
+    None: the identity cache cannot hold it, so passing it again gains nothing (a new batch
+    dict each call, whose id Python reuses, must not look passed again)."""
+    if cython.compiled:
+        if weakrefable(obj):
+            return PyWeakref_NewRef(obj, None)
+    elif type(obj).__weakrefoffset__:
+        return _WEAKREF(obj)
+    return id(obj) if first and (type(obj) is list or type(obj) is dict) else None
 
 
-def _serves_nnx_call(
-    known: StructureRecord, nnx_args: list[Any], joint: int, serves_nested: bool, why: list[tuple[int | None, str]] | None
-) -> bool:
-    """Whether the record serves a call whose arguments read as `nnx_args` (`joint` of them
-    read jointly): not inside a trace where the call may change state, and its NNX arguments
-    sharing nothing, or read jointly as the recorded call's were."""
-    if (known.post is not None or not serves_nested) and not at_top_level():
-        # (as the fast path: see FunctionState.serves_nested)
-        _declined(why, None, "called inside a jax transformation, which this record cannot serve")
-        return False
-    if joint != len(nnx_args) if joint else len(nnx_args) > 1 and _nnx_gate.adapter().overlapping(nnx_args):
-        # (NNX arguments sharing Variables are read jointly, each by a JointRead, or not here)
-        _declined(
-            why,
-            None,
-            "its NNX arguments share Variables or nodes, and the recorded call's did not (or the other way round): the"
-            " general path reads them jointly",
-        )
-        return False
-    return True
+_WEAKREF = cython.declare(object, weakref.ref)
 
 
-def read_mixed(a: Any, read: MixedRead, values: list[Any], nnx_args: list[Any], plain: frozenset[type]) -> bool:
-    """`read_arguments`' reading of a pytree holding NNX objects beside other leaves
-    (`MixedRead`): its leaves appended to `values` and its NNX objects' NnxArgs to
-    `nnx_args`, in the order the general path's `read_container` reads them; False if it
-    does not read as recorded."""
-    try:
-        items, treedef = read.flatten(a, read.is_leaf)
-        if treedef != read.treedef:
-            return False
-    except Exception:  # (a node data whose `==` raises: the general path names it)
-        return False
-    adapter = _nnx_gate.adapter()
-    for x, code in zip(items, read.layout):
-        if code is None:
-            t = type(x)
-            if t is not ArrayImpl and t not in plain:
-                return False
-            values.append(x)
-        elif type(code) is VariableRead:
-            if not adapter.read_variable_again(x, code, values, nnx_args):
-                return False
-        elif type(code) is StaticRead:
-            if not static_matches(code, x):
-                return False
-        elif not read.is_leaf(x) or not adapter.read_cached(x, code, values, nnx_args):
-            return False
-    return True
+@cython.cfunc
+@cython.inline
+def _position(known: tuple, i: cython.Py_ssize_t) -> cython.Py_ssize_t:
+    """Where the argument read `i`-th is among the call's positional then keyword ones."""
+    order = known[7]
+    if order is None:
+        return i
+    return cython.cast(tuple, order)[i] if cython.compiled else order[i]
 
 
-def _declined(why: list[tuple[int | None, str]] | None, index: int | None, reason: str) -> Any:
-    """`read_arguments` declines the call (returns None): noted in `why` for `f.explain`,
-    if it asks."""
+@cython.cfunc
+def _declined(why: Optional[list], index: Any, reason: str) -> Optional[list]:
+    """Decline the call (None), saying why where `f.explain` asks."""
     if why is not None:
         why.append((index, reason))
     return None
+
+
+# ---- the reads, one per kind ------------------------------------------------------------
+
+
+@cython.cfunc
+@cython.exceptval(-1, check=True)
+def _matches(read: Any, a: Any) -> cython.bint:
+    """`_tree_reads.static_matches`, through its C entry where compiled."""
+    if cython.compiled and _STATIC_MATCHES != cython.NULL:
+        return _STATIC_MATCHES(read, a) == 1
+    return _static_matches(read, a)
+
+
+@cython.cfunc
+@cython.exceptval(-1, check=True)
+def _read_pytree(
+    read: Any, a: Any, i: cython.Py_ssize_t, last: list, first_again: cython.bint, values: list, why: Optional[list]
+) -> cython.bint:
+    """A pytree argument's leaves (`ArgRead`), appended to `values`; False where the record
+    does not serve it (said in `why`)."""
+    r: tuple = cython.cast(tuple, read) if cython.compiled else read
+    if first_again and _passed_again(last[0], a):
+        _declined(why, i, "passed again: the general path gives it a fast record")
+        return False
+    leaves = _cached_leaves(a, r[0])
+    if leaves is None:
+        if r[1] is None or _passed_again(last[i], a):
+            _declined(why, i, "passed again, or of a structure read whole: the general path caches it")
+            return False
+        sequence = r[2]
+        if sequence is None:
+            leaves = r[1](a)
+        elif type(sequence) is _TREE_READ:
+            leaves = _TREE_LEAVES(sequence, a) if cython.compiled and _TREE_LEAVES != cython.NULL else _tree_leaves(
+                sequence, a
+            )
+        else:
+            leaves = (
+                _SEQUENCE_LEAVES(sequence, a) if cython.compiled and _SEQUENCE_LEAVES != cython.NULL
+                else _sequence_leaves(sequence, a)
+            )
+        if type(leaves) is not tuple:  # (None: not of this structure)
+            _declined(why, i, "not of the structure the recorded call passed")
+            return False
+    values.extend(leaves)
+    return True
+
+
+@cython.cfunc
+@cython.exceptval(-1, check=True)
+def _passed_again(mark: Any, a: Any) -> cython.bint:
+    """Whether `a` is the object `mark` (`_fast.last_mark`) was taken of."""
+    if mark is None:
+        return False
+    if type(mark) is int:
+        return mark == id(a)
+    return ref_is(mark, a)
+
+
+@cython.cfunc
+def _cached_leaves(a: Any, spec_id: Any) -> object:
+    """`a`'s leaves from the identity cache (an entry of spec `spec_id`, current), or the memo
+    of returned objects; None if neither has them."""
+    entry = _BY_ID.get(id(a))
+    if type(entry) is _CACHE_ENTRY:
+        e: tuple = cython.cast(tuple, entry) if cython.compiled else entry
+        if ref_is(e[0], a) and (e[4] is None or guard_holds(e[4])):
+            leaves = e[1]
+            if (type(leaves) is tuple or type(leaves) is list) and e[2] == spec_id:
+                return leaves
+    if cython.compiled and _LATEST != cython.NULL:
+        return _LATEST(a, spec_id)
+    return _latest_leaves(a, spec_id)
+
+
+@cython.cfunc
+@cython.exceptval(-1, check=True)
+def _may_serve(nested_ok: cython.bint) -> cython.bint:
+    """`_trace.may_serve_nnx`, through its C entry where compiled."""
+    if cython.compiled and _MAY_SERVE_NNX != cython.NULL:
+        return _MAY_SERVE_NNX(nested_ok) == 1
+    return _may_serve_nnx(nested_ok)
+
+
+@cython.cfunc
+@cython.exceptval(-1, check=True)
+def _read_graphdef(a: Any, spec_id: Any) -> cython.bint:
+    """Whether `a` is the GraphDef `GRAPHDEFS` knows under `spec_id`, unchanged since."""
+    known = _GRAPHDEFS.get(id(a))
+    if type(known) is not _KNOWN_GRAPHDEF:
+        return False
+    k: tuple = cython.cast(tuple, known) if cython.compiled else known
+    if k[0] is not a or k[2] != spec_id:
+        return False
+    return k[1] is None or a == k[1]
+
+
+@cython.cfunc
+@cython.exceptval(-1, check=True)
+def _read_mixed(
+    route: StructureRoute, a: Any, read: Any, values: list, entries: list, loose: list, nnx_args: Optional[list]
+) -> cython.bint:
+    """A pytree holding NNX objects beside other leaves (`MixedRead`): jax's flatten of `a`
+    down to its NNX objects, its treedef equal to the record's, then each leaf as the
+    record's layout says: a plain leaf appended to `values`; a static one compared; a
+    Variable read as `_read_variable` reads it (and added to `loose`); an NNX object (its spec
+    id) read from its cache entry (`_read_node`)."""
+    r: tuple = cython.cast(tuple, read) if cython.compiled else read
+    layout = r[4]
+    if type(layout) is not tuple:
+        return False
+    try:
+        flat = r[1](a, r[2])
+        items = flat[0]
+        if type(items) is not list or not (flat[1] == r[3]):
+            return False
+    except Exception:  # (a node data whose `==` raises: the general path names it)
+        return False
+    if len(items) != len(layout):
+        return False
+    plain: frozenset = route.plain
+    j: cython.Py_ssize_t
+    for j in range(len(layout)):
+        x = cython.cast(list, items)[j]
+        code = cython.cast(tuple, layout)[j]
+        if code is None:
+            t = type(x)
+            if t is not _ARRAY and t not in plain:
+                return False
+            values.append(x)
+        elif type(code) is _STATIC_READ:
+            if x is not cython.cast(tuple, code)[1] and not _matches(code, x):
+                return False
+        elif type(code) is _VARIABLE_READ:
+            if not read_variable(x, code, values, nnx_args):
+                return False
+            loose.append(x)
+        elif type(code) is int:
+            if not read_node(x, code, None, values, entries, nnx_args):
+                return False
+        else:
+            return False
+    return True
+
+
+# ---- entries ------------------------------------------------------------------------------
+
+
+@cython.cfunc
+def _serve_c(route: object, argv: Argv, nargs: cython.Py_ssize_t, kwnames: object) -> object:
+    """The C wrapper's entry (`SERVE`): `_serve`, for a StructureRoute it holds."""
+    return _serve(cython.cast(StructureRoute, route), argv, nargs, kwnames)
+
+
+# The C wrapper's entry, `PyObject *(*)(PyObject *route, PyObject *const *args, Py_ssize_t
+# nargs, PyObject *kwnames)` (`kwnames`: None without keywords): a new reference to the output,
+# DECLINED, or NULL with an error set. None run as Python.
+SERVE: Any = (
+    PyCapsule_New(cython.cast(cython.p_void, _serve_c), b"fastcall._structure_route.SERVE", cython.NULL)
+    if cython.compiled else None
+)
+
+
+def arguments_as_read(known: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
+    """A call's arguments in the order `known`'s reads take them (`StructureRecord.order`);
+    None if the call has another number of positional arguments or other keywords than the
+    record's call (`f.explain` names them so)."""
+    if known.arity != len(args) or known.kwnames != (tuple(kwargs) if kwargs else ()):
+        return None
+    given = (*args, *kwargs.values())
+    return given if known.order is None else tuple([given[k] for k in known.order])
+
+
+def declined_reads(
+    known: Any, args: tuple, kwargs: dict, plain: frozenset, serves_nested: bool
+) -> list[tuple[Optional[int], str]]:
+    """Why `known` would not serve this call (`f.explain`): (argument index, None for the call
+    as a whole, and the reason in words), as the route reads it, changing nothing; empty if
+    it would serve it."""
+    route = StructureRoute({}, None, None, None, plain, serves_nested)
+    argv: tuple = (*args, *kwargs.values()) if kwargs else args
+    kwnames: Any = tuple(kwargs) if kwargs else None
+    why: list = []
+    if cython.compiled:  # (a StructureRecord: a tuple, to the C reads)
+        record: tuple = cython.cast(tuple, known)
+        _read_arguments(route, record, PySequence_Fast_ITEMS(argv), len(args), kwnames, [], why)
+    else:
+        _read_arguments(route, known, argv, len(args), kwnames, [], why)
+    return why
+
+
+def reads_as_mixed(value: Any, read: Any, plain: frozenset) -> bool:
+    """Whether `value` reads as the MixedRead `read` says (`f.explain`)."""
+    route = StructureRoute({}, None, None, None, plain, False)
+    return _read_mixed(route, value, read, [], [], [], None)

@@ -167,11 +167,13 @@ def unchecked(monkeypatch):
     monkeypatch.setattr(_agreement, "ENABLED", False)
 
 
-# hot_path fixture value -> stats path. The fast route is one source (`_fast_route`), the same
-# under both: named for whether it was compiled (not, under FASTCALL_TEST_AS_PYTHON).
+# hot_path fixture value -> stats path. Each route is one source (`_fast_route`,
+# `_structure_route`), the same under both: named for whether it was compiled (not, under
+# FASTCALL_TEST_AS_PYTHON).
 _FAST = "c_fast" if fastcall._fast_route.COMPILED else "python_fast"
 FAST_PATH = {"c": _FAST, "python": _FAST}
-STRUCTURE_PATH = {"c": "c_structure", "python": "python_structure"}  # (a new object, known structure)
+_STRUCTURE = "c_structure" if fastcall._structure_route.COMPILED else "python_structure"
+STRUCTURE_PATH = {"c": _STRUCTURE, "python": _STRUCTURE}  # (a new object, known structure)
 
 
 def served(f: Any, *args: Any, **kwargs: Any) -> tuple[Any, str]:

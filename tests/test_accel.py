@@ -1,5 +1,6 @@
-"""The optional compiled modules are built here and serve the hot case: the fast route
-(`_fast_route`, compiled by Cython), the C structure route and memo (`_accel.c`)."""
+"""The optional compiled modules are built here and serve the hot case: the hit routes
+(`_fast_route`, `_structure_route`) and the memo, compiled by Cython, entered from the C
+wrapper (`_accel.c`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 import fastcall
 from fastcall import _memo
 
-from .conftest import AS_PYTHON, assert_trees_equal, compiled_sources, served, source_as_python
+from .conftest import AS_PYTHON, STRUCTURE_PATH, assert_trees_equal, compiled_sources, served, source_as_python
 
 
 def test_c_accelerator_is_built_and_used(unchecked):
@@ -70,7 +71,7 @@ def _import_without_the_extension(env: dict[str, str], sources: bool = False) ->
         "f = fastcall.jit(lambda x: x + 1)\n"
         "outs = [float(f(jnp.ones(()))) for _ in range(3)]\n"
         "paths = f.stats().paths\n"
-        "print(outs, paths['c_fast'] + paths['python_fast'] + paths['python_structure'])\n"
+        "print(outs, paths['c_fast'] + paths['python_fast'] + paths['c_structure'] + paths['python_structure'])\n"
     )
     return subprocess.run(
         [sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
@@ -156,7 +157,7 @@ def test_returned_modules_and_tuples_are_noted_for_the_next_call(native, monkeyp
     out = entry_out(step)
     assert out.held[0] is not None and _memo.LATEST[0] is out.held
     (m2, s2), route = served(step, m1, s1)  # (built and noted in one call: finish_output)
-    assert route == ("c_structure" if native else "python_structure")
+    assert route == STRUCTURE_PATH["c" if native else "python"]
     assert out.fast_result.func is _rebuild.finish_output
     assert out.fast_result.args[1].func is _memo.note_latest
     assert_trees_equal((m2, s2), (jax.tree.map(lambda w: w * 0.25, model), (state[0] + 2, state[1] * 4)))

@@ -155,44 +155,35 @@ def test_disable_accel_environment_variable():
     assert out.stdout.split() == ["function", "1"]
 
 
-def test_c_wrapper_checks_the_record_layout():
-    from fastcall import _dispatch, _native
+def test_the_hit_routes_check_the_record_layout():
+    """The compiled routes read records by position: each record's fields are checked, at
+    import, against the order they are read in, so that a changed layout fails loudly."""
+    from fastcall import _structure_route
+
+    for cls, fields in _structure_route.LAYOUTS.items():
+        assert cls._fields == fields
+        name = cls.__name__
+        for wrong_fields, match in [((*fields[:-1], "other"), f"{name} field {len(fields) - 1} is 'other'"),
+                                    ((*fields, "extra"), f"{name} has {len(fields) + 1} fields")]:
+            with pytest.raises(TypeError, match=match):
+                _structure_route.check_layout(collections.namedtuple(name, wrong_fields), fields)
+
+
+def test_c_wrapper_checks_the_routes_entries():
+    from fastcall import _dispatch, _fast_route, _native, _structure_route
 
     if _native.BUILT is None:
         pytest.skip("the C accelerator is not built")
-    records = ["FastSlot", "StructureRecord", "CacheEntry", "ArgRead", "NodeRead", "NodesRead",
-               "GraphdefRead", "KnownGraphdef", "NnxArg", "RawLeaf", "VariableRead", "Registration",
-               "SequenceRead", "StaticRead", "JointRead", "SharedVariableRead", "TreeRead", "MixedRead"]
-    real = _native.BUILT.configure
-    calls = []
+    # (the C entries: capsules, or None where their module runs as Python)
+    entries = (_fast_route.SERVE, _structure_route.SERVE)
+    assert all(e is None or type(e).__name__ == "PyCapsule" for e in entries)
     try:
-        _native.BUILT.configure = lambda *a: calls.append(a)
-        _dispatch.configure_accel()
-    finally:
-        _native.BUILT.configure = real
-    (tables,) = calls
-    # (the tables; the records; the fast route's entry and DECLINED; may_serve_nnx, guard holds,
-    # latest_leaves and their entries; the module of the tree readers)
-    tables, given, entry = tables[:-10], tables[-10], tables[-9:]
-    assert sorted(given) == sorted(records)
-    try:
-        for name in records:
-            cls = given[name]
-            for wrong_fields, match in [((*cls._fields[:-1], "other"), f"{name} field {len(cls._fields) - 1}"),
-                                        (cls._fields + ("extra",), name)]:
-                wrong = collections.namedtuple(name, wrong_fields)
-                with pytest.raises(TypeError, match=match):
-                    real(*tables, {**given, name: wrong}, *entry)
-            with pytest.raises(TypeError, match=f"no record class {name}"):
-                real(*tables, {k: v for k, v in given.items() if k != name}, *entry)
-        # (the C entries: capsules, or None where their module runs as Python)
-        assert all(e is None or type(e).__name__ == "PyCapsule" for e in (entry[0], entry[3], entry[5], entry[7]))
-        for at in (0, 3, 5, 7):
-            wrong = [*entry[:at], "not the entry", *entry[at + 1 :]]
+        for at in (0, 1):
+            wrong = [*entries[:at], "not the entry", *entries[at + 1 :]]
             with pytest.raises(ValueError, match="PyCapsule"):
-                real(*tables, given, *wrong)
+                _native.BUILT.configure(*wrong, _fast_route.DECLINED)
     finally:
-        _dispatch.configure_accel()  # (a failed configure changes nothing; restore anyway)
+        _dispatch.configure_accel()
     f = fastcall.jit(lambda x: x + 1)
     assert int(f(jnp.ones(()))) == 2
 

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import fastcall
-from fastcall import _fast, _pack
+from fastcall import _pack
+from fastcall._nnx._variables import raw_value
 
 from .conftest import FAST_PATH, STRUCTURE_PATH, assert_trees_equal, served
 
@@ -691,7 +692,7 @@ def test_a_dead_models_records_and_leaves_are_freed_without_garbage_collection(h
             nnx_model = NnxStack(seed=10 + i)
             for _ in range(1 + i % 3):
                 f(nnx_model, X)
-            alive.append(weakref.ref(_fast.read_value(nnx_model.blocks[0].norm.bias)))
+            alive.append(weakref.ref(raw_value(nnx_model.blocks[0].norm.bias)))
             del nnx_model
         assert [r() is None for r in alive] == [True] * 8
     finally:

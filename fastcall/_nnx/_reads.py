@@ -5,9 +5,9 @@ The general path reads an NNX object through its cache entry (`read_argument`,
 a pytree holding NNX objects as a `TreeSpec` (`read_container`), and the arguments of a
 call that share objects jointly, in one flatten. An `nnx.State` of Variables only, new, of
 a structure read before, is read by jax's pytree flatten instead of a graph walk
-(`_read_plain_state`). The records by which the structure path reads an argument again
-are made here after a call (`joint_read`, `variable_read`, `mixed_read`, ...) and read
-here (`read_cached`, `read_joint`, `read_variable_again`, `read_shared_variable`).
+(`_read_plain_state`). The records by which the structure route reads an argument again
+are made here after a call (`joint_read`, `variable_read`, `mixed_read`, ...); the route
+(`_structure_route`) reads them through the cache entries the fast index publishes.
 `explain_node` says what reading one costs.
 """
 
@@ -21,7 +21,7 @@ import jax
 from flax import nnx
 from flax.nnx import graphlib
 
-from .. import _fast, _nnx_gate, _trace
+from .. import _fast, _nnx_gate
 from .._errors import FastcallError, describe_arg
 from .._flatten import ArrayImpl, intern, is_traced_leaf, spec_by_id
 from .._flatten import interned as _interned
@@ -158,25 +158,6 @@ def variable_read(arg: NnxArg, spec_id: int) -> _fast.VariableRead | None:
     except Exception:
         return None
     return _fast.VariableRead(spec_id, type(v), metadata, METADATA_SLOT)
-
-
-def read_variable_again(v: Any, read: _fast.VariableRead, values: list[Any], nnx_args: list[NnxArg]) -> bool:
-    """The structure path's reading of a Variable argument (`VariableRead`): its value and
-    NnxArg, as `_read_variable` gives them, if it is of the recorded type and metadata and
-    holds a jax array; False (nothing appended) otherwise."""
-    if type(v) is not read.kind or _trace.static_cache_pending():
-        return False
-    value = raw_value(v)
-    if type(value) is not ArrayImpl:
-        return False  # (a tracer: inside an NNX transform)
-    try:
-        if read.metadata_slot.__get__(v) != read.metadata:
-            return False
-    except Exception:
-        return False
-    values.append(value)
-    nnx_args.append(NnxArg(v, [v], None, frozenset((id(v),))))
-    return True
 
 
 def _read_plain_state(state: Any, plain: _PlainState, leaves: list[Any], nnx_args: list[NnxArg]) -> NodeSpec:
@@ -348,48 +329,9 @@ def joint_index() -> Any:
 # The structure path: an argument read again by its record
 
 
-def read_cached(obj: Any, spec_id: int, values: list[Any], nnx_args: list[NnxArg]) -> bool:
-    """The structure path's reading of an NNX argument: its current leaf values and NnxArg,
-    as `read_argument` gives them, if its cached entry is usable as it is and has spec
-    `spec_id`; False (nothing appended) otherwise, or where `read_argument` would step
-    aside or consume NNX's cached_partial cache."""
-    entry = cached(obj)
-    if entry is None or entry.spec_id != spec_id or entry.fresh or _trace.static_cache_pending():
-        return False
-    current = entry.values()
-    if current and type(current[0]) is not ArrayImpl:
-        return False  # (tracers: inside an NNX transform)
-    values += current
-    nnx_args.append(NnxArg(obj, entry.items, entry, paths=entry.paths))
-    return True
-
-
-def read_joint(obj: Any, read: _fast.JointRead, values: list[Any], nnx_args: list[NnxArg]) -> bool:
-    """The structure path's reading of an NNX argument read jointly with others
-    (`_fast.JointRead`): the values and NnxArg the general path's joint flatten gives it, if
-    its cached entry is the recorded one, usable as it is, with the recorded spec and its
-    nodes and Variables unchanged; False (nothing appended) otherwise, or where the joint
-    read would step aside or consume NNX's cached_partial cache."""
-    entry = cached(obj)
-    if (
-        entry is None or read.entry() is not entry or entry.node_ids is not read.node_ids
-        or entry.spec_id != read.spec_id or entry.fresh or _trace.static_cache_pending()
-    ):
-        return False
-    items = entry.items if read.keep is None else [entry.items[k] for k in read.keep]
-    current = list(map(read_leaf, items))
-    if current and type(current[0]) is not ArrayImpl:
-        return False  # (tracers: inside an NNX transform)
-    values += current
-    # (as the joint flatten's NnxArg: no entry, whose leaves are not these; paths, where
-    # a Variable replaced inside needs one, found by a search)
-    nnx_args.append(NnxArg(obj, items, None, paths=entry.paths if read.keep is None else None))
-    return True
-
-
 def readable_argument(arg: NnxArg, spec_id: int) -> bool:
-    """Whether the structure path may read this call's NNX argument as `read_cached` does:
-    it was read from its cache entry, on its own (not jointly with another argument)."""
+    """Whether the structure route may read this call's NNX argument from its cache entry
+    (`NodeRead`): it was read from it, on its own (not jointly with another argument)."""
     entry = arg.entry
     return entry is not None and not entry.volatile and entry.spec_id == spec_id and not entry.spec.joint
 
@@ -443,28 +385,6 @@ def shared_variable_read(arg: NnxArg, spec_id: int, reads: list[Any], at: int) -
             if item is v and (read.keep is None or index in read.keep) != passed:
                 return _fast.SharedVariableRead(spec_id, owner, index, passed)
     return None
-
-
-def read_shared_variable(
-    v: Any, read: _fast.SharedVariableRead, owner: _fast.JointRead, values: list[Any], nnx_args: list[NnxArg]
-) -> bool:
-    """The structure path's reading of a Variable argument another argument holds
-    (`_fast.SharedVariableRead`; `owner`: that argument's JointRead, which the call reads
-    too, checking the entry is its argument's): its value if it is met first (else its
-    holder passes it) and the NnxArg the joint flatten gives it, if it is the Variable at
-    the recorded place of the pinned entry; False otherwise."""
-    entry = owner.entry()
-    if entry is None or read.position >= len(entry.items) or entry.items[read.position] is not v:
-        return False
-    if not read.first:
-        nnx_args.append(NnxArg(v, [], None, paths=[]))
-        return True
-    value = raw_value(v)
-    if type(value) is not ArrayImpl:
-        return False  # (a tracer: inside an NNX transform)
-    values.append(value)
-    nnx_args.append(NnxArg(v, [v], None, paths=[()]))
-    return True
 
 
 def explain_node(obj: Any) -> tuple[str, str]:

@@ -24,6 +24,7 @@ from flax.nnx.tracers import TraceState as _TraceState
 from flax.nnx.variablelib import Variable
 
 from .. import _fast
+from .._entry_reads import raw_leaf_value
 from .._errors import FastcallError
 from .._flatten import ArrayImpl
 from . import _hooks
@@ -83,7 +84,7 @@ def read_leaf(item: Any) -> Any:
     """The current value of one leaf of a cached graph."""
     t = type(item)
     if t is RawLeaf:
-        return _fast.read_raw(item)
+        return raw_leaf_value(item)
     if t is RawItem:
         return item.container[item.key]
     if t is _Unreadable:
