@@ -46,6 +46,22 @@ ctypedef int (*may_serve_fn)(int nested_ok) except -1
 cdef extern from "Python.h":
     object PyObject_GenericGetDict(object o, void *context)
 
+cdef extern from *:
+    """
+    /* `cls(*fields)` for a NamedTuple class `cls`, made as its own `__new__` makes it
+     * (`tuple.__new__(cls, fields)`), through tuple's C slot: no Python call. */
+    static inline PyObject *fastcall_new_record(PyObject *cls, PyObject *fields) {
+        PyObject *args = PyTuple_Pack(1, fields);
+        if (args == NULL) {
+            return NULL;
+        }
+        PyObject *made = PyTuple_Type.tp_new((PyTypeObject *)cls, args, NULL);
+        Py_DECREF(args);
+        return made;
+    }
+    """
+    object new_record "fastcall_new_record" (object cls, object fields)
+
 # `_guard.holds`'s C entry, as `_guard.HOLDS` carries it: 1, 0, or -1 with an error set
 ctypedef int (*holds_fn)(object guard) except -1
 

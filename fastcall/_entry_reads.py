@@ -29,11 +29,11 @@ from ._flatten import Strong
 from ._guard import HOLDS, holds
 
 if cython.compiled:
-    from cython.cimports.cpython.object import Py_TYPE, PyObject, PyTypeObject
+    from cython.cimports.cpython.object import Py_TYPE, PyObject
     from cython.cimports.cpython.pycapsule import PyCapsule_GetPointer
     from cython.cimports.cpython.ref import Py_XDECREF
     from cython.cimports.cpython.weakref import PyWeakref_CheckProxy, PyWeakref_CheckRef, PyWeakref_GetRef
-    from cython.cimports.fastcall._capi import PyObject_GenericGetDict, dict_combined, dict_version, holds_fn
+    from cython.cimports.fastcall._capi import PyObject_GenericGetDict, dict_combined, dict_version, holds_fn, new_record
 
 COMPILED: bool = cython.compiled
 
@@ -89,9 +89,7 @@ def _new_nnx_arg(obj: Any, variables: Any, entry: Any, ids: Any, paths: Any) -> 
     """`NnxArg(obj, variables, entry, ids, paths)`, made as its own `__new__` makes it."""
     fields = (obj, variables, entry, ids, paths, None)
     if cython.compiled:
-        base: cython.pointer[PyTypeObject] = cython.cast(cython.pointer[PyTypeObject], tuple)
-        args: tuple = (fields,)
-        return base.tp_new(_NNX_ARG, cython.cast(cython.pointer[PyObject], args), cython.NULL)
+        return new_record(_NNX_ARG, fields)
     else:
         return tuple.__new__(_NNX_ARG, fields)
 
@@ -283,12 +281,22 @@ def read_variable(a: Any, read: Any, values: list, nnx_args: Optional[list]) -> 
             return False
     except Exception:  # (metadata that cannot be compared: the general path reads it)
         return False
-    value = item_value(descr, a)
-    if type(value) is not _ARRAY:
-        return False  # (a tracer: inside an NNX transform)
-    values.append(value)
+    if not _append_array(descr, a, values):
+        return False
     if nnx_args is not None:
         nnx_args.append(_new_nnx_arg(a, [a], None, frozenset((id(a),)), None))
+    return True
+
+
+@cython.cfunc
+@cython.exceptval(-1, check=True)
+def _append_array(descr: Any, v: Any, values: list) -> cython.bint:
+    """Append the Variable `v`'s value to `values` if it is a jax array; False if not (a
+    tracer: inside an NNX transform, where the general path reads it)."""
+    value = item_value(descr, v)
+    if type(value) is not _ARRAY:
+        return False
+    values.append(value)
     return True
 
 
@@ -314,12 +322,8 @@ def read_shared_variable(a: Any, read: Any, reads: tuple, values: list, nnx_args
     first: cython.bint = r[3]
     if first:
         descr = _VALUE_SLOT[0]
-        if descr is None:
+        if descr is None or not _append_array(descr, a, values):
             return False
-        value = item_value(descr, a)
-        if type(value) is not _ARRAY:
-            return False  # (a tracer: inside an NNX transform)
-        values.append(value)
     if nnx_args is not None:
         nnx_args.append(_new_nnx_arg(a, [a] if first else [], None, _EMPTY_IDS, [()] if first else []))
     return True

@@ -32,8 +32,6 @@ except ImportError:  # (Cython is needed only to build; run as Python without it
 
 from ._arrays import ArrayImpl
 from ._fast import INDEX, VALUE_SLOT, FastRecord, FastSlot
-from ._flatten import Strong
-from ._guard import HOLDS, holds
 from ._outputs import Varying
 from ._trace import MAY_SERVE_NNX, may_serve_nnx
 
@@ -41,14 +39,13 @@ if cython.compiled:
     from cython.cimports.cpython.long import PyLong_FromVoidPtr
     from cython.cimports.cpython.object import Py_TYPE, PyObject
     from cython.cimports.cpython.pycapsule import PyCapsule_GetPointer, PyCapsule_New
-    from cython.cimports.cpython.ref import Py_INCREF, Py_XDECREF
+    from cython.cimports.cpython.ref import Py_INCREF
     from cython.cimports.cpython.sequence import PySequence_Fast_ITEMS
     from cython.cimports.cpython.tuple import PyTuple_New, PyTuple_SET_ITEM
-    from cython.cimports.cpython.weakref import PyWeakref_CheckRef, PyWeakref_GetRef
-    from cython.cimports.fastcall._capi import PyObject_Vectorcall, dict_version, holds_fn, may_serve_fn
-    from cython.cimports.fastcall._entry_reads import item_value
-else:  # (the same function, called as Python)
-    from ._entry_reads import item_value
+    from cython.cimports.fastcall._capi import PyObject_Vectorcall, dict_version, may_serve_fn
+    from cython.cimports.fastcall._entry_reads import guard_holds, item_value, ref_is
+else:  # (the same functions, called as Python)
+    from ._entry_reads import guard_holds, item_value, ref_is
 
 # A call's arguments: the tuple of them, run as Python; compiled, C's array (PyObject *const *)
 if not cython.compiled:
@@ -65,9 +62,7 @@ _ARRAY = cython.declare(object, ArrayImpl)
 _VARYING = cython.declare(object, Varying)
 _FAST_SLOT = cython.declare(object, FastSlot)
 _FAST_RECORD = cython.declare(object, FastRecord)
-_STRONG = cython.declare(object, Strong)
 _MEMBER = cython.declare(object, types.MemberDescriptorType)
-_guard_holds = cython.declare(object, holds)
 _may_serve_nnx = cython.declare(object, may_serve_nnx)
 if cython.compiled:  # (`_trace.may_serve_nnx`'s C entry; NULL where that module runs as Python)
     _MAY_SERVE_NNX = cython.declare(may_serve_fn, cython.NULL)
@@ -75,9 +70,6 @@ if cython.compiled:  # (`_trace.may_serve_nnx`'s C entry; NULL where that module
         _MAY_SERVE_NNX = cython.cast(
             may_serve_fn, PyCapsule_GetPointer(MAY_SERVE_NNX, b"fastcall._trace.MAY_SERVE_NNX")
         )
-    _HOLDS = cython.declare(holds_fn, cython.NULL)  # (`_guard.holds`'s, likewise)
-    if HOLDS is not None:
-        _HOLDS = cython.cast(holds_fn, PyCapsule_GetPointer(HOLDS, b"fastcall._guard.HOLDS"))
 DECLINED: Any = object()  # (what the route returns for a call it does not serve)
 _DECLINED = cython.declare(object, DECLINED)
 
@@ -199,26 +191,11 @@ def _serve_from(route: FastRoute, found: Any, argv: Argv, n: cython.Py_ssize_t) 
         return _DECLINED
     slot: tuple = cython.cast(tuple, found) if cython.compiled else found
     first = _arg(argv, 0)
-    ref = slot[0]
-    if cython.compiled and PyWeakref_CheckRef(ref):
-        target = cython.declare(cython.pointer(PyObject), cython.NULL)
-        if PyWeakref_GetRef(ref, cython.address(target)) < 0:
-            raise RuntimeError("fastcall: a fast-index slot's weak reference could not be read")
-        Py_XDECREF(target)  # (compared only, by address: `first` holds it alive)
-        if target != cython.cast(cython.pointer(PyObject), first):
-            return _DECLINED
-    elif cython.compiled and type(ref) is _STRONG:  # (a held list or dict: its object first)
-        if cython.cast(tuple, ref)[0] is not first:
-            return _DECLINED
-    elif ref() is not first:  # (a weak reference, or `_flatten.Strong`)
+    if not ref_is(slot[0], first):  # (a weak reference; `_flatten.Strong` for a held list or dict)
         return _DECLINED
     guard = slot[2]
-    if guard is not None:
-        if cython.compiled and _HOLDS != cython.NULL:
-            if not _HOLDS(guard):
-                return _DECLINED  # (a list or dict it holds changed in place)
-        elif not _guard_holds(guard):
-            return _DECLINED
+    if guard is not None and not guard_holds(guard):
+        return _DECLINED  # (a list or dict it holds changed in place)
     records = slot[1]
     if type(records) is not dict:
         return _DECLINED

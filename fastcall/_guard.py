@@ -39,10 +39,9 @@ except ImportError:  # (Cython is needed only to build; run as Python without it
 
 if cython.compiled:
     from cython.cimports.cpython.long import PyLong_FromVoidPtr
-    from cython.cimports.cpython.object import PyObject, PyTypeObject
     from cython.cimports.cpython.pycapsule import PyCapsule_New
     from cython.cimports.cpython.weakref import PyWeakref_NewRef
-    from cython.cimports.fastcall._capi import PyObject_GenericGetDict, dict_combined, dict_version
+    from cython.cimports.fastcall._capi import PyObject_GenericGetDict, dict_combined, dict_version, new_record
 
 COMPILED: bool = cython.compiled
 
@@ -133,9 +132,7 @@ def _new_watched(fields: tuple) -> Any:
     """`Watched(*fields)`, made as its own `__new__` makes it (`tuple.__new__`); compiled,
     through the C slot, with no Python call."""
     if cython.compiled:
-        base: cython.pointer[PyTypeObject] = cython.cast(cython.pointer[PyTypeObject], tuple)
-        args: tuple = (fields,)
-        return base.tp_new(Watched, cython.cast(cython.pointer[PyObject], args), cython.NULL)
+        return new_record(Watched, fields)
     else:
         return tuple.__new__(Watched, fields)
 

@@ -35,10 +35,10 @@ from . import _guard
 from ._arrays import ArrayImpl
 
 if cython.compiled:
-    from cython.cimports.cpython.object import PyObject, PyObject_GenericGetAttr, PyTypeObject
+    from cython.cimports.cpython.object import PyObject_GenericGetAttr
     from cython.cimports.cpython.pycapsule import PyCapsule_GetPointer, PyCapsule_New
     from cython.cimports.cpython.weakref import PyWeakref_NewRef
-    from cython.cimports.fastcall._capi import holds_fn, make_checked_fn
+    from cython.cimports.fastcall._capi import holds_fn, make_checked_fn, new_record
 
 COMPILED: bool = cython.compiled
 
@@ -92,9 +92,7 @@ def _attributes(obj: Any) -> Any:
     """`_guard.Attributes(obj)`, made as its own `__new__` makes it (`tuple.__new__`);
     compiled, through the C slot, with no Python call."""
     if cython.compiled:
-        base: cython.pointer[PyTypeObject] = cython.cast(cython.pointer[PyTypeObject], tuple)
-        args: tuple = ((obj,),)
-        return base.tp_new(_ATTRIBUTES, cython.cast(cython.pointer[PyObject], args), cython.NULL)
+        return new_record(_ATTRIBUTES, (obj,))
     else:
         return _guard.Attributes(obj)
 
