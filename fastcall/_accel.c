@@ -8,7 +8,8 @@
  * declines, and any call with keyword arguments, to the structure route
  * (fastcall/_structure_route.py: arguments of structures the function has run). Where a route
  * was not compiled, it is called as a Python object. What either declines goes to
- * `fallback`, the Python wrapper (`_dispatch.make_wrapper`), which runs the general path.
+ * `fallback`, the Python wrapper's miss (`_dispatch.make_wrapper`), which runs the general
+ * path without trying the routes again.
  * FASTCALL_CHECK_HITS=1 (fastcall/_agreement.py) checks every call served against the general
  * path.
  *
@@ -36,7 +37,7 @@ static struct {
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
-    PyObject *fallback;  /* the Python wrapper: the general path */
+    PyObject *fallback;  /* the Python wrapper's miss: the general path */
     PyObject *fast;      /* the fast route (_fast_route.FastRoute) */
     PyObject *structure; /* the structure route (_structure_route.StructureRoute) */
     PyObject *dict;

@@ -5,6 +5,13 @@ from cpython.object cimport PyObject
 cdef extern from "Python.h":
     object PyObject_Vectorcall(object callable, PyObject **args, size_t nargsf, PyObject *kwnames)
 
+# A call's arguments as the C wrapper passes them to a hit route (`PyObject *const *`), and
+# the i-th of them (run as Python, the routes take a tuple and index it)
+ctypedef PyObject **Argv
+
+cdef inline object arg(Argv argv, Py_ssize_t i):
+    return <object>argv[i]
+
 cdef extern from *:
     """
     /* A dict's version tag (PEP 509): changed by every operation that changes what the dict
@@ -39,9 +46,6 @@ cdef extern from *:
     bint dict_combined "fastcall_dict_combined" (object d)
     bint weakrefable "fastcall_weakrefable" (object o)
 
-# `_trace.may_serve_nnx`'s C entry, as `_trace.MAY_SERVE_NNX` carries it: 1, 0, or -1 with an
-# error set
-ctypedef int (*may_serve_fn)(int nested_ok) except -1
 
 cdef extern from "Python.h":
     object PyObject_GenericGetDict(object o, void *context)
@@ -62,16 +66,5 @@ cdef extern from *:
     """
     object new_record "fastcall_new_record" (object cls, object fields)
 
-# `_guard.holds`'s C entry, as `_guard.HOLDS` carries it: 1, 0, or -1 with an error set
-ctypedef int (*holds_fn)(object guard) except -1
 
-# `_guard.make_checked`'s C entry, as `_guard.MAKE_CHECKED` carries it: a new reference, or
-# NULL with an error set
-ctypedef object (*make_checked_fn)(object containers)
 
-# `_memo.latest_leaves`'s C entry (`_memo.LATEST_LEAVES`); `_tree_reads`'s readers'
-# (`SEQUENCE_LEAVES`, `TREE_LEAVES`): a new reference, or NULL with an error set
-ctypedef object (*latest_fn)(object obj, object spec_id)
-ctypedef object (*reader_fn)(object read, object a)
-# `_tree_reads.static_matches`'s (`STATIC_MATCHES`): 1, 0, or -1 with an error set
-ctypedef int (*matches_fn)(object read, object a) except -1

@@ -22,10 +22,6 @@ def pointer(_type: Any) -> Any:
     return object
 
 
-def typedef(_type: Any) -> Any:
-    return _type
-
-
 def _same(f: Callable[..., Any]) -> Callable[..., Any]:
     return f
 

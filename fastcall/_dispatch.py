@@ -490,32 +490,38 @@ def make_wrapper(fun: Any, fun_leaves: tuple[Any, ...], state: Any, user_fun: An
                 out = route(*args)
                 if out is not declined:
                     return out
-                nnx = _nnx_gate.loaded()
-                if nnx is not None and nnx.slot_after_rebuild(args[0]) is not None:
-                    # (a model nnx.jit rebuilt in place: checked, and its slot restored)
-                    out = route(*args)
-                    if out is not declined:
-                        return out
             # ---- 2. the structure route: arguments of structures this function has run ----
             out = structure(*args, **kwargs)
             if out is not declined:
                 return out
+        return miss(*args, **kwargs)
+
+    def miss(*args: Any, **kwargs: Any) -> Any:
+        """A call both hit routes declined (the C wrapper's fallback too: a miss is not
+        tried by the routes again)."""
+        if args and not kwargs:
+            nnx = _nnx_gate.loaded()
+            if nnx is not None and nnx.slot_after_rebuild(args[0]) is not None:
+                # (a model nnx.jit rebuilt in place: checked, and its slot restored)
+                out = route(*args)
+                if out is not declined:
+                    return out
         # ---- 3. the general path ----
         return general(None, args, kwargs)
 
-    return _public(wrapper, route, structure, general, state, fun_leaves, user_fun)
+    return _public(wrapper, miss, route, structure, state, fun_leaves, user_fun)
 
 
 def _public(
-    wrapper: Any, route: Any, structure: Any, general: Any, state: Any, fun_leaves: tuple[Any, ...], user_fun: Any
+    wrapper: Any, miss: Any, route: Any, structure: Any, state: Any, fun_leaves: tuple[Any, ...], user_fun: Any
 ) -> Any:
     """What the user calls: `wrapper`, or the same hit routes entered from C (see _accel.c),
-    which fall back to it; checked against the general path in the agreement mode."""
+    which fall back to `miss`; checked against the general path in the agreement mode."""
     functools.update_wrapper(wrapper, user_fun)
     if _native.ACCEL is None:
         public: Any = wrapper
     else:
-        public = _native.ACCEL.FastWrapper(wrapper, route, structure)
+        public = _native.ACCEL.FastWrapper(miss, route, structure)
         functools.update_wrapper(public, user_fun)
     if _agreement.ENABLED:
         public = functools.update_wrapper(_agreement.checking_wrapper(public, state, fun_leaves), user_fun)

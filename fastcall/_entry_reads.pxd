@@ -4,7 +4,6 @@
 cpdef object item_value(object descr, object item)
 cpdef object raw_leaf_value(object leaf)
 cpdef bint ref_is(object ref, object obj) except? -1
-cpdef bint guard_holds(object guard) except? -1
 cpdef bint read_node(object a, object spec_id, object joint, list values, list entries, list nnx_args) except? -1
 cpdef Py_ssize_t read_nodes(object a, object read, list values, list entries, list nnx_args) except? -1
 cpdef bint read_variable(object a, object read, list values, list nnx_args) except? -1

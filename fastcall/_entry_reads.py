@@ -26,14 +26,15 @@ except ImportError:  # (Cython is needed only to build; run as Python without it
 from ._arrays import ArrayImpl
 from ._fast import INDEX, VALUE_SLOT, FastSlot, JointRead, NnxArg, NodesRead, RawLeaf
 from ._flatten import Strong
-from ._guard import HOLDS, holds
 
 if cython.compiled:
     from cython.cimports.cpython.object import Py_TYPE, PyObject
-    from cython.cimports.cpython.pycapsule import PyCapsule_GetPointer
     from cython.cimports.cpython.ref import Py_XDECREF
     from cython.cimports.cpython.weakref import PyWeakref_CheckProxy, PyWeakref_CheckRef, PyWeakref_GetRef
-    from cython.cimports.fastcall._capi import PyObject_GenericGetDict, dict_combined, dict_version, holds_fn, new_record
+    from cython.cimports.fastcall._capi import PyObject_GenericGetDict, dict_combined, dict_version, new_record
+    from cython.cimports.fastcall._guard import holds
+else:  # (the same function, called as Python)
+    from ._guard import holds
 
 COMPILED: bool = cython.compiled
 
@@ -48,12 +49,6 @@ _NNX_ARG = cython.declare(object, NnxArg)
 _NODES_OBJECTS = cython.declare(object, NodesRead.objects)
 _EMPTY_IDS = cython.declare(frozenset, frozenset())
 _ABSENT = cython.declare(object, object())
-_guard_holds = cython.declare(object, holds)
-if cython.compiled:  # (`_guard.holds`'s C entry; NULL where that module runs as Python)
-    _HOLDS = cython.declare(holds_fn, cython.NULL)
-    if HOLDS is not None:
-        _HOLDS = cython.cast(holds_fn, PyCapsule_GetPointer(HOLDS, b"fastcall._guard.HOLDS"))
-
 # The VariableRead whose metadata a Variable's metadata dict was last found to hold, and that
 # dict's version tag then (`_metadata_matches`)
 _m_read = cython.declare(object, None)
@@ -73,15 +68,6 @@ def ref_is(ref: Any, obj: Any) -> cython.bint:
     if type(ref) is _STRONG:
         return cython.cast(tuple, ref)[0] is obj if cython.compiled else ref[0] is obj
     return ref() is obj
-
-
-@cython.ccall
-@cython.exceptval(-1, check=True)
-def guard_holds(guard: Any) -> cython.bint:
-    """`_guard.holds`, through its C entry where compiled."""
-    if cython.compiled and _HOLDS != cython.NULL:
-        return _HOLDS(guard) == 1
-    return _guard_holds(guard)
 
 
 @cython.cfunc
@@ -154,7 +140,7 @@ def read_node(
         return False
     s: tuple = cython.cast(tuple, slot) if cython.compiled else slot
     node = s[3]
-    if node is None or not ref_is(s[0], a) or (s[2] is not None and not guard_holds(s[2])):
+    if node is None or not ref_is(s[0], a) or (s[2] is not None and not holds(s[2])):
         return False
     keep: Any = None
     if joint is not None:

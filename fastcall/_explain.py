@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from . import _codegen, _fast, _flatten, _guard, _hold, _nnx_gate, _pack
-from ._structure_route import arguments_as_read, declined_reads, reads_as_mixed, static_matches
+from ._structure_route import arguments_as_read, declined_reads, reads_as_mixed
+from ._tree_reads import static_matches
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,25 +33,28 @@ except ImportError:  # (Cython is needed only to build; run as Python without it
 from ._arrays import ArrayImpl
 from ._fast import INDEX, VALUE_SLOT, FastRecord, FastSlot
 from ._outputs import Varying
-from ._trace import MAY_SERVE_NNX, may_serve_nnx
 
 if cython.compiled:
     from cython.cimports.cpython.long import PyLong_FromVoidPtr
-    from cython.cimports.cpython.object import Py_TYPE, PyObject
-    from cython.cimports.cpython.pycapsule import PyCapsule_GetPointer, PyCapsule_New
+    from cython.cimports.cpython.pycapsule import PyCapsule_New
     from cython.cimports.cpython.ref import Py_INCREF
     from cython.cimports.cpython.sequence import PySequence_Fast_ITEMS
     from cython.cimports.cpython.tuple import PyTuple_New, PyTuple_SET_ITEM
-    from cython.cimports.fastcall._capi import PyObject_Vectorcall, dict_version, may_serve_fn
-    from cython.cimports.fastcall._entry_reads import guard_holds, item_value, ref_is
+    from cython.cimports.fastcall._capi import PyObject_Vectorcall, dict_version
+    from cython.cimports.fastcall._entry_reads import item_value, ref_is
+    from cython.cimports.fastcall._guard import holds
+    from cython.cimports.fastcall._trace import may_serve_nnx
 else:  # (the same functions, called as Python)
-    from ._entry_reads import guard_holds, item_value, ref_is
+    from ._entry_reads import item_value, ref_is
+    from ._guard import holds
+    from ._trace import may_serve_nnx
 
-# A call's arguments: the tuple of them, run as Python; compiled, C's array (PyObject *const *)
-if not cython.compiled:
-    Argv = tuple
+if cython.compiled:  # (a call's arguments: C's array, `_capi.Argv`; run as Python, a tuple)
+    from cython.cimports.fastcall._capi import Argv, arg
 else:
-    Argv = cython.typedef(cython.pointer(cython.pointer(PyObject)))  # type: ignore[misc]
+    from operator import getitem as arg
+
+    Argv = tuple
 
 COMPILED: bool = cython.compiled
 
@@ -63,13 +66,6 @@ _VARYING = cython.declare(object, Varying)
 _FAST_SLOT = cython.declare(object, FastSlot)
 _FAST_RECORD = cython.declare(object, FastRecord)
 _MEMBER = cython.declare(object, types.MemberDescriptorType)
-_may_serve_nnx = cython.declare(object, may_serve_nnx)
-if cython.compiled:  # (`_trace.may_serve_nnx`'s C entry; NULL where that module runs as Python)
-    _MAY_SERVE_NNX = cython.declare(may_serve_fn, cython.NULL)
-    if MAY_SERVE_NNX is not None:
-        _MAY_SERVE_NNX = cython.cast(
-            may_serve_fn, PyCapsule_GetPointer(MAY_SERVE_NNX, b"fastcall._trace.MAY_SERVE_NNX")
-        )
 DECLINED: Any = object()  # (what the route returns for a call it does not serve)
 _DECLINED = cython.declare(object, DECLINED)
 
@@ -119,15 +115,6 @@ class FastRoute:
 
 
 @cython.cfunc
-@cython.inline
-def _arg(argv: Argv, i: cython.Py_ssize_t) -> object:
-    if cython.compiled:
-        return cython.cast(object, argv[i])
-    else:
-        return argv[i]
-
-
-@cython.cfunc
 def _args_tuple(argv: Argv, n: cython.Py_ssize_t) -> tuple:
     """The call's arguments as a tuple (for the rare callee that takes one)."""
     if not cython.compiled:
@@ -145,7 +132,7 @@ def _serve(route: FastRoute, argv: Argv, n: cython.Py_ssize_t) -> object:
     """`f(*argv)` (`n` arguments) served by `route`, or DECLINED."""
     if n == 0:
         return _DECLINED
-    first = _arg(argv, 0)
+    first = arg(argv, 0)
     if cython.compiled:
         # A loop calling `f` with one object looks it up once (the C wrapper's `remembered`
         # says why that pays): the index's version tag unchanged, its answer is
@@ -190,11 +177,11 @@ def _serve_from(route: FastRoute, found: Any, argv: Argv, n: cython.Py_ssize_t) 
     if type(found) is not _FAST_SLOT:
         return _DECLINED
     slot: tuple = cython.cast(tuple, found) if cython.compiled else found
-    first = _arg(argv, 0)
+    first = arg(argv, 0)
     if not ref_is(slot[0], first):  # (a weak reference; `_flatten.Strong` for a held list or dict)
         return _DECLINED
     guard = slot[2]
-    if guard is not None and not guard_holds(guard):
+    if guard is not None and not holds(guard):
         return _DECLINED  # (a list or dict it holds changed in place)
     records = slot[1]
     if type(records) is not dict:
@@ -209,7 +196,7 @@ def _serve_from(route: FastRoute, found: Any, argv: Argv, n: cython.Py_ssize_t) 
     plain: frozenset = route.plain
     i: cython.Py_ssize_t
     for i in range(1, n):
-        t = type(_arg(argv, i))
+        t = type(arg(argv, i))
         if t is not _ARRAY and t not in plain:
             return _DECLINED
     call = record[1]
@@ -266,10 +253,7 @@ def _nnx_values(
     if nvars and type(values[0]) is not _ARRAY:
         return None
     nested_ok: cython.bint = not writes and route.serves_nested
-    if cython.compiled and _MAY_SERVE_NNX != cython.NULL:
-        if not _MAY_SERVE_NNX(nested_ok):
-            return None
-    elif not _may_serve_nnx(nested_ok):
+    if not may_serve_nnx(nested_ok):
         return None
     return values
 

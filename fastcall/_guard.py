@@ -17,7 +17,7 @@ or itself guarded (a nested list is in the guard too), so an unchanged set of
 items in every container means an unchanged object. What it costs: one pointer
 comparison per item of every container. The check (`holds`) is one of the sources setup.py
 compiles with Cython (see `fastcall/_rebuild.py`); compiled, the C wrapper and the fast route
-call its C entry (`HOLDS`), and it also skips a dict whose version tag (PEP 509, which every
+call it as C (`_guard.pxd`), and it also skips a dict whose version tag (PEP 509, which every
 dict operation that changes it moves on) is the one it had when the check last found it
 unchanged (`Watched.stamp`), for a dict that keeps its own values only: an object's
 attribute dict may share them with the object (Python 3.13), which writes an attribute
@@ -39,7 +39,6 @@ except ImportError:  # (Cython is needed only to build; run as Python without it
 
 if cython.compiled:
     from cython.cimports.cpython.long import PyLong_FromVoidPtr
-    from cython.cimports.cpython.pycapsule import PyCapsule_New
     from cython.cimports.cpython.weakref import PyWeakref_NewRef
     from cython.cimports.fastcall._capi import PyObject_GenericGetDict, dict_combined, dict_version, new_record
 
@@ -234,32 +233,3 @@ def _owns_dict(owner: Any, c: Any) -> cython.bint:
             return False
     else:
         return getattr(obj, "__dict__", None) is c
-
-
-@cython.cfunc
-@cython.exceptval(-1)
-def _holds_c(guard: Any) -> cython.int:
-    """`holds` for C callers (`HOLDS`): 1, 0, or -1 with an error set."""
-    return 1 if holds(guard) else 0
-
-
-@cython.cfunc
-def _make_checked_c(containers: Any) -> Any:
-    """`make_checked` for C callers (`MAKE_CHECKED`)."""
-    return make_checked(containers)
-
-
-# `make_checked`'s C entry, `PyObject *(*)(PyObject *containers)` (a new reference, or NULL
-# with an error set): for the compiled memo of returned objects; None run as Python.
-MAKE_CHECKED: Any = (
-    PyCapsule_New(cython.cast(cython.p_void, _make_checked_c), b"fastcall._guard.MAKE_CHECKED", cython.NULL)
-    if cython.compiled else None
-)
-
-
-# `holds`'s C entry, `int (*)(PyObject *guard)`: for the C wrapper and the compiled fast route;
-# None run as Python (they call `holds` then).
-HOLDS: Any = (
-    PyCapsule_New(cython.cast(cython.p_void, _holds_c), b"fastcall._guard.HOLDS", cython.NULL)
-    if cython.compiled else None
-)

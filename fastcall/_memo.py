@@ -16,8 +16,8 @@ cache entry being made for each (`_flatten.lookup` makes one when a call served 
 reads one).
 
 One of the sources setup.py compiles with Cython (see `fastcall/_rebuild.py`): the writer,
-`note_latest`, runs after every call that returns such objects, and the C wrapper reads the
-memo through `latest_leaves`'s C entry.
+`note_latest`, runs after every call that returns such objects, and the compiled structure
+route reads the memo through `latest_leaves` as C (`_memo.pxd`).
 """
 
 from __future__ import annotations
@@ -36,9 +36,11 @@ from ._arrays import ArrayImpl
 
 if cython.compiled:
     from cython.cimports.cpython.object import PyObject_GenericGetAttr
-    from cython.cimports.cpython.pycapsule import PyCapsule_GetPointer, PyCapsule_New
     from cython.cimports.cpython.weakref import PyWeakref_NewRef
-    from cython.cimports.fastcall._capi import holds_fn, make_checked_fn, new_record
+    from cython.cimports.fastcall._capi import new_record
+    from cython.cimports.fastcall._guard import holds, make_checked
+else:  # (the same functions, called as Python)
+    from ._guard import holds, make_checked
 
 COMPILED: bool = cython.compiled
 
@@ -56,14 +58,6 @@ ATTR, ITEM = 0, 1  # the steps of a container path: (ATTR, name) or (ITEM, index
 _getattribute = object.__getattribute__
 _array = cython.declare(object, ArrayImpl)
 _ATTRIBUTES = cython.declare(type, _guard.Attributes)
-if cython.compiled:  # (the guards' C entries, where `_guard` is compiled: no Python call per use)
-    _HOLDS = cython.declare(holds_fn, cython.NULL)
-    _MAKE_CHECKED = cython.declare(make_checked_fn, cython.NULL)
-    if _guard.HOLDS is not None:
-        _HOLDS = cython.cast(holds_fn, PyCapsule_GetPointer(_guard.HOLDS, b"fastcall._guard.HOLDS"))
-        _MAKE_CHECKED = cython.cast(
-            make_checked_fn, PyCapsule_GetPointer(_guard.MAKE_CHECKED, b"fastcall._guard.MAKE_CHECKED")
-        )
 
 
 class Registration(NamedTuple):
@@ -150,7 +144,7 @@ def _note(memo: list, r: cython.Py_ssize_t, item: Any, how: Any, on_death: Any, 
             return  # (cannot be weakly referenced: not noted)
     if how is not None:
         containers = state_containers(item) if how == STATE_GUARD else [follow(item, path) for path in how]
-        guard = _make_checked(containers)
+        guard = make_checked(containers)
         if guard is None:
             return  # (a container that is not plain, or none at all: not noted)
     memo[1 + MEMO_STRIDE * r] = ref
@@ -209,8 +203,7 @@ def latest(obj: Any) -> tuple[list[Any], Any, Any] | None:
 @cython.ccall
 def latest_leaves(obj: Any, spec_id: Any) -> Any:
     """The leaves of `obj` if the latest call of a recent entry returned it as an object of
-    the spec `spec_id` and its guard (if any) holds; else None. (The C wrapper's reading,
-    through `LATEST_LEAVES`.)"""
+    the spec `spec_id` and its guard (if any) holds; else None."""
     found = _noted(obj)
     if found is None:
         return None
@@ -238,42 +231,10 @@ def _noted(obj: Any) -> Any:
             ref = memo[1 + MEMO_STRIDE * r]
             if ref is not None and (ref is obj if type(ref) is tuple else ref() is obj):
                 guard = memo[3 + MEMO_STRIDE * r]
-                if guard is not None and not _holds(guard):
+                if guard is not None and not holds(guard):
                     return None
                 return memo[2 + MEMO_STRIDE * r], regs[r], guard
     return None
-
-
-@cython.cfunc
-def _make_checked(containers: list) -> Any:
-    """`_guard.make_checked`, through its C entry where it is compiled."""
-    if cython.compiled and _MAKE_CHECKED != cython.NULL:
-        return _MAKE_CHECKED(containers)
-    return _guard.make_checked(containers)
-
-
-@cython.cfunc
-@cython.exceptval(-1, check=True)
-def _holds(guard: Any) -> cython.bint:
-    """`_guard.holds`, through its C entry where it is compiled."""
-    if cython.compiled and _HOLDS != cython.NULL:
-        return _HOLDS(guard) == 1
-    return _guard.holds(guard)
-
-
-@cython.cfunc
-def _latest_leaves_c(obj: Any, spec_id: Any) -> Any:
-    """`latest_leaves` for C callers (`LATEST_LEAVES`)."""
-    return latest_leaves(obj, spec_id)
-
-
-# `latest_leaves`'s C entry, `PyObject *(*)(PyObject *obj, PyObject *spec_id)` (a new
-# reference, or NULL with an error set): for the C wrapper; None run as Python (it calls
-# `latest_leaves` then).
-LATEST_LEAVES: Any = (
-    PyCapsule_New(cython.cast(cython.p_void, _latest_leaves_c), b"fastcall._memo.LATEST_LEAVES", cython.NULL)
-    if cython.compiled else None
-)
 
 
 def forget_latest(held: list[Any], ref: Any) -> None:

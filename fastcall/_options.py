@@ -146,14 +146,6 @@ def _as_names(x: Any) -> tuple[Any, ...]:
     return tuple(x)
 
 
-def _as_tuple(x: Any) -> tuple[Any, ...]:
-    if x is None:
-        return ()
-    if isinstance(x, (int, str)):
-        return (x,)
-    return tuple(x)
-
-
 def _hashable(x: Any) -> Any:
     if isinstance(x, list):
         return tuple(_hashable(i) for i in x)

@@ -45,36 +45,40 @@ try:
 except ImportError:  # (Cython is needed only to build; run as Python without it)
     from fastcall import _cython_shim as cython  # type: ignore[no-redef]
 
-from . import _flatten, _memo, _tree_reads
+from . import _flatten
 from ._arrays import ArrayImpl
 from ._fast_route import DECLINED
 from ._fast import (
     GRAPHDEFS, ArgRead, FastRecord, FastSlot, GraphdefRead, JointRead, KnownGraphdef, MixedRead, NnxArg, NodeRead,
-    NodesRead, SharedVariableRead, StaticRead, StructureRecord, TreeRead, VariableRead,
+    NodesRead, SequenceRead, SharedVariableRead, StaticRead, StructureRecord, TreeRead, VariableRead,
 )
 from ._outputs import Varying
-from ._trace import MAY_SERVE_NNX, may_serve_nnx
-from ._tree_reads import static_matches
 
-if cython.compiled:
-    from cython.cimports.cpython.object import PyObject
-    from cython.cimports.cpython.pycapsule import PyCapsule_GetPointer, PyCapsule_New
+if cython.compiled:  # (the other compiled modules' functions, called as C: their .pxd files)
+    from cython.cimports.cpython.pycapsule import PyCapsule_New
     from cython.cimports.cpython.sequence import PySequence_Fast_ITEMS
     from cython.cimports.cpython.weakref import PyWeakref_NewRef
+    from cython.cimports.fastcall._capi import PyObject_Vectorcall, dict_version, weakrefable
     from cython.cimports.fastcall._entry_reads import (
-        apart, guard_holds, read_node, read_nodes, read_shared_variable, read_variable, ref_is,
+        apart, read_node, read_nodes, read_shared_variable, read_variable, ref_is,
     )
-    from cython.cimports.fastcall._capi import (
-        PyObject_Vectorcall, dict_version, latest_fn, matches_fn, may_serve_fn, reader_fn, weakrefable,
-    )
+    from cython.cimports.fastcall._guard import holds
+    from cython.cimports.fastcall._memo import latest_leaves
+    from cython.cimports.fastcall._trace import may_serve_nnx
+    from cython.cimports.fastcall._tree_reads import sequence_into, static_matches, tree_leaves
 else:  # (the same functions, called as Python)
-    from ._entry_reads import apart, guard_holds, read_node, read_nodes, read_shared_variable, read_variable, ref_is
+    from ._entry_reads import apart, read_node, read_nodes, read_shared_variable, read_variable, ref_is
+    from ._guard import holds
+    from ._memo import latest_leaves
+    from ._trace import may_serve_nnx
+    from ._tree_reads import sequence_into, static_matches, tree_leaves
 
-# A call's arguments, positional then keyword: a tuple, run as Python; compiled, C's array
-if not cython.compiled:
-    Argv = tuple
+if cython.compiled:  # (a call's arguments: C's array, `_capi.Argv`; run as Python, a tuple)
+    from cython.cimports.fastcall._capi import Argv, arg
 else:
-    Argv = cython.typedef(cython.pointer(cython.pointer(PyObject)))  # type: ignore[misc]
+    from operator import getitem as arg
+
+    Argv = tuple
 
 COMPILED: bool = cython.compiled
 
@@ -96,31 +100,7 @@ _VARIABLE_READ = cython.declare(object, VariableRead)
 _SHARED_READ = cython.declare(object, SharedVariableRead)
 _GRAPHDEF_READ = cython.declare(object, GraphdefRead)
 _TREE_READ = cython.declare(object, TreeRead)
-_may_serve_nnx = cython.declare(object, may_serve_nnx)
-_latest_leaves = cython.declare(object, _memo.latest_leaves)
-_sequence_leaves = cython.declare(object, _tree_reads.sequence_leaves)
-_tree_leaves = cython.declare(object, _tree_reads.tree_leaves)
-_static_matches = cython.declare(object, static_matches)
-if cython.compiled:  # (the other compiled modules' C entries; NULL where one runs as Python)
-    _MAY_SERVE_NNX = cython.declare(may_serve_fn, cython.NULL)
-    _LATEST = cython.declare(latest_fn, cython.NULL)
-    _SEQUENCE_LEAVES = cython.declare(reader_fn, cython.NULL)
-    _TREE_LEAVES = cython.declare(reader_fn, cython.NULL)
-    _STATIC_MATCHES = cython.declare(matches_fn, cython.NULL)
-    if MAY_SERVE_NNX is not None:
-        _MAY_SERVE_NNX = cython.cast(may_serve_fn, PyCapsule_GetPointer(MAY_SERVE_NNX, b"fastcall._trace.MAY_SERVE_NNX"))
-    if _memo.LATEST_LEAVES is not None:
-        _LATEST = cython.cast(latest_fn, PyCapsule_GetPointer(_memo.LATEST_LEAVES, b"fastcall._memo.LATEST_LEAVES"))
-    if _tree_reads.SEQUENCE_LEAVES is not None:
-        _SEQUENCE_LEAVES = cython.cast(
-            reader_fn, PyCapsule_GetPointer(_tree_reads.SEQUENCE_LEAVES, b"fastcall._tree_reads.SEQUENCE_LEAVES")
-        )
-        _TREE_LEAVES = cython.cast(
-            reader_fn, PyCapsule_GetPointer(_tree_reads.TREE_LEAVES, b"fastcall._tree_reads.TREE_LEAVES")
-        )
-        _STATIC_MATCHES = cython.cast(
-            matches_fn, PyCapsule_GetPointer(_tree_reads.STATIC_MATCHES, b"fastcall._tree_reads.STATIC_MATCHES")
-        )
+_SEQUENCE_READ = cython.declare(object, SequenceRead)
 _DECLINED = cython.declare(object, DECLINED)  # (what the routes return for a call they do not serve)
 
 # The records the hit routes read by position (compiled, as tuples), with their fields in that
@@ -134,6 +114,8 @@ LAYOUTS: dict[Any, tuple[str, ...]] = {
     _flatten.CacheEntry: ("ref", "leaves", "spec_id", "spec", "guard"),
     KnownGraphdef: ("graphdef", "snapshot", "spec_id", "spec"),
     ArgRead: ("spec_id", "extract", "sequence", "by_identity"),
+    SequenceRead: ("kind", "length", "leaf_types", "keys", "items", "n_leaves"),
+    TreeRead: ("flatten", "treedef", "leaf_types"),
     StaticRead: ("spec_id", "value", "by_value"),
     NodeRead: ("spec_id",),
     GraphdefRead: ("spec_id",),
@@ -209,21 +191,12 @@ class StructureRoute:
 
 
 @cython.cfunc
-@cython.inline
-def _arg(argv: Argv, i: cython.Py_ssize_t) -> object:
-    if cython.compiled:
-        return cython.cast(object, argv[i])
-    else:
-        return argv[i]
-
-
-@cython.cfunc
 def _serve(route: StructureRoute, argv: Argv, nargs: cython.Py_ssize_t, kwnames: Any) -> object:
     """`f(*argv)` (`nargs` positional arguments, then one per name of `kwnames`, None if
     none) served by the first of its key's records that reads it, or DECLINED."""
     if nargs == 0:
         return _DECLINED
-    head: Any = _record_for(route, type(_arg(argv, 0)), kwnames)
+    head: Any = _record_for(route, type(arg(argv, 0)), kwnames)
     if type(head) is not _RECORD:
         return _DECLINED
     others: tuple = cython.cast(tuple, head)[9] if cython.compiled else head.others
@@ -242,7 +215,12 @@ def _serve(route: StructureRoute, argv: Argv, nargs: cython.Py_ssize_t, kwnames:
         out = _serve_record(route, hot, argv, nargs, kwnames)
         if out is not _DECLINED:
             return out
-    for r in (head, *others):
+    if head is not hot:
+        out = _serve_record(route, head, argv, nargs, kwnames)
+        if out is not _DECLINED:
+            route._last_served = _address(head)
+            return out
+    for r in others:
         if r is not hot:
             out = _serve_record(route, r, argv, nargs, kwnames)
             if out is not _DECLINED:
@@ -305,17 +283,17 @@ def _serve_record(route: StructureRoute, record: Any, argv: Argv, nargs: cython.
         return route.finish_varying(out, *_call_arguments(argv, nargs, kwnames))
     if post is None:
         return out
-    return post(out, _arg(argv, 0), nnx_args if nnx_args else None)
+    return post(out, arg(argv, 0), nnx_args if nnx_args else None)
 
 
 @cython.cfunc
 def _call_arguments(argv: Argv, nargs: cython.Py_ssize_t, kwnames: Any) -> tuple:
     """(args, kwargs or None) of the call, for the general path's handlers."""
-    args = tuple([_arg(argv, i) for i in range(nargs)])
+    args = tuple([arg(argv, i) for i in range(nargs)])
     if kwnames is None:
         return (args, None)
     names: tuple = kwnames
-    return (args, {names[j]: _arg(argv, nargs + j) for j in range(len(names))})
+    return (args, {names[j]: arg(argv, nargs + j) for j in range(len(names))})
 
 
 @cython.cfunc
@@ -326,21 +304,11 @@ def _read_arguments(
     """The leaves the call passes, read as the record `known` says (its NNX objects' NnxArgs
     appended to `nnx_args`, if a list); None if the record does not serve it. `why`
     (`f.explain` only): where it declines, (argument index or None, reason in words)."""
-    arity: cython.Py_ssize_t = known[0]
-    if arity != nargs:
-        return _declined(why, None, "another number of positional arguments than the recorded call's")
-    expected_names = known[6]
-    if kwnames is None:
-        if expected_names:
-            return _declined(why, None, "without the keyword arguments the recorded call passed")
-    elif kwnames != expected_names:
-        return _declined(why, None, "other keyword arguments, or in another order, than the recorded call's")
+    if not _passed_as_recorded(known, nargs, kwnames, why):
+        return None
     reads: tuple = known[1]
     last: list = known[4]
-    order = known[7]
     n: cython.Py_ssize_t = len(reads)
-    if n != nargs + (0 if kwnames is None else len(kwnames)) or len(last) != n:
-        return _declined(why, None, "not passed as the recorded call's arguments were")
     fast_shape: cython.bint = known[5]
     values: list = []
     # (made at the first NNX object read) the cache entries of NNX objects read on their own,
@@ -350,12 +318,8 @@ def _read_arguments(
     joint: cython.Py_ssize_t = 0  # (NNX objects read jointly: then every one must be)
     nnx: cython.bint = False
     i: cython.Py_ssize_t
-    if order is not None:  # (each a position among the call's arguments: checked once here)
-        for k in order:
-            if type(k) is not int or not 0 <= k < n:
-                return _declined(why, None, "not passed as the recorded call's arguments were")
     for i in range(n):
-        a = _arg(argv, _position(known, i))
+        a = arg(argv, _position(known, i))
         read = reads[i]
         if read is None:
             t = type(a)
@@ -365,7 +329,7 @@ def _read_arguments(
             continue
         kind = type(read)
         if kind is _STATIC_READ:
-            if a is not cython.cast(tuple, read)[1] and not _matches(read, a):
+            if a is not cython.cast(tuple, read)[1] and not static_matches(read, a):
                 return _declined(why, i, "static, and not the value the recorded call passed")
             continue
         if kind is _ARG_READ:
@@ -397,12 +361,9 @@ def _read_arguments(
             cython.cast(list, loose).append(a)
         elif kind is _SHARED_READ:
             if not read_shared_variable(a, read, reads, values, nnx_args):
-                return _declined(
-                    why,
-                    i,
-                    f"the recorded call passed the Variable that argument {cython.cast(tuple, read)[1]} holds at one"
-                    " place; this is another",
-                )
+                owner = cython.cast(tuple, read)[1]
+                place = f"the Variable that argument {owner} holds at one place"
+                return _declined(why, i, f"the recorded call passed {place}; this is another")
             joint += 1
         elif kind is _NODES_READ:
             found = read_nodes(a, read, values, entries, nnx_args)
@@ -416,18 +377,64 @@ def _read_arguments(
                 )
         else:
             return _declined(why, i, "read in a way this route does not know")
-    if nnx and (entries or loose or joint):
-        # (a record reading one NNX object jointly reads every one so)
-        if not (not entries and not loose if joint else apart(entries, loose)):
-            return _declined(
-                why,
-                None,
-                "its NNX arguments share Variables or nodes, and the recorded call's did not (or the other way"
-                " round), or they are not known not to: the general path reads them jointly",
-            )
-        if not _may_serve(known[3] is None and route.serves_nested):
-            return _declined(why, None, "called inside a jax transformation, which this record cannot serve")
+    if nnx and (entries or loose or joint) and not _nnx_servable(route, known, entries, loose, joint, why):
+        return None
     return values
+
+
+@cython.cfunc
+@cython.exceptval(-1, check=True)
+def _nnx_servable(
+    route: StructureRoute, known: tuple, entries: list, loose: list, joint: cython.Py_ssize_t, why: Optional[list]
+) -> cython.bint:
+    """Whether a call whose NNX objects read as `entries` (cache entries read on their own),
+    `loose` (Variables read on their own) and `joint` (how many read jointly) may be served:
+    they share nothing, or (a record reading one jointly reads every one so) all were read
+    jointly; and `_trace.may_serve_nnx` allows it now."""
+    if not (not entries and not loose if joint else apart(entries, loose)):
+        _declined(
+            why,
+            None,
+            "its NNX arguments share Variables or nodes, and the recorded call's did not (or the other way"
+            " round), or they are not known not to: the general path reads them jointly",
+        )
+        return False
+    if not may_serve_nnx(known[3] is None and route.serves_nested):
+        _declined(why, None, "called inside a jax transformation, which this record cannot serve")
+        return False
+    return True
+
+
+@cython.cfunc
+@cython.exceptval(-1, check=True)
+def _passed_as_recorded(known: tuple, nargs: cython.Py_ssize_t, kwnames: Any, why: Optional[list]) -> cython.bint:
+    """Whether the call passes as many positional arguments and the same keyword names, in
+    order, as the record's call (and the record's reads and `order` fit them)."""
+    arity: cython.Py_ssize_t = known[0]
+    if arity != nargs:
+        _declined(why, None, "another number of positional arguments than the recorded call's")
+        return False
+    expected_names = known[6]
+    if kwnames is None:
+        if expected_names:
+            _declined(why, None, "without the keyword arguments the recorded call passed")
+            return False
+    elif kwnames != expected_names:
+        _declined(why, None, "other keyword arguments, or in another order, than the recorded call's")
+        return False
+    reads: tuple = known[1]
+    last: list = known[4]
+    n: cython.Py_ssize_t = len(reads)
+    order = known[7]
+    fits: cython.bint = n == nargs + (0 if kwnames is None else len(kwnames)) and len(last) == n
+    if fits and order is not None:  # (each a position among the call's arguments: checked once here)
+        for k in order:
+            if type(k) is not int or not 0 <= k < n:
+                fits = False
+                break
+    if not fits:
+        _declined(why, None, "not passed as the recorded call's arguments were")
+    return fits
 
 
 @cython.cfunc
@@ -441,7 +448,7 @@ def _mark(known: tuple, argv: Argv) -> cython.void:
         read = reads[i]
         if type(read) is _ARG_READ:
             if cython.cast(tuple, read)[3] if cython.compiled else read.by_identity:
-                last[i] = last_mark(_arg(argv, _position(known, i)), hold_first and i == 0)
+                last[i] = last_mark(arg(argv, _position(known, i)), hold_first and i == 0)
             else:
                 last[i] = None
 
@@ -488,21 +495,18 @@ def _declined(why: Optional[list], index: Any, reason: str) -> Optional[list]:
 
 @cython.cfunc
 @cython.exceptval(-1, check=True)
-def _matches(read: Any, a: Any) -> cython.bint:
-    """`_tree_reads.static_matches`, through its C entry where compiled."""
-    if cython.compiled and _STATIC_MATCHES != cython.NULL:
-        return _STATIC_MATCHES(read, a) == 1
-    return _static_matches(read, a)
-
-
-@cython.cfunc
-@cython.exceptval(-1, check=True)
 def _read_pytree(
     read: Any, a: Any, i: cython.Py_ssize_t, last: list, first_again: cython.bint, values: list, why: Optional[list]
 ) -> cython.bint:
     """A pytree argument's leaves (`ArgRead`), appended to `values`; False where the record
     does not serve it (said in `why`)."""
     r: tuple = cython.cast(tuple, read) if cython.compiled else read
+    sequence = r[2]
+    if type(sequence) is _SEQUENCE_READ and not _shaped_as(sequence, a):
+        # (before the caches: a record of another structure among several tried in turn,
+        # `params_in_turn`, declines at its first test)
+        _declined(why, i, "not of the structure the recorded call passed")
+        return False
     if first_again and _passed_again(last[0], a):
         _declined(why, i, "passed again: the general path gives it a fast record")
         return False
@@ -511,23 +515,35 @@ def _read_pytree(
         if r[1] is None or _passed_again(last[i], a):
             _declined(why, i, "passed again, or of a structure read whole: the general path caches it")
             return False
-        sequence = r[2]
         if sequence is None:
             leaves = r[1](a)
         elif type(sequence) is _TREE_READ:
-            leaves = _TREE_LEAVES(sequence, a) if cython.compiled and _TREE_LEAVES != cython.NULL else _tree_leaves(
-                sequence, a
-            )
-        else:
-            leaves = (
-                _SEQUENCE_LEAVES(sequence, a) if cython.compiled and _SEQUENCE_LEAVES != cython.NULL
-                else _sequence_leaves(sequence, a)
-            )
+            leaves = tree_leaves(sequence, a)
+        else:  # (straight into `values`: a call it does not serve discards them)
+            if sequence_into(sequence, a, values):
+                return True
+            leaves = None
         if type(leaves) is not tuple:  # (None: not of this structure)
             _declined(why, i, "not of the structure the recorded call passed")
             return False
     values.extend(leaves)
     return True
+
+
+@cython.cfunc
+@cython.inline
+def _shaped_as(sequence: Any, a: Any) -> cython.bint:
+    """Whether `a` has the exact container type and length of the SequenceRead `sequence`
+    (its leaves not looked at: a call that passes the test may still decline)."""
+    seq: tuple = cython.cast(tuple, sequence) if cython.compiled else sequence
+    kind = seq[0]
+    if type(a) is not kind:
+        return False
+    if kind is dict:
+        return len(cython.cast(dict, a)) == seq[1]
+    if kind is list:
+        return len(cython.cast(list, a)) == seq[1]
+    return len(cython.cast(tuple, a)) == seq[1]
 
 
 @cython.cfunc
@@ -548,22 +564,11 @@ def _cached_leaves(a: Any, spec_id: Any) -> object:
     entry = _BY_ID.get(id(a))
     if type(entry) is _CACHE_ENTRY:
         e: tuple = cython.cast(tuple, entry) if cython.compiled else entry
-        if ref_is(e[0], a) and (e[4] is None or guard_holds(e[4])):
+        if ref_is(e[0], a) and (e[4] is None or holds(e[4])):
             leaves = e[1]
             if (type(leaves) is tuple or type(leaves) is list) and e[2] == spec_id:
                 return leaves
-    if cython.compiled and _LATEST != cython.NULL:
-        return _LATEST(a, spec_id)
-    return _latest_leaves(a, spec_id)
-
-
-@cython.cfunc
-@cython.exceptval(-1, check=True)
-def _may_serve(nested_ok: cython.bint) -> cython.bint:
-    """`_trace.may_serve_nnx`, through its C entry where compiled."""
-    if cython.compiled and _MAY_SERVE_NNX != cython.NULL:
-        return _MAY_SERVE_NNX(nested_ok) == 1
-    return _may_serve_nnx(nested_ok)
+    return latest_leaves(a, spec_id)
 
 
 @cython.cfunc
@@ -613,7 +618,7 @@ def _read_mixed(
                 return False
             values.append(x)
         elif type(code) is _STATIC_READ:
-            if x is not cython.cast(tuple, code)[1] and not _matches(code, x):
+            if x is not cython.cast(tuple, code)[1] and not static_matches(code, x):
                 return False
         elif type(code) is _VARIABLE_READ:
             if not read_variable(x, code, values, nnx_args):

@@ -10,8 +10,8 @@ slow path, where `contains_tracer` decides to step aside.
 
 The hit routes ask one question here before they serve a call with NNX objects,
 `may_serve_nnx`. This module is one of the sources setup.py compiles with Cython (see
-`fastcall/_rebuild.py`): compiled, its C entry (`MAY_SERVE_NNX`) is what the C wrapper and
-the compiled fast route call, and it reads the trace state without a Python frame.
+`fastcall/_rebuild.py`): compiled, the compiled hit routes call it as C (`_trace.pxd`), and it reads the trace
+state without a Python frame.
 """
 
 import _thread
@@ -26,7 +26,6 @@ except ImportError:  # (Cython is needed only to build; run as Python without it
     from fastcall import _cython_shim as cython  # type: ignore[no-redef]
 
 if cython.compiled:
-    from cython.cimports.cpython.pycapsule import PyCapsule_New
     from cython.cimports.fastcall._capi import dict_combined, dict_version, thread_id
 
 COMPILED: bool = cython.compiled
@@ -231,21 +230,6 @@ def may_serve_nnx(nested_ok: cython.bint) -> cython.bint:
     if static_cache_pending():
         return False
     return nested_ok or at_top_level()
-
-
-@cython.cfunc
-@cython.exceptval(-1)
-def _may_serve_nnx_c(nested_ok: cython.int) -> cython.int:
-    """`may_serve_nnx` for C callers (`MAY_SERVE_NNX`): 1, 0, or -1 with an error set."""
-    return 1 if may_serve_nnx(nested_ok) else 0
-
-
-# `may_serve_nnx`'s C entry, `int (*)(int nested_ok)`: for the C wrapper and the compiled
-# fast route; None run as Python (they call `may_serve_nnx` then).
-MAY_SERVE_NNX: Any = (
-    PyCapsule_New(cython.cast(cython.p_void, _may_serve_nnx_c), b"fastcall._trace.MAY_SERVE_NNX", cython.NULL)
-    if cython.compiled else None
-)
 
 
 def contains_tracer(leaves: Iterable[Any]) -> bool:

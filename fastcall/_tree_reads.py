@@ -5,9 +5,9 @@ A structure record (`_fast.ArgRead`) says how a later call reads a new object of
 structure. For a tuple, list or dict of leaves, nested or not (`_fast.SequenceRead`: a batch,
 a params dict of dicts), and for a pytree node type of its own whose leaves are all arrays
 (`_fast.TreeRead`: a registered dataclass, read by jax's flatten), the reader is one of these
-functions; so is the check of a static argument (`_fast.StaticRead`). The structure route runs
-them through their C entries (`SEQUENCE_LEAVES`, `TREE_LEAVES`, `STATIC_MATCHES`) and the
-Python route and the general path call them (a template's `extract`, `_codegen`).
+functions; so is the check of a static argument (`_fast.StaticRead`). The compiled structure
+route calls them as C (`_tree_reads.pxd`); the general path calls them too (a template's
+`extract`, `_codegen`).
 
 One of the sources setup.py compiles with Cython (see `fastcall/_rebuild.py`), run as this
 file where it is not compiled.
@@ -23,9 +23,6 @@ except ImportError:  # (Cython is needed only to build; run as Python without it
 from ._arrays import ArrayImpl
 from ._flatten import static_equal
 
-if cython.compiled:
-    from cython.cimports.cpython.pycapsule import PyCapsule_New
-
 COMPILED: bool = cython.compiled
 
 _array = cython.declare(object, ArrayImpl)
@@ -33,29 +30,41 @@ _array = cython.declare(object, ArrayImpl)
 
 @cython.ccall
 def sequence_leaves(read: Any, a: Any) -> Any:
-    """The leaves of `a` as the SequenceRead `read` reads them: its items (a dict's values at
-    the read's keys, in their order) as a tuple if `a` is of exactly the read's type and
-    length and each item's exact type is one of its leaf types, or, where the read nests,
-    the leaves of each container among them, depth first; else None (not of this
-    structure). An exception of the checks (a dict key's `__eq__` may raise) says None too:
-    the general path reads the argument again, and names any error."""
+    """The leaves of `a` as the SequenceRead `read` reads them, as a tuple (`sequence_into`);
+    None if `a` is not of its structure."""
     seq = cython.cast(tuple, read)
-    leaf_types: frozenset = seq[2]
-    try:
-        if seq[4] is None:  # (leaves only: its items)
+    if seq[4] is None:  # (leaves only: its items, as they are where `a` is a tuple)
+        try:
             items = _items(seq, a)
             if items is None:
                 return None
             for x in cython.cast(tuple, items):
-                if type(x) is not _array and type(x) not in leaf_types:
+                if type(x) is not _array and type(x) not in cython.cast(frozenset, seq[2]):
                     return None
-            return items
-        out: list = []
-        if not _fill(seq, a, leaf_types, out) or len(out) != seq[5]:
+        except Exception:  # (as `sequence_into`'s)
             return None
-        return tuple(out)
+        return items
+    out: list = []
+    return tuple(out) if sequence_into(read, a, out) else None
+
+
+@cython.ccall
+@cython.exceptval(-1, check=True)
+def sequence_into(read: Any, a: Any, out: list) -> cython.bint:
+    """Appends the leaves of `a` as the SequenceRead `read` reads them to `out`: its items (a
+    dict's values at the read's keys, in their order) if `a` is of exactly the read's type
+    and length and each item's exact type is one of its leaf types, or, where the read nests,
+    the leaves of each container among them, depth first. Whether `a` reads so (if not, `out`
+    may hold some of its leaves). An exception of the checks (a dict key's `__eq__` may raise)
+    says False too: the general path reads the argument again, and names any error."""
+    seq = cython.cast(tuple, read)
+    start: cython.Py_ssize_t = len(out)
+    try:
+        if not _fill(seq, a, seq[2], out):
+            return False
     except Exception:
-        return None
+        return False
+    return seq[4] is None or len(out) - start == seq[5]
 
 
 @cython.cfunc
@@ -144,38 +153,3 @@ def static_matches(read: Any, a: Any) -> cython.bint:
     if type(a) is int or type(a) is str:
         return a == value  # (exact types: no user code)
     return static_equal(a, value)
-
-
-@cython.cfunc
-def _sequence_leaves_c(read: Any, a: Any) -> Any:
-    return sequence_leaves(read, a)
-
-
-@cython.cfunc
-def _tree_leaves_c(read: Any, a: Any) -> Any:
-    return tree_leaves(read, a)
-
-
-@cython.cfunc
-@cython.exceptval(-1)
-def _static_matches_c(read: Any, a: Any) -> cython.int:
-    return 1 if static_matches(read, a) else 0
-
-
-# The C entries of the three readers, for the C wrapper's structure route; None run as Python
-# (it calls the functions then). `SEQUENCE_LEAVES` and `TREE_LEAVES`:
-# `PyObject *(*)(PyObject *read, PyObject *a)`, a new reference (a tuple, or None) or NULL
-# with an error set; `STATIC_MATCHES`: `int (*)(PyObject *read, PyObject *a)`, 1, 0, or -1
-# with an error set.
-SEQUENCE_LEAVES: Any = (
-    PyCapsule_New(cython.cast(cython.p_void, _sequence_leaves_c), b"fastcall._tree_reads.SEQUENCE_LEAVES", cython.NULL)
-    if cython.compiled else None
-)
-TREE_LEAVES: Any = (
-    PyCapsule_New(cython.cast(cython.p_void, _tree_leaves_c), b"fastcall._tree_reads.TREE_LEAVES", cython.NULL)
-    if cython.compiled else None
-)
-STATIC_MATCHES: Any = (
-    PyCapsule_New(cython.cast(cython.p_void, _static_matches_c), b"fastcall._tree_reads.STATIC_MATCHES", cython.NULL)
-    if cython.compiled else None
-)

@@ -391,3 +391,38 @@ def test_every_whole_flatten_on_the_general_path_is_counted_as_read(hot_path):
         routes.append(path)
         assert_trees_equal(y, m(x))
     assert routes == ["general_read", "general_read"]
+
+
+def _nested_code(name: str):
+    """The code object of `make_wrapper`'s inner function `name`."""
+    from fastcall import _dispatch
+
+    (code,) = [c for c in _dispatch.make_wrapper.__code__.co_consts if getattr(c, "co_name", None) == name]
+    return code
+
+
+def test_a_miss_goes_to_the_general_path_once_not_through_the_routes_again():
+    """A call both hit routes decline reaches the general path through `miss`: from the C
+    wrapper, without the Python wrapper trying the two routes a second time."""
+    from fastcall import _native
+
+    if _native.ACCEL is None:
+        pytest.skip("the C accelerator is not built")
+    f = fastcall.jit(lambda x: jax.tree_util.tree_map(lambda v: v * 2, x))
+    x = jnp.ones(3)
+    f(x)
+    wrapper, miss = _nested_code("wrapper"), _nested_code("miss")
+    entered = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code in (wrapper, miss):
+            entered.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        out = f({"a": x})  # (no record of a dict first: both routes decline)
+    finally:
+        sys.setprofile(None)
+    assert entered == ["miss"]
+    assert_trees_equal(out, {"a": x * 2})
+    assert f.stats().paths["general_cached"] + f.stats().paths["general_read"] == 2

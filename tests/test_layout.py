@@ -122,3 +122,34 @@ def test_no_python_module_is_over_800_lines():
     assert "_dispatch.py" in sizes and "_nnx/_adapter.py" in sizes  # (not vacuous)
     over = {name: n for name, n in sizes.items() if n > MAX_LINES}
     assert not over, f"modules over {MAX_LINES} lines: {over}: split them by concern"
+
+
+def _code_lines(node: ast.AST) -> int:
+    """A function's or class's lines, its own docstring excluded (an API's documentation is
+    not code a reader has to hold)."""
+    lines = node.end_lineno - node.lineno + 1  # type: ignore[attr-defined]
+    body = getattr(node, "body", [])
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        if isinstance(body[0].value.value, str):
+            lines -= body[0].end_lineno - body[0].lineno + 1  # type: ignore[operator]
+    return lines
+
+
+def test_no_function_is_over_80_lines_nor_class_over_200():
+    """A function, or a class, a reader can hold: 80 and 200 lines, docstrings excluded."""
+    over = []
+    counted = 0
+    for p in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                counted += 1
+                limit = 200 if isinstance(node, ast.ClassDef) else 80
+                if _code_lines(node) > limit:
+                    over.append(f"{p.relative_to(PACKAGE).as_posix()}:{node.name} ({_code_lines(node)} lines)")
+    assert counted > 300  # (not vacuous)
+    assert not over, f"over the limit: {over}: split them by concern"
+
+
+def test_the_size_rule_counts_code_not_docstrings():
+    tree = ast.parse('def f():\n    """doc\n\n    more"""\n    return 1\n')
+    assert _code_lines(tree.body[0]) == 2

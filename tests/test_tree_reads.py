@@ -135,11 +135,11 @@ def test_a_static_argument_matches_by_its_leaf_key(reads, recorded, given, by_va
     assert reads.static_matches(read, given) == (given is recorded or (by_value and _flatten.static_equal(given, recorded)))
 
 
-def test_the_compiled_readers_have_c_entries():
-    """The C structure route calls the readers through these (capsules), where compiled."""
-    entries = (_tree_reads.SEQUENCE_LEAVES, _tree_reads.TREE_LEAVES, _tree_reads.STATIC_MATCHES)
-    if _tree_reads.COMPILED:
-        assert all(type(e).__name__ == "PyCapsule" for e in entries)
-    else:
-        assert entries == (None, None, None)
-    assert AS_PYTHON.SEQUENCE_LEAVES is None and AS_PYTHON.COMPILED is False
+@pytest.mark.parametrize("example", _sequences(), ids=["tuple", "list", "dict", "nested", "empty"])
+def test_sequence_into_appends_the_leaves_sequence_leaves_gives(reads, example):
+    """The structure route reads a sequence straight into its list of the call's leaves."""
+    read = _codegen.sequence_read(example, _flatten.PLAIN_ARRAY_TYPES)
+    out = ["before"]
+    assert reads.sequence_into(read, example, out) is True
+    assert out[0] == "before" and [id(x) for x in out[1:]] == [id(x) for x in reads.sequence_leaves(read, example)]
+    assert reads.sequence_into(read, [example], out) is False  # (another structure)
