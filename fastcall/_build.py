@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 import jax
 
 from . import _debug_names, _nnx_gate
+from ._errors import FastcallError
 from ._flatten import spec_by_id
 from ._options import UNSPECIFIED
 from ._outputs import OutInfo, Varying
@@ -220,7 +221,13 @@ def _leaf_shardings(
             per_slot.append([entry] * spec.n_dyn)
         elif spec.kind == "tree":  # a pytree prefix of the argument
             full = spec.treedef.unflatten([object()] * len(spec.mask))
-            per_leaf = broadcast_prefix(entry, full)
+            try:
+                per_leaf = broadcast_prefix(entry, full)
+            except ValueError as err:  # (jax's message names no argument)
+                raise FastcallError(
+                    f"in_shardings for argument {arg_names[slot]!r} is not a pytree prefix of it ({err}): give "
+                    "one Sharding for the whole argument, or a pytree of its structure (or a prefix of it)"
+                ) from None
             per_slot.append([sh for sh, m in zip(per_leaf, spec.mask) if m])
         else:
             per_slot.append([entry] * spec.n_dyn)

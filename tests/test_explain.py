@@ -305,3 +305,20 @@ def test_a_partial_of_a_partial_binds_both():
     assert float(pp(x)) == 123.0
     assert float(pp.lower(x).compile()(x)) == 123.0
     assert [arg.name for arg in pp.explain(x).arguments] == ["a", "b", "x"]
+
+
+def test_explain_says_which_containers_are_read_every_call_and_why():
+    """A list passed after the first argument is not held (flattened every call, and why); a
+    tuple cannot be weakly referenced; a list passed first is held once passed again."""
+    f = fastcall.jit(lambda x, p: jax.tree_util.tree_map(lambda v: v * x, p))
+    x = jnp.ones(2)
+    listed = f.explain(x, [x, x]).arguments[1]
+    assert listed.kind == "list (not held)"
+    assert "flattened every call" in listed.per_call and "held only when passed first" in listed.per_call
+    tupled = f.explain(x, (x, x)).arguments[1]
+    assert tupled.kind == "tuple (cannot be weakly referenced)" and tupled.per_call == "flattened every call"
+    g = fastcall.jit(lambda p, x: jax.tree_util.tree_map(lambda v: v * x, p))
+    first = g.explain([x, x], x).arguments[0]
+    assert first.kind == "top-level list, not yet held"
+    assert first.per_call == "held for the fast path once passed first in two consecutive calls"
+    assert f.stats().calls == 0 and g.stats().calls == 0  # (explaining calls nothing)

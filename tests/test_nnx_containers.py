@@ -1816,3 +1816,94 @@ def test_nnx_in_random_containers_never_stale(spec, ops, by_keyword):
         assert_trees_equal(outs["fastcall"][1], outs["nnx.jit"][1])  # the caller's own first module
         assert_same_world(World((trees["fastcall"],)), World((trees["nnx.jit"],)))
     assert traces["fastcall"] <= traces["nnx.jit"], traces
+
+
+@pytest.mark.parametrize("prefix", ["per_entry", "array_entry", "one"])
+def test_in_shardings_for_a_dict_holding_an_nnx_object_as_nnx_jit_places_it(prefix):
+    """in_shardings as a pytree prefix of a container that holds an NNX object beside an
+    array: each entry for the leaves under it (the object's too), as nnx.jit places them."""
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = {
+        "per_entry": ({"enc": sharding, "b": None}, None),
+        "array_entry": ({"enc": None, "b": sharding}, sharding),
+        "one": (sharding, None),
+    }[prefix]
+
+    def f(c, x):
+        return c["enc"](x) + c["b"] * 2
+
+    def make():
+        return {"enc": nnx.Linear(3, 3, rngs=nnx.Rngs(0)), "b": jnp.ones(3)}
+
+    x = jnp.ones((1, 3))
+    wrapped, peer = fastcall.jit(f, in_shardings=shardings), nnx.jit(f, in_shardings=shardings)
+    c = make()
+    for _ in range(2):
+        ours, theirs = wrapped(c, x), peer(make(), x)
+        assert jnp.array_equal(ours, theirs) and ours.sharding == theirs.sharding
+    assert jnp.array_equal(ours, f(make(), x))
+    assert wrapped.stats().compiles == 1
+
+
+def test_a_static_leaf_beside_an_nnx_object_in_a_new_container_is_compared_by_value(hot_path):
+    """filter_jit's rule makes a Python int static: a new dict holding the model, an array and
+    such an int each call is served by the structure route while the int equals the recorded
+    one, and compiles anew for another (as the general path keys it)."""
+    model = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+    b, x = jnp.ones(3), jnp.ones((1, 3))
+
+    def f(c, x):
+        return c["m"](x) * c["k"] + c["b"]
+
+    wrapped = fastcall.filter_jit(f)
+    routes = []
+    for k in (2, 2, 3, 3):
+        out, route = served(wrapped, {"m": model, "k": k, "b": b}, x)
+        assert jnp.array_equal(out, f({"m": model, "k": k, "b": b}, x))
+        routes.append(route)
+    assert routes == ["general", STRUCTURE_PATH[hot_path], "general", STRUCTURE_PATH[hot_path]]
+    assert wrapped.stats().compiles == 2
+
+
+class _Extras(nnx.Module):
+    """A model that may gain a dict of Params after its first call."""
+
+    def __init__(self):
+        self.w = nnx.Param(jnp.ones(3))
+
+    def __call__(self, x):
+        out = self.w[...] * x
+        for k in sorted(getattr(self, "extra", {})):
+            out = out + self.extra[k][...]
+        return out
+
+
+def _gain_extras(jit, hot_path=None):
+    """Call `jit(...)` on a model, give it a dict of Params, then add one in place: the
+    outputs, and the route of each call (if `hot_path`)."""
+    model, x = _Extras(), jnp.ones(3)
+    f = jit(lambda m, x: m(x))
+    steps = [
+        lambda: None,
+        lambda: setattr(model, "extra", nnx.data({"a": nnx.Param(jnp.ones(3))}) if hasattr(nnx, "data") else {"a": nnx.Param(jnp.ones(3))}),
+        lambda: None,
+        lambda: model.extra.__setitem__("b", nnx.Param(jnp.full(3, 5.0))),
+        lambda: None,
+    ]
+    outs, routes = [], []
+    for change in steps:
+        change()
+        out, route = served(f, model, x) if hot_path else (f(model, x), None)
+        outs.append(out)
+        routes.append(route)
+    return outs, routes
+
+
+def test_a_dict_new_in_the_graph_of_a_model_seen_before_is_watched_from_then_on(hot_path):
+    """A model that gains a plain dict of Variables (which changes in place without a hook)
+    is read again and guarded from then on: an item added in place is seen, as nnx.jit sees it."""
+    ours, routes = _gain_extras(fastcall.jit, hot_path)
+    theirs, _ = _gain_extras(nnx.jit)
+    assert [float(o[0]) for o in ours] == [float(o[0]) for o in theirs] == [1.0, 2.0, 2.0, 7.0, 7.0]
+    assert routes[2] == FAST_PATH[hot_path] and routes[4] == FAST_PATH[hot_path]
+    assert routes[1] == routes[3] == "general"

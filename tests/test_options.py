@@ -158,3 +158,24 @@ def test_in_shardings_per_argument_skip_static_arguments_as_jax_jit_counts_them(
     for wrap in (jax.jit, fastcall.jit):  # one entry per traced argument, no more
         with pytest.raises(ValueError, match="in_shardings specification must be a tree prefix"):
             wrap(f, static_argnums=1, in_shardings=(sharding, None, sharding))(x, 2, x)
+
+
+def test_in_shardings_as_a_pytree_prefix_of_an_argument_as_jax_jit_takes_it():
+    """A pytree prefix per argument (a dict's entries each one sharding, or None: unconstrained)
+    places each leaf as jax.jit places it; a prefix of another structure is an error that names
+    the argument (jax's names none)."""
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def f(p, x):
+        return jax.tree_util.tree_map(lambda v: v * x, p)
+
+    p = {"a": jnp.ones(3), "b": (jnp.arange(2.0), jnp.zeros(1))}
+    for shardings in [({"a": sharding, "b": None}, None), ({"a": sharding, "b": (sharding, None)}, sharding)]:
+        ours, peer = fastcall.jit(f, in_shardings=shardings)(p, 2.0), jax.jit(f, in_shardings=shardings)(p, 2.0)
+        assert jax.tree_util.tree_structure(ours) == jax.tree_util.tree_structure(peer)
+        for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(peer)):
+            assert jnp.array_equal(a, b) and a.sharding == b.sharding
+    with pytest.raises(ValueError):
+        jax.jit(f, in_shardings=({"other": sharding}, None))(p, 2.0)
+    with pytest.raises(fastcall.FastcallError, match="in_shardings for argument 'p' is not a pytree prefix of it"):
+        fastcall.jit(f, in_shardings=({"other": sharding}, None))(p, 2.0)
