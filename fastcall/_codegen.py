@@ -317,7 +317,7 @@ class Template:
         self.rule = trace_scalars if gen.rule_bound else None
         # Tuples, lists and dicts of leaves only, nested or not: read by `_tree_reads` (compiled),
         # which tests just each one's type, its length (and a dict's keys) and each leaf's type,
-        # as `_inner` does; the C structure route calls it too.
+        # as `_inner` does; the structure route calls it too.
         self.sequence = sequence_read(example, TRACED_TYPES if gen.traces_scalars else PLAIN_ARRAY_TYPES)
         self.extract: Callable[[Any], tuple[Any, ...] | None] = (
             namespace["_extract"]
@@ -445,7 +445,7 @@ class FlattenTemplate:
         # as pytrees, `nnx_as_pytree`; only such functions use it: `serves`)
         if not (all(spec.mask) and all(type(x) in PLAIN_ARRAY_TYPES for x in dynamic)):
             raise _NoTemplate
-        # The read (`_tree_reads.tree_leaves`, which the C structure route calls too): jax's
+        # The read (`_tree_reads.tree_leaves`, which the structure route calls too): jax's
         # registry flatten (what `tree_flatten` calls), the treedef compared.
         read = TreeRead(jax.tree_util.default_registry.flatten, spec.treedef, PLAIN_ARRAY_TYPES)
 

@@ -1,7 +1,8 @@
 """The call path of a wrapped function: the hot path, one `run`, and fast records.
 
 Reading order: `make_wrapper` builds the closure `wrapper`, whose body is the
-whole route of a call:
+whole route of a call (the C wrapper, `_accel.c`, enters routes 1 and 2 itself and hands a
+call both decline to `miss`, as `wrapper` does: a miss is not tried by the routes again):
 
 1. The fast route (`_fast_route`, one source: compiled by Cython, or run as that file).
    `f(first, *arrays)` where `first` has a `FastRecord` for this function in the fast
@@ -13,14 +14,12 @@ whole route of a call:
 2. The structure path. Any other call whose arguments have the structures of
    a call this function ran (`_fast.StructureRecord`, per type of the first
    argument, with the call's keyword names; a few per key, tried in turn:
-   `_fast.records_of`): `_structure_route.read_arguments` reads each one,
-   positional then keyword as the general path resolves them
-   (`arguments_as_read`), as the record says (a plain array; a static value
-   compared with the recorded one; the identity cache or a generated
-   extractor; an NNX object's cache entry; a known GraphDef) or declines, and
-   the compiled entry runs on those leaves. The C extension serves it too, reading NNX objects only from the
-   entries the fast index publishes (`FastSlot.node`); it hands any other NNX
-   object over to this Python copy.
+   `_fast.records_of`): the structure route (`_structure_route`, one source as the
+   fast route) reads each one, positional then keyword as the general path resolves
+   them (`arguments_as_read`), as the record says (a plain array; a static value
+   compared with the recorded one; the identity cache or a generated extractor; an
+   NNX object's cache entry, as the fast index publishes it: `FastSlot.node`; a known
+   GraphDef) or declines, and the compiled entry runs on those leaves.
 3. The general path. Every argument is resolved (`_args.resolve_call`: plain
    arrays, identity-cache hits, NNX objects, new objects), the tuple of spec
    ids selects the compiled entry, and `run` runs it.

@@ -5,9 +5,9 @@ whose other arguments are plain leaves (jax arrays; NumPy arrays and scalars,
 typed PRNG keys; under `fastcall.jit`'s rule Python scalars: what jax.jit takes as it is,
 `FunctionState.plain_leaves`), is served without flattening,
 keying or looking up anything but one dict entry. The records it reads are
-defined here, once; `_dispatch` unpacks them by name and `_accel.c` reads them
-through named index constants, checked against these field names when a C
-wrapper is built.
+defined here, once; `_dispatch` unpacks them by name and the compiled routes
+read them by position, the field order checked at import
+(`_structure_route.LAYOUTS`).
 
 `INDEX[id(obj)]` is a `FastSlot` for objects whose cached leaves or Variable
 list are known to be current: Equinox modules and other pytrees in the
@@ -71,7 +71,7 @@ class SequenceRead(NamedTuple):
     containers, nested (a params dict of dicts, `{"layer_0": {"w": w, "b": b}, ...}`): its
     items (a dict's values, in the order of its sorted keys, as jax flattens it) are its
     leaves, or hold them, depth first. Read by `_tree_reads.sequence_leaves` (compiled), the
-    extractor of its template (`_codegen.Template.sequence`), which the C structure route
+    extractor of its template (`_codegen.Template.sequence`), which the structure route
     calls too."""
 
     kind: type  # tuple, list or dict, exactly
@@ -91,7 +91,7 @@ class TreeRead(NamedTuple):
     a flax struct dataclass, `register_pytree_node_class`), every leaf an array: read as
     jax.jit reads it, by jax's flatten, the treedef compared (`==`: node types and node data,
     as jax compares them) and each leaf's exact type checked: `_tree_reads.tree_leaves`
-    (compiled), which the C structure route calls too (`_codegen.FlattenTemplate`)."""
+    (compiled), which the structure route calls too (`_codegen.FlattenTemplate`)."""
 
     flatten: Callable[[Any], Any]  # jax's registry flatten: obj -> (leaves list, treedef)
     treedef: Any
@@ -112,9 +112,9 @@ class ArgRead(NamedTuple):
 
 class NodeRead(NamedTuple):
     """How the structure path reads an NNX argument: from its cache entry, which must be
-    usable as it is and have this spec. In C, only an entry published in the fast index
-    (`FastSlot.node`, validated as a fast call validates its slot) is read; any other
-    call is handed over to the Python copy, which reads every usable entry."""
+    usable as it is and have this spec: the entry published in the fast index
+    (`FastSlot.node`, validated as a fast call validates its slot); any other call is
+    declined to the general path."""
 
     spec_id: int
 

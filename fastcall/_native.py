@@ -1,10 +1,10 @@
 """fastcall's compiled modules, and whether calls use them: decided here.
 
-`BUILT` is the C extension (`fastcall/_accel.c`), or None where it was not built. `ACCEL` is
-the module where fastcall serves calls with it (the C wrapper, the C memo of returned
-objects): `BUILT`, unless `FASTCALL_DISABLE_ACCEL=1` (read once, at import: every call is
-then served by the pure-Python twin, for debugging) or a test sets it to None to run that
-twin. Read when a wrapper or an output is set up, not per call. `COMPILED_SOURCES` are
+`BUILT` is the C extension (`fastcall/_accel.c`, the C wrapper), or None where it was not
+built. `ACCEL` is the module where wrappers are made with it: `BUILT`, unless
+`FASTCALL_DISABLE_ACCEL=1` (read once, at import: every wrapper is then the Python one, which
+calls the same routes, for debugging) or a test sets it to None to run that wrapper. Read when
+a wrapper is made, not per call. `COMPILED_SOURCES` are
 compiled by Cython from their own source where a C compiler was found at install, and run as
 that source where not, whatever `ACCEL` says: one source, no twin to choose. Where something
 was not compiled, the import says so once, as a log record on the "fastcall" logger.
