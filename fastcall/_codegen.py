@@ -21,7 +21,7 @@ from typing import Any, Callable
 import equinox as eqx
 import jax
 
-from . import _rebuild, _tree_reads
+from . import _nnx_gate, _rebuild, _tree_reads
 from ._stats import read_whole
 from ._fast import SequenceRead, TreeRead
 from ._flatten import (
@@ -448,6 +448,8 @@ class FlattenTemplate:
         # The read (`_tree_reads.tree_leaves`, which the structure route calls too): jax's
         # registry flatten (what `tree_flatten` calls), the treedef compared.
         read = TreeRead(jax.tree_util.default_registry.flatten, spec.treedef, PLAIN_ARRAY_TYPES)
+        if spec.has_nnx:  # (its nnx.States and Variables read by fastcall, as jax's flatten would)
+            read = _nnx_gate.adapter().pytree_read(example, read) or read
 
         def extract(obj: Any) -> tuple[Any, ...] | None:
             read_whole()  # (jax's flatten of the whole argument: `JitStats.paths` counts it a read)

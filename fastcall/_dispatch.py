@@ -231,7 +231,7 @@ def _structure_reads(
         if resolved.nnx_args and not resolved.joint and _flatten.spec_by_id(spec_id).kind == "nnx-tree":
             # (NNX objects beside arrays and static values in a pytree, flax's TrainState
             # holding `nnx.split`'s States; or Variables, which have no cache entry)
-            mixed = _nnx_gate.adapter().mixed_read(spec_id, nnx_args)
+            mixed = _nnx_gate.adapter().mixed_read(spec_id, nnx_args, a)
             if mixed is None:
                 return None
             reads.append(mixed)

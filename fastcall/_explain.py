@@ -360,12 +360,14 @@ def _as_nnx_container(state: Any, name: str, value: Any, read: Any) -> ArgumentR
     if type(read) is _fast.MixedRead and reads_as_mixed(value, read, state.plain_leaves):
         n_variables = sum(type(code) is _fast.VariableRead for code in read.layout)
         n_objects = sum(type(code) is int for code in read.layout)
+        n_states = sum(e is not None for e in read.expand or ())
+        states = f" (its {n_states} nnx.States each read by its dict)" if n_states else ""
         return ArgumentReport(
             name,
             f"{type(value).__name__} holding NNX objects beside other leaves, of a tree structure this function has"
             " run",
-            f"flattened down to its NNX objects and its tree structure compared; {n_variables} Variables' types,"
-            f" metadata and values read, {n_objects} other objects read from their cache entries",
+            f"flattened down to its NNX objects{states} and its tree structure compared; {n_variables} Variables'"
+            f" types, metadata and values read, {n_objects} other objects read from their cache entries",
         )
     if adapter is not None and adapter.holds_nodes(value):
         return ArgumentReport(name, "container holding NNX objects", "the container flattened, each object read")
@@ -404,8 +406,9 @@ def _as_pytree(state: Any, name: str, value: Any, first: bool, read: Any) -> Arg
             for t in _codegen.templates.get(type(value), ())
         )
         reading = (
-            "its leaves read as jax.jit reads them (tree_flatten, the treedef compared with the recorded one)"
-            if flattened else "its leaves read by the structure's generated code"
+            "its leaves read as jax.jit reads them (tree_flatten, the treedef compared with the recorded one"
+            + (", its nnx.States and Variables read by fastcall as flax's flatten would" if _expands(read) else "")
+            + ")" if flattened else "its leaves read by the structure's generated code"
         ) + when
         return ArgumentReport(name, "a new object of a structure this function has run", reading)
     # (how the general path reads it: by the structure's generated extractor, if it has one)
@@ -433,3 +436,8 @@ def _as_pytree(state: Any, name: str, value: Any, first: bool, read: Any) -> Arg
 def _a(noun: str) -> str:
     """`noun` with its indefinite article ("an ArrayImpl", "a Linear")."""
     return ("an " if noun[:1].lower() in "aeiou" else "a ") + noun
+
+
+def _expands(read: Any) -> bool:
+    """Whether an ArgRead's TreeRead reads nnx.States and Variables itself (`TreeRead.expand`)."""
+    return type(read.sequence) is _fast.TreeRead and read.sequence.expand is not None

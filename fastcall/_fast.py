@@ -96,6 +96,11 @@ class TreeRead(NamedTuple):
     flatten: Callable[[Any], Any]  # jax's registry flatten: obj -> (leaves list, treedef)
     treedef: Any
     leaf_types: frozenset[type]  # (_flatten.PLAIN_ARRAY_TYPES)
+    # (a pytree holding nnx.States and Variables, read as jax.jit reads them: `nnx_as_pytree`)
+    # jax's flatten stopping at each State and Variable, and per leaf of it None, or the
+    # MappingRead or VariableValueRead that reads it as jax's flatten would (`MixedRead`'s)
+    is_leaf: Callable[[Any], bool] | None = None
+    expand: tuple[MappingRead | VariableValueRead | None, ...] | None = None
 
 
 class ArgRead(NamedTuple):
@@ -260,13 +265,41 @@ class MixedRead(NamedTuple):
     `layout` says: None, an array or a Python scalar the function passes as it is (its
     `plain_leaves`); a StaticRead, a static value compared; a VariableRead, a Variable read
     as one passed on its own is; an int, an NNX object read from its cache entry, of that
-    spec (as NodeRead). (Python: `_structure_route.read_mixed`; C: `read_mixed`.)"""
+    spec (as NodeRead). Where `expand` is given, jax's flatten stops at each `nnx.State` too
+    (`is_leaf`), which `expand` reads by its mapping (`_tree_reads.expand_into`), to the same
+    leaves without flax's Python flatten of each State. (`_structure_route._read_mixed`.)"""
 
     spec_id: int
     flatten: Callable[[Any, Any], Any]  # jax's registry flatten: (obj, is_leaf) -> (leaves list, treedef)
-    is_leaf: Callable[[Any], bool]  # whether a node is an NNX object (the general path's own test)
+    is_leaf: Callable[[Any], bool]  # whether a node is an NNX object (or, with `expand`, an nnx.State)
     treedef: Any
     layout: tuple[None | StaticRead | VariableRead | int, ...]
+    # per leaf of the flatten: None, or the MappingRead of the nnx.State it is
+    expand: tuple[MappingRead | None, ...] | None = None
+
+
+class MappingRead(NamedTuple):
+    """How `_tree_reads.expand_into` reads a mapping node of a pytree as jax's flatten does,
+    with no Python frame: a dict (jax's own node), or a node type that keeps its items in a
+    dict attribute and flattens them as a dict (`nnx.State`, whose flatten sorts the
+    `_mapping`'s items by key: what `_nnx._reads.mixed_read` checks before making one). Its
+    items are the values at `keys` (sorted: jax's and flax's order) of a mapping of exactly
+    these keys, each a leaf where `items` says None, else read by the MappingRead there."""
+
+    kind: type  # dict, or the node type, exactly
+    attr: str | None  # (the attribute holding its dict; None: a dict itself)
+    keys: tuple[Any, ...]
+    items: tuple[MappingRead | VariableValueRead | None, ...]
+
+
+class VariableValueRead(NamedTuple):
+    """How `_tree_reads.expand_into` reads an NNX Variable as jax's flatten does (flax's
+    Variable flatten: its `_raw_value` the one leaf, its metadata the node data): a Variable
+    of exactly `kind` whose metadata equals `metadata` gives its `_raw_value`. (Made where
+    `_nnx._reads` has checked that jax flattens `kind` so.)"""
+
+    kind: type
+    metadata: dict[str, Any]
 
 
 class StaticRead(NamedTuple):

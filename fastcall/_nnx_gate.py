@@ -40,6 +40,8 @@ class NnxAdapter(Protocol):
     @property
     def State(self) -> type: ...
     @property
+    def Variable(self) -> type: ...
+    @property
     def NnxArg(self) -> Callable[..., Any]: ...  # (`_fast.NnxArg`: an NNX argument of one call)
 
     def is_node_type(self, t: type) -> bool: ...
@@ -63,7 +65,8 @@ class NnxAdapter(Protocol):
     def joint_read(self, arg: Any, before: Any) -> Any: ...
     def variable_read(self, arg: Any, spec_id: int) -> Any: ...
     def shared_variable_read(self, arg: Any, spec_id: int, reads: list[Any], at: int) -> Any: ...
-    def mixed_read(self, spec_id: int, nnx_args: Iterator[Any]) -> Any: ...
+    def mixed_read(self, spec_id: int, nnx_args: Iterator[Any], value: Any) -> Any: ...
+    def pytree_read(self, value: Any, read: Any) -> Any: ...
     def forget_function(self, state: Any) -> None: ...
 
     # ---- the hit routes (`_dispatch.make_wrapper`, `_agreement`) ----
@@ -172,6 +175,25 @@ def reads_as_node(x: Any) -> bool:
     """`is_node`, or an `nnx.State` (which the adapter may read and cache as one object)."""
     t = type(x)
     return is_node_type(t) or _is_adapter_type(state_types, t, "State")
+
+
+variable_types: dict[type, bool] = {}
+
+
+@cython.ccall
+@cython.exceptval(-1, check=True)
+def reads_as_value(x: Any) -> cython.bint:
+    """Whether `x` is an `nnx.State` or a Variable: where jax's flatten stops for a TreeRead
+    that reads them itself, as jax's flatten would (`_fast.TreeRead.expand`)."""
+    t = type(x)
+    if _is_adapter_type(state_types, t, "State"):
+        return True
+    found = variable_types.get(t)
+    if found is None:
+        if "flax.nnx" not in sys.modules:
+            return False
+        found = variable_types[t] = issubclass(t, adapter().Variable)
+    return found is True
 
 
 @cython.ccall

@@ -49,8 +49,9 @@ from . import _flatten
 from ._arrays import ArrayImpl
 from ._fast_route import DECLINED
 from ._fast import (
-    GRAPHDEFS, ArgRead, FastRecord, FastSlot, GraphdefRead, JointRead, KnownGraphdef, MixedRead, NnxArg, NodeRead,
-    NodesRead, SequenceRead, SharedVariableRead, StaticRead, StructureRecord, TreeRead, VariableRead,
+    GRAPHDEFS, ArgRead, FastRecord, FastSlot, GraphdefRead, JointRead, KnownGraphdef, MappingRead, MixedRead, NnxArg,
+    NodeRead, NodesRead, SequenceRead, SharedVariableRead, StaticRead, StructureRecord, TreeRead, VariableRead,
+    VariableValueRead,
 )
 from ._outputs import Varying
 
@@ -65,13 +66,13 @@ if cython.compiled:  # (the other compiled modules' functions, called as C: thei
     from cython.cimports.fastcall._guard import holds
     from cython.cimports.fastcall._memo import latest_leaves
     from cython.cimports.fastcall._trace import may_serve_nnx
-    from cython.cimports.fastcall._tree_reads import sequence_into, static_matches, tree_leaves
+    from cython.cimports.fastcall._tree_reads import expand_into, sequence_into, static_matches, tree_leaves
 else:  # (the same functions, called as Python)
     from ._entry_reads import apart, read_node, read_nodes, read_shared_variable, read_variable, ref_is
     from ._guard import holds
     from ._memo import latest_leaves
     from ._trace import may_serve_nnx
-    from ._tree_reads import sequence_into, static_matches, tree_leaves
+    from ._tree_reads import expand_into, sequence_into, static_matches, tree_leaves
 
 if cython.compiled:  # (a call's arguments: C's array, `_capi.Argv`; run as Python, a tuple)
     from cython.cimports.fastcall._capi import Argv, arg
@@ -115,13 +116,15 @@ LAYOUTS: dict[Any, tuple[str, ...]] = {
     KnownGraphdef: ("graphdef", "snapshot", "spec_id", "spec"),
     ArgRead: ("spec_id", "extract", "sequence", "by_identity"),
     SequenceRead: ("kind", "length", "leaf_types", "keys", "items", "n_leaves"),
-    TreeRead: ("flatten", "treedef", "leaf_types"),
+    TreeRead: ("flatten", "treedef", "leaf_types", "is_leaf", "expand"),
     StaticRead: ("spec_id", "value", "by_value"),
     NodeRead: ("spec_id",),
     GraphdefRead: ("spec_id",),
     JointRead: ("spec_id", "entry", "node_ids", "keep"),
     NodesRead: ("spec_id", "kind", "elements", "keys"),
-    MixedRead: ("spec_id", "flatten", "is_leaf", "treedef", "layout"),
+    MixedRead: ("spec_id", "flatten", "is_leaf", "treedef", "layout", "expand"),
+    MappingRead: ("kind", "attr", "keys", "items"),
+    VariableValueRead: ("kind", "metadata"),
     VariableRead: ("spec_id", "kind", "metadata", "metadata_slot"),
     SharedVariableRead: ("spec_id", "owner", "position", "first"),
     NnxArg: ("obj", "variables", "entry", "ids", "paths", "index"),
@@ -590,10 +593,11 @@ def _read_mixed(
     route: StructureRoute, a: Any, read: Any, values: list, entries: list, loose: list, nnx_args: Optional[list]
 ) -> cython.bint:
     """A pytree holding NNX objects beside other leaves (`MixedRead`): jax's flatten of `a`
-    down to its NNX objects, its treedef equal to the record's, then each leaf as the
-    record's layout says: a plain leaf appended to `values`; a static one compared; a
-    Variable read as `_read_variable` reads it (and added to `loose`); an NNX object (its spec
-    id) read from its cache entry (`_read_node`)."""
+    down to its NNX objects (and its nnx.States, each read by its mapping: `expand_into`),
+    its treedef equal to the record's, then each leaf as the record's layout says: a plain
+    leaf appended to `values`; a static one compared; a Variable read as `_read_variable`
+    reads it (and added to `loose`); an NNX object (its spec id) read from its cache entry
+    (`_read_node`)."""
     r: tuple = cython.cast(tuple, read) if cython.compiled else read
     layout = r[4]
     if type(layout) is not tuple:
@@ -605,6 +609,12 @@ def _read_mixed(
             return False
     except Exception:  # (a node data whose `==` raises: the general path names it)
         return False
+    expand = r[5]
+    if expand is not None:
+        found: list = []
+        if not expand_into(cython.cast(list, items), cython.cast(tuple, expand), found):
+            return False
+        items = found
     if len(items) != len(layout):
         return False
     plain: frozenset = route.plain

@@ -4,3 +4,4 @@ cpdef object sequence_leaves(object read, object a)
 cpdef bint sequence_into(object read, object a, list out) except? -1
 cpdef object tree_leaves(object read, object a)
 cpdef bint static_matches(object read, object a) except? -1
+cpdef bint expand_into(list leaves, tuple expand, list out) except? -1

@@ -5,9 +5,10 @@ A structure record (`_fast.ArgRead`) says how a later call reads a new object of
 structure. For a tuple, list or dict of leaves, nested or not (`_fast.SequenceRead`: a batch,
 a params dict of dicts), and for a pytree node type of its own whose leaves are all arrays
 (`_fast.TreeRead`: a registered dataclass, read by jax's flatten), the reader is one of these
-functions; so is the check of a static argument (`_fast.StaticRead`). The compiled structure
-route calls them as C (`_tree_reads.pxd`); the general path calls them too (a template's
-`extract`, `_codegen`).
+functions; so is the check of a static argument (`_fast.StaticRead`), and the read of the
+nnx.States in a pytree holding NNX objects (`_fast.MappingRead`: `expand_into`). The
+compiled structure route calls them as C (`_tree_reads.pxd`); the general path calls them
+too (a template's `extract`, `_codegen`).
 
 One of the sources setup.py compiles with Cython (see `fastcall/_rebuild.py`), run as this
 file where it is not compiled.
@@ -21,11 +22,14 @@ except ImportError:  # (Cython is needed only to build; run as Python without it
     from fastcall import _cython_shim as cython  # type: ignore[no-redef]
 
 from ._arrays import ArrayImpl
+from ._fast import VariableValueRead
 from ._flatten import static_equal
 
 COMPILED: bool = cython.compiled
 
 _array = cython.declare(object, ArrayImpl)
+_MISSING = cython.declare(object, object())  # (no such key)
+_VALUE_READ = cython.declare(object, VariableValueRead)
 
 
 @cython.ccall
@@ -121,22 +125,91 @@ def _fill(seq: tuple, a: Any, leaf_types: frozenset, out: list) -> cython.bint:
 @cython.ccall
 def tree_leaves(read: Any, a: Any) -> Any:
     """The leaves of `a` as the TreeRead `read` reads them, as jax.jit reads it: jax's flatten
-    of `a`, if its treedef equals the read's (node types and node data, as jax compares
-    them) and each leaf's exact type is one of the read's leaf types, as a tuple; else None
+    of `a` (its States and Variables read by `expand_into`, where the read says so), if its
+    treedef equals the read's (node types and node data, as jax compares them) and each
+    leaf's exact type is one of the read's leaf types, as a tuple; else None
     (not of this structure; an exception of the flatten or the comparison says so too: the
     general path reads it again, and names the argument)."""
-    flatten, treedef, leaf_types = cython.cast(tuple, read)
+    flatten, treedef, leaf_types, is_leaf, expand = cython.cast(tuple, read)
     try:
-        flat = flatten(a)
+        flat = flatten(a) if is_leaf is None else flatten(a, is_leaf)
         leaves, found = cython.cast(tuple, flat)
         if not found == treedef:
             return None
     except Exception:
         return None
+    if expand is not None:
+        expanded: list = []
+        if not expand_into(cython.cast(list, leaves), cython.cast(tuple, expand), expanded):
+            return None
+        leaves = expanded
     for x in cython.cast(list, leaves):
         if type(x) is not _array and type(x) not in cython.cast(frozenset, leaf_types):
             return None
     return tuple(cython.cast(list, leaves))
+
+
+@cython.ccall
+@cython.exceptval(-1, check=True)
+def expand_into(leaves: list, expand: tuple, out: list) -> cython.bint:
+    """Appends to `out` each of `leaves` where `expand` (one item per leaf) says None, and
+    where it gives a read (`_fast.MixedRead.expand`, `_fast.TreeRead.expand`), what jax's
+    flatten gives for that leaf: a MappingRead's values at its keys, depth first; a
+    VariableValueRead's raw value. Whether each reads so: exactly its kind, a dict of
+    exactly its keys (then jax's sorted order is the read's), a Variable of its metadata,
+    as deep as recorded. (The leaves are checked by the caller, as it checks jax's.) An
+    exception of the checks (a key's `__eq__` may raise) says False too."""
+    if len(leaves) != len(expand):
+        return False
+    i: cython.Py_ssize_t
+    try:
+        for i in range(len(leaves)):
+            if not _expand_one(expand[i], leaves[i], out):
+                return False
+    except Exception:
+        return False
+    return True
+
+
+@cython.cfunc
+@cython.exceptval(-1, check=True)
+def _expand_one(read: Any, a: Any, out: list) -> cython.bint:
+    """`expand_into` for one leaf `a` and its read."""
+    if read is None:
+        out.append(a)
+        return True
+    if type(read) is _VALUE_READ:
+        kind, metadata = cython.cast(tuple, read)
+        if type(a) is not kind:
+            return False
+        found = getattr(a, "_var_metadata")
+        if found is not metadata and not (type(found) is dict and found == metadata):
+            return False
+        out.append(getattr(a, "_raw_value"))
+        return True
+    return _mapping_fill(cython.cast(tuple, read), a, out)
+
+
+@cython.cfunc
+@cython.exceptval(-1, check=True)
+def _mapping_fill(read: tuple, a: Any, out: list) -> cython.bint:
+    """`_expand_one` for a MappingRead `read` (kind, attr, keys, items) and node `a`."""
+    if type(a) is not read[0]:
+        return False
+    attr = read[1]
+    d = a if attr is None else getattr(a, attr)
+    if type(d) is not dict:
+        return False
+    keys: tuple = read[2]
+    items: tuple = read[3]
+    if len(cython.cast(dict, d)) != len(keys):
+        return False
+    i: cython.Py_ssize_t
+    for i in range(len(keys)):
+        x = cython.cast(dict, d).get(keys[i], _MISSING)
+        if x is _MISSING or not _expand_one(items[i], x, out):
+            return False
+    return True
 
 
 @cython.ccall

@@ -220,3 +220,21 @@ def run_threads(n: int, target, *args) -> list[BaseException]:
     for t in threads:
         t.join()
     return errors
+
+
+def reads_in(f: Any, kind: type) -> list[Any]:
+    """The reads of type `kind` (a `fastcall._fast` record) in `f`'s structure records."""
+    found: list[Any] = []
+
+    def walk(x: Any, depth: int) -> None:
+        if type(x) is kind:
+            found.append(x)
+        elif depth < 8 and isinstance(x, (tuple, list)):
+            for y in x:
+                walk(y, depth + 1)
+        elif depth < 8 and isinstance(x, dict):
+            for y in x.values():
+                walk(y, depth + 1)
+
+    walk(f._fastcall_state.structures, 0)
+    return found

@@ -35,8 +35,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fastcall
+from fastcall import _fast
 
-from .conftest import FAST_PATH, STRUCTURE_PATH, assert_trees_equal, served, state_of
+from .conftest import FAST_PATH, STRUCTURE_PATH, assert_trees_equal, reads_in, served, state_of
 from .models import TinyDecoder
 
 settings.register_profile(
@@ -1152,6 +1153,124 @@ def test_a_functional_train_state_of_split_states_loops_on_the_structure_path(ho
         if isinstance(got, nnx.Variable):
             assert list(got.get_metadata().items()) == list(want.get_metadata().items())
     assert int(states["fastcall"].counts["count"][...]) == 4
+
+
+class _Count(nnx.Variable):
+    pass
+
+
+def _split_train_state():
+    """A flax TrainState holding `nnx.split` States (a params State of dicts of Params, a
+    counts State) and the graphdef (toy example 03's), and a step that reads every param,
+    counts its calls in place and returns a new state."""
+    from flax.training import train_state
+
+    class TrainState(train_state.TrainState):
+        counts: Any
+        graphdef: Any
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.count = _Count(jnp.array(0))
+            self.linear = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            self.count[...] += 1
+            return self.linear(x)
+
+    def start():
+        graphdef, params, counts = nnx.split(Model(), nnx.Param, _Count)
+        return TrainState.create(apply_fn=None, graphdef=graphdef, params=params, tx=_SGD, counts=counts)
+
+    def step(state, x):
+        # (any params the state holds; the count written in place: nnx.jit writes it back)
+        params = jax.tree_util.tree_leaves(state.params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        state.counts["count"][...] += 1
+        return state.replace(step=state.step + 1), x * sum(jnp.sum(v[...]) for v in params)
+
+    return start, step
+
+
+_SGD = optax.sgd(0.1)  # (one for all: a TrainState's treedef holds its functions)
+
+
+def _train_state_changes():
+    """Changes a user makes to a train state's States between calls (name -> change)."""
+
+    def extra(s):
+        s.params["linear"]["extra"] = nnx.Param(jnp.ones(1))
+
+    def swapped(s):
+        del s.params["linear"]["bias"]
+        s.params["linear"]["bias2"] = nnx.Param(jnp.ones(3))
+
+    def retyped(s):
+        s.params["linear"]["bias"] = nnx.BatchStat(jnp.full((3,), 0.5))
+
+    def valued(s):
+        s.params["linear"]["bias"][...] = jnp.full((3,), 2.0)
+
+    def replaced(s):
+        s.params["linear"]["kernel"] = nnx.Param(jnp.full((2, 3), 0.25))
+
+    def counted(s):
+        s.counts["count"] = _Count(jnp.array(7))
+
+    return {
+        "value set": valued, "Variable replaced": replaced, "count replaced": counted, "key added": extra,
+        "key swapped": swapped, "Variable of another type": retyped,
+    }
+
+
+@pytest.mark.parametrize("change", list(_train_state_changes()))
+def test_the_states_in_a_train_state_are_read_by_their_mappings_and_never_stale(change, hot_path):
+    """A TrainState of `nnx.split` States: the structure path reads each State by its dict
+    (`_fast.MappingRead`), not by flax's Python flatten; every change a user makes to the
+    States between calls gives what nnx.jit gives: a new value or a Variable replaced by
+    one of its type keeps the structure path, a key added or swapped, or a Variable of
+    another type, is read once by the general path, which records the new structure."""
+    start, step = _split_train_state()
+    f, g = fastcall.jit(step), nnx.jit(step)
+    mine, theirs = start(), start()
+    for _ in range(2):
+        (mine, got), route = served(f, mine, X[:, :2])
+        theirs, want = g(theirs, X[:, :2])
+        assert_trees_equal((mine, got), (theirs, want))
+    assert route == STRUCTURE_PATH[hot_path]
+    (mixed,) = reads_in(f, _fast.MixedRead)
+    assert [type(e).__name__ for e in mixed.expand] == ["NoneType", "MappingRead", "MappingRead"]
+    _train_state_changes()[change](mine)
+    _train_state_changes()[change](theirs)
+    routes = []
+    for _ in range(2):
+        (mine, got), route = served(f, mine, X[:, :2])
+        theirs, want = g(theirs, X[:, :2])
+        routes.append(route)
+        assert_trees_equal((mine, got), (theirs, want))
+        assert jax.tree_util.tree_structure(mine) == jax.tree_util.tree_structure(theirs)
+    structure = STRUCTURE_PATH[hot_path]
+    if change in ("value set", "Variable replaced", "count replaced"):
+        assert routes == [structure, structure]
+    else:
+        assert routes == ["general", structure]
+
+
+def test_a_state_the_mapping_read_does_not_cover_is_flattened_by_jax():
+    """A State holding a tuple (which jax's flatten walks into, and the mapping read would
+    take as one leaf) is read by jax's flatten: no MappingRead; the same as nnx.jit."""
+
+    def step(states, x):
+        params, pair = states
+        return x * params["w"][...] + pair["p"][0][...] + pair["p"][1][...]
+
+    def start():
+        return (nnx.State({"w": nnx.Param(jnp.ones(3))}), nnx.State({"p": (nnx.Param(jnp.ones(3)), nnx.Param(jnp.ones(3)))}))
+
+    f, g = fastcall.jit(step), nnx.jit(step)
+    mine, theirs = start(), start()
+    for _ in range(3):
+        assert_trees_equal(f(mine, X[0, :3]), g(theirs, X[0, :3]))
+    assert all(read.expand is None for read in reads_in(f, _fast.MixedRead))
 
 
 def test_new_variables_returned_keep_their_identity_as_under_nnx_jit():

@@ -39,6 +39,7 @@ from ._reads import (
     joint_index,
     joint_read,
     mixed_read,
+    pytree_read,
     overlapping,
     read_argument,
     read_as_one_object,
@@ -56,13 +57,14 @@ from ._specs import (
     named_leaves,
     read_graphdef,
 )
-from ._variables import GraphDef, State, is_node_type
+from ._variables import GraphDef, State, Variable, is_node_type
 from ._write_back import twin_states, unmark_leaves, unmark_nodes, write_back
 
 __all__ = [
     # `_nnx_gate.NnxAdapter`, in its order
     "GraphDef",
     "State",
+    "Variable",
     "NnxArg",
     "is_node_type",
     "holds_nodes",
@@ -80,6 +82,7 @@ __all__ = [
     "variable_read",
     "shared_variable_read",
     "mixed_read",
+    "pytree_read",
     "forget_function",
     "slot_after_rebuild",
     "slot_as_checked",

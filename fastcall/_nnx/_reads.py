@@ -21,7 +21,7 @@ import jax
 from flax import nnx
 from flax.nnx import graphlib
 
-from .. import _fast, _nnx_gate
+from .. import _fast, _nnx_gate, _tree_reads
 from .._errors import FastcallError, describe_arg
 from .._flatten import ArrayImpl, intern, is_traced_leaf, spec_by_id
 from .._flatten import interned as _interned
@@ -245,13 +245,14 @@ def read_container(
         ) from None
 
 
-def mixed_read(spec_id: int, nnx_args: Iterator[NnxArg]) -> _fast.MixedRead | None:
-    """How the structure path reads again an argument `read_container` read under this
-    spec (a TreeSpec: NNX objects beside other leaves in a pytree), taking its objects'
+def mixed_read(spec_id: int, nnx_args: Iterator[NnxArg], value: Any) -> _fast.MixedRead | None:
+    """How the structure path reads again `value`, an argument `read_container` read under
+    this spec (a TreeSpec: NNX objects beside other leaves in a pytree), taking its objects'
     NnxArgs from the iterator `nnx_args` (in the order the general path read them): each
     Variable as `variable_read` reads it, each other NNX object from its cache entry (as
     `readable_argument` allows), each static value if its identity (or a scalar's value)
-    fixes it (`_fast.static_read`); None if one cannot be read so."""
+    fixes it (`_fast.static_read`); None if one cannot be read so. Its nnx.States are read
+    by their mappings where that reads them as jax does (`_expansion`)."""
     spec = spec_by_id(spec_id)
     if not isinstance(spec, TreeSpec):
         return None
@@ -278,7 +279,76 @@ def mixed_read(spec_id: int, nnx_args: Iterator[NnxArg]) -> _fast.MixedRead | No
                 layout.append(code.id)
             else:
                 return None
-    return _fast.MixedRead(spec_id, jax.tree_util.default_registry.flatten, _nnx_gate.is_node, spec.treedef, tuple(layout))
+    flatten = jax.tree_util.default_registry.flatten
+    found = _expansion(value, spec.treedef, as_pytree=False)
+    if found is None:
+        return _fast.MixedRead(spec_id, flatten, _nnx_gate.is_node, spec.treedef, tuple(layout))
+    return _fast.MixedRead(spec_id, flatten, _nnx_gate.reads_as_node, found[0], tuple(layout), found[1])
+
+
+def pytree_read(value: Any, read: _fast.TreeRead) -> _fast.TreeRead | None:
+    """`read`, jax's flatten of `value` (a pytree holding nnx.States or Variables, read as
+    jax.jit reads it: `nnx_as_pytree`), made to stop at each State and Variable, which
+    `_tree_reads.expand_into` then reads as flax's flatten would (`_expansion`), without its
+    Python frames; None where `value` holds neither, or one that read does not cover."""
+    found = _expansion(value, read.treedef, as_pytree=True)
+    if found is None:
+        return None
+    return read._replace(is_leaf=_nnx_gate.reads_as_value, treedef=found[0], expand=found[1])
+
+
+def _expansion(value: Any, treedef: Any, as_pytree: bool) -> tuple[Any, tuple[Any, ...]] | None:
+    """(treedef, expand) of a read of `value` by jax's flatten stopping at each nnx.State
+    (and, `as_pytree`, each Variable), each then read by `_tree_reads.expand_into`: a State
+    by its `_mapping` (as flax's flatten sorts it), a Variable (`as_pytree`) as its raw value
+    and metadata. The leaves jax's flatten gives (with each NNX object a leaf, unless
+    `as_pytree`), without flax's Python flatten of each State and Variable (a sort of its
+    items: about 1 us a State here). None where `value` holds none, or one the read does not
+    cover (a tuple or None in a State, a key that does not sort, a Variable type that jax
+    flattens otherwise): checked here, against jax's own flatten of `value`."""
+    flatten = jax.tree_util.default_registry.flatten
+    try:
+        want, want_treedef = flatten(value) if as_pytree else flatten(value, _nnx_gate.is_node)
+        leaves, stopped = flatten(value, _nnx_gate.reads_as_value if as_pytree else _nnx_gate.reads_as_node)
+        expand = tuple(_expand_read(x, as_pytree, 0) for x in leaves)
+    except (_Unmapped, TypeError, RecursionError):
+        return None
+    if all(e is None for e in expand) or want_treedef != treedef:
+        return None
+    found: list[Any] = []
+    if not _tree_reads.expand_into(leaves, expand, found):
+        return None
+    if len(found) != len(want) or any(a is not b for a, b in zip(found, want)):
+        return None
+    return stopped, expand
+
+
+class _Unmapped(Exception):
+    """A State or Variable that `_expand_read` does not read."""
+
+
+def _expand_read(node: Any, as_pytree: bool, depth: int) -> Any:
+    """The read of one leaf of `_expansion`'s flatten, or of an item of a State in it: a
+    MappingRead for an nnx.State or a dict in one, a VariableValueRead for a Variable
+    (`as_pytree`), else None (a leaf, which `_expansion` checks against jax's flatten)."""
+    kind = type(node)
+    if as_pytree and _is_variable(node):
+        metadata = _var_metadata(node)
+        structure: Any = jax.tree_util.tree_structure(node)
+        if type(metadata) is not dict or structure.node_data() != (kind, tuple(sorted(metadata.items()))):
+            raise _Unmapped  # (a Variable type whose node data is not flax's: jax's flatten reads it)
+        return _fast.VariableValueRead(kind, dict(metadata))
+    if kind is not dict and kind is not nnx.State:
+        return None
+    attr = None if kind is dict else "_mapping"
+    mapping = node if attr is None else vars(node).get(attr)
+    if type(mapping) is not dict or depth > _MAPPING_DEPTH:
+        raise _Unmapped
+    keys = tuple(sorted(mapping))  # (TypeError: keys that do not sort, which jax's flatten refuses too)
+    return _fast.MappingRead(kind, attr, keys, tuple(_expand_read(mapping[k], as_pytree, depth + 1) for k in keys))
+
+
+_MAPPING_DEPTH = 32  # (the compiled read recurses once per level)
 
 
 def _plain_state(state: Any) -> bool:
