@@ -109,11 +109,12 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
         return
     fast_shape = all(k == 0 for k in resolved.key[1:])  # every other argument a plain leaf
     first = args[0]
-    # `f(params, *arrays)` with a top-level list or dict: held when passed again
-    # (`_hold.hold`), for the fast path.
+    # `f(params, ...)` with a top-level list or dict: held when passed again (`_hold.hold`),
+    # for the fast path to serve `f(params, *arrays)` and the structure path to take its
+    # leaves from the identity cache (a guard check, not a read) in `f(params, x, config)`.
     first_spec = _flatten.spec_by_id(resolved.key[0]) if type(first) in (list, dict) else None
     hold_first = (
-        fast_shape and first_spec is not None and not resolved.nnx_args and _hold.may_hold(state)
+        first_spec is not None and not resolved.nnx_args and _hold.may_hold(state)
         and _hold.holdable(first, first_spec, resolved.leaves[: first_spec.n_dyn])
     )
     node = resolved.nnx_args[0].entry if len(resolved.nnx_args) == 1 and resolved.nnx_args[0].obj is first else None
@@ -131,7 +132,7 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
     if resolved.nnx_args or type(first) is list or type(first) is dict:
         if hold_first and first_spec is not None:
             held = _hold.hold(state, first, resolved.leaves[: first_spec.n_dyn], first_spec)
-            if held is not None:
+            if held is not None and fast_shape:
                 _publish_pytree(state, first, held, entry, len(args))
         return
     if not fast_shape:
@@ -321,7 +322,7 @@ def _file_structure(
     # which caches them by identity.
     for i, read in enumerate(reads_now):
         if type(read) is ArgRead:
-            known.last[i] = last_mark(args[i], i == 0 and hold_first) if read.by_identity else None
+            known.last[i] = last_mark(args[i], i == 0 and hold_first, fast_shape) if read.by_identity else None
 
 
 def _kept_read(record: StructureRecord | None, at: int, spec_id: int) -> ArgRead | None:

@@ -385,8 +385,9 @@ class StructureRecord(NamedTuple):
     kwnames: tuple[str, ...] = ()
     order: tuple[int, ...] | None = None
     # Whether a list or dict passed first is marked (by id: `last_mark`), so that passed
-    # again it goes to the general path, which holds it for the fast path (`_hold.hold`;
-    # only with `fast_shape`, and where `_hold.holdable`).
+    # again it goes to the general path, which holds it (`_hold.hold`, where
+    # `_hold.holdable`): for the fast path with `fast_shape`, for this record's identity
+    # cache read without.
     hold_first: bool = False
     # Records of other structures met under the same key (`structure_key`), most recent
     # first, each with no `others` of its own: tried in turn when this one's reads decline,

@@ -1,4 +1,5 @@
-"""Holding a top-level list or dict passed again: what lets the fast path serve `f(params, x)`.
+"""Holding a top-level list or dict passed again: what lets the fast path serve `f(params, x)`,
+and the structure path take the leaves of `params` in `f(params, x, config)` from the cache.
 
 An Equinox module or a tuple is known by a weak reference in the identity cache
 (`_flatten.by_id`). A top-level list or dict cannot be weakly referenced; this module
@@ -29,7 +30,9 @@ from ._flatten import CacheEntry, Strong, by_id, forget_strong, guard_of, lookup
 # many times in a row without the fast path serving a call in between stops holding
 # (`may_hold`): its lists and dicts are read by the structure path, whose test of each one
 # cannot be fooled. (An inference loop comes here twice: to note its container, then to
-# hold it; the fast path serves it from the next call.)
+# hold it; the fast path serves it from the next call.) Where other arguments are not plain
+# leaves (`f(params, x, config)`), a dict is told passed again by its id and version tag
+# (`_structure_route.last_mark`), which a new dict never shares: only that loop comes here.
 HOLD_ATTEMPTS_LIMIT = 4
 
 

@@ -37,7 +37,7 @@ from ._arrays import ArrayImpl
 if cython.compiled:
     from cython.cimports.cpython.object import PyObject_GenericGetAttr
     from cython.cimports.cpython.weakref import PyWeakref_NewRef
-    from cython.cimports.fastcall._capi import new_record
+    from cython.cimports.fastcall._capi import new_record, weakrefable
     from cython.cimports.fastcall._guard import holds, make_checked
 else:  # (the same functions, called as Python)
     from ._guard import holds, make_checked
@@ -218,6 +218,10 @@ def _noted(obj: Any) -> Any:
     is never noted; a dead module's weak reference reads as None until its callback has
     dropped the memo."""
     if obj is None:
+        return None
+    # (only a tuple or an object that can be weakly referenced is ever noted: a dict or list
+    # argument, read on every call, needs no scan)
+    if type(obj) is not tuple and not (weakrefable(obj) if cython.compiled else type(obj).__weakrefoffset__):
         return None
     i: cython.Py_ssize_t
     r: cython.Py_ssize_t

@@ -446,30 +446,50 @@ def _mark(known: tuple, argv: Argv) -> cython.void:
     reads: tuple = known[1]
     last: list = known[4]
     hold_first: cython.bint = known[8]
+    fast_shape: cython.bint = known[5]
     i: cython.Py_ssize_t
     for i in range(len(reads)):
         read = reads[i]
         if type(read) is _ARG_READ:
             if cython.cast(tuple, read)[3] if cython.compiled else read.by_identity:
-                last[i] = last_mark(arg(argv, _position(known, i)), hold_first and i == 0)
+                last[i] = last_mark(arg(argv, _position(known, i)), hold_first and i == 0, fast_shape)
             else:
                 last[i] = None
 
 
 @cython.ccall
-def last_mark(obj: Any, first: cython.bint) -> object:
+def last_mark(obj: Any, first: cython.bint, fast_shape: cython.bint) -> object:
     """What `StructureRecord.last` keeps of an object read at one position, to tell whether
     a later call passes this very object again: a weak reference to it (a new object that
     reuses a dead one's id is not it); for a list or dict passed first (`first`: where the
-    record's `hold_first` says), which `_hold.hold` caches (checking its leaves), its id; else
-    None: the identity cache cannot hold it, so passing it again gains nothing (a new batch
-    dict each call, whose id Python reuses, must not look passed again)."""
+    record's `hold_first` says), which `_hold.hold` caches (checking its leaves): with
+    `fast_shape`, its id; without, a dict's id and version tag (a new dict, even at a freed
+    one's id, takes a new tag from a global counter, as a changed one does: only the same
+    dict unchanged goes back to the general path to be held, once; a list, or where there is
+    no tag, is not marked); else None: the identity cache cannot hold it, so passing it again
+    gains nothing (a new batch dict each call, whose id Python reuses, must not look passed
+    again)."""
     if cython.compiled:
         if weakrefable(obj):
             return PyWeakref_NewRef(obj, None)
     elif type(obj).__weakrefoffset__:
         return _WEAKREF(obj)
-    return id(obj) if first and (type(obj) is list or type(obj) is dict) else None
+    if not first or not (type(obj) is list or type(obj) is dict):
+        return None
+    if fast_shape:
+        return id(obj)
+    version = _version_of(obj)
+    return (id(obj), version) if version != 0 else None
+
+
+@cython.cfunc
+@cython.inline
+def _version_of(obj: Any) -> cython.ulonglong:
+    """A dict's version tag (`_capi.dict_version`); 0 (none) for a list, or run as Python."""
+    if cython.compiled:
+        if type(obj) is dict:
+            return dict_version(obj)
+    return 0
 
 
 _WEAKREF = cython.declare(object, weakref.ref)
@@ -557,6 +577,8 @@ def _passed_again(mark: Any, a: Any) -> cython.bint:
         return False
     if type(mark) is int:
         return mark == id(a)
+    if type(mark) is tuple:  # (a dict's id and version tag)
+        return cython.cast(tuple, mark)[0] == id(a) and cython.cast(tuple, mark)[1] == _version_of(a)
     return ref_is(mark, a)
 
 

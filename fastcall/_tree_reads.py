@@ -102,6 +102,10 @@ def _fill(seq: tuple, a: Any, leaf_types: frozenset, out: list) -> cython.bint:
     """Appends the leaves of `a`, nested as the SequenceRead `seq` says (its `items`: per
     item, None for a leaf or the read of the container it is), to `out`, depth first;
     whether `a` reads so. (As deep as the read nests: `_codegen.sequence_read` bounds it.)"""
+    if seq[0] is dict and type(a) is dict:
+        direct = _dict_fill(seq, cython.cast(dict, a), leaf_types, out)
+        if direct >= 0:
+            return direct == 1
     items = _items(seq, a)
     if items is None:
         return False
@@ -120,6 +124,45 @@ def _fill(seq: tuple, a: Any, leaf_types: frozenset, out: list) -> cython.bint:
         else:
             return False
     return True
+
+
+@cython.cfunc
+@cython.exceptval(-2, check=True)
+def _dict_fill(seq: tuple, d: dict, leaf_types: frozenset, out: list) -> cython.int:
+    """`_fill` for a dict `d` read straight, with no tuple of its items: 1 (read so) or 0
+    (not of this structure); -1 where a read might run user code, which could change `d`
+    while it is read (a key that is not exactly a str, whose `__eq__` a lookup calls; a
+    leaf whose type's type is not `type`, whose `__hash__` the leaf-type test calls): `out`
+    is as it was and `_fill` reads a snapshot of the items instead."""
+    keys: tuple = seq[3]
+    reads = seq[4]
+    n: cython.Py_ssize_t = len(keys)
+    if len(d) != n or seq[1] != n or (reads is not None and len(cython.cast(tuple, reads)) != n):
+        return 0
+    start: cython.Py_ssize_t = len(out)
+    i: cython.Py_ssize_t
+    for i in range(n):
+        k = keys[i]
+        if type(k) is not str:
+            del out[start:]
+            return -1
+        x = d.get(k, _MISSING)
+        if x is _MISSING:
+            return 0
+        inner = None if reads is None else cython.cast(tuple, reads)[i]
+        if inner is not None:
+            if not _fill(cython.cast(tuple, inner), x, leaf_types, out):
+                return 0
+        elif type(x) is _array:
+            out.append(x)
+        elif type(type(x)) is not type:
+            del out[start:]
+            return -1
+        elif type(x) in leaf_types:
+            out.append(x)
+        else:
+            return 0
+    return 1
 
 
 @cython.ccall

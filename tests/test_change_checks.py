@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 import fastcall
-from fastcall import _memo
+from fastcall import _flatten, _memo, _structure_route
 from fastcall import _codegen
 
 from .conftest import FAST_PATH, STRUCTURE_PATH, assert_trees_equal, general_calls, served, state_of
@@ -1109,12 +1109,16 @@ def _apply_with(params, x, config):
 @pytest.mark.parametrize("change", list(PARAMS_CHANGES))
 def test_params_dict_beside_a_config_dict_changes_are_seen(change, hot_path):
     """`f(params, x, {"gain": 0.5})`: not the fast path's shape (a dict beside the arrays):
-    the structure path reads the params dict afresh on every call (its nested lists and
-    dicts in C), so a change in place is seen."""
+    the structure path serves it; compiled, the params dict passed again unchanged (its id
+    and version tag) is held once by the general path and then read from the identity cache
+    under a guard over its lists and dicts, so a change in place is seen."""
     params, x = _params(0), jnp.ones((2, 4))
     f, peer = fastcall.jit(_apply_with), jax.jit(_apply_with)
     for _ in range(3):
         f(params, x, {"gain": 0.5})
+    assert general_calls(f) == (2 if _structure_route.COMPILED else 1)
+    held = _flatten.by_id.get(id(params))
+    assert (held is not None and held.ref() is params) == _structure_route.COMPILED
     y, route = served(f, params, x, {"gain": 0.5})
     assert route == STRUCTURE_PATH[hot_path]
     assert_trees_equal(y, peer(params, x, {"gain": 0.5}))
