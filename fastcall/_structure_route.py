@@ -320,6 +320,7 @@ def _read_arguments(
     loose: Optional[list] = None
     joint: cython.Py_ssize_t = 0  # (NNX objects read jointly: then every one must be)
     nnx: cython.bint = False
+    found: cython.Py_ssize_t
     i: cython.Py_ssize_t
     for i in range(n):
         a = arg(argv, _position(known, i))
@@ -347,42 +348,56 @@ def _read_arguments(
             nnx = True
             entries = []
             loose = []
-        if kind is _NODE_READ:
-            if not read_node(a, cython.cast(tuple, read)[0], None, values, entries, nnx_args):
-                return _declined(
-                    why, i, "not an NNX object of the structure the recorded call read (or its cache entry changed)"
-                )
-        elif kind is _JOINT_READ:
-            if not read_node(a, cython.cast(tuple, read)[0], read, values, entries, nnx_args):
-                return _declined(
-                    why, i, "read jointly in the recorded call; not that object now, or its cache entry changed since"
-                )
-            joint += 1
-        elif kind is _VARIABLE_READ:
-            if not read_variable(a, read, values, nnx_args):
-                return _declined(why, i, "not a Variable of the type and metadata the recorded call passed")
-            cython.cast(list, loose).append(a)
-        elif kind is _SHARED_READ:
-            if not read_shared_variable(a, read, reads, values, nnx_args):
-                owner = cython.cast(tuple, read)[1]
-                place = f"the Variable that argument {owner} holds at one place"
-                return _declined(why, i, f"the recorded call passed {place}; this is another")
-            joint += 1
-        elif kind is _NODES_READ:
-            found = read_nodes(a, read, values, entries, nnx_args)
-            if found < 0:
-                return _declined(why, i, "not a container of the NNX objects, of the structures, the recorded call read")
-            joint += found
-        elif kind is _MIXED_READ:
-            if not _read_mixed(route, a, read, values, entries, loose, nnx_args):
-                return _declined(
-                    why, i, "not a pytree of the structure, static values and NNX objects the recorded call passed"
-                )
-        else:
-            return _declined(why, i, "read in a way this route does not know")
+        found = _read_nnx(route, a, read, reads, i, values, entries, loose, nnx_args, why)
+        if found < 0:
+            return None
+        joint += found
     if nnx and (entries or loose or joint) and not _nnx_servable(route, known, entries, loose, joint, why):
         return None
     return values
+
+
+@cython.cfunc
+@cython.exceptval(-2, check=True)
+def _read_nnx(
+    route: StructureRoute, a: Any, read: Any, reads: tuple, i: cython.Py_ssize_t, values: list, entries: list,
+    loose: list, nnx_args: Optional[list], why: Optional[list],
+) -> cython.Py_ssize_t:
+    """`_read_arguments` for an argument read as NNX objects (or a pytree holding them), the
+    `i`-th: its leaves appended to `values`, its cache entries to `entries` and the Variables
+    read on their own to `loose`; how many NNX objects it read jointly, or -1 where the record
+    does not serve it (said in `why`)."""
+    kind = type(read)
+    if kind is _NODE_READ:
+        if read_node(a, cython.cast(tuple, read)[0], None, values, entries, nnx_args):
+            return 0
+        _declined(why, i, "not an NNX object of the structure the recorded call read (or its cache entry changed)")
+    elif kind is _JOINT_READ:
+        if read_node(a, cython.cast(tuple, read)[0], read, values, entries, nnx_args):
+            return 1
+        _declined(why, i, "read jointly in the recorded call; not that object now, or its cache entry changed since")
+    elif kind is _VARIABLE_READ:
+        if read_variable(a, read, values, nnx_args):
+            loose.append(a)
+            return 0
+        _declined(why, i, "not a Variable of the type and metadata the recorded call passed")
+    elif kind is _SHARED_READ:
+        if read_shared_variable(a, read, reads, values, nnx_args):
+            return 1
+        owner = cython.cast(tuple, read)[1]
+        _declined(why, i, f"the recorded call passed the Variable that argument {owner} holds at one place; this is another")
+    elif kind is _NODES_READ:
+        found: cython.Py_ssize_t = read_nodes(a, read, values, entries, nnx_args)
+        if found >= 0:
+            return found
+        _declined(why, i, "not a container of the NNX objects, of the structures, the recorded call read")
+    elif kind is _MIXED_READ:
+        if _read_mixed(route, a, read, values, entries, loose, nnx_args):
+            return 0
+        _declined(why, i, "not a pytree of the structure, static values and NNX objects the recorded call passed")
+    else:
+        _declined(why, i, "read in a way this route does not know")
+    return -1
 
 
 @cython.cfunc
