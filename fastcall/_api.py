@@ -492,7 +492,7 @@ def clear_caches() -> None:
     ```
     """
     _flatten.clear()
-    _codegen.templates.clear()
+    _codegen.clear()
     _fast.clear()
     adapter = _nnx_gate.loaded()
     if adapter is not None:

@@ -175,8 +175,7 @@ def resolve(
         elif spec.guardable and _flatten.seen_before(value):
             _flatten.remember_guarded(value, tuple(dynamic), spec)
     if not spec.templated:
-        spec.templated = True
-        _codegen.learn(value, spec, dynamic, trace_scalars)
+        spec.templated = _codegen.learn(value, spec, dynamic, trace_scalars)
     return spec.id
 
 

@@ -34,6 +34,12 @@ class _NoTemplate(Exception):
     pass
 
 
+class _NotForThisExample(_NoTemplate):
+    """No template from this object, though another of its structure may give one: a leaf
+    of it is not an array (a `TrainState.create`d state's Python int `step`, which the first
+    step makes an array)."""
+
+
 # The leaf types of fastcall.jit's scalar rule outside Equinox modules: arrays and Python scalars.
 TRACED_TYPES = plain_leaf_types(True)
 
@@ -443,8 +449,10 @@ class FlattenTemplate:
     def __init__(self, spec: Spec, example: Any, dynamic: list[Any]):
         # (a structure holding NNX objects is made one only for a function that reads them
         # as pytrees, `nnx_as_pytree`; only such functions use it: `serves`)
-        if not (all(spec.mask) and all(type(x) in PLAIN_ARRAY_TYPES for x in dynamic)):
+        if not all(spec.mask):
             raise _NoTemplate
+        if not all(type(x) in PLAIN_ARRAY_TYPES for x in dynamic):
+            raise _NotForThisExample
         # The read (`_tree_reads.tree_leaves`, which the structure route calls too): jax's
         # registry flatten (what `tree_flatten` calls), the treedef compared.
         read = TreeRead(jax.tree_util.default_registry.flatten, spec.treedef, PLAIN_ARRAY_TYPES)
@@ -467,22 +475,40 @@ class FlattenTemplate:
         return nnx_as_pytree or not self.spec.has_nnx
 
 
-def learn(value: Any, spec: Spec, dynamic: list[Any], trace_scalars: bool) -> None:
+# How many objects of a structure may be tried for a template (`learn`) where each one's
+# leaves alone refused it: a structure whose leaves stay Python scalars stops being tried.
+_TRIES_PER_STRUCTURE = 3
+_tries: dict[int, int] = {}  # spec id -> objects refused so
+
+
+def clear() -> None:
+    """Forget every template, and the objects tried for one (`fastcall.clear_caches`)."""
+    templates.clear()
+    _tries.clear()
+
+
+def learn(value: Any, spec: Spec, dynamic: list[Any], trace_scalars: bool) -> bool:
     """Build a template for `value`'s structure, as a function of this scalar rule reads it
     (`trace_scalars`), so the next new object of it is fast: generated code, or else one
-    that flattens it as jax.jit does (`FlattenTemplate`)."""
+    that flattens it as jax.jit does (`FlattenTemplate`). Whether the structure is done with
+    (a template made, or none possible); False where this object's leaves alone refused one
+    and another object of the structure may be tried, up to `_TRIES_PER_STRUCTURE`."""
     if spec.kind != "tree":
-        return
+        return True
     tmpl: Template | FlattenTemplate
     try:
         try:
             tmpl = Template(spec, value, dynamic, trace_scalars)
         except (_NoTemplate, RecursionError):
             tmpl = FlattenTemplate(spec, value, dynamic)
+    except _NotForThisExample:
+        _tries[spec.id] = tries = _tries.get(spec.id, 0) + 1
+        return tries >= _TRIES_PER_STRUCTURE
     except (_NoTemplate, RecursionError):
-        return
+        return True
     except Exception:  # a template is an optimisation; never fail a call over it
-        return
+        return True
     group = templates.setdefault(type(value), [])
     group.insert(0, tmpl)
     del group[_TEMPLATES_PER_TYPE:]
+    return True

@@ -215,7 +215,7 @@ class Spec:
         # dicts inside, checked item by item on every use; see `remember_guarded`).
         self.cacheable = kind == "tree" and _treedef_is_immutable(treedef)
         self.guardable = kind == "tree" and not self.cacheable and _treedef_is_guardable(treedef)
-        self.templated = False  # whether learn() has been tried for this structure
+        self.templated = False  # whether learn() is done with this structure
         # NNX objects nested inside (pytree ones as nodes, `nnx.Object`s as static leaves)
         self.has_nnx = kind == "tree" and (
             _treedef_has_nnx(treedef) or any(_nnx_gate.is_node(s) for s in statics)

@@ -343,3 +343,34 @@ def test_the_states_and_variables_of_a_train_state_are_read_as_jax_flattens_them
     assert [r for r in reads_in(f, _fast.TreeRead) if r.expand is not None and r.is_leaf is not None]
     assert traces["fastcall"] <= traces["jax"], traces
     assert _served_fast(f) >= 2
+
+
+def test_a_train_state_created_with_a_python_int_step_is_served_once_its_step_is_an_array():
+    """`TrainState.create` gives `step=0`, a Python int, which no FlattenTemplate reads; the
+    first step makes it an array, and the state of that structure is then read by one (the
+    structure path serves it), with jax.jit's outputs and no more compiles."""
+    from flax.training import train_state
+
+    class TrainState(train_state.TrainState):
+        counts: object
+        graphdef: object
+
+    def step(state, x):
+        params = jax.tree.leaves(state.params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        total = sum(jnp.sum(v[...]) for v in params) + state.counts["calls"][...]
+        return state.replace(step=state.step + 1), x * total
+
+    def start():
+        graphdef, params, counts = nnx.split(Counted(nnx.Rngs(0)), nnx.Param, Count)
+        return TrainState.create(apply_fn=None, graphdef=graphdef, params=params, tx=optax.sgd(0.1), counts=counts)
+
+    f, g = as_pytree(step), jax.jit(step)
+    mine, theirs = start(), start()
+    assert type(mine.step) is int
+    x = jnp.ones(2)
+    for _ in range(6):
+        mine, got = f(mine, x)
+        theirs, want = g(theirs, x)
+        assert _values((mine, got)) == _values((theirs, want))
+    assert f.stats().compiles <= g._cache_size()
+    assert _served_fast(f) >= 3
