@@ -406,8 +406,8 @@ def test_a_miss_goes_to_the_general_path_once_not_through_the_routes_again():
     wrapper, without the Python wrapper trying the two routes a second time."""
     from fastcall import _native
 
-    if _native.ACCEL is None:
-        pytest.skip("the C accelerator is not built")
+    if _native.ACCEL is None:  # (under hot_path "python", or not built)
+        pytest.skip("about the C wrapper, which this run does not use")
     f = fastcall.jit(lambda x: jax.tree_util.tree_map(lambda v: v * 2, x))
     x = jnp.ones(3)
     f(x)
