@@ -6,11 +6,12 @@ benchmark times): the tests keep their own so they do not depend on bench/.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 
@@ -70,3 +71,23 @@ class Sized(nnx.Module):
 
     def __call__(self, x):
         return x * len(self.features) + self.w[...]
+
+
+class HashRunsCode(type):
+    """A metaclass whose classes' hash runs code once armed (`armed`: an action, cleared as it
+    runs): the leaf-type test of an item of such a class can change the container being read."""
+
+    armed: Any = None
+
+    def __hash__(cls):
+        action, HashRunsCode.armed = HashRunsCode.armed, None
+        if action is not None:
+            action()
+        return hash(np.ndarray)
+
+    def __eq__(cls, other):
+        return other is np.ndarray or cls is other
+
+
+class OddArray(np.ndarray, metaclass=HashRunsCode):
+    """A NumPy array whose type's hash runs `HashRunsCode.armed`."""

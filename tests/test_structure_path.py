@@ -22,6 +22,7 @@ import pytest
 import fastcall
 
 from .conftest import FAST_PATH, STRUCTURE_PATH, assert_trees_equal, served
+from .models import HashRunsCode, OddArray
 
 pytestmark = pytest.mark.usefixtures("hot_path")
 
@@ -997,26 +998,6 @@ def test_nested_containers_of_leaves_are_read_without_their_extractor(nested, ho
     assert f.stats().compiles == 1
 
 
-class _HashRunsCode(type):
-    """A metaclass whose classes' hash runs code (once armed): the lookup that checks an
-    item's type can change the batch list while it is being read."""
-
-    armed: Any = None
-
-    def __hash__(cls):
-        action, _HashRunsCode.armed = _HashRunsCode.armed, None
-        if action is not None:
-            action()
-        return hash(np.ndarray)
-
-    def __eq__(cls, other):
-        return other is np.ndarray or cls is other
-
-
-class _OddArray(np.ndarray, metaclass=_HashRunsCode):
-    pass
-
-
 @pytest.mark.parametrize("change", ["replace", "clear"])
 def test_a_batch_list_changed_while_it_is_read_gives_the_items_read(change, hot_path, unchecked):
     """The batch is read as it was when the call began: a list changed by code its type
@@ -1026,14 +1007,14 @@ def test_a_batch_list_changed_while_it_is_read_gives_the_items_read(change, hot_
     x, y = np.arange(4.0, dtype=np.float32), np.full(4, 3.0, np.float32)
     for i in range(2):
         f(m, [x + i, y, y])
-    odd = np.full(4, 2.0, np.float32).view(_OddArray)
+    odd = np.full(4, 2.0, np.float32).view(OddArray)
     batch = [x, odd, y]
     expected = peer(m, list(batch))
-    _HashRunsCode.armed = {"replace": lambda: batch.__setitem__(1, y * 100), "clear": batch.clear}[change]
+    HashRunsCode.armed = {"replace": lambda: batch.__setitem__(1, y * 100), "clear": batch.clear}[change]
     try:
         out, route = served(f, m, batch)
     finally:
-        _HashRunsCode.armed = None
+        HashRunsCode.armed = None
     assert route == STRUCTURE_PATH[hot_path]
     assert_trees_equal(out, expected)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +16,7 @@ import pytest
 from fastcall import _codegen, _fast, _flatten, _tree_reads
 
 from .conftest import source_as_python
+from .models import HashRunsCode, OddArray
 
 AS_PYTHON = source_as_python(_tree_reads)
 
@@ -146,44 +146,24 @@ def test_sequence_into_appends_the_leaves_sequence_leaves_gives(reads, example):
     assert reads.sequence_into(read, [example], out) is False  # (another structure)
 
 
-class _HashRunsCode(type):
-    """A metaclass whose classes' hash runs code once armed: the leaf-type test of an item of
-    such a class can change the dict being read."""
-
-    armed: Any = None
-
-    def __hash__(cls):
-        action, _HashRunsCode.armed = _HashRunsCode.armed, None
-        if action is not None:
-            action()
-        return hash(np.ndarray)
-
-    def __eq__(cls, other):
-        return other is np.ndarray or cls is other
-
-
-class _OddArray(np.ndarray, metaclass=_HashRunsCode):
-    pass
-
-
 @pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
 def test_a_dict_changed_by_its_leaf_type_test_reads_as_it_was(reads, nested):
     """A dict is read straight, with no copy of its items, only while no read can run user
     code; an item whose type's hash runs code (here: replacing a later item) makes it read a
     snapshot, as jax would have flattened the dict when the call began."""
     x, y = _x(), _x(2)
-    odd = np.ones(3, np.float32).view(_OddArray)
+    odd = np.ones(3, np.float32).view(OddArray)
     d = {"a": odd, "b": x}
     arg = {"outer": d, "z": y} if nested else d
     read = _codegen.sequence_read({"a": np.ones(3, np.float32), "b": x} if not nested else
                                   {"outer": {"a": np.ones(3, np.float32), "b": x}, "z": y}, _flatten.PLAIN_ARRAY_TYPES)
     expected = [id(v) for v in jax.tree_util.tree_leaves(arg)]
     out: list = []
-    _HashRunsCode.armed = lambda: d.__setitem__("b", _x(5))
+    HashRunsCode.armed = lambda: d.__setitem__("b", _x(5))
     try:
         assert reads.sequence_into(read, arg, out) is True
     finally:
-        _HashRunsCode.armed = None
+        HashRunsCode.armed = None
     assert [id(v) for v in out] == expected
 
 
