@@ -3,12 +3,15 @@ no Cython for the second), the package runs as Python and `import fastcall` says
 (`fastcall/_native.py`).
 
 * `fastcall._accel`: the C wrapper (`fastcall/_accel.c`).
-* `COMPILED_SOURCES`: Python modules written in Cython's pure-Python mode, compiled by Cython;
-  the same file is the module where it is not compiled.
+* `COMPILED_SOURCES`: Python modules written in Cython's pure-Python mode, compiled by Cython,
+  all or none (`AllOrNone`); the same file is the module where it is not compiled.
 
 Everything else about the package is in pyproject.toml."""
 
+import os
+
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 # (as module names under fastcall; `fastcall/_native.py` names the same list, to say which
 # were not compiled)
@@ -27,4 +30,34 @@ for name in COMPILED_SOURCES:
         ext.optional = True
         extensions.append(ext)
 
-setup(ext_modules=extensions)
+
+
+class AllOrNone(build_ext):
+    """Builds the modules of COMPILED_SOURCES all or none. They call one another as C (`.pxd`
+    files), so one compiled beside a neighbour that was not would fail at import: where any
+    fails to build, those built are removed, and every one runs as Python (which `import
+    fastcall` says once). `fastcall._accel` calls none of them as C: it is kept either way."""
+
+    def build_extensions(self) -> None:
+        self.failed: list[str] = []
+        super().build_extensions()
+        cython_built = [ext for ext in self.extensions if ext.name != "fastcall._accel"]
+        if not any(ext.name in self.failed for ext in cython_built):
+            return
+        print(f"fastcall: {', '.join(self.failed)} not built: every module of COMPILED_SOURCES runs as Python")
+        for ext in cython_built:
+            built = os.path.join(self.build_lib, self.get_ext_filename(ext.name))
+            in_place = self.get_ext_filename(ext.name)  # (an earlier in-place build's, if any)
+            for path in (built, in_place):
+                if os.path.exists(path):
+                    os.remove(path)
+
+    def build_extension(self, ext: Extension) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception:
+            self.failed.append(ext.name)
+            raise
+
+
+setup(ext_modules=extensions, cmdclass={"build_ext": AllOrNone})
