@@ -101,11 +101,15 @@ def _items(seq: tuple, a: Any) -> Any:
 def _fill(seq: tuple, a: Any, leaf_types: frozenset, out: list) -> cython.bint:
     """Appends the leaves of `a`, nested as the SequenceRead `seq` says (its `items`: per
     item, None for a leaf or the read of the container it is), to `out`, depth first;
-    whether `a` reads so. (As deep as the read nests: `_codegen.sequence_read` bounds it.)"""
-    if seq[0] is dict and type(a) is dict:
-        direct = _dict_fill(seq, cython.cast(dict, a), leaf_types, out)
-        if direct >= 0:
-            return direct == 1
+    whether `a` reads so. (As deep as the read nests: `_codegen.sequence_read` bounds it.)
+    Read straight where no user code can run (`_straight_fill`); else from a snapshot of
+    each container's items, taken as it is reached, so that code run by a leaf test cannot
+    change what is read."""
+    start: cython.Py_ssize_t = len(out)
+    straight = _straight_fill(seq, a, leaf_types, out)
+    if straight >= 0:
+        return straight == 1
+    del out[start:]
     items = _items(seq, a)
     if items is None:
         return False
@@ -128,35 +132,49 @@ def _fill(seq: tuple, a: Any, leaf_types: frozenset, out: list) -> cython.bint:
 
 @cython.cfunc
 @cython.exceptval(-2, check=True)
-def _dict_fill(seq: tuple, d: dict, leaf_types: frozenset, out: list) -> cython.int:
-    """`_fill` for a dict `d` read straight, with no tuple of its items: 1 (read so) or 0
-    (not of this structure); -1 where a read might run user code, which could change `d`
-    while it is read (a key that is not exactly a str, whose `__eq__` a lookup calls; a
-    leaf whose type's type is not `type`, whose `__hash__` the leaf-type test calls): `out`
-    is as it was and `_fill` reads a snapshot of the items instead."""
-    keys: tuple = seq[3]
-    reads = seq[4]
-    n: cython.Py_ssize_t = len(keys)
-    if len(d) != n or seq[1] != n or (reads is not None and len(cython.cast(tuple, reads)) != n):
+def _straight_fill(seq: tuple, a: Any, leaf_types: frozenset, out: list) -> cython.int:
+    """`_fill` with no snapshot of any container's items, the whole argument read in one go:
+    1 (read so) or 0 (not of this structure); -1 where some read might run user code, which
+    could change a container while it is read (a dict key that is not exactly a str, whose
+    `__eq__` a lookup may call; a leaf whose type's type is not `type`, whose `__hash__` the
+    leaf-type test calls): `_fill` then reads it again from snapshots."""
+    kind = seq[0]
+    if type(a) is not kind:
         return 0
-    start: cython.Py_ssize_t = len(out)
-    i: cython.Py_ssize_t
-    for i in range(n):
-        k = keys[i]
-        if type(k) is not str:
-            del out[start:]
-            return -1
-        x = d.get(k, _MISSING)
-        if x is _MISSING:
+    n: cython.Py_ssize_t = seq[1]
+    keys = seq[3]
+    if kind is dict:
+        if len(cython.cast(dict, a)) != n or len(cython.cast(tuple, keys)) != n:
             return 0
+    elif (kind is tuple and len(cython.cast(tuple, a)) != n) or (kind is list and len(cython.cast(list, a)) != n):
+        return 0
+    elif kind is not tuple and kind is not list:
+        return 0
+    reads = seq[4]
+    if reads is not None and len(cython.cast(tuple, reads)) != n:
+        return 0
+    i: cython.Py_ssize_t
+    found: cython.int
+    for i in range(n):
+        if kind is dict:
+            k = cython.cast(tuple, keys)[i]
+            if type(k) is not str:
+                return -1
+            x = cython.cast(dict, a).get(k, _MISSING)
+            if x is _MISSING:
+                return 0
+        elif kind is tuple:
+            x = cython.cast(tuple, a)[i]
+        else:  # (a list: its length checked, and no code runs between that and this read)
+            x = cython.cast(list, a)[i]
         inner = None if reads is None else cython.cast(tuple, reads)[i]
         if inner is not None:
-            if not _fill(cython.cast(tuple, inner), x, leaf_types, out):
-                return 0
+            found = _straight_fill(cython.cast(tuple, inner), x, leaf_types, out)
+            if found != 1:
+                return found
         elif type(x) is _array:
             out.append(x)
         elif type(type(x)) is not type:
-            del out[start:]
             return -1
         elif type(x) in leaf_types:
             out.append(x)

@@ -148,9 +148,10 @@ def test_sequence_into_appends_the_leaves_sequence_leaves_gives(reads, example):
 
 @pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
 def test_a_dict_changed_by_its_leaf_type_test_reads_as_it_was(reads, nested):
-    """A dict is read straight, with no copy of its items, only while no read can run user
-    code; an item whose type's hash runs code (here: replacing a later item) makes it read a
-    snapshot, as jax would have flattened the dict when the call began."""
+    """An argument is read straight, with no copy of any container's items, only where no
+    read can run user code; an item whose type's hash runs code (here: replacing a later item,
+    and nested, an item of the outer dict too) makes the whole argument read from snapshots,
+    as jax would have flattened it when the call began."""
     x, y = _x(), _x(2)
     odd = np.ones(3, np.float32).view(OddArray)
     d = {"a": odd, "b": x}
@@ -159,7 +160,8 @@ def test_a_dict_changed_by_its_leaf_type_test_reads_as_it_was(reads, nested):
                                   {"outer": {"a": np.ones(3, np.float32), "b": x}, "z": y}, _flatten.PLAIN_ARRAY_TYPES)
     expected = [id(v) for v in jax.tree_util.tree_leaves(arg)]
     out: list = []
-    HashRunsCode.armed = lambda: d.__setitem__("b", _x(5))
+    # (nested: the outer dict, read before the leaf that runs the code, is changed too)
+    HashRunsCode.armed = lambda: (d.__setitem__("b", _x(5)), nested and arg.__setitem__("z", _x(7)))
     try:
         assert reads.sequence_into(read, arg, out) is True
     finally:
