@@ -66,13 +66,13 @@ if cython.compiled:  # (the other compiled modules' functions, called as C: thei
     from cython.cimports.fastcall._guard import holds
     from cython.cimports.fastcall._memo import latest_leaves
     from cython.cimports.fastcall._trace import may_serve_nnx
-    from cython.cimports.fastcall._tree_reads import expand_into, sequence_into, static_matches, tree_leaves
+    from cython.cimports.fastcall._tree_reads import expand_into, sequence_into, shaped_as, static_matches, tree_leaves
 else:  # (the same functions, called as Python)
     from ._entry_reads import apart, read_node, read_nodes, read_shared_variable, read_variable, ref_is
     from ._guard import holds
     from ._memo import latest_leaves
     from ._trace import may_serve_nnx
-    from ._tree_reads import expand_into, sequence_into, static_matches, tree_leaves
+    from ._tree_reads import expand_into, sequence_into, shaped_as, static_matches, tree_leaves
 
 if cython.compiled:  # (a call's arguments: C's array, `_capi.Argv`; run as Python, a tuple)
     from cython.cimports.fastcall._capi import Argv, arg
@@ -540,7 +540,7 @@ def _read_pytree(
     does not serve it (said in `why`)."""
     r: tuple = cython.cast(tuple, read) if cython.compiled else read
     sequence = r[2]
-    if type(sequence) is _SEQUENCE_READ and not _shaped_as(sequence, a):
+    if type(sequence) is _SEQUENCE_READ and not shaped_as(sequence, a):
         # (before the caches: a record of another structure among several tried in turn,
         # `params_in_turn`, declines at its first test)
         _declined(why, i, "not of the structure the recorded call passed")
@@ -566,22 +566,6 @@ def _read_pytree(
             return False
     values.extend(leaves)
     return True
-
-
-@cython.cfunc
-@cython.inline
-def _shaped_as(sequence: Any, a: Any) -> cython.bint:
-    """Whether `a` has the exact container type and length of the SequenceRead `sequence`
-    (its leaves not looked at: a call that passes the test may still decline)."""
-    seq: tuple = cython.cast(tuple, sequence) if cython.compiled else sequence
-    kind = seq[0]
-    if type(a) is not kind:
-        return False
-    if kind is dict:
-        return len(cython.cast(dict, a)) == seq[1]
-    if kind is list:
-        return len(cython.cast(list, a)) == seq[1]
-    return len(cython.cast(tuple, a)) == seq[1]
 
 
 @cython.cfunc

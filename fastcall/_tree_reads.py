@@ -71,29 +71,36 @@ def sequence_into(read: Any, a: Any, out: list) -> cython.bint:
     return seq[4] is None or len(out) - start == seq[5]
 
 
-@cython.cfunc
-def _items(seq: tuple, a: Any) -> Any:
-    """The items of `a` as the SequenceRead `seq` reads them, as a tuple, if `a` is of
-    exactly its kind and length; else None. (A list's or dict's items are taken into a new
-    tuple: the leaf tests may run code, a metaclass's `__hash__`, that changes them.)"""
+@cython.ccall
+@cython.exceptval(-1, check=True)
+def shaped_as(read: Any, a: Any) -> cython.bint:
+    """Whether `a` is of exactly the SequenceRead `read`'s container kind (a tuple, list or
+    dict) and length, its items not looked at (a dict's length is its recorded keys')."""
+    seq = cython.cast(tuple, read)
     kind = seq[0]
     if type(a) is not kind:
+        return False
+    if kind is dict:
+        return len(cython.cast(dict, a)) == seq[1]
+    if kind is list:
+        return len(cython.cast(list, a)) == seq[1]
+    return kind is tuple and len(cython.cast(tuple, a)) == seq[1]
+
+
+@cython.cfunc
+def _items(seq: tuple, a: Any) -> Any:
+    """The items of `a` as the SequenceRead `seq` reads them, as a tuple, if it is
+    `shaped_as` it; else None. (A list's or dict's items are taken into a new tuple: the leaf
+    tests may run code, a metaclass's `__hash__`, that changes them.)"""
+    if not shaped_as(seq, a):
         return None
+    kind = seq[0]
     if kind is tuple:
-        items = a
-    elif kind is list:
-        items = tuple(cython.cast(list, a))
-    elif kind is dict:
-        d = cython.cast(dict, a)
-        keys: tuple = seq[3]
-        if len(d) != len(keys):
-            return None
-        items = tuple([d[k] for k in keys])  # (a missing key: KeyError, not of this structure)
-    else:
-        return None
-    if len(cython.cast(tuple, items)) != seq[1]:
-        return None
-    return items
+        return a
+    if kind is list:
+        return tuple(cython.cast(list, a))
+    d = cython.cast(dict, a)
+    return tuple([d[k] for k in cython.cast(tuple, seq[3])])  # (a missing key: KeyError, not of this structure)
 
 
 @cython.cfunc
@@ -138,18 +145,11 @@ def _straight_fill(seq: tuple, a: Any, leaf_types: frozenset, out: list) -> cyth
     could change a container while it is read (a dict key that is not exactly a str, whose
     `__eq__` a lookup may call; a leaf whose type's type is not `type`, whose `__hash__` the
     leaf-type test calls): `_fill` then reads it again from snapshots."""
-    kind = seq[0]
-    if type(a) is not kind:
+    if not shaped_as(seq, a):
         return 0
+    kind = seq[0]
     n: cython.Py_ssize_t = seq[1]
     keys = seq[3]
-    if kind is dict:
-        if len(cython.cast(dict, a)) != n or len(cython.cast(tuple, keys)) != n:
-            return 0
-    elif (kind is tuple and len(cython.cast(tuple, a)) != n) or (kind is list and len(cython.cast(list, a)) != n):
-        return 0
-    elif kind is not tuple and kind is not list:
-        return 0
     reads = seq[4]
     if reads is not None and len(cython.cast(tuple, reads)) != n:
         return 0
