@@ -16,7 +16,7 @@ import equinox as eqx
 import jax
 from jaxtyping import PyTree
 
-from . import _aot, _args, _codegen, _dispatch, _explain, _fast, _flatten, _function, _hold, _nnx_gate, _stats
+from . import _aot, _args, _codegen, _dispatch, _explain, _plan, _flatten, _function, _hold, _nnx_gate, _stats
 from . import _nnx
 from ._build import broadcast_prefix
 from ._errors import FastcallError, for_decorator
@@ -493,7 +493,7 @@ def clear_caches() -> None:
     """
     _flatten.clear()
     _codegen.clear()
-    _fast.clear()
+    _plan.clear()
     adapter = _nnx_gate.loaded()
     if adapter is not None:
         adapter.clear()

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from . import _codegen, _fast, _flatten, _nnx_gate
+from . import _codegen, _plan, _flatten, _nnx_gate
 from ._errors import FastcallError, describe_arg
 from ._flatten import ArrayImpl, Spec, remember
 from ._trace import StepAside, contains_tracer, currently_jitting
@@ -51,7 +51,7 @@ def resolve_call(
     # (called by nnx.cached_partial, which hands its static cache to the next NNX transform:
     # consumed here, whatever the arguments; the fast paths leave such calls to this path)
     if not check_only:  # (the agreement mode compares no call while the cache waits)
-        _fast.consume_static_cache()
+        _plan.consume_static_cache()
     if kwargs and state.signature is not None:
         try:
             bound = state.signature.bind(*args, **kwargs)

@@ -23,7 +23,7 @@ import jax
 
 from . import _nnx_gate, _rebuild, _tree_reads
 from ._stats import read_whole
-from ._fast import SequenceRead, TreeRead
+from ._plan import SequenceRead, TreeRead
 from ._flatten import (
     ARRAY_TYPES, JIT_RULE_LEAVES, PLAIN_ARRAY_TYPES, STATE_TYPE, ArrayImpl, Spec, is_traced_leaf, plain_leaf_types,
     static_equal,

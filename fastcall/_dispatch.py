@@ -1,20 +1,20 @@
-"""The call path of a wrapped function: the hot path, one `run`, and fast records.
+"""The call path of a wrapped function: the hot path, one `run`, and the call plans it files.
 
 Reading order: `make_wrapper` builds the closure `wrapper`, whose body is the
 whole route of a call (the C wrapper, `_accel.c`, enters routes 1 and 2 itself and hands a
 call both decline to `miss`, as `wrapper` does: a miss is not tried by the routes again):
 
 1. The fast route (`_fast_route`, one source: compiled by Cython, or run as that file).
-   `f(first, *arrays)` where `first` has a `FastRecord` for this function in the fast
-   index (`_fast.INDEX`) and every other argument is a plain leaf (a jax array, usually;
+   `f(first, *arrays)` where `first` has a `CallPlan` for this function in the fast
+   index (`_plan.INDEX`) and every other argument is a plain leaf (a jax array, usually;
    `FunctionState.plain_leaves`): one dict lookup, one weakref check (and, for an object
    holding lists or dicts, its guard: `_guard`), one type check per argument, then the
    jax.jit C++ fast path. Nothing is flattened or keyed. The C wrapper (`_accel.c`) enters
    it through its C function; `wrapper` calls it.
 2. The structure path. Any other call whose arguments have the structures of
-   a call this function ran (`_fast.StructureRecord`, per type of the first
+   a call this function ran (`_plan.CallPlan`, per type of the first
    argument, with the call's keyword names; a few per key, tried in turn:
-   `_fast.records_of`): the structure route (`_structure_route`, one source as the
+   `_plan.plans_of`): the structure route (`_structure_route`, one source as the
    fast route) reads each one, positional then keyword as the general path resolves
    them (`arguments_as_read`), as the record says (a plain array; a static value
    compared with the recorded one; the identity cache or a generated extractor; an
@@ -30,7 +30,7 @@ trace met another output structure than the entry's first (it depends on input
 shapes) returns a `Varying` carrying its own; the fast and structure paths hand
 such a call, already run, to the general path (`general`), which finishes it.
 The wrapper, `lower(...).compile()` and `fastcall.partial` all go through it.
-After a general call, `_install_fast` decides (the one eligibility rule, for
+After a general call, `_file_plans` decides (the one eligibility rule, for
 Equinox and NNX alike) whether later calls of the same shape can take the fast
 path, and leaves a structure record.
 """
@@ -45,13 +45,13 @@ from typing import Any
 import jax
 
 from . import (
-    _agreement, _args, _codegen, _fast, _fast_route, _flatten, _hold, _native, _nnx_gate, _pack,
+    _agreement, _args, _codegen, _fast_route, _flatten, _hold, _native, _nnx_gate, _pack, _plan,
     _structure_route,
 )
 from ._build import Entry
-from ._fast import (
-    ArgRead, FastRecord, FastSlot, GraphdefRead, JointRead, MixedRead, NodeRead, NodesRead, PytreeShape,
-    SharedVariableRead, StaticRead, StructureRecord, VariableRead,
+from ._plan import (
+    ArgRead, CallPlan, FastSlot, GraphdefRead, JointRead, MixedRead, NodeRead, NodesRead, PytreeShape,
+    SharedVariableRead, StaticRead, VariableRead,
 )
 from ._errors import FastcallError, for_decorator
 from ._outputs import Varying, on_error
@@ -93,7 +93,7 @@ def run(state: Any, entry: Entry, resolved: Any, executable: Any = None, ran: Va
 MAX_STRUCTURES = 64  # structure records per function (one per first-argument type and keyword names)
 
 
-def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry: Entry, kwnames: tuple[str, ...]) -> None:
+def _file_plans(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry: Entry, kwnames: tuple[str, ...]) -> None:
     """After a general call: let later calls of this shape take the fast path, if the
     call was `f(first, *plain leaves)` with `first` a cached Equinox/pytree object or an
     NNX object whose structure is cached, and the compiled entry's outputs are fixed;
@@ -123,7 +123,7 @@ def _install_fast(state: Any, fun_leaves: tuple[Any, ...], resolved: Any, entry:
         # none, is left to the structure path)
         if not node.direct or state in node.fast:
             return
-        record = FastRecord(len(args), entry.fn, node.items, _fast_post(entry))
+        record = CallPlan(len(args), entry.fn, _fast_post(entry), variables=node.items)
         if _pack.packs(state.options):
             record = _pack.nnx_record(state, node, entry, record)
         _nnx_gate.adapter().install_record(node, state, resolved.key[0], record)
@@ -155,8 +155,8 @@ def _publish_structure(
     """Serve later calls whose arguments have this call's structures through the structure
     path: each non-array argument from the identity cache or its structure's generated
     extractor (`_codegen.templates`), or compared with this call's (no dynamic leaves:
-    `_fast.static_read`); not if one has none of these. `hold_first`: the general path
-    holds a list or dict passed first again (see `StructureRecord.hold_first`)."""
+    `_plan.static_read`); not if one has none of these. `hold_first`: the general path
+    holds a list or dict passed first again (see `CallPlan.hold_first`)."""
     args, key = resolved.args, resolved.key
     if resolved.kwargs:  # (resolved in sorted order, after their names: see _args._resolve_all)
         names = sorted(resolved.kwargs)
@@ -190,9 +190,9 @@ def _structure_reads(
         dict(zip(map(id, resolved.nnx_args), resolved.read_before))
         if resolved.joint and len(resolved.read_before) == len(resolved.nnx_args) else {}
     )
-    previous = state.structures.get(_fast.structure_key(args[0], kwnames))
+    previous = state.structures.get(_plan.structure_key(args[0], kwnames))
     for a, spec_id in zip(args, key):
-        static = _fast.static_read(spec_id, a) if spec_id != 0 else None  # (None, a str, an optax transform)
+        static = _plan.static_read(spec_id, a) if spec_id != 0 else None  # (None, a str, an optax transform)
         if static is not None and _flatten.spec_by_id(spec_id).n_dyn == 0:
             reads.append(static)
             continue
@@ -266,7 +266,7 @@ def _node_read(nnx_arg: Any, spec_id: int) -> NodeRead | VariableRead | None:
     return NodeRead(spec_id) if _nnx_gate.adapter().readable_argument(nnx_arg, spec_id) else None
 
 
-def _pytree_read(state: Any, previous: StructureRecord | None, a: Any, spec_id: int, at: int) -> ArgRead | None:
+def _pytree_read(state: Any, previous: CallPlan | None, a: Any, spec_id: int, at: int) -> ArgRead | None:
     """How the structure path reads argument `a` (at `at`, of spec `spec_id`), a pytree: by
     its structure's extractor, or as the function's record already reads it, or from the
     identity cache; None where none serves."""
@@ -295,8 +295,8 @@ def _file_structure(
 ) -> None:
     """File the structure record reading `args` by `reads_now` in the function's table, first
     under its key (a record reading them the same way is renewed)."""
-    key = _fast.structure_key(args[0], kwnames)
-    records = _fast.records_of(state.structures.get(key))
+    key = _plan.structure_key(args[0], kwnames)
+    records = _plan.plans_of(state.structures.get(key))
     known = next(
         (
             r for r in records
@@ -310,10 +310,10 @@ def _file_structure(
         # arguments the same way are this one's older versions: dropped)
         others = tuple(
             r._replace(others=()) for r in records if not (r.reads == reads_now and r.kwnames == kwnames and r.order == order)
-        )[: _fast.RECORDS_PER_KEY - 1]
-        known = StructureRecord(
-            len(args) - len(kwnames), reads_now, entry.fn, _structure_post(entry), [None] * len(args), fast_shape,
-            kwnames, order, hold_first, others,
+        )[: _plan.PLANS_PER_KEY - 1]
+        known = CallPlan(
+            len(args) - len(kwnames), entry.fn, _structure_post(entry), reads=reads_now, last=[None] * len(args),
+            fast_shape=fast_shape, kwnames=kwnames, order=order, hold_first=hold_first, others=others,
         )
         if len(state.structures) >= MAX_STRUCTURES and key not in state.structures:
             state.structures.pop(next(iter(state.structures), None), None)  # (the oldest: many keyword sets)
@@ -325,10 +325,10 @@ def _file_structure(
             known.last[i] = last_mark(args[i], i == 0 and hold_first, fast_shape) if read.by_identity else None
 
 
-def _kept_read(record: StructureRecord | None, at: int, spec_id: int) -> ArgRead | None:
+def _kept_read(record: CallPlan | None, at: int, spec_id: int) -> ArgRead | None:
     """The read of the argument at `at` in a function's `record` (or one of its `others`),
     if one reads this structure (`spec_id`) with an extractor."""
-    for r in _fast.records_of(record):
+    for r in _plan.plans_of(record):
         read = r.reads[at] if at < len(r.reads) else None
         if type(read) is ArgRead and read.spec_id == spec_id and read.extract is not None:
             return read
@@ -411,20 +411,20 @@ def _nodes_read(
 def _publish_pytree(state: Any, first: Any, hit: Any, entry: Entry, arity: int) -> None:
     """Serve `f(first, *arrays)` fast from `first`'s identity cache entry `hit`."""
     ref: Any = hit.ref
-    slot = _fast.INDEX.get(id(first))
+    slot = _plan.INDEX.get(id(first))
     if slot is None or slot.ref is not ref:
         slot = FastSlot(ref, {}, hit.guard)
-        _fast.publish(ref, slot.records, hit.guard)
+        _plan.publish(ref, slot.records, hit.guard)
     if state in slot.records:
         return
     call: Any = functools.partial(entry.fn, *hit.leaves)
     if _agreement.ENABLED:
         call = _agreement.checked_bound(call, entry, hit.leaves)
-    record = FastRecord(arity, call, None, _fast_post(entry))
+    record = CallPlan(arity, call, _fast_post(entry))
     if _pack.packs(state.options):
 
-        def records() -> dict[Any, FastRecord] | None:  # (the slot of `ref`, while it is published)
-            found = _fast.INDEX.get(ref.oid)
+        def records() -> dict[Any, CallPlan] | None:  # (the slot of `ref`, while it is published)
+            found = _plan.INDEX.get(ref.oid)
             return None if found is None or found.ref is not ref else found.records
 
         record = _pack.pytree_record(records, state, entry, record, hit.leaves)
@@ -559,7 +559,7 @@ def _general(
         state.counts.general_cached += 1
     out = run(state, entry, resolved, ran=ran)  # (not counting the trace's reads: a compile reads no argument)
     whole_reads = WHOLE_READS.count
-    _install_fast(state, fun_leaves, resolved, state.table.get(resolved.key) or entry, tuple(kwargs))
+    _file_plans(state, fun_leaves, resolved, state.table.get(resolved.key) or entry, tuple(kwargs))
     if not was_read and WHOLE_READS.count != whole_reads:  # (holding a list or dict flattens it again)
         state.counts.general_cached -= 1
         state.counts.general_read += 1

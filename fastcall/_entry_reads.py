@@ -24,7 +24,7 @@ except ImportError:  # (Cython is needed only to build; run as Python without it
     from fastcall import _cython_shim as cython  # type: ignore[no-redef]
 
 from ._arrays import ArrayImpl
-from ._fast import INDEX, VALUE_SLOT, FastSlot, JointRead, NnxArg, NodesRead, RawLeaf
+from ._plan import INDEX, VALUE_SLOT, FastSlot, JointRead, NnxArg, NodesRead, RawLeaf
 from ._flatten import Strong
 
 if cython.compiled:
@@ -83,7 +83,7 @@ def _new_nnx_arg(obj: Any, variables: Any, entry: Any, ids: Any, paths: Any) -> 
 @cython.ccall
 def item_value(descr: Any, item: Any) -> object:
     """The current value of one leaf of an NNX entry: a Variable's through the `_raw_value`
-    slot descriptor `descr` (`_fast.VALUE_SLOT`), a RawLeaf's as `raw_leaf_value` reads it."""
+    slot descriptor `descr` (`_plan.VALUE_SLOT`), a RawLeaf's as `raw_leaf_value` reads it."""
     if type(item) is _RAW_LEAF:
         return raw_leaf_value(item)
     if cython.compiled:
@@ -94,7 +94,7 @@ def item_value(descr: Any, item: Any) -> object:
 
 @cython.ccall
 def raw_leaf_value(leaf: Any) -> object:
-    """A raw leaf's (`_fast.RawLeaf`) current value as NNX's graph flatten reads it: from its
+    """A raw leaf's (`_plan.RawLeaf`) current value as NNX's graph flatten reads it: from its
     owner's attribute dict (`vars(owner)`), by getattr where it is not there (they differ only
     where a property of the class shadows the attribute). The owner is a weak proxy: read
     through its referent while it lives (each read then goes to it directly)."""

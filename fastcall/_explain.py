@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _codegen, _fast, _flatten, _guard, _hold, _nnx_gate, _pack
+from . import _codegen, _plan, _flatten, _guard, _hold, _nnx_gate, _pack
 from ._structure_route import arguments_as_read, declined_reads, reads_as_mixed
 from ._tree_reads import static_matches
 
@@ -169,7 +169,7 @@ def explain(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallRe
 
 def _packed_note(state: Any, first: Any) -> str:
     """How the fast record for `first` passes its leaves packed (`_pack`), in words; "" if not."""
-    slot = _fast.INDEX.get(id(first))
+    slot = _plan.INDEX.get(id(first))
     record = slot.records.get(state) if slot is not None else None
     call = getattr(record, "call", None)
     plan = _pack.plan_of(getattr(call, "call", call))  # (the agreement mode wraps it: `call.call`)
@@ -184,8 +184,8 @@ def _packed_note(state: Any, first: Any) -> str:
 def _serving_record(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The structure record that would serve the call (of those kept under its key, the
     first whose reads take it), else the one under its key (None if none is)."""
-    head = state.structures.get(_fast.structure_key(args[0], tuple(kwargs))) if args else None
-    for known in _fast.records_of(head):
+    head = state.structures.get(_plan.structure_key(args[0], tuple(kwargs))) if args else None
+    for known in _plan.plans_of(head):
         if not declined_reads(known, args, kwargs, state.plain_leaves, state.serves_nested):
             return known
     return head
@@ -203,7 +203,7 @@ def _why_not_fast(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     others = [state.arg_name(i) for i, a in enumerate(args[1:], 1) if type(a) not in state.plain_leaves]
     if others:
         reasons.append(f"{', '.join(others)}: not an array or traced scalar (the fast path is f(obj, *arrays))")
-    slot = _fast.INDEX.get(id(args[0]))
+    slot = _plan.INDEX.get(id(args[0]))
     if slot is None and (nnx := _nnx_gate.loaded()) is not None:
         slot = nnx.slot_as_checked(args[0])  # (a model NNX rebuilt in place since its last call)
     first = state.arg_name(0)
@@ -267,7 +267,7 @@ def _as_leaf(state: Any, name: str, value: Any, read: Any, static: frozenset[int
         return ArgumentReport(name, kind, "passed as is (jax copies it to the device on every call)")
     if type(value) in _flatten.PLAIN_ARRAY_TYPES:
         return ArgumentReport(name, "jax array", "passed as is")
-    if type(read) is _fast.StaticRead and static_matches(read, value):
+    if type(read) is _plan.StaticRead and static_matches(read, value):
         return ArgumentReport(
             name,
             f"{type(value).__name__}, static, as in a call this function ran",
@@ -294,7 +294,7 @@ def _as_leaf(state: Any, name: str, value: Any, read: Any, static: frozenset[int
 
 def _as_nnx_object(state: Any, name: str, value: Any, read: Any) -> ArgumentReport | None:
     """An NNX object or Variable read on its own, or None."""
-    if type(read) is _fast.SharedVariableRead:
+    if type(read) is _plan.SharedVariableRead:
         return ArgumentReport(
             name,
             f"NNX Variable on its own, held by {'a later' if read.first else 'an earlier'} argument (read jointly"
@@ -311,7 +311,7 @@ def _as_nnx_object(state: Any, name: str, value: Any, read: Any) -> ArgumentRepo
         )
     if _nnx_gate.is_node(value) or (_nnx_gate.reads_as_node(value) and _nnx_gate.adapter().read_as_one_object(value)):
         kind, per_call = _nnx_gate.adapter().explain_node(value)
-        if type(read) is _fast.JointRead:
+        if type(read) is _plan.JointRead:
             kind += ", read jointly with the call's other NNX arguments (they share nodes or Variables)"
             if read.keep is not None:
                 per_call += f"; {len(read.keep)} of its leaves passed (the others by an earlier argument)"
@@ -337,7 +337,7 @@ def _as_cached(name: str, value: Any) -> ArgumentReport | None:
 def _as_nnx_container(state: Any, name: str, value: Any, read: Any) -> ArgumentReport | None:
     """A container or pytree holding NNX objects, or a GraphDef, or None."""
     adapter = _nnx_gate.loaded()
-    if type(read) is _fast.NodesRead and read.objects(value) is not None:
+    if type(read) is _plan.NodesRead and read.objects(value) is not None:
         if read.keys is None or type(read.keys) is tuple:
             return ArgumentReport(
                 name,
@@ -357,8 +357,8 @@ def _as_nnx_container(state: Any, name: str, value: Any, read: Any) -> ArgumentR
             "flattened down to its NNX objects and its tree structure compared, each object read from its cache"
             " entry (the objects are not flattened)",
         )
-    if type(read) is _fast.MixedRead and reads_as_mixed(value, read, state.plain_leaves):
-        n_variables = sum(type(code) is _fast.VariableRead for code in read.layout)
+    if type(read) is _plan.MixedRead and reads_as_mixed(value, read, state.plain_leaves):
+        n_variables = sum(type(code) is _plan.VariableRead for code in read.layout)
         n_objects = sum(type(code) is int for code in read.layout)
         n_states = sum(e is not None for e in read.expand or ())
         states = f" (its {n_states} nnx.States each read by its dict)" if n_states else ""
@@ -391,7 +391,7 @@ def _as_pytree(state: Any, name: str, value: Any, first: bool, read: Any) -> Arg
             "flattened, each NNX object read as if passed on its own; the call records this structure for the"
             " structure path, unless its NNX objects share Variables",
         )
-    if type(read) is _fast.ArgRead and read.extract is not None and read.extract(value) is not None:
+    if type(read) is _plan.ArgRead and read.extract is not None and read.extract(value) is not None:
         by_rule = any(t.extract is read.extract and t.rule is not None for t in _codegen.templates.get(type(value), ()))
         if by_rule:
             when = ", every call (it holds Python scalars, which the identity cache does not hold)"
@@ -440,4 +440,4 @@ def _a(noun: str) -> str:
 
 def _expands(read: Any) -> bool:
     """Whether an ArgRead's TreeRead reads nnx.States and Variables itself (`TreeRead.expand`)."""
-    return type(read.sequence) is _fast.TreeRead and read.sequence.expand is not None
+    return type(read.sequence) is _plan.TreeRead and read.sequence.expand is not None

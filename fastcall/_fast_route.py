@@ -2,8 +2,8 @@
 """The fast route: `f(first, *arrays)` served from the record `first` has in the fast index.
 
 A general call of `f(first, *plain leaves)` whose first argument is a cached Equinox or
-pytree object, or an NNX object of a cached structure, leaves a `_fast.FastRecord` for `f`
-in that object's `_fast.FastSlot` (`_dispatch._install_fast` decides when). A later call
+pytree object, or an NNX object of a cached structure, leaves a `_plan.CallPlan` for `f`
+in that object's `_plan.FastSlot` (`_dispatch._file_plans` decides when). A later call
 is served from it when: no keyword arguments; `INDEX[id(first)]` is a slot whose reference
 is `first` and whose guard (an object holding lists or dicts, `_guard`) holds; the slot has
 a record for `f` (its `state`) of this many arguments; and every other argument is a plain
@@ -31,7 +31,7 @@ except ImportError:  # (Cython is needed only to build; run as Python without it
     from fastcall import _cython_shim as cython  # type: ignore[no-redef]
 
 from ._arrays import ArrayImpl
-from ._fast import INDEX, VALUE_SLOT, FastRecord, FastSlot
+from ._plan import INDEX, VALUE_SLOT, CallPlan, FastSlot
 from ._outputs import Varying
 
 if cython.compiled:
@@ -64,7 +64,7 @@ _VALUE_SLOT = cython.declare(list, VALUE_SLOT)
 _ARRAY = cython.declare(object, ArrayImpl)
 _VARYING = cython.declare(object, Varying)
 _FAST_SLOT = cython.declare(object, FastSlot)
-_FAST_RECORD = cython.declare(object, FastRecord)
+_PLAN = cython.declare(object, CallPlan)
 _MEMBER = cython.declare(object, types.MemberDescriptorType)
 DECLINED: Any = object()  # (what the route returns for a call it does not serve)
 _DECLINED = cython.declare(object, DECLINED)
@@ -187,11 +187,11 @@ def _serve_from(route: FastRoute, found: Any, argv: Argv, n: cython.Py_ssize_t) 
     if type(records) is not dict:
         return _DECLINED
     found_record: Any = _record_of(route, records)
-    if type(found_record) is not _FAST_RECORD:
+    if type(found_record) is not _PLAN:
         return _DECLINED
     record: tuple = cython.cast(tuple, found_record) if cython.compiled else found_record
     arity: cython.Py_ssize_t = record[0]
-    if arity != n:
+    if arity != n or record[4] is not None:  # (a plan with reads is the structure route's)
         return _DECLINED
     plain: frozenset = route.plain
     i: cython.Py_ssize_t
@@ -200,8 +200,8 @@ def _serve_from(route: FastRoute, found: Any, argv: Argv, n: cython.Py_ssize_t) 
         if t is not _ARRAY and t not in plain:
             return _DECLINED
     call = record[1]
-    variables = record[2]
-    post = record[3]
+    post = record[2]
+    variables = record[3]
     values: Optional[tuple] = None
     if variables is not None:
         values = _nnx_values(route, variables, argv, n, post is not None)

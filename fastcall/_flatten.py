@@ -33,7 +33,7 @@ import equinox as eqx
 import jax
 from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path
 
-from . import _fast, _guard, _memo, _nnx_gate
+from . import _plan, _guard, _memo, _nnx_gate
 from ._errors import FastcallError, describe_arg
 from ._stats import read_whole
 
@@ -440,7 +440,7 @@ class Strong(tuple):
 by_id: dict[int, CacheEntry] = {}
 
 
-def _evict(ref: _Ref, _by_id: dict = by_id, _withdraw: Callable = _fast.withdraw) -> None:
+def _evict(ref: _Ref, _by_id: dict = by_id, _withdraw: Callable = _plan.withdraw) -> None:
     # Runs when the object dies, before its id can be reused. The `is` check
     # keeps a newer entry under the same id (set by another thread) alive.
     # (Globals are bound early: at interpreter exit module globals are gone.)
@@ -460,7 +460,7 @@ def remember(obj: Any, leaves: Sequence[Any], spec: Any, guard: Any = None) -> N
     old = by_id.get(ref.oid)
     by_id[ref.oid] = CacheEntry(ref, leaves, spec.id, spec, guard)
     if old is not None:  # (its fast records bind the old leaves)
-        _fast.withdraw(old.ref)
+        _plan.withdraw(old.ref)
 
 
 def remember_guarded(obj: Any, leaves: Sequence[Any], spec: Any) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Iterator, NamedTuple
 
 import jax
 
-from . import _agreement, _build, _fast, _fast_route, _flatten, _hold, _nnx_gate, _stats, _structure_route
+from . import _agreement, _build, _plan, _fast_route, _flatten, _hold, _nnx_gate, _stats, _structure_route
 from ._build import Entry
 from ._errors import FastcallError
 from ._flatten import Spec
@@ -119,7 +119,7 @@ class FunctionState:
         # `_structure_route.StructureRoute`)
         self.fast_routes: weakref.WeakSet[Any] = weakref.WeakSet()
         self.structure_routes: weakref.WeakSet[Any] = weakref.WeakSet()
-        # The structure path (`_fast.StructureRecord`): `_fast.structure_key` -> record (the
+        # The structure path (`_plan.CallPlan`): `_plan.structure_key` -> record (the
         # newest; those of other structures met under the key in its `others`).
         self.structures: dict[Any, Any] = {}
         self.storm_warned = False
@@ -232,7 +232,7 @@ class FunctionState:
     def forget_records(self) -> None:
         """Drop every fast and structure record of this function (its compiled entries
         were replaced or cleared)."""
-        _fast.forget_function(self)
+        _plan.forget_function(self)
         adapter = _nnx_gate.loaded()
         if adapter is not None:
             adapter.forget_function(self)

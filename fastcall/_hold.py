@@ -11,7 +11,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, NamedTuple, Sequence
 
-from . import _fast
+from . import _plan
 from ._flatten import CacheEntry, Strong, by_id, forget_strong, guard_of, lookup, read_alike
 
 # Top-level lists and dicts (a params dict, `f(params, x)`) cannot be weakly referenced,
@@ -22,7 +22,7 @@ from ._flatten import CacheEntry, Strong, by_id, forget_strong, guard_of, lookup
 # passes a new container each call, never has one held (its previous leaves are compared
 # through weak references, which keep nothing alive).
 #
-# "Passed first in two consecutive calls" is told by id (`_fast.last_mark`), and a new
+# "Passed first in two consecutive calls" is told by id (`_plan.last_mark`), and a new
 # container built each call with the same contents (`f({"params": params}, x)`, as Linen's
 # `jax.jit(model.apply)` is called) often gets the id of the one before, which was freed:
 # it looks passed again and goes to the general path, which holds it, and the next one, at
@@ -93,7 +93,7 @@ def hold(state: Any, obj: Any, leaves: Sequence[Any], spec: Any) -> CacheEntry |
         old = by_id.get(token.oid)
         by_id[token.oid] = entry
         if old is not None:
-            _fast.withdraw(old.ref)
+            _plan.withdraw(old.ref)
     box = state.held_box
     if box[0] is not None and box[0] is not entry.ref:
         release(box[0])
@@ -104,7 +104,7 @@ def hold(state: Any, obj: Any, leaves: Sequence[Any], spec: Any) -> CacheEntry |
 def release(token: Strong) -> None:
     """Stop holding a container `hold` held (and serving it fast)."""
     forget_strong(token)
-    _fast.withdraw(token)
+    _plan.withdraw(token)
 
 
 def release_held(box: list[Any]) -> None:

@@ -30,7 +30,7 @@ class NnxAdapter(Protocol):
     """What the core calls on the NNX plugin (the module `fastcall._nnx._adapter` is one).
 
     Arguments and records named here are the core's own: `NnxArg`, the read records of
-    `_fast` (`JointRead`, `VariableRead`, ...), the `FunctionState` of a wrapped function
+    `_plan` (`JointRead`, `VariableRead`, ...), the `FunctionState` of a wrapped function
     (`state`), the identity cache's spec ids. Each function says, in its own docstring,
     what it promises; the groups below say where the core uses it."""
 
@@ -42,7 +42,7 @@ class NnxAdapter(Protocol):
     @property
     def Variable(self) -> type: ...
     @property
-    def NnxArg(self) -> Callable[..., Any]: ...  # (`_fast.NnxArg`: an NNX argument of one call)
+    def NnxArg(self) -> Callable[..., Any]: ...  # (`_plan.NnxArg`: an NNX argument of one call)
 
     def is_node_type(self, t: type) -> bool: ...
     def holds_nodes(self, value: Any) -> bool: ...
@@ -58,7 +58,7 @@ class NnxAdapter(Protocol):
     def joint_index(self) -> Any: ...
     def aliasing_error(self, where: str) -> Exception: ...
 
-    # ---- records for later calls (`_dispatch._install_fast`, `_publish_structure`) ----
+    # ---- records for later calls (`_dispatch._file_plans`, `_publish_structure`) ----
     def install_record(self, entry: Any, state: Any, spec_id: int, record: Any) -> None: ...
     def readable_argument(self, arg: Any, spec_id: int) -> bool: ...
     def read_as_one_object(self, state: Any) -> bool: ...
@@ -184,7 +184,7 @@ variable_types: dict[type, bool] = {}
 @cython.exceptval(-1, check=True)
 def reads_as_value(x: Any) -> cython.bint:
     """Whether `x` is an `nnx.State` or a Variable: where jax's flatten stops for a TreeRead
-    that reads them itself, as jax's flatten would (`_fast.TreeRead.expand`)."""
+    that reads them itself, as jax's flatten would (`_plan.TreeRead.expand`)."""
     t = type(x)
     if _is_adapter_type(state_types, t, "State"):
         return True

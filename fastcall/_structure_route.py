@@ -1,9 +1,9 @@
 # cython: language_level=3, wraparound=False, boundscheck=False
 """The structure route: a call whose arguments have the structures of one the function ran.
 
-A general call leaves a `_fast.StructureRecord` in the function's `structures` table (made by
+A general call leaves a `_plan.CallPlan` in the function's `structures` table (made by
 `_dispatch._publish_structure`), keyed by its first argument's type and keyword names
-(`_fast.structure_key`; the record, then its `others`, tried in turn, the one that served the
+(`_plan.structure_key`; the record, then its `others`, tried in turn, the one that served the
 last such call first). The route serves a later call under a record when the call has the
 record's arity and keyword names, and each argument, taken in the record's `order`, reads as
 its read says:
@@ -13,7 +13,7 @@ its read says:
 * `ArgRead`: a pytree's leaves from the identity cache (an entry whose ref is the argument,
   whose guard holds, of the expected spec), or the memo of returned objects
   (`_memo.latest_leaves`), or else its structure's extractor, unless it is the object last read
-  there (`StructureRecord.last`: the general path caches it by identity);
+  there (`CallPlan.last`: the general path caches it by identity);
 * `NodeRead`, `JointRead`: an NNX object, from the cache entry its fast-index slot publishes
   (`FastSlot.node`: checked as the fast route checks a slot), of the expected spec: its
   leaves' current values (a JointRead: from that very entry, unchanged, only the leaves it
@@ -48,9 +48,9 @@ except ImportError:  # (Cython is needed only to build; run as Python without it
 from . import _flatten
 from ._arrays import ArrayImpl
 from ._fast_route import DECLINED
-from ._fast import (
-    GRAPHDEFS, ArgRead, FastRecord, FastSlot, GraphdefRead, JointRead, KnownGraphdef, MappingRead, MixedRead, NnxArg,
-    NodeRead, NodesRead, SequenceRead, SharedVariableRead, StaticRead, StructureRecord, TreeRead, VariableRead,
+from ._plan import (
+    GRAPHDEFS, ArgRead, CallPlan, FastSlot, GraphdefRead, JointRead, KnownGraphdef, MappingRead, MixedRead, NnxArg,
+    NodeRead, NodesRead, SequenceRead, SharedVariableRead, StaticRead, TreeRead, VariableRead,
     VariableValueRead,
 )
 from ._outputs import Varying
@@ -90,7 +90,7 @@ _ARRAY = cython.declare(object, ArrayImpl)
 _VARYING = cython.declare(object, Varying)
 _CACHE_ENTRY = cython.declare(object, _flatten.CacheEntry)
 _KNOWN_GRAPHDEF = cython.declare(object, KnownGraphdef)
-_RECORD = cython.declare(object, StructureRecord)
+_PLAN = cython.declare(object, CallPlan)
 _ARG_READ = cython.declare(object, ArgRead)
 _STATIC_READ = cython.declare(object, StaticRead)
 _NODE_READ = cython.declare(object, NodeRead)
@@ -103,14 +103,25 @@ _GRAPHDEF_READ = cython.declare(object, GraphdefRead)
 _TREE_READ = cython.declare(object, TreeRead)
 _SEQUENCE_READ = cython.declare(object, SequenceRead)
 _DECLINED = cython.declare(object, DECLINED)  # (what the routes return for a call they do not serve)
+# (a CallPlan's fields, by position: LAYOUTS checks them)
+_ARITY = cython.declare(cython.Py_ssize_t, 0)
+_CALL = cython.declare(cython.Py_ssize_t, 1)
+_POST = cython.declare(cython.Py_ssize_t, 2)
+_READS = cython.declare(cython.Py_ssize_t, 4)
+_LAST = cython.declare(cython.Py_ssize_t, 5)
+_FAST_SHAPE = cython.declare(cython.Py_ssize_t, 6)
+_KWNAMES = cython.declare(cython.Py_ssize_t, 7)
+_ORDER = cython.declare(cython.Py_ssize_t, 8)
+_HOLD_FIRST = cython.declare(cython.Py_ssize_t, 9)
+_OTHERS = cython.declare(cython.Py_ssize_t, 10)
 
 # The records the hit routes read by position (compiled, as tuples), with their fields in that
 # order: checked at import, so that a change of layout fails there instead of misreading.
 LAYOUTS: dict[Any, tuple[str, ...]] = {
     FastSlot: ("ref", "records", "guard", "node"),
-    FastRecord: ("arity", "call", "variables", "post"),
-    StructureRecord: (
-        "arity", "reads", "call", "post", "last", "fast_shape", "kwnames", "order", "hold_first", "others",
+    CallPlan: (
+        "arity", "call", "post", "variables", "reads", "last", "fast_shape", "kwnames", "order", "hold_first",
+        "others",
     ),
     _flatten.CacheEntry: ("ref", "leaves", "spec_id", "spec", "guard"),
     KnownGraphdef: ("graphdef", "snapshot", "spec_id", "spec"),
@@ -200,9 +211,9 @@ def _serve(route: StructureRoute, argv: Argv, nargs: cython.Py_ssize_t, kwnames:
     if nargs == 0:
         return _DECLINED
     head: Any = _record_for(route, type(arg(argv, 0)), kwnames)
-    if type(head) is not _RECORD:
+    if type(head) is not _PLAN:
         return _DECLINED
-    others: tuple = cython.cast(tuple, head)[9] if cython.compiled else head.others
+    others: tuple = cython.cast(tuple, head)[_OTHERS] if cython.compiled else head.others
     if not others:
         return _serve_record(route, head, argv, nargs, kwnames)
     hot: Any = None  # (the record that served the last call, if it is one of these)
@@ -244,7 +255,7 @@ def _address(obj: Any) -> cython.Py_ssize_t:
 
 @cython.cfunc
 def _record_for(route: StructureRoute, first_type: Any, kwnames: Any) -> object:
-    """`structures[_fast.structure_key(...)]`, or None; without keywords, remembered as
+    """`structures[_plan.structure_key(...)]`, or None; without keywords, remembered as
     `_fast_route` remembers its lookups."""
     if kwnames is not None:
         return route.structures.get((first_type, kwnames))
@@ -265,13 +276,13 @@ def _record_for(route: StructureRoute, first_type: Any, kwnames: Any) -> object:
 def _serve_record(route: StructureRoute, record: Any, argv: Argv, nargs: cython.Py_ssize_t, kwnames: Any) -> object:
     """`f(*argv)` served under `record`, or DECLINED."""
     known: tuple = cython.cast(tuple, record) if cython.compiled else record
-    post = known[3]
+    post = known[_POST]
     nnx_args: Optional[list] = [] if post is not None else None
     values = _read_arguments(route, known, argv, nargs, kwnames, nnx_args, None)
     if values is None:
         return _DECLINED
     _mark(known, argv)
-    call = known[2]
+    call = known[_CALL]
     route.structure_calls += 1
     try:
         if cython.compiled:
@@ -309,10 +320,10 @@ def _read_arguments(
     (`f.explain` only): where it declines, (argument index or None, reason in words)."""
     if not _passed_as_recorded(known, nargs, kwnames, why):
         return None
-    reads: tuple = known[1]
-    last: list = known[4]
+    reads: tuple = known[_READS]
+    last: list = known[_LAST]
     n: cython.Py_ssize_t = len(reads)
-    fast_shape: cython.bint = known[5]
+    fast_shape: cython.bint = known[_FAST_SHAPE]
     values: list = []
     # (made at the first NNX object read) the cache entries of NNX objects read on their own,
     # and the Variables read on their own (by a VariableRead, or in a MixedRead)
@@ -417,7 +428,7 @@ def _nnx_servable(
             " round), or they are not known not to: the general path reads them jointly",
         )
         return False
-    if not may_serve_nnx(known[3] is None and route.serves_nested):
+    if not may_serve_nnx(known[_POST] is None and route.serves_nested):
         _declined(why, None, "called inside a jax transformation, which this record cannot serve")
         return False
     return True
@@ -428,11 +439,11 @@ def _nnx_servable(
 def _passed_as_recorded(known: tuple, nargs: cython.Py_ssize_t, kwnames: Any, why: Optional[list]) -> cython.bint:
     """Whether the call passes as many positional arguments and the same keyword names, in
     order, as the record's call (and the record's reads and `order` fit them)."""
-    arity: cython.Py_ssize_t = known[0]
+    arity: cython.Py_ssize_t = known[_ARITY]
     if arity != nargs:
         _declined(why, None, "another number of positional arguments than the recorded call's")
         return False
-    expected_names = known[6]
+    expected_names = known[_KWNAMES]
     if kwnames is None:
         if expected_names:
             _declined(why, None, "without the keyword arguments the recorded call passed")
@@ -440,10 +451,10 @@ def _passed_as_recorded(known: tuple, nargs: cython.Py_ssize_t, kwnames: Any, wh
     elif kwnames != expected_names:
         _declined(why, None, "other keyword arguments, or in another order, than the recorded call's")
         return False
-    reads: tuple = known[1]
-    last: list = known[4]
+    reads: tuple = known[_READS]
+    last: list = known[_LAST]
     n: cython.Py_ssize_t = len(reads)
-    order = known[7]
+    order = known[_ORDER]
     fits: cython.bint = n == nargs + (0 if kwnames is None else len(kwnames)) and len(last) == n
     if fits and order is not None:  # (each a position among the call's arguments: checked once here)
         for k in order:
@@ -458,10 +469,10 @@ def _passed_as_recorded(known: tuple, nargs: cython.Py_ssize_t, kwnames: Any, wh
 @cython.cfunc
 def _mark(known: tuple, argv: Argv) -> cython.void:
     """Note in the record's `last` the objects this call read by identity (`last_mark`)."""
-    reads: tuple = known[1]
-    last: list = known[4]
-    hold_first: cython.bint = known[8]
-    fast_shape: cython.bint = known[5]
+    reads: tuple = known[_READS]
+    last: list = known[_LAST]
+    hold_first: cython.bint = known[_HOLD_FIRST]
+    fast_shape: cython.bint = known[_FAST_SHAPE]
     i: cython.Py_ssize_t
     for i in range(len(reads)):
         read = reads[i]
@@ -474,7 +485,7 @@ def _mark(known: tuple, argv: Argv) -> cython.void:
 
 @cython.ccall
 def last_mark(obj: Any, first: cython.bint, fast_shape: cython.bint) -> object:
-    """What `StructureRecord.last` keeps of an object read at one position, to tell whether
+    """What `CallPlan.last` keeps of an object read at one position, to tell whether
     a later call passes this very object again: a weak reference to it (a new object that
     reuses a dead one's id is not it); for a list or dict passed first (`first`: where the
     record's `hold_first` says), which `_hold.hold` caches (checking its leaves): with
@@ -514,7 +525,7 @@ _WEAKREF = cython.declare(object, weakref.ref)
 @cython.inline
 def _position(known: tuple, i: cython.Py_ssize_t) -> cython.Py_ssize_t:
     """Where the argument read `i`-th is among the call's positional then keyword ones."""
-    order = known[7]
+    order = known[_ORDER]
     if order is None:
         return i
     return cython.cast(tuple, order)[i] if cython.compiled else order[i]
@@ -571,7 +582,7 @@ def _read_pytree(
 @cython.cfunc
 @cython.exceptval(-1, check=True)
 def _passed_again(mark: Any, a: Any) -> cython.bint:
-    """Whether `a` is the object `mark` (`_fast.last_mark`) was taken of."""
+    """Whether `a` is the object `mark` (`_plan.last_mark`) was taken of."""
     if mark is None:
         return False
     if type(mark) is int:
@@ -682,7 +693,7 @@ SERVE: Any = (
 
 
 def arguments_as_read(known: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
-    """A call's arguments in the order `known`'s reads take them (`StructureRecord.order`);
+    """A call's arguments in the order `known`'s reads take them (`CallPlan.order`);
     None if the call has another number of positional arguments or other keywords than the
     record's call (`f.explain` names them so)."""
     if known.arity != len(args) or known.kwnames != (tuple(kwargs) if kwargs else ()):
@@ -701,7 +712,7 @@ def declined_reads(
     argv: tuple = (*args, *kwargs.values()) if kwargs else args
     kwnames: Any = tuple(kwargs) if kwargs else None
     why: list = []
-    if cython.compiled:  # (a StructureRecord: a tuple, to the C reads)
+    if cython.compiled:  # (a CallPlan: a tuple, to the C reads)
         record: tuple = cython.cast(tuple, known)
         _read_arguments(route, record, PySequence_Fast_ITEMS(argv), len(args), kwnames, [], why)
     else:

@@ -151,7 +151,7 @@ def at_top_level() -> cython.bint:
 
 
 # NNX's graph context (thread-local), put in this cell by the NNX adapter when it loads (or
-# by `_fast.consume_static_cache`, for a call without NNX objects while flax.nnx is
+# by `_plan.consume_static_cache`, for a call without NNX objects while flax.nnx is
 # imported). While its `tmp_static_cache` is set (nnx.cached_partial is calling the function
 # with its cache pending), no hit route serves an NNX call: the general path consumes the
 # cache (flax raises if nobody does).

@@ -1,12 +1,12 @@
 # cython: language_level=3, wraparound=False
 """Reading a pytree argument's leaves by the structure a call recorded, with no Python frame.
 
-A structure record (`_fast.ArgRead`) says how a later call reads a new object of a known
-structure. For a tuple, list or dict of leaves, nested or not (`_fast.SequenceRead`: a batch,
+A structure record (`_plan.ArgRead`) says how a later call reads a new object of a known
+structure. For a tuple, list or dict of leaves, nested or not (`_plan.SequenceRead`: a batch,
 a params dict of dicts), and for a pytree node type of its own whose leaves are all arrays
-(`_fast.TreeRead`: a registered dataclass, read by jax's flatten), the reader is one of these
-functions; so is the check of a static argument (`_fast.StaticRead`), and the read of the
-nnx.States in a pytree holding NNX objects (`_fast.MappingRead`: `expand_into`). The
+(`_plan.TreeRead`: a registered dataclass, read by jax's flatten), the reader is one of these
+functions; so is the check of a static argument (`_plan.StaticRead`), and the read of the
+nnx.States in a pytree holding NNX objects (`_plan.MappingRead`: `expand_into`). The
 compiled structure route calls them as C (`_tree_reads.pxd`); the general path calls them
 too (a template's `extract`, `_codegen`).
 
@@ -22,7 +22,7 @@ except ImportError:  # (Cython is needed only to build; run as Python without it
     from fastcall import _cython_shim as cython  # type: ignore[no-redef]
 
 from ._arrays import ArrayImpl
-from ._fast import VariableValueRead
+from ._plan import VariableValueRead
 from ._flatten import static_equal
 
 COMPILED: bool = cython.compiled
@@ -214,7 +214,7 @@ def tree_leaves(read: Any, a: Any) -> Any:
 @cython.exceptval(-1, check=True)
 def expand_into(leaves: list, expand: tuple, out: list) -> cython.bint:
     """Appends to `out` each of `leaves` where `expand` (one item per leaf) says None, and
-    where it gives a read (`_fast.MixedRead.expand`, `_fast.TreeRead.expand`), what jax's
+    where it gives a read (`_plan.MixedRead.expand`, `_plan.TreeRead.expand`), what jax's
     flatten gives for that leaf: a MappingRead's values at its keys, depth first; a
     VariableValueRead's raw value. Whether each reads so: exactly its kind, a dict of
     exactly its keys (then jax's sorted order is the read's), a Variable of its metadata,

@@ -223,7 +223,7 @@ def run_threads(n: int, target, *args) -> list[BaseException]:
 
 
 def reads_in(f: Any, kind: type) -> list[Any]:
-    """The reads of type `kind` (a `fastcall._fast` record) in `f`'s structure records."""
+    """The reads of type `kind` (a `fastcall._plan` record) in `f`'s structure records."""
     found: list[Any] = []
 
     def walk(x: Any, depth: int) -> None:

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import fastcall
-from fastcall import _agreement, _fast
+from fastcall import _agreement, _plan
 
 from .conftest import FAST_PATH, STRUCTURE_PATH, served
 
@@ -37,7 +37,7 @@ class Counter(nnx.Module):
 
 def _record(f, first):
     """`f`'s fast record for `first` (the same dict the C path reads)."""
-    return _fast.INDEX[id(first)].records[f._fastcall_state]
+    return _plan.INDEX[id(first)].records[f._fastcall_state]
 
 
 def test_hits_are_checked_and_misses_are_not(agreement, hot_path):
@@ -93,7 +93,7 @@ def test_stale_leaf_named(agreement, hot_path):
     entry = record.call.entry()  # (in the agreement mode a record's call is checked: `_CheckedBound`)
     bound = list(record.call.leaves)
     bound[1] = bound[1] + 1.0  # a record reading an old value of the model's second leaf
-    _fast.INDEX[id(model)].records[f._fastcall_state] = record._replace(
+    _plan.INDEX[id(model)].records[f._fastcall_state] = record._replace(
         call=_agreement.checked_bound(functools.partial(entry.fn, *bound), entry, bound)
     )
     with pytest.raises(_agreement.AgreementError, match=r"argument 'm', leaf 1 of 6: the hit passed"):
@@ -109,7 +109,7 @@ def test_nnx_variables_out_of_order_named(agreement, hot_path):
     record = _record(f, model)
     variables = list(record.variables)
     variables[0], variables[1] = variables[1], variables[0]
-    _fast.INDEX[id(model)].records[f._fastcall_state] = record._replace(variables=variables)
+    _plan.INDEX[id(model)].records[f._fastcall_state] = record._replace(variables=variables)
     with pytest.raises(_agreement.AgreementError, match=r"argument 'm', leaf 0 of 3"):
         f(model, x)
 
@@ -125,7 +125,7 @@ def test_wrong_entry_named(agreement, hot_path):
     record, wrong = _record(f, small), _record(f, other)
     # (the same leaves, bound to the other model's compiled entry)
     wrong_entry, leaves = wrong.call.entry(), record.call.leaves
-    _fast.INDEX[id(small)].records[f._fastcall_state] = record._replace(
+    _plan.INDEX[id(small)].records[f._fastcall_state] = record._replace(
         call=_agreement.checked_bound(functools.partial(wrong_entry.fn, *leaves), wrong_entry, leaves)
     )
     with pytest.raises(_agreement.AgreementError, match=r"another compiled entry .* argument 'm' has spec"):

@@ -172,9 +172,9 @@ def test_explain_says_why_the_structure_path_declines_a_call(monkeypatch):
     module's, and the module's where the record reads a Variable of its own. (One record
     kept per key, so that the second form's record replaces the first's; with several kept,
     explain gives the reasons of the newest.)"""
-    from fastcall import _fast
+    from fastcall import _plan
 
-    monkeypatch.setattr(_fast, "RECORDS_PER_KEY", 1)
+    monkeypatch.setattr(_plan, "PLANS_PER_KEY", 1)
     m = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
     offset = nnx.Param(jnp.ones(4))
     f = fastcall.jit(lambda m, v, x: m(x) + v[...])

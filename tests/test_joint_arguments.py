@@ -4,7 +4,7 @@
 flax's machine translation and diffusion examples write it), `f(outer, outer.inner, x)`,
 `f(m, m, x)`: the general path flattens such arguments together, as nnx.jit does, so each
 shared Variable is passed once. Its structure record then pins every NNX argument's cache
-entry (`_fast.JointRead`): a later call with the same objects, unchanged, is read from those
+entry (`_plan.JointRead`): a later call with the same objects, unchanged, is read from those
 entries, each passing the leaves the joint flatten gave it. Any change that could move what
 is shared (a submodule or Variable replaced, a static flipped, a list in the graph changed
 in place, other objects) declines to the general path.

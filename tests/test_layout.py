@@ -36,7 +36,7 @@ def _imports(path: pathlib.Path, modules: set[str]) -> dict[str, int]:
                 source = ".".join(base + ([node.module] if node.module else []))
             else:
                 source = node.module or ""
-            # `from . import _fast` imports the module fastcall._fast; `from ._fast import X`, fastcall._fast
+            # `from . import _plan` imports the module fastcall._plan; `from ._plan import X`, fastcall._plan
             targets = [f"{source}.{alias.name}" for alias in node.names if f"{source}.{alias.name}" in modules]
             targets = targets or [source]
         for target in targets:

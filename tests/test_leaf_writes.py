@@ -98,15 +98,15 @@ def _direct(module, one_object):
     writes = module.LeafWrites(
         ((0, 0), (0, 1)), lambda head: ("result", head), lambda *args: seen.append(args) or "general", one_object
     )
-    nnx_arg = fastcall._fast.NnxArg(m, variables, None)
+    nnx_arg = fastcall._plan.NnxArg(m, variables, None)
     return m, writes, (variables if one_object else [nnx_arg]), seen
 
 
 def _leaf_item(m, name):
-    """The handle by which fastcall reads and writes a raw leaf of `m` (`_fast.RawLeaf`)."""
+    """The handle by which fastcall reads and writes a raw leaf of `m` (`_plan.RawLeaf`)."""
     import weakref
 
-    return fastcall._fast.RawLeaf(weakref.proxy(m), name)
+    return fastcall._plan.RawLeaf(weakref.proxy(m), name)
 
 
 @pytest.mark.parametrize("one_object", [True, False])

@@ -996,7 +996,7 @@ def test_variable_held_by_another_argument(hot_path):
     check(own, "general")
     check(own, STRUCTURE_PATH[hot_path])
     check(lambda m: (m, old[id(m)]), "general")  # a Variable it no longer holds
-    # (the joint form's record is kept beside the one that call made: `StructureRecord.others`)
+    # (the joint form's record is kept beside the one that call made: `CallPlan.others`)
     report = ours_f.explain(*own(ours), jnp.ones((2, 4)))
     assert report.route == "structure"
     assert "held by an earlier argument" in report.arguments[1].kind
@@ -1223,7 +1223,7 @@ def test_cached_partial_pending_seen_after_a_refresh_that_ran_another_thread(hot
 def test_a_graph_context_of_another_local_type_is_read_by_getattr(hot_path):
     """Only `_thread._local`'s dict is one per thread: another implementation (gevent's
     local: one dict per greenlet, all on one thread) is read by getattr every call."""
-    from fastcall import _fast
+    from fastcall import _plan
 
     class PerTask:  # (a context whose `__dict__` and attributes follow the current task)
         task = "a"
@@ -1242,7 +1242,7 @@ def test_a_graph_context_of_another_local_type_is_read_by_getattr(hot_path):
     m, x = nnx.Linear(2, 2, rngs=nnx.Rngs(0)), jnp.ones(2)
     f = fastcall.jit(lambda m, x: m(x))
     f(m, x), f(m, x)
-    saved, _fast.GRAPH_CONTEXT[0] = _fast.GRAPH_CONTEXT[0], PerTask()
+    saved, _plan.GRAPH_CONTEXT[0] = _plan.GRAPH_CONTEXT[0], PerTask()
     try:
         assert served(f, m, x)[1] == FAST_PATH[hot_path]  # (task a's nothing pending)
         PerTask.task = "b"
@@ -1251,7 +1251,7 @@ def test_a_graph_context_of_another_local_type_is_read_by_getattr(hot_path):
         assert path == "general" and PerTask.dicts["b"]["tmp_static_cache"] is None  # consumed
         assert_trees_equal(out, m(x))
     finally:
-        _fast.GRAPH_CONTEXT[0] = saved
+        _plan.GRAPH_CONTEXT[0] = saved
 
 
 def test_bound_method_of_an_nnx_object_is_refused_as_nnx_jit_refuses_it():

@@ -287,12 +287,12 @@ def test_variables_returned_inside_an_outer_trace_belong_to_that_trace(wrap):
 def test_the_states_and_variables_of_a_train_state_are_read_as_jax_flattens_them(change):
     """A flax TrainState of `nnx.split` States under jax.jit's rule: the structure path
     reads each State by its dict and each Variable by its raw value and metadata
-    (`_fast.TreeRead.expand`), not by flax's Python flatten, to what jax.jit reads: the same
+    (`_plan.TreeRead.expand`), not by flax's Python flatten, to what jax.jit reads: the same
     outputs, and no more compiles than jax.jit, after each change a user makes between
     calls (new metadata is a new structure to jax.jit, which traces again)."""
     from flax.training import train_state
 
-    from fastcall import _fast
+    from fastcall import _plan
 
     from .conftest import reads_in
 
@@ -340,7 +340,7 @@ def test_the_states_and_variables_of_a_train_state_are_read_as_jax_flattens_them
         theirs, want = g(theirs, x)
         assert _values((mine, got)) == _values((theirs, want))
         assert jax.tree.structure(mine) == jax.tree.structure(theirs)
-    assert [r for r in reads_in(f, _fast.TreeRead) if r.expand is not None and r.is_leaf is not None]
+    assert [r for r in reads_in(f, _plan.TreeRead) if r.expand is not None and r.is_leaf is not None]
     assert traces["fastcall"] <= traces["jax"], traces
     assert _served_fast(f) >= 2
 

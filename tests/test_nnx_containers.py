@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fastcall
-from fastcall import _fast
+from fastcall import _plan
 
 from .conftest import FAST_PATH, STRUCTURE_PATH, assert_trees_equal, reads_in, served, state_of
 from .models import TinyDecoder
@@ -1225,7 +1225,7 @@ def _train_state_changes():
 @pytest.mark.parametrize("change", list(_train_state_changes()))
 def test_the_states_in_a_train_state_are_read_by_their_mappings_and_never_stale(change, hot_path):
     """A TrainState of `nnx.split` States: the structure path reads each State by its dict
-    (`_fast.MappingRead`), not by flax's Python flatten; every change a user makes to the
+    (`_plan.MappingRead`), not by flax's Python flatten; every change a user makes to the
     States between calls gives what nnx.jit gives: a new value or a Variable replaced by
     one of its type keeps the structure path, a key added or swapped, or a Variable of
     another type, is read once by the general path, which records the new structure."""
@@ -1237,7 +1237,7 @@ def test_the_states_in_a_train_state_are_read_by_their_mappings_and_never_stale(
         theirs, want = g(theirs, X[:, :2])
         assert_trees_equal((mine, got), (theirs, want))
     assert route == STRUCTURE_PATH[hot_path]
-    (mixed,) = reads_in(f, _fast.MixedRead)
+    (mixed,) = reads_in(f, _plan.MixedRead)
     assert [type(e).__name__ for e in mixed.expand] == ["NoneType", "MappingRead", "MappingRead"]
     _train_state_changes()[change](mine)
     _train_state_changes()[change](theirs)
@@ -1270,7 +1270,7 @@ def test_a_state_the_mapping_read_does_not_cover_is_flattened_by_jax():
     mine, theirs = start(), start()
     for _ in range(3):
         assert_trees_equal(f(mine, X[0, :3]), g(theirs, X[0, :3]))
-    assert all(read.expand is None for read in reads_in(f, _fast.MixedRead))
+    assert all(read.expand is None for read in reads_in(f, _plan.MixedRead))
 
 
 def test_new_variables_returned_keep_their_identity_as_under_nnx_jit():

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 import fastcall
-from fastcall import _fast, _flatten
+from fastcall import _plan, _flatten
 from fastcall._nnx import _entries, _watch
 
 from .conftest import STRUCTURE_PATH, assert_trees_equal, run_threads
@@ -218,7 +218,7 @@ def test_new_nnx_model_every_call_keeps_caches_bounded():
         del m
     gc.collect()
     assert all(r() is None for r in refs)
-    assert len(_entries.by_id) < 5 and len(_fast.INDEX) < 5
+    assert len(_entries.by_id) < 5 and len(_plan.INDEX) < 5
     assert len(_watch._watchers) < 50
     assert f.stats().compiles == 1
 

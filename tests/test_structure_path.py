@@ -888,7 +888,7 @@ def _serve_batches(f, m, batches, *references):
 def test_a_new_batch_of_arrays_is_read_without_its_extractor(kind, hot_path):
     """A tuple or list of plain arrays only (a batch) is read by `_tree_reads.sequence_leaves`
     (compiled, through its C entry, with no Python call), not by calling the extractor."""
-    from fastcall import _fast
+    from fastcall import _plan
 
     f, peer = fastcall.jit(_batch_step), eqx.filter_jit(_batch_step)
     m = _models(1)[0]
@@ -897,7 +897,7 @@ def test_a_new_batch_of_arrays_is_read_without_its_extractor(kind, hot_path):
     for _ in range(2):  # (the model passed again: the second call caches it by identity)
         f(m, draw())
     read = f.stats.__self__.structures[type(m)].reads[1]
-    assert read.sequence == _fast.SequenceRead(kind, 2, read.sequence.leaf_types, n_leaves=2)
+    assert read.sequence == _plan.SequenceRead(kind, 2, read.sequence.leaf_types, n_leaves=2)
     extracted = _count_extractions(f, type(m), 1)
     routes = _serve_batches(
         f, m, [draw() for _ in range(3)], lambda b: _batch_step(m, tuple(map(jnp.asarray, b))), lambda b: peer(m, b)
@@ -1200,7 +1200,7 @@ def test_a_new_batch_dict_is_read_without_its_extractor(leaf, hot_path):
     """A dict of leaves only (a batch, `train_step(model, {"image": x, "label": y})`) is read
     by `_tree_reads.sequence_leaves`, by its sorted keys, without calling the extractor. Its keys
     in another insertion order are the same structure."""
-    from fastcall import _fast
+    from fastcall import _plan
 
     f, peer = fastcall.jit(_dict_step), jax.jit(_dict_step)
     m = _models(1)[0]
@@ -1399,17 +1399,17 @@ def test_a_pytree_node_type_of_its_own_takes_the_structure_path(hot_path):
     assert served(g, _Pair(x, x, "c"), x)[1] == "general"
     # (read by `_tree_reads.tree_leaves`, the C route through its C entry: jax's flatten, the
     # treedef compared, each leaf's type checked, with no Python frame of fastcall's)
-    from fastcall import _fast
+    from fastcall import _plan
 
-    reads = [r for rec in _records(f) for r in rec.reads if type(r) is _fast.ArgRead]
-    assert reads and all(type(r.sequence) is _fast.TreeRead for r in reads)
+    reads = [r for rec in _records(f) for r in rec.reads if type(r) is _plan.ArgRead]
+    assert reads and all(type(r.sequence) is _plan.TreeRead for r in reads)
 
 
 def _records(f):
     """The structure records of `f`'s function (each key's, and the others kept with it)."""
-    from fastcall import _fast
+    from fastcall import _plan
 
-    return [r for head in f._fastcall_state.structures.values() for r in _fast.records_of(head)]
+    return [r for head in f._fastcall_state.structures.values() for r in _plan.plans_of(head)]
 
 
 class _Picky:
@@ -1430,7 +1430,7 @@ jax.tree_util.register_pytree_node(_Picky, _flatten_picky, lambda tag, ch: _Pick
 
 
 def test_a_pytree_node_whose_flatten_raises_reaches_the_user_as_from_jax_jit(hot_path):
-    """A read by jax's flatten (`_fast.TreeRead`) that raises declines the call; the general
+    """A read by jax's flatten (`_plan.TreeRead`) that raises declines the call; the general
     path flattens the argument again, and the user gets the node type's own error, as from
     jax.jit; the function keeps serving the structure it knew."""
     x = jnp.arange(3.0)
@@ -1453,10 +1453,10 @@ def _sum_step(d, x):
 def test_a_few_structures_in_turn_each_keep_the_structure_path(hot_path):
     """One function called with a few structures in turn under one key (dicts of other keys,
     tuples of other lengths, passed first, built anew each call): each keeps a structure
-    record (`StructureRecord.others`), so each call after its structure's first is served by
+    record (`CallPlan.others`), so each call after its structure's first is served by
     the structure path, where each call renewed the one record on the general path (5x
     jax.jit's time). Values equal the eager call's and jax.jit's, with as many compiles."""
-    from fastcall import _fast, _hold
+    from fastcall import _plan, _hold
 
     x = jnp.arange(4.0)
     makers = [
@@ -1464,7 +1464,7 @@ def test_a_few_structures_in_turn_each_keep_the_structure_path(hot_path):
         lambda i: {"a": x, "b": x * i},
         lambda i: {"c": (x, x + i), "d": x},
     ]
-    assert len(makers) < _fast.RECORDS_PER_KEY
+    assert len(makers) < _plan.PLANS_PER_KEY
     f, peer = fastcall.jit(_sum_step), jax.jit(_sum_step)
     routes, last_round = [], []
     for i in range(8):
@@ -1501,13 +1501,13 @@ def test_a_few_structures_in_turn_each_keep_the_structure_path(hot_path):
 
 
 def test_more_structures_in_turn_than_records_kept_stay_correct(hot_path):
-    """More structures in turn than a key keeps records for (`_fast.RECORDS_PER_KEY`):
+    """More structures in turn than a key keeps records for (`_plan.PLANS_PER_KEY`):
     every call gives the right value, a structure not kept is read by the general path
     (which keeps its record, the oldest dropped), and nothing compiles twice."""
-    from fastcall import _fast
+    from fastcall import _plan
 
     x = jnp.arange(4.0)
-    n = _fast.RECORDS_PER_KEY + 2
+    n = _plan.PLANS_PER_KEY + 2
     f, peer = fastcall.jit(_sum_step), jax.jit(_sum_step)
     for i in range(4):
         for k in range(n):
@@ -1515,7 +1515,7 @@ def test_more_structures_in_turn_than_records_kept_stay_correct(hot_path):
             assert_trees_equal(f(d, x), peer(d, x))
     assert f.stats().compiles == n
     head = next(iter(f._fastcall_state.structures.values()))
-    assert len(_fast.records_of(head)) == _fast.RECORDS_PER_KEY
+    assert len(_plan.plans_of(head)) == _plan.PLANS_PER_KEY
 
 
 def test_a_dict_changed_in_place_between_structures_in_turn(hot_path):

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fastcall import _codegen, _fast, _flatten, _tree_reads
+from fastcall import _codegen, _plan, _flatten, _tree_reads
 
 from .conftest import source_as_python
 from .models import HashRunsCode, OddArray
@@ -100,7 +100,7 @@ class _Params:
 
 
 def _tree_read(example):
-    return _fast.TreeRead(
+    return _plan.TreeRead(
         jax.tree_util.default_registry.flatten, jax.tree_util.tree_structure(example), _flatten.PLAIN_ARRAY_TYPES
     )
 
@@ -131,7 +131,7 @@ def test_a_registered_node_reads_as_jax_flattens_it(reads):
     ],
 )
 def test_a_static_argument_matches_by_its_leaf_key(reads, recorded, given, by_value, matches):
-    read = _fast.StaticRead(0, recorded, by_value)
+    read = _plan.StaticRead(0, recorded, by_value)
     assert reads.static_matches(read, given) is matches
     assert reads.static_matches(read, given) == (given is recorded or (by_value and _flatten.static_equal(given, recorded)))
 

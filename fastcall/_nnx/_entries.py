@@ -32,7 +32,7 @@ import jax
 from flax import nnx
 from flax.nnx import graphlib
 
-from .. import _fast, _guard, _nnx_gate
+from .. import _plan, _guard, _nnx_gate
 from .._errors import FastcallError, describe_arg
 from .._flatten import leaf_key as _leaf_key
 from .._stats import read_whole
@@ -80,7 +80,7 @@ class NodeEntry:
         self.guard: Any = None  # plain lists and dicts in the graph, checked on every use
         self.direct = False  # eligible for the fast path: not volatile
         self.fresh = True  # values not yet checked for tracers
-        self.fast: dict[Any, _fast.FastRecord] = {}  # published in the fast index while direct
+        self.fast: dict[Any, _plan.CallPlan] = {}  # published in the fast index while direct
         self.watched: list[int] = []  # ids of every node and Variable of the graph
         self.node_ids: frozenset[int] = frozenset()
         self.disjoint: dict[int, Any] = {}  # id(other entry) -> (weakref, shares nothing?)
@@ -90,7 +90,7 @@ class NodeEntry:
         # keyed by their values (`flip_key`): `model.train()`/`model.eval()` switch between
         # variants, no graph walk.
         self.flips: dict[tuple[int, str], tuple[Any, str]] = {}  # -> (weakref to node, name)
-        self.variants: dict[tuple[Any, ...], tuple[Any, dict[Any, _fast.FastRecord]]] = {}
+        self.variants: dict[tuple[Any, ...], tuple[Any, dict[Any, _plan.CallPlan]]] = {}
         self.flipped = False  # a flip since `spec` was current: look up the variant
         self.spec_key: tuple[Any, ...] = ()  # the flipped attributes' values `spec` is for
         # `items` are what NNX's graph flatten of the object indexes, in index order and
@@ -120,7 +120,7 @@ class NodeEntry:
             self.version += 1
             if self.volatile or self.stale or len(self.flips) >= _MAX_FLIPS:
                 self.stale = True
-                _fast.withdraw(self.ref)
+                _plan.withdraw(self.ref)
                 return
             if (id(node), name) not in self.flips:
                 # Until now it had its old value in every variant kept, and in the spec.
@@ -137,7 +137,7 @@ class NodeEntry:
                 if self.spec_key == tuple(before):
                     self.variants[self.spec_key] = (self.spec, self.fast)
                 self.flipped = True
-                _fast.withdraw(self.ref)
+                _plan.withdraw(self.ref)
 
 
 _GONE = object()  # (in a flip key: the node is gone)
@@ -159,7 +159,7 @@ def _evict(ref: _Ref, _by_id: dict = by_id) -> None:
     if entry is not None and entry.ref is ref:
         _by_id.pop(ref.oid, None)
         try:
-            _fast.withdraw(ref)
+            _plan.withdraw(ref)
             _unwatch(entry)
         except Exception:  # at interpreter exit module globals may be gone
             pass
@@ -304,22 +304,22 @@ def _rebuilt_as_read(entry: NodeEntry) -> bool:
     return True
 
 
-def slot_after_rebuild(obj: Any) -> _fast.FastSlot | None:
+def slot_after_rebuild(obj: Any) -> _plan.FastSlot | None:
     """The fast path's slot of an NNX object whose graph NNX rebuilt in place since its
     last call (nnx.jit on a shared model), if the check finds it as read and it serves
     from the fast path again; None otherwise (and for any other object)."""
     entry = _rebuilt_entry(obj)
-    return _fast.INDEX.get(id(obj)) if entry is not None and _rebuilt_as_read(entry) else None
+    return _plan.INDEX.get(id(obj)) if entry is not None and _rebuilt_as_read(entry) else None
 
 
-def slot_as_checked(obj: Any) -> _fast.FastSlot | None:
+def slot_as_checked(obj: Any) -> _plan.FastSlot | None:
     """What `slot_after_rebuild` would serve `obj` from, changing nothing (for `explain`)."""
     entry = _rebuilt_entry(obj)
     if entry is None or not entry.direct or entry.flipped or entry.layout is None:
         return None
     if not _as_read(entry, entry.layout):
         return None
-    return _fast.FastSlot(entry.ref, entry.fast, entry.guard, entry)
+    return _plan.FastSlot(entry.ref, entry.fast, entry.guard, entry)
 
 
 def _rebuilt_entry(obj: Any) -> NodeEntry | None:
@@ -337,7 +337,7 @@ class _Checking:
     __slots__ = ()
 
 
-def install_record(entry: NodeEntry, state: Any, spec_id: int, record: _fast.FastRecord) -> None:
+def install_record(entry: NodeEntry, state: Any, spec_id: int, record: _plan.CallPlan) -> None:
     """File a fast record made by a call that read `entry` with spec `spec_id`, if that is
     still the entry's current spec (another thread may have switched its variant since)."""
     with _variant_lock:
@@ -399,7 +399,7 @@ def _new_entry(obj: Any, old: NodeEntry | None) -> NodeEntry:
         # (stale before it is unwatched: a thread publishing it meanwhile, a check passing
         # or a variant switched to, sees that after publishing and withdraws it: `_serve`)
         old.stale = True
-        _fast.withdraw(old.ref)
+        _plan.withdraw(old.ref)
         _unwatch(old)
     ref = _Ref(obj, _evict)
     ref.oid = id(obj)
@@ -415,7 +415,7 @@ def _file(entry: NodeEntry, old: NodeEntry | None) -> None:
     # is dropped (one entry per object).
     for replaced in (old, previous):
         if replaced is not None and replaced is not entry:
-            _fast.withdraw(replaced.ref)
+            _plan.withdraw(replaced.ref)
     if previous is not None and previous is not old and previous is not entry:
         _unwatch(previous)
     _serve(entry)
@@ -428,9 +428,9 @@ def _serve(entry: NodeEntry) -> None:
     then withdraws it: the marks are read again after publishing, so that a withdraw that
     came before the publish is made good."""
     if entry.direct and _current(entry):
-        _fast.publish(entry.ref, entry.fast, entry.guard, entry)
+        _plan.publish(entry.ref, entry.fast, entry.guard, entry)
         if not _current(entry):
-            _fast.withdraw(entry.ref)
+            _plan.withdraw(entry.ref)
 
 
 def _current(entry: NodeEntry) -> bool:
@@ -569,7 +569,7 @@ def _remember_plain_state(plain: _PlainState, entry: NodeEntry, refmap: Any) -> 
 def clear() -> None:
     for entry in list(by_id.values()):
         _unwatch(entry)
-        _fast.withdraw(entry.ref)
+        _plan.withdraw(entry.ref)
     by_id.clear()
     with _watch_lock:
         _watch._watchers.clear()  # (and any entry another thread replaced while it was being read)

@@ -26,7 +26,7 @@ except ImportError:  # (Cython is needed only to build; run as Python without it
     from fastcall import _cython_shim as cython  # type: ignore[no-redef]
 
 from .._arrays import ArrayImpl
-from .._fast import VALUE_SLOT, NnxArg, RawLeaf
+from .._plan import VALUE_SLOT, NnxArg, RawLeaf
 from ._variables import write_leaf
 
 if cython.compiled:
@@ -48,7 +48,7 @@ class LeafWrites:
     """`post(out, first, nnx)` of a call whose only change to its NNX objects is new
     values of their leaves. `writes`: per new value, the last `len(writes)` of `out`, the
     (NNX object ordinal, leaf index) it goes to. `nnx` is the call's list of
-    `_fast.NnxArg`, or with `one_object` the leaves of the call's one NNX object (the fast
+    `_plan.NnxArg`, or with `one_object` the leaves of the call's one NNX object (the fast
     route's record). `result` builds the user's output from the other outputs; `post` is
     the general write-back. (Made once the NNX plugin has loaded, which sets the slot.)"""
 

@@ -21,7 +21,7 @@ import jax
 from flax import nnx
 from flax.nnx import graphlib
 
-from .. import _fast, _nnx_gate, _tree_reads
+from .. import _plan, _nnx_gate, _tree_reads
 from .._errors import FastcallError, describe_arg
 from .._flatten import ArrayImpl, intern, is_traced_leaf, spec_by_id
 from .._flatten import interned as _interned
@@ -53,10 +53,10 @@ from ._variables import (
 from ._watch import TRUSTED
 
 _GRAPH_CONTEXT: Any = graphlib.GRAPH_CONTEXT  # (thread-local)
-_fast.GRAPH_CONTEXT[0] = _GRAPH_CONTEXT
+_plan.GRAPH_CONTEXT[0] = _GRAPH_CONTEXT
 
 
-NnxArg = _fast.NnxArg
+NnxArg = _plan.NnxArg
 
 
 def read_argument(obj: Any, leaves: list[Any], arg_name: str, nnx_args: list[NnxArg], joint: Any) -> int:
@@ -137,7 +137,7 @@ def _variable_key(v: Any) -> tuple[Any, ...] | None:
     return key
 
 
-def variable_read(arg: NnxArg, spec_id: int) -> _fast.VariableRead | None:
+def variable_read(arg: NnxArg, spec_id: int) -> _plan.VariableRead | None:
     """How the structure path reads this call's Variable argument again, if it was read
     as `_read_variable` reads it (without a graph walk, under this spec); else None."""
     v = arg.obj
@@ -157,7 +157,7 @@ def variable_read(arg: NnxArg, spec_id: int) -> _fast.VariableRead | None:
             return None
     except Exception:
         return None
-    return _fast.VariableRead(spec_id, type(v), metadata, METADATA_SLOT)
+    return _plan.VariableRead(spec_id, type(v), metadata, METADATA_SLOT)
 
 
 def _read_plain_state(state: Any, plain: _PlainState, leaves: list[Any], nnx_args: list[NnxArg]) -> NodeSpec:
@@ -245,13 +245,13 @@ def read_container(
         ) from None
 
 
-def mixed_read(spec_id: int, nnx_args: Iterator[NnxArg], value: Any) -> _fast.MixedRead | None:
+def mixed_read(spec_id: int, nnx_args: Iterator[NnxArg], value: Any) -> _plan.MixedRead | None:
     """How the structure path reads again `value`, an argument `read_container` read under
     this spec (a TreeSpec: NNX objects beside other leaves in a pytree), taking its objects'
     NnxArgs from the iterator `nnx_args` (in the order the general path read them): each
     Variable as `variable_read` reads it, each other NNX object from its cache entry (as
     `readable_argument` allows), each static value if its identity (or a scalar's value)
-    fixes it (`_fast.static_read`); None if one cannot be read so. Its nnx.States are read
+    fixes it (`_plan.static_read`); None if one cannot be read so. Its nnx.States are read
     by their mappings where that reads them as jax does (`_expansion`)."""
     spec = spec_by_id(spec_id)
     if not isinstance(spec, TreeSpec):
@@ -262,7 +262,7 @@ def mixed_read(spec_id: int, nnx_args: Iterator[NnxArg], value: Any) -> _fast.Mi
         if code == _DYNAMIC:
             layout.append(None)
         elif code == _STATIC:
-            static = _fast.static_read(spec_id, next(statics))
+            static = _plan.static_read(spec_id, next(statics))
             if static is None:
                 return None
             layout.append(static)
@@ -282,11 +282,11 @@ def mixed_read(spec_id: int, nnx_args: Iterator[NnxArg], value: Any) -> _fast.Mi
     flatten = jax.tree_util.default_registry.flatten
     found = _expansion(value, spec.treedef, as_pytree=False)
     if found is None:
-        return _fast.MixedRead(spec_id, flatten, _nnx_gate.is_node, spec.treedef, tuple(layout))
-    return _fast.MixedRead(spec_id, flatten, _nnx_gate.reads_as_node, found[0], tuple(layout), found[1])
+        return _plan.MixedRead(spec_id, flatten, _nnx_gate.is_node, spec.treedef, tuple(layout))
+    return _plan.MixedRead(spec_id, flatten, _nnx_gate.reads_as_node, found[0], tuple(layout), found[1])
 
 
-def pytree_read(value: Any, read: _fast.TreeRead) -> _fast.TreeRead | None:
+def pytree_read(value: Any, read: _plan.TreeRead) -> _plan.TreeRead | None:
     """`read`, jax's flatten of `value` (a pytree holding nnx.States or Variables, read as
     jax.jit reads it: `nnx_as_pytree`), made to stop at each State and Variable, which
     `_tree_reads.expand_into` then reads as flax's flatten would (`_expansion`), without its
@@ -337,7 +337,7 @@ def _expand_read(node: Any, as_pytree: bool, depth: int) -> Any:
         structure: Any = jax.tree_util.tree_structure(node)
         if type(metadata) is not dict or structure.node_data() != (kind, tuple(sorted(metadata.items()))):
             raise _Unmapped  # (a Variable type whose node data is not flax's: jax's flatten reads it)
-        return _fast.VariableValueRead(kind, dict(metadata))
+        return _plan.VariableValueRead(kind, dict(metadata))
     if kind is not dict and kind is not nnx.State:
         return None
     attr = None if kind is dict else "_mapping"
@@ -345,7 +345,7 @@ def _expand_read(node: Any, as_pytree: bool, depth: int) -> Any:
     if type(mapping) is not dict or depth > _MAPPING_DEPTH:
         raise _Unmapped
     keys = tuple(sorted(mapping))  # (TypeError: keys that do not sort, which jax's flatten refuses too)
-    return _fast.MappingRead(kind, attr, keys, tuple(_expand_read(mapping[k], as_pytree, depth + 1) for k in keys))
+    return _plan.MappingRead(kind, attr, keys, tuple(_expand_read(mapping[k], as_pytree, depth + 1) for k in keys))
 
 
 _MAPPING_DEPTH = 32  # (the compiled read recurses once per level)
@@ -406,7 +406,7 @@ def readable_argument(arg: NnxArg, spec_id: int) -> bool:
     return entry is not None and not entry.volatile and entry.spec_id == spec_id and not entry.spec.joint
 
 
-def joint_read(arg: NnxArg, before: Any) -> _fast.JointRead | None:
+def joint_read(arg: NnxArg, before: Any) -> _plan.JointRead | None:
     """How the structure path reads this call's NNX argument again, if the general path read
     it jointly with the call's other NNX arguments (`_read_node` with `joint`) and its cache
     entry is usable as it is, unchanged since the call's first, separate read found it
@@ -431,10 +431,10 @@ def joint_read(arg: NnxArg, before: Any) -> _fast.JointRead | None:
         if mine is not item and not (type(item) is RawLeaf and type(mine) is RawLeaf and mine == item):
             return None
     whole = keep == list(range(len(entry.items)))
-    return _fast.JointRead(entry.spec_id, weakref.ref(entry), entry.node_ids, None if whole else tuple(keep))
+    return _plan.JointRead(entry.spec_id, weakref.ref(entry), entry.node_ids, None if whole else tuple(keep))
 
 
-def shared_variable_read(arg: NnxArg, spec_id: int, reads: list[Any], at: int) -> _fast.SharedVariableRead | None:
+def shared_variable_read(arg: NnxArg, spec_id: int, reads: list[Any], at: int) -> _plan.SharedVariableRead | None:
     """How the structure path reads this call's Variable argument again (`at`: its position
     in `reads`, the record's reads of every argument), if it was passed on its own, read
     jointly, and another argument read by a JointRead in `reads` holds it: the holder passes
@@ -448,12 +448,12 @@ def shared_variable_read(arg: NnxArg, spec_id: int, reads: list[Any], at: int) -
     if not passed and arg.variables:
         return None
     for owner, read in enumerate(reads):
-        entry = read.entry() if type(read) is _fast.JointRead and owner != at else None
+        entry = read.entry() if type(read) is _plan.JointRead and owner != at else None
         if entry is None or (owner > at) != passed:
             continue
         for index, item in enumerate(entry.items):
             if item is v and (read.keep is None or index in read.keep) != passed:
-                return _fast.SharedVariableRead(spec_id, owner, index, passed)
+                return _plan.SharedVariableRead(spec_id, owner, index, passed)
     return None
 
 

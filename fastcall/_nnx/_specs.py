@@ -23,7 +23,7 @@ from flax import nnx
 from flax.nnx import graphlib
 from flax.nnx.variablelib import Variable
 
-from .. import _debug_names, _fast, _guard
+from .. import _debug_names, _plan, _guard
 from .._errors import FastcallError, describe_arg
 from .._flatten import flatten_generic as _flatten_generic
 from .._flatten import intern
@@ -236,8 +236,8 @@ _variable_specs: dict[Any, NodeSpec] = {}
 
 
 # GraphDefs passed as arguments (the functional API), by id, at most `_MAX_GRAPHDEFS`
-# (`_fast.GRAPHDEFS`: the structure path reads it, in C too).
-_graphdefs = _fast.GRAPHDEFS
+# (`_plan.GRAPHDEFS`: the structure path reads it, in C too).
+_graphdefs = _plan.GRAPHDEFS
 _MAX_GRAPHDEFS = 64
 
 
@@ -264,11 +264,11 @@ def read_graphdef(graphdef: Any, arg_name: str, trace_scalars: bool) -> int:
         snapshot, spec = None, _flatten_generic(graphdef, arg_name, trace_scalars)[0]
     if len(_graphdefs) >= _MAX_GRAPHDEFS:
         _graphdefs.clear()
-    _graphdefs[id(graphdef)] = _fast.KnownGraphdef(graphdef, snapshot, spec.id, spec)
+    _graphdefs[id(graphdef)] = _plan.KnownGraphdef(graphdef, snapshot, spec.id, spec)
     return spec.id
 
 
-known_graphdef = _fast.known_graphdef
+known_graphdef = _plan.known_graphdef
 
 
 def graphdef_by_value(graphdef: Any) -> Any:

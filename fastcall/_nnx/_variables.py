@@ -23,7 +23,7 @@ from flax.nnx import graphlib, variablelib
 from flax.nnx.tracers import TraceState as _TraceState
 from flax.nnx.variablelib import Variable
 
-from .. import _fast
+from .. import _plan
 from .._entry_reads import raw_leaf_value
 from .._errors import FastcallError
 from .._flatten import ArrayImpl
@@ -35,7 +35,7 @@ if type(RAW_VALUE_SLOT).__name__ == "member_descriptor":
     # fast path reads it too).
     raw_value: Any = operator.attrgetter("_raw_value")
     _set_raw: Any = RAW_VALUE_SLOT.__set__
-    _fast.VALUE_SLOT[0] = RAW_VALUE_SLOT
+    _plan.VALUE_SLOT[0] = RAW_VALUE_SLOT
 else:  # pragma: no cover - an unverified flax without the slot: public, slower accessors
     RAW_VALUE_SLOT = None
     raw_value = operator.methodcaller("get_raw_value")
@@ -66,7 +66,7 @@ def _is_node(x: Any) -> bool:
 # --------------------------------------------------------------------------
 # Leaves: Variables, and handles of raw leaves
 
-RawLeaf = _fast.RawLeaf
+RawLeaf = _plan.RawLeaf
 
 
 class RawItem:

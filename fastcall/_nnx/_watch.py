@@ -21,7 +21,7 @@ from typing import Any
 from flax import nnx
 from flax.nnx import graphlib
 
-from .. import _fast, _guard
+from .. import _plan, _guard
 from . import _hooks
 from ._variables import _is_node
 
@@ -47,7 +47,7 @@ def _notify(obj: Any) -> None:
         for e in list(entries):  # (the list may change under us in another thread)
             if e is not updating:
                 e.stale = True
-                _fast.withdraw(e.ref)
+                _plan.withdraw(e.ref)
 
 
 # Guards each entry's `rebuilt` mark: a rebuild reported while a check of it runs is never lost.
@@ -69,7 +69,7 @@ def _rebuilt(node: Any) -> None:
             if e.rebuilt is not True and e is not getattr(_local, "updating", None):
                 with _rebuild_lock:
                     e.rebuilt = True
-                _fast.withdraw(e.ref)
+                _plan.withdraw(e.ref)
 
 
 def _flipped(obj: Any, name: str, old: Any) -> None:

@@ -16,7 +16,7 @@ from flax.nnx import graphlib
 
 from .. import _guard
 from .._errors import FastcallError
-from .._fast import NnxArg
+from .._plan import NnxArg
 from .._trace import contains_tracer
 from . import _hooks, _watch
 from ._entries import NodeEntry, _Enumerated, _file, _new_entry, _plain_state_read, by_id

@@ -1,25 +1,27 @@
-"""The fast index: what the fast path (in C, or in Python) serves a call from.
+"""The call plan: the one record a general call leaves for the hit routes, and the reads
+it is made of.
+
+The general path resolves a call; where later calls of the same shape may skip it, it
+files a `CallPlan` (`_dispatch._file_plans`, the one eligibility rule), which the hit routes
+execute: the compiled ones (`_fast_route`, `_structure_route`) read it by position, the
+field order checked at import (`_structure_route.LAYOUTS`); Python reads it by name.
 
 A call `f(first, *arrays)` whose first argument is an object seen before, and
 whose other arguments are plain leaves (jax arrays; NumPy arrays and scalars,
 typed PRNG keys; under `fastcall.jit`'s rule Python scalars: what jax.jit takes as it is,
 `FunctionState.plain_leaves`), is served without flattening,
-keying or looking up anything but one dict entry. The records it reads are
-defined here, once; `_dispatch` unpacks them by name and the compiled routes
-read them by position, the field order checked at import
-(`_structure_route.LAYOUTS`).
-
+keying or looking up anything but one dict entry: the fast index.
 `INDEX[id(obj)]` is a `FastSlot` for objects whose cached leaves or Variable
 list are known to be current: Equinox modules and other pytrees in the
 identity cache (`_flatten`), and NNX objects whose structure has not changed
 since it was read (`fastcall._nnx`); for those holding lists or dicts, as long as the
 slot's guard holds (`_guard`). Each slot maps a wrapped function's state
-to the `FastRecord` that serves calls of that function with this object first.
+to the `CallPlan` that serves calls of that function with this object first.
 A slot is withdrawn the moment its object dies or (NNX) its structure changes.
 
 A call the fast index does not serve may still be one the function has run
 with arguments of the same structures: the structure path. The function's
-`state.structures[structure_key(...)]` is a `StructureRecord` (with those of a few
+`state.structures[structure_key(...)]` is a `CallPlan` (with those of a few
 other structures met under the key in its `others`, tried in turn) saying how to read each
 argument (positional, then keyword): a plain leaf as is; a static one (no array
 leaves) by comparing it with the recorded value; any other argument from the
@@ -43,19 +45,9 @@ from . import _nnx_gate
 from ._trace import GRAPH_CONTEXT  # (NNX's graph context, which `consume_static_cache` writes)
 
 
-class FastRecord(NamedTuple):
-    """How to serve `f(first, *arrays)` for one wrapped function and one object."""
-
-    arity: int  # the number of positional arguments the call must have
-    call: Callable[..., Any]  # the compiled function (first's leaves already bound, for pytrees)
-    variables: Sequence[Any] | None  # NNX: Variables and RawLeafs whose current values are passed first
-    # post(out, first, variables); None: out is the result (see `_dispatch._writing_back`)
-    post: Callable[[Any, Any, Any], Any] | None
-
-
 class FastSlot(NamedTuple):
     ref: Any  # a weakref with the object's id as `.oid`: `ref() is first` validates the slot
-    records: dict[Any, FastRecord]  # wrapped function's state -> record
+    records: dict[Any, CallPlan]  # wrapped function's state -> record
     guard: Any = None  # (objects holding lists or dicts) `_guard.holds(guard)` validates it too
     # (NNX objects) the object's cache entry (`_nnx._entries.NodeEntry`), current while the slot is
     # published: the structure path reads NNX arguments through it
@@ -110,7 +102,7 @@ class ArgRead(NamedTuple):
     extract: Callable[[Any], Any] | None  # ... or else this: its leaves (a tuple), or None
     sequence: SequenceRead | TreeRead | None  # (the extractor's own test and result, when it is this simple)
     # Whether the general path caches an object of this structure by identity (then one
-    # passed again is sent there: `StructureRecord.last`); not one that can change in place
+    # passed again is sent there: `CallPlan.last`); not one that can change in place
     # unseen, nor one read by a scalar rule's own template (`_codegen.Template.rule`).
     by_identity: bool = True
 
@@ -357,52 +349,69 @@ def _fixed_by_identity(value: Any, depth: int) -> bool:
     return all(_fixed_by_identity(v, depth + 1) for v in value)
 
 
-class StructureRecord(NamedTuple):
-    """How to serve a call whose arguments have the structures of one the function ran."""
+class CallPlan(NamedTuple):
+    """How a hit serves a call the general path resolved: the one record the general path
+    leaves for later calls of the same shape (`_dispatch._file_plans` decides when), which
+    the hit routes execute and never change. Its reads say how each argument's leaves are
+    found and checked; the compiled entry runs on them; `post` finishes the output.
+
+    Filed in one of two places, by what keys it:
+    - the fast index (`INDEX[id(first)].records[state]`): a call `f(first, *plain leaves)`.
+      `reads` is None: `first` is the slot's own object (its leaves bound into `call`, or
+      its Variables' current values, `variables`, passed first), and every other argument
+      must be a plain leaf (`_fast_route`);
+    - the function's table (`state.structures[structure_key(...)]`): a call whose arguments
+      have this call's structures. `reads` holds one read per argument (`_structure_route`).
+    (The code calls the first a fast record, the second a structure record.)
+    """
 
     arity: int  # the number of positional arguments the call must have
-    # per argument, in the order the general path resolves them (`order`); None: a plain
-    # leaf (FunctionState.plain_leaves)
+    call: Callable[..., Any]  # the compiled entry (in the fast index: first's leaves bound, for pytrees)
+    # post(out, first, NNX state): None: out is the result (see `_dispatch._writing_back`).
+    # The NNX state is `variables` in the fast index, the call's NnxArgs (or None) in the table.
+    post: Callable[[Any, Any, Any], Any] | None
+    # (fast index) NNX: the Variables and RawLeafs whose current values are passed first
+    variables: Sequence[Any] | None = None
+    # (table) per argument, in the order the general path resolves them (`order`); None: a
+    # plain leaf (FunctionState.plain_leaves)
     reads: tuple[
         ArgRead | NodeRead | JointRead | SharedVariableRead | NodesRead | MixedRead | VariableRead | GraphdefRead
         | StaticRead | None,
         ...,
-    ]
-    call: Callable[..., Any]  # the compiled function
-    # post(out, first, the NnxArgs of the call's NNX arguments or None); None: out is the
-    # result (see `_dispatch._writing_back`)
-    post: Callable[[Any, Any, Any], Any] | None
-    # Per positional argument, a mark of the object last read there (`last_mark`). An
+    ] | None = None
+    # (table) Per positional argument, a mark of the object last read there (`last_mark`). An
     # object extracted again is left to the general path, which caches it by identity
     # (then it is read from the identity cache). With `fast_shape` (every other argument
     # a plain leaf), the first argument passed again is too, before its cache is read: the
-    # general path gives it a fast record. (A list or dict is marked where `hold_first`.)
-    last: list[Any]
-    fast_shape: bool
-    # The keyword arguments' names, in the order the call gives them (a call with others,
-    # or in another order, is not served); and where each read's argument is in the call's
-    # positional then keyword arguments (`keyword_order`), or None: in that order.
+    # general path gives it a plan in the fast index. (A list or dict is marked where
+    # `hold_first`.)
+    last: list[Any] | None = None
+    fast_shape: bool = False
+    # (table) The keyword arguments' names, in the order the call gives them (a call with
+    # others, or in another order, is not served); and where each read's argument is in the
+    # call's positional then keyword arguments (`keyword_order`), or None: in that order.
     kwnames: tuple[str, ...] = ()
     order: tuple[int, ...] | None = None
-    # Whether a list or dict passed first is marked (by id: `last_mark`), so that passed
-    # again it goes to the general path, which holds it (`_hold.hold`, where
-    # `_hold.holdable`): for the fast path with `fast_shape`, for this record's identity
+    # (table) Whether a list or dict passed first is marked (by id: `last_mark`), so that
+    # passed again it goes to the general path, which holds it (`_hold.hold`, where
+    # `_hold.holdable`): for the fast index with `fast_shape`, for this plan's identity
     # cache read without.
     hold_first: bool = False
-    # Records of other structures met under the same key (`structure_key`), most recent
-    # first, each with no `others` of its own: tried in turn when this one's reads decline,
-    # so a function called with a few structures in turn (dicts of other keys, say) keeps
-    # serving each from the structure path (`records_of`; at most `RECORDS_PER_KEY` in all).
-    others: tuple[StructureRecord, ...] = ()
+    # (table) Plans of other structures met under the same key (`structure_key`), most
+    # recent first, each with no `others` of its own: tried in turn when this one's reads
+    # decline, so a function called with a few structures in turn (dicts of other keys,
+    # say) keeps serving each from the structure path (`plans_of`; at most
+    # `PLANS_PER_KEY` in all).
+    others: tuple[CallPlan, ...] = ()
 
 
 # Structure records kept per key: a function called with more structures than this in turn
 # renews one on the general path (a call that costs what the peer's does) where it meets one
 # not kept. Each record tried before the one that serves costs a read that declines.
-RECORDS_PER_KEY = 4
+PLANS_PER_KEY = 4
 
 
-def records_of(record: StructureRecord | None, hot: int = 0) -> tuple[StructureRecord, ...]:
+def plans_of(record: CallPlan | None, hot: int = 0) -> tuple[CallPlan, ...]:
     """The records the structure path tries for a call, in order: `record` (the one under
     the call's key), then its `others`; the one whose id() is `hot` (the one that served the
     function's last such call) first, where it is one of them: a loop over one structure,
@@ -419,7 +428,7 @@ def records_of(record: StructureRecord | None, hot: int = 0) -> tuple[StructureR
 
 
 def structure_key(first: Any, kwnames: tuple[str, ...]) -> Any:
-    """The key of a call's StructureRecord in `state.structures`: its first argument's type,
+    """The key of a call's CallPlan in `state.structures`: its first argument's type,
     and for a call with keyword arguments their names, in call order (a function called both
     with and without them keeps a record for each). (C: the same.)"""
     return (type(first), kwnames) if kwnames else type(first)
@@ -494,7 +503,7 @@ def consume_static_cache() -> None:
 
 
 
-def publish(ref: Any, records: dict[Any, FastRecord], guard: Any = None, node: Any = None) -> None:
+def publish(ref: Any, records: dict[Any, CallPlan], guard: Any = None, node: Any = None) -> None:
     """Make `records` servable for the object `ref` refers to (`ref.oid` is its id), while
     `guard` (if any) holds; `node`: an NNX object's cache entry."""
     INDEX[ref.oid] = FastSlot(ref, records, guard, node)
