@@ -320,16 +320,18 @@ def _file_structure(
         state.structures[key] = known
     # The objects of this call, passed again, come back to the general path (see `last`),
     # which caches them by identity.
+    marks = known.last if known.last is not None else []  # (a plan in the table has them)
     for i, read in enumerate(reads_now):
         if type(read) is ArgRead:
-            known.last[i] = last_mark(args[i], i == 0 and hold_first, fast_shape) if read.by_identity else None
+            marks[i] = last_mark(args[i], i == 0 and hold_first, fast_shape) if read.by_identity else None
 
 
 def _kept_read(record: CallPlan | None, at: int, spec_id: int) -> ArgRead | None:
     """The read of the argument at `at` in a function's `record` (or one of its `others`),
     if one reads this structure (`spec_id`) with an extractor."""
     for r in _plan.plans_of(record):
-        read = r.reads[at] if at < len(r.reads) else None
+        reads = r.reads or ()
+        read = reads[at] if at < len(reads) else None
         if type(read) is ArgRead and read.spec_id == spec_id and read.extract is not None:
             return read
     return None
