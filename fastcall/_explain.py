@@ -76,13 +76,13 @@ class CallReport:
 
     **Fields:**
 
-    - `route`: `"fast"` (a fast record for the first argument serves the call: the
+    - `route`: `"fast"` (a plan in the first argument's slot of the fast index serves the call: the
       floor), `"structure"` (arguments of structures this function has run, each
       read from a cache or by its structure's generated code) or `"general"`
       (everything else: each argument found in a cache or read whole).
     - `reasons`: why the call would not take the fast path (`"not fast: ..."`) and,
       where it takes neither, why not the structure path (`"not structure: ..."`:
-      no record of calls of its form yet, or the argument the record declines and
+      no plan for calls of its form yet, or the argument the plan declines and
       why). Empty on the fast or structure route.
     - `arguments`: a tuple of `fastcall.ArgumentReport`, one per argument.
 
@@ -103,20 +103,20 @@ class CallReport:
     ```
     ```text
     route: general
-      not fast: params: no fast record (see its line below)
-      not structure: no record for calls whose first argument is a dict ...
+      not fast: params: no plan in the fast index (see its line below)
+      not structure: no plan for calls whose first argument is a dict ...
       params: top-level dict, not yet held; ...
       x: jax array; per call: passed as is
     fast ()
     ```
     """
 
-    # "fast" (a fast record serves it), "structure" (arguments of the structures of a call
+    # "fast" (a plan in the fast index serves it), "structure" (arguments of the structures of a call
     # this function ran: each read from the identity cache, by its structure's generated
     # extractor, or from its NNX cache entry) or "general"
     route: str
     # why not the fast path ("not fast: ..."), and why not the structure path under the
-    # record of its call shape ("not structure: ...", where there is one); empty on either
+    # plan of its call shape ("not structure: ...", where there is one); empty on either
     reasons: tuple[str, ...]
     arguments: tuple[ArgumentReport, ...]
 
@@ -131,7 +131,7 @@ class CallReport:
 def explain(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallReport:
     reasons = [f"not fast: {r}" for r in _why_not_fast(state, args, kwargs)]
     route = "general" if reasons else "fast"
-    known = _serving_record(state, args, kwargs)
+    known = _serving_plan(state, args, kwargs)
     named = [(state.arg_name(i), a) for i, a in enumerate(args)] + sorted(kwargs.items())
     reads = list(known.reads) if known is not None else []
     given = arguments_as_read(known, args, kwargs) if known is not None else None
@@ -141,9 +141,9 @@ def explain(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallRe
     if reasons and known is None:
         form = f"whose first argument is {_a(type(args[0]).__name__)}" if args else "without positional arguments"
         reasons.append(
-            f"not structure: no record for calls {form}"
+            f"not structure: no plan for calls {form}"
             + (f" and whose keywords are {', '.join(kwargs)}" if kwargs else "")
-            + " (a call the structure path can serve records one)"
+            + " (a call the structure path can serve files one)"
         )
     if reasons and known is not None:
         declined = declined_reads(known, args, kwargs, state.plain_leaves, state.serves_nested)
@@ -168,7 +168,7 @@ def explain(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallRe
 
 
 def _packed_note(state: Any, first: Any) -> str:
-    """How the fast record for `first` passes its leaves packed (`_pack`), in words; "" if not."""
+    """How the plan for `first` in the fast index passes its leaves packed (`_pack`), in words; "" if not."""
     slot = _plan.INDEX.get(id(first))
     record = slot.records.get(state) if slot is not None else None
     call = getattr(record, "call", None)
@@ -181,8 +181,8 @@ def _packed_note(state: Any, first: Any) -> str:
     )
 
 
-def _serving_record(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The structure record that would serve the call (of those kept under its key, the
+def _serving_plan(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The plan in the function's table that would serve the call (of those kept under its key, the
     first whose reads take it), else the one under its key (None if none is)."""
     head = state.structures.get(_plan.structure_key(args[0], tuple(kwargs))) if args else None
     for known in _plan.plans_of(head):
@@ -208,17 +208,17 @@ def _why_not_fast(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         slot = nnx.slot_as_checked(args[0])  # (a model NNX rebuilt in place since its last call)
     first = state.arg_name(0)
     if slot is None or slot.ref() is not args[0]:
-        reasons.append(f"{first}: no fast record (see its line below)")
+        reasons.append(f"{first}: no plan in the fast index (see its line below)")
     elif slot.guard is not None and not _guard.holds(slot.guard):
         reasons.append(f"{first}: a list or dict in it changed since it was cached (re-read on this call)")
     else:
         record = slot.records.get(state)
-        if record is None and others:  # (records are made by calls the fast path can serve)
-            reasons.append(f"{first}: cached, and no record for it: one is made only by a call f({first}, *arrays)")
+        if record is None and others:  # (plans are filed by calls the fast path can serve)
+            reasons.append(f"{first}: cached, and no plan for it: one is filed only by a call f({first}, *arrays)")
         elif record is None:
-            reasons.append(f"{first}: cached, but this function has no record for it yet (made after a call)")
+            reasons.append(f"{first}: cached, but this function has no plan for it yet (filed after a call)")
         elif record.arity != len(args):
-            reasons.append(f"{first}: its record is for {record.arity} arguments, this call has {len(args)}")
+            reasons.append(f"{first}: its plan is for {record.arity} arguments, this call has {len(args)}")
     return reasons
 
 
@@ -388,7 +388,7 @@ def _as_pytree(state: Any, name: str, value: Any, first: bool, read: Any) -> Arg
         return ArgumentReport(
             name,
             f"{type(value).__name__} holding NNX objects beside other leaves",
-            "flattened, each NNX object read as if passed on its own; the call records this structure for the"
+            "flattened, each NNX object read as if passed on its own; the call files a plan for this structure on the"
             " structure path, unless its NNX objects share Variables",
         )
     if type(read) is _plan.ArgRead and read.extract is not None and read.extract(value) is not None:

@@ -135,11 +135,11 @@ def test_explain_says_a_model_nnx_rebuilt_is_checked_not_read_again(hot_path):
     assert route == FAST_PATH[hot_path]
 
 
-def test_explain_promises_no_record_a_call_of_this_form_cannot_make():
+def test_explain_promises_no_plan_a_call_of_this_form_cannot_make():
     """`f(model, v, v, x)`, a module and one Variable passed twice, takes the general path
     every call (the second is a reference to the first, which has no cache entry to pin);
-    the model is cached, but a fast record is only made by a call `f(model, *arrays)`, and
-    explain says that rather than "made after a call"."""
+    the model is cached, but a plan in the fast index is only filed by a call
+    `f(model, *arrays)`, and explain says that rather than "filed after a call"."""
     m = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
     v = nnx.Param(jnp.ones(4))
     f = fastcall.jit(lambda m, v, w, x: m(x) * v[...] * w[...])
@@ -148,8 +148,8 @@ def test_explain_promises_no_record_a_call_of_this_form_cannot_make():
     report = f.explain(m, v, v, X)
     assert route == "general" and report.route == "general"
     text = str(report)
-    assert "made after a call" not in text
-    assert "one is made only by a call f(m, *arrays)" in text
+    assert "filed after a call" not in text
+    assert "one is filed only by a call f(m, *arrays)" in text
 
 
 def test_explain_says_a_new_state_of_a_known_structure_is_read_as_a_pytree():
@@ -178,7 +178,7 @@ def test_explain_says_why_the_structure_path_declines_a_call(monkeypatch):
     m = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
     offset = nnx.Param(jnp.ones(4))
     f = fastcall.jit(lambda m, v, x: m(x) + v[...])
-    assert f.explain(m, offset, X).reasons[-1].startswith("not structure: no record for calls whose first argument")
+    assert f.explain(m, offset, X).reasons[-1].startswith("not structure: no plan for calls whose first argument")
     for _ in range(3):
         _, route = served(f, m, offset, X)
     assert route.endswith("structure")
