@@ -352,8 +352,10 @@ def _fixed_by_identity(value: Any, depth: int) -> bool:
 class CallPlan(NamedTuple):
     """How a hit serves a call the general path resolved: the one record the general path
     leaves for later calls of the same shape (`_dispatch._file_plans` decides when), which
-    the hit routes execute and never change. Its reads say how each argument's leaves are
-    found and checked; the compiled entry runs on them; `post` finishes the output.
+    the hit routes execute, changing nothing in it but its marks (`last`); a plan that packs
+    leaves files a packed copy in its own place at its first use (`_pack`). Its reads say
+    how each argument's leaves are found and checked; the compiled entry runs on them;
+    `post` finishes the output.
 
     Filed in one of two places, by what keys it:
     - the fast index (`INDEX[id(first)].records[state]`): a call `f(first, *plain leaves)`.
@@ -405,9 +407,9 @@ class CallPlan(NamedTuple):
     others: tuple[CallPlan, ...] = ()
 
 
-# Structure records kept per key: a function called with more structures than this in turn
-# renews one on the general path (a call that costs what the peer's does) where it meets one
-# not kept. Each record tried before the one that serves costs a read that declines.
+# Plans kept per key in a function's table: a function called with more structures than this
+# in turn renews one on the general path (a call that costs what the peer's does) where it
+# meets one not kept. Each plan tried before the one that serves costs a read that declines.
 PLANS_PER_KEY = 4
 
 
