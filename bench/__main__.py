@@ -78,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         "--tolerance",
         type=float,
         default=0.05,
-        help="exit 2 when a fastcall variant's median exceeds a peer's (the call path it replaces) "
-        "by more than this fraction (default 0.05: ratios within one process still carry a few %% of noise)",
+        help="exit 2 when a fastcall variant is slower than a peer (the call path it replaces) by more "
+        "than this fraction, their times paired by round (default 0.05: ratios within one process still "
+        "carry a few %% of noise)",
     )
     p.add_argument(
         "--sync-dispatch",
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         measured = _harness.measure(workload, rounds, round_s, progress)
         found = _counted(_harness.slower_than_peers(workload, measured, args.tolerance), at_floor)
         if found:
-            # This machine's noise can move one run's medians by more than the tolerance:
+            # This machine's noise can move one run's ratios by more than the tolerance:
             # a gap counts only if a second measurement, of more rounds (CONFIRM_ROUNDS),
             # finds it again (its rows replace the first's, so the table shows what the
             # verdict rests on).

@@ -54,7 +54,7 @@ class Workload:
     # Only call paths a user would otherwise write go here (eqx.filter_jit, nnx.jit,
     # plain jax.jit on the same structure, ...): never the floor, the eager reference or
     # a hand-written split/merge floor. `python -m bench` fails (exit 2) when a fastcall
-    # variant's median exceeds one of its peers' by more than its tolerance.
+    # variant is slower than one of its peers by more than its tolerance (`slower_than_peers`).
     peers: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     # The least tolerance the speed check allows this workload (over --tolerance), for
     # workloads whose medians vary more between runs (a first call: a compile each time).
@@ -81,6 +81,8 @@ class Row:
     x_subject: float | None = None  # this variant's time / fastcall's time
     error: str | None = None
     note: str = ""
+    # each round's time (us per call), in round order: the speed check pairs them by round
+    samples: list[float] = dataclasses.field(default_factory=list, repr=False)
 
 
 @dataclasses.dataclass
@@ -92,17 +94,18 @@ class PeerGap:
     peer: str
     median_us: float
     peer_median_us: float
-    ratio: float  # variant median / peer median
+    ratio: float  # variant / peer: paired by round (`paired_ratio`), else the medians'
     # The floor's median (None: no floor row), and whether the gap is not fastcall's to
     # close: the floor, jax.jit on the pre-flattened leaves with no wrapper at all, lost to
     # the peer too (by more than the tolerance) while fastcall was within the tolerance of it.
     floor_median_us: float | None = None
     at_floor: bool = False
+    paired: bool = False  # whether `ratio` pairs the rounds (else it is the medians')
 
     def message(self) -> str:
         text = (
             f"fastcall slower than its peer: {self.workload}: {self.variant} {self.median_us:.1f} us "
-            f"vs {self.peer} {self.peer_median_us:.1f} us ({self.ratio:.2f}x)"
+            f"vs {self.peer} {self.peer_median_us:.1f} us ({self.ratio:.2f}x{', paired by round' if self.paired else ''})"
         )
         if self.at_floor:
             text += (
@@ -113,29 +116,49 @@ class PeerGap:
 
 
 def slower_than_peers(workload: Workload, rows: list[Row], tolerance: float) -> list[PeerGap]:
-    """Each (fastcall variant, peer) pair of `workload.peers` where the fastcall variant's
-    median exceeds the peer's by more than `tolerance` (0.05: more than 5% slower).
+    """Each (fastcall variant, peer) pair of `workload.peers` where the fastcall variant is
+    slower than the peer by more than `tolerance` (0.05: more than 5% slower): by the median
+    over rounds of the two variants' times in the same round (`paired_ratio`), as `x_floor`
+    is, where both rows carry their rounds; else by the ratio of their medians. Paired, a
+    drift of the machine between rounds (a compute-bound workload's times swing 2x here)
+    cancels instead of deciding the verdict.
 
-    Such a pair is `at_floor` (reported, not counted) when the floor exceeds the peer's
-    median by more than the tolerance as well and the fastcall variant is within the
-    tolerance of the floor: a gap that a call with no wrapper at all shows too is not
-    fastcall's cost. (On this 2-core machine, in compute-bound steps, a few microseconds
-    of host work more between dispatches can make a loop faster, not slower.) Pairs where
-    either row is missing (filtered out with --variants) or FAILED are skipped: a failed
-    correctness check is reported (and fails the run) on its own."""
+    Such a pair is `at_floor` (reported, not counted) when the floor is slower than the peer
+    by more than the tolerance as well and the fastcall variant is within the tolerance of
+    the floor: a gap that a call with no wrapper at all shows too is not fastcall's cost.
+    (On this 2-core machine, in compute-bound steps, a few microseconds of host work more
+    between dispatches can make a loop faster, not slower.) Pairs where either row is missing
+    (filtered out with --variants) or FAILED are skipped: a failed correctness check is
+    reported (and fails the run) on its own."""
     tolerance = max(tolerance, workload.min_tolerance)
-    medians = {r.variant: r.median_us for r in rows if r.workload == workload.name and r.median_us}
-    floor = medians.get(workload.floor)
+    timed = {r.variant: r for r in rows if r.workload == workload.name and r.median_us}
+
+    def paired(a: str, b: str) -> float | None:
+        return paired_ratio(timed[a].samples, timed[b].samples) if timed[a].samples else None
+
+    def ratio(a: str, b: str) -> float:
+        by_round = paired(a, b)
+        return by_round if by_round is not None else timed[a].median_us / timed[b].median_us
+
+    floor = timed.get(workload.floor)
     gaps = []
     for variant, peers in workload.peers.items():
-        mine = medians.get(variant)
-        if mine is None:
+        if variant not in timed:
             continue
         for peer in peers:
-            theirs = medians.get(peer)
-            if theirs is not None and mine > theirs * (1 + tolerance):
-                at_floor = floor is not None and floor > theirs * (1 + tolerance) and mine <= floor * (1 + tolerance)
-                gaps.append(PeerGap(workload.name, variant, peer, mine, theirs, mine / theirs, floor, at_floor))
+            if peer not in timed or ratio(variant, peer) <= 1 + tolerance:
+                continue
+            at_floor = (
+                floor is not None and ratio(workload.floor, peer) > 1 + tolerance
+                and ratio(variant, workload.floor) <= 1 + tolerance
+            )
+            mine, theirs = timed[variant].median_us, timed[peer].median_us
+            gaps.append(
+                PeerGap(
+                    workload.name, variant, peer, mine, theirs, ratio(variant, peer),
+                    floor.median_us if floor is not None else None, at_floor, paired(variant, peer) is not None,
+                )
+            )
     return gaps
 
 
@@ -239,7 +262,10 @@ def measure(
             continue
         s = samples[v.name]
         rows.append(
-            Row(workload.name, v.name, statistics.median(s), min(s), max(s), len(s), calls[v.name], note=v.note)
+            Row(
+                workload.name, v.name, statistics.median(s), min(s), max(s), len(s), calls[v.name], note=v.note,
+                samples=s,
+            )
         )
     for row in rows:
         if row.median_us is None:

@@ -105,5 +105,6 @@ def machine_line(info: dict[str, Any]) -> str:
 def write_json(path: str, rows: list[Row], info: dict[str, Any], extra: dict[str, Any]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"machine": info, "rows": [dataclasses.asdict(r) for r in rows], **extra}, f, indent=2)
+        listed = [{k: v for k, v in dataclasses.asdict(r).items() if k != "samples"} for r in rows]
+        json.dump({"machine": info, "rows": listed, **extra}, f, indent=2)
         f.write("\n")

@@ -109,9 +109,9 @@ def _speed_check(data: dict[str, Any]) -> str:
     lines = [
         "## Speed check",
         "",
-        f"The bench exits 2 when a fastcall variant's median is more than {tolerance:.0%} over a peer's "
-        "(a call path it replaces), in two measurements of the workload in a row (the second of 41 "
-        "rounds); 1 when a variant "
+        f"The bench exits 2 when a fastcall variant is more than {tolerance:.0%} slower than a peer "
+        "(a call path it replaces; the median over rounds of their times in the same round), in two "
+        "measurements of the workload in a row (the second of 41 rounds); 1 when a variant "
         "fails its correctness check; 0 otherwise.",
         "",
     ]

@@ -8,6 +8,7 @@ property of the bench. The speed gate itself is tested on synthetic workloads be
 from __future__ import annotations
 
 import json
+import statistics
 
 import jax.numpy as jnp
 import pytest
@@ -323,6 +324,35 @@ def test_slower_than_peers_rule():
     w.min_tolerance = 0.2
     assert _harness.slower_than_peers(w, rows, tolerance=0.05) == []
     assert len(_harness.slower_than_peers(w, [row("fastcall.jit", 12.5), row("a", 10.0)], 0.05)) == 1
+
+
+def test_the_speed_check_pairs_the_rounds():
+    """Where rows carry their rounds, the verdict is the median of the two variants' times in
+    the same round: a slow round (the machine drifting) that moved only one median decides
+    nothing, and a gap in every round is found whatever the medians say."""
+    x = jnp.ones(1)
+    variants = [_harness.Variant(n, lambda: (lambda: x)) for n in ("floor", "fastcall.jit", "a")]
+    w = _harness.Workload("w", "", variants, lambda r, o: None, peers={"fastcall.jit": ("a",)})
+
+    def rows(floor, mine, peer):
+        return [
+            _harness.Row("w", n, statistics.median(t), min(t), max(t), len(t), 1, samples=t)
+            for n, t in (("floor", floor), ("fastcall.jit", mine), ("a", peer))
+        ]
+
+    # equal in every round; the medians 2.04x apart (three slow rounds for fastcall, two for a)
+    drift = rows([10.0, 10.0, 20.0, 20.0, 10.0], [10.0, 10.0, 20.0, 20.0, 20.0], [9.8, 9.8, 19.6, 19.6, 9.6])
+    assert drift[1].median_us / drift[2].median_us > 2
+    assert _harness.slower_than_peers(w, drift, 0.05) == []
+    # 10% slower in four rounds of five, though fastcall's median is below the peer's
+    slower = rows([10.0] * 5, [11.0, 22.0, 22.0, 11.0, 11.0], [10.0, 20.0, 20.0, 10.0, 12.0])
+    assert slower[1].median_us < slower[2].median_us
+    [gap] = _harness.slower_than_peers(w, slower, 0.05)
+    assert round(gap.ratio, 2) == 1.1 and gap.paired and not gap.at_floor
+    assert gap.message().endswith("(1.10x, paired by round)")
+    # the floor as slow as fastcall in each round, both 10% over the peer: at the floor
+    at_floor = rows([11.0, 22.0, 11.0], [11.0, 22.0, 11.0], [10.0, 20.0, 10.0])
+    assert [(round(g.ratio, 2), g.at_floor) for g in _harness.slower_than_peers(w, at_floor, 0.05)] == [(1.1, True)]
 
 
 def test_a_gap_the_floor_shows_too_is_at_the_floor():
