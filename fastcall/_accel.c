@@ -4,7 +4,7 @@
  * no dict, no Python call), and hands any call they decline to the Python wrapper.
  *
  * A call with positional arguments only first goes to the fast route
- * (fastcall/_fast_route.py: `f(first, *arrays)` from first's FastRecord); a call it
+ * (fastcall/_fast_route.py: `f(first, *arrays)` from the call plan in first's slot); a call it
  * declines, and any call with keyword arguments, to the structure route
  * (fastcall/_structure_route.py: arguments of structures the function has run). Where a route
  * was not compiled, it is called as a Python object. What either declines goes to

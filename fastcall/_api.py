@@ -56,7 +56,7 @@ class JitWrapped(Protocol[P, R]):
         """Which route a call with these arguments would take, and why (runs nothing)."""
 
     def clear_cache(self) -> None:
-        """Drop this function's compiled programs and records; the next call compiles again."""
+        """Drop this function's compiled programs and call plans; the next call compiles again."""
 
 
 @overload
@@ -211,7 +211,7 @@ def jit(
     - `.explain(*args, **kwargs)` -> `fastcall.CallReport`: the route a call with
       these arguments would take and why, argument by argument. It traces, compiles
       and runs nothing.
-    - `.clear_cache()`: drop this function's compiled programs and records; the next
+    - `.clear_cache()`: drop this function's compiled programs and call plans; the next
       call compiles again (`.stats()` keeps counting).
 
     **Raises:**

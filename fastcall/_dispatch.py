@@ -320,7 +320,9 @@ def _file_structure(
         state.structures[key] = known
     # The objects of this call, passed again, come back to the general path (see `last`),
     # which caches them by identity.
-    marks = known.last if known.last is not None else []  # (a plan in the table has them)
+    marks = known.last
+    if marks is None:  # (never: a plan in the table has them)
+        return
     for i, read in enumerate(reads_now):
         if type(read) is ArgRead:
             marks[i] = last_mark(args[i], i == 0 and hold_first, fast_shape) if read.by_identity else None

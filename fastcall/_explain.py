@@ -168,16 +168,17 @@ def explain(state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallRe
 
 
 def _packed_note(state: Any, first: Any) -> str:
-    """How the plan for `first` in the fast index passes its leaves packed (`_pack`), in words; "" if not."""
+    """How the call plan for `first` in the fast index passes its leaves packed (`_pack`), in
+    words; "" if not."""
     slot = _plan.INDEX.get(id(first))
-    record = slot.records.get(state) if slot is not None else None
-    call = getattr(record, "call", None)
-    plan = _pack.plan_of(getattr(call, "call", call))  # (the agreement mode wraps it: `call.call`)
-    if plan is None:
+    call_plan = slot.records.get(state) if slot is not None else None
+    call = getattr(call_plan, "call", None)
+    packing = _pack.plan_of(getattr(call, "call", call))  # (the agreement mode wraps it: `call.call`)
+    if packing is None:
         return ""
     return (
-        f"{plan.n_packed} of its {plan.n} leaves passed packed in {len(plan.groups)} "
-        f"buffer{'s' if len(plan.groups) > 1 else ''} (small and unchanged: `pack`)"
+        f"{packing.n_packed} of its {packing.n} leaves passed packed in {len(packing.groups)} "
+        f"buffer{'s' if len(packing.groups) > 1 else ''} (small and unchanged: `pack`)"
     )
 
 

@@ -65,6 +65,12 @@ _ARRAY = cython.declare(object, ArrayImpl)
 _VARYING = cython.declare(object, Varying)
 _FAST_SLOT = cython.declare(object, FastSlot)
 _PLAN = cython.declare(object, CallPlan)
+# (a CallPlan's fields, read by position where compiled: their places in the record itself)
+_ARITY = cython.declare(cython.Py_ssize_t, CallPlan._fields.index("arity"))
+_CALL = cython.declare(cython.Py_ssize_t, CallPlan._fields.index("call"))
+_POST = cython.declare(cython.Py_ssize_t, CallPlan._fields.index("post"))
+_VARIABLES = cython.declare(cython.Py_ssize_t, CallPlan._fields.index("variables"))
+_READS = cython.declare(cython.Py_ssize_t, CallPlan._fields.index("reads"))
 _MEMBER = cython.declare(object, types.MemberDescriptorType)
 DECLINED: Any = object()  # (what the route returns for a call it does not serve)
 _DECLINED = cython.declare(object, DECLINED)
@@ -190,8 +196,8 @@ def _serve_from(route: FastRoute, found: Any, argv: Argv, n: cython.Py_ssize_t) 
     if type(found_record) is not _PLAN:
         return _DECLINED
     record: tuple = cython.cast(tuple, found_record) if cython.compiled else found_record
-    arity: cython.Py_ssize_t = record[0]
-    if arity != n or record[4] is not None:  # (a plan with reads is the structure route's)
+    arity: cython.Py_ssize_t = record[_ARITY]
+    if arity != n or record[_READS] is not None:  # (a plan with reads is the structure route's)
         return _DECLINED
     plain: frozenset = route.plain
     i: cython.Py_ssize_t
@@ -199,9 +205,9 @@ def _serve_from(route: FastRoute, found: Any, argv: Argv, n: cython.Py_ssize_t) 
         t = type(arg(argv, i))
         if t is not _ARRAY and t not in plain:
             return _DECLINED
-    call = record[1]
-    post = record[2]
-    variables = record[3]
+    call = record[_CALL]
+    post = record[_POST]
+    variables = record[_VARIABLES]
     values: Optional[tuple] = None
     if variables is not None:
         values = _nnx_values(route, variables, argv, n, post is not None)

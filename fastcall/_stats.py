@@ -153,8 +153,8 @@ class JitStats:
       whether the compiled modules were built (and, for the structure route, not
       disabled by `FASTCALL_DISABLE_ACCEL=1`).
     - `packed_leaves`: small leaves the fast path passes packed into buffers (see
-      `fastcall.jit`'s `pack`), counted each time a fast record packs them (an NNX model
-      packed again after new weights were loaded counts again); 0 where none is.
+      `fastcall.jit`'s `pack`), counted each time a plan of the fast index packs them (an
+      NNX model packed again after new weights were loaded counts again); 0 where none is.
 
     **Example:**
 

@@ -103,17 +103,17 @@ _GRAPHDEF_READ = cython.declare(object, GraphdefRead)
 _TREE_READ = cython.declare(object, TreeRead)
 _SEQUENCE_READ = cython.declare(object, SequenceRead)
 _DECLINED = cython.declare(object, DECLINED)  # (what the routes return for a call they do not serve)
-# (a CallPlan's fields, by position: LAYOUTS checks them)
-_ARITY = cython.declare(cython.Py_ssize_t, 0)
-_CALL = cython.declare(cython.Py_ssize_t, 1)
-_POST = cython.declare(cython.Py_ssize_t, 2)
-_READS = cython.declare(cython.Py_ssize_t, 4)
-_LAST = cython.declare(cython.Py_ssize_t, 5)
-_FAST_SHAPE = cython.declare(cython.Py_ssize_t, 6)
-_KWNAMES = cython.declare(cython.Py_ssize_t, 7)
-_ORDER = cython.declare(cython.Py_ssize_t, 8)
-_HOLD_FIRST = cython.declare(cython.Py_ssize_t, 9)
-_OTHERS = cython.declare(cython.Py_ssize_t, 10)
+# (a CallPlan's fields, read by position where compiled: their places in the record itself)
+_ARITY = cython.declare(cython.Py_ssize_t, CallPlan._fields.index("arity"))
+_CALL = cython.declare(cython.Py_ssize_t, CallPlan._fields.index("call"))
+_POST = cython.declare(cython.Py_ssize_t, CallPlan._fields.index("post"))
+_READS = cython.declare(cython.Py_ssize_t, CallPlan._fields.index("reads"))
+_LAST = cython.declare(cython.Py_ssize_t, CallPlan._fields.index("last"))
+_FAST_SHAPE = cython.declare(cython.Py_ssize_t, CallPlan._fields.index("fast_shape"))
+_KWNAMES = cython.declare(cython.Py_ssize_t, CallPlan._fields.index("kwnames"))
+_ORDER = cython.declare(cython.Py_ssize_t, CallPlan._fields.index("order"))
+_HOLD_FIRST = cython.declare(cython.Py_ssize_t, CallPlan._fields.index("hold_first"))
+_OTHERS = cython.declare(cython.Py_ssize_t, CallPlan._fields.index("others"))
 
 # The records the hit routes read by position (compiled, as tuples), with their fields in that
 # order: checked at import, so that a change of layout fails there instead of misreading.
@@ -429,7 +429,7 @@ def _nnx_servable(
         )
         return False
     if not may_serve_nnx(known[_POST] is None and route.serves_nested):
-        _declined(why, None, "called inside a jax transformation, which this record cannot serve")
+        _declined(why, None, "called inside a jax transformation, which this plan cannot serve")
         return False
     return True
 
@@ -450,6 +450,9 @@ def _passed_as_recorded(known: tuple, nargs: cython.Py_ssize_t, kwnames: Any, wh
             return False
     elif kwnames != expected_names:
         _declined(why, None, "other keyword arguments, or in another order, than the recorded call's")
+        return False
+    if type(known[_READS]) is not tuple or type(known[_LAST]) is not list:  # (never filed in the table)
+        _declined(why, None, "a plan of the fast index, which reads no argument")
         return False
     reads: tuple = known[_READS]
     last: list = known[_LAST]

@@ -426,3 +426,27 @@ def test_a_miss_goes_to_the_general_path_once_not_through_the_routes_again():
     assert entered == ["miss"]
     assert_trees_equal(out, {"a": x * 2})
     assert f.stats().paths["general_cached"] + f.stats().paths["general_read"] == 2
+
+
+def test_a_plan_is_served_only_by_the_route_of_the_place_it_is_filed_in(hot_path):
+    """A call plan in the fast index reads no argument (`reads` None); one in the function's
+    table reads every one. Each route declines a plan of the other kind, should one be found
+    in its place, and the call is served by the general path, right."""
+    from fastcall import _plan
+
+    m = eqx.nn.MLP(4, 3, 8, 2, key=jax.random.PRNGKey(0))
+    f = fastcall.jit(forward)
+    x = jnp.ones(4)
+    for _ in range(3):
+        f(m, x)
+    _, path = served(f, m, x)
+    assert path == FAST_PATH[hot_path]
+    state = f._fastcall_state
+    records = _plan.INDEX[id(m)].records
+    fast_plan, table_plan = records[state], state.structures[type(m)]
+    assert fast_plan.reads is None and table_plan.reads is not None  # (not vacuous)
+    records[state], state.structures[type(m)] = table_plan, fast_plan
+    out, path = served(f, m, x)
+    assert path == "general"
+    assert_trees_equal(out, m(x))
+    assert_trees_equal(out, eqx.filter_jit(forward)(m, x))
