@@ -148,10 +148,13 @@ def main(argv: list[str] | None = None) -> int:
             measured = _harness.measure(workload, max(rounds, CONFIRM_ROUNDS), round_s, progress)
             first = {(g.variant, g.peer) for g in found}
             again = _harness.slower_than_peers(workload, measured, args.tolerance)
+            at_floor[:] = [a for a in at_floor if a.workload != name]  # (the first measurement's: replaced)
             confirmed = [g for g in _counted(again, at_floor) if (g.variant, g.peer) in first]
             kept = {(g.variant, g.peer) for g in confirmed}
             for g in found:
-                if (g.variant, g.peer) not in kept and not any((a.variant, a.peer) == (g.variant, g.peer) for a in at_floor):
+                if (g.variant, g.peer) not in kept and not any(
+                    (a.workload, a.variant, a.peer) == (name, g.variant, g.peer) for a in at_floor
+                ):
                     print(f"\n  re-measured, not found again (not counted): {g.message()}", file=sys.stderr)
                     not_confirmed.append(g)
             found = confirmed

@@ -100,26 +100,34 @@ class PeerGap:
     # the peer too (by more than the tolerance) while fastcall was within the tolerance of it.
     floor_median_us: float | None = None
     at_floor: bool = False
-    paired: bool = False  # whether `ratio` pairs the rounds (else it is the medians')
+    # Whether `ratio` pairs the rounds (else it is the medians'); and then the floor's time
+    # over the peer's, paired the same way
+    paired: bool = False
+    floor_ratio: float | None = None
 
     def message(self) -> str:
-        text = (
-            f"fastcall slower than its peer: {self.workload}: {self.variant} {self.median_us:.1f} us "
-            f"vs {self.peer} {self.peer_median_us:.1f} us ({self.ratio:.2f}x{', paired by round' if self.paired else ''})"
-        )
-        if self.at_floor:
-            text += (
-                f"; the floor took {self.floor_median_us:.1f} us, slower than {self.peer} too: not "
-                "the call's cost (no wrapper has less), the CPU runtime's scheduling"
+        head = f"fastcall slower than its peer: {self.workload}: {self.variant} "
+        if self.paired:
+            text = (
+                f"{head}{self.ratio:.2f}x {self.peer}, the median of their times' ratio round by round "
+                f"(medians {self.median_us:.1f} us and {self.peer_median_us:.1f} us)"
             )
+        else:
+            text = f"{head}{self.median_us:.1f} us vs {self.peer} {self.peer_median_us:.1f} us ({self.ratio:.2f}x)"
+        if self.at_floor:
+            floor = (
+                f"was {self.floor_ratio:.2f}x {self.peer} round by round" if self.paired and self.floor_ratio
+                else f"took {self.floor_median_us:.1f} us, slower than {self.peer}"
+            )
+            text += f"; the floor {floor} too: not the call's cost (no wrapper has less), the CPU runtime's scheduling"
         return text
 
 
 def slower_than_peers(workload: Workload, rows: list[Row], tolerance: float) -> list[PeerGap]:
     """Each (fastcall variant, peer) pair of `workload.peers` where the fastcall variant is
     slower than the peer by more than `tolerance` (0.05: more than 5% slower): by the median
-    over rounds of the two variants' times in the same round (`paired_ratio`), as `x_floor`
-    is, where both rows carry their rounds; else by the ratio of their medians. Paired, a
+    over rounds of the ratio of the two variants' times in the same round (`paired_ratio`),
+    as `x_floor` is, where both rows carry their rounds; else by the ratio of their medians. Paired, a
     drift of the machine between rounds (a compute-bound workload's times swing 2x here)
     cancels instead of deciding the verdict.
 
@@ -157,6 +165,7 @@ def slower_than_peers(workload: Workload, rows: list[Row], tolerance: float) -> 
                 PeerGap(
                     workload.name, variant, peer, mine, theirs, ratio(variant, peer),
                     floor.median_us if floor is not None else None, at_floor, paired(variant, peer) is not None,
+                    paired(workload.floor, peer) if floor is not None else None,
                 )
             )
     return gaps

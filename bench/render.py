@@ -110,8 +110,8 @@ def _speed_check(data: dict[str, Any]) -> str:
         "## Speed check",
         "",
         f"The bench exits 2 when a fastcall variant is more than {tolerance:.0%} slower than a peer "
-        "(a call path it replaces; the median over rounds of their times in the same round), in two "
-        "measurements of the workload in a row (the second of 41 rounds); 1 when a variant "
+        "(a call path it replaces; the median over rounds of the ratio of their times in the same "
+        "round), in two measurements of the workload in a row (the second of 41 rounds); 1 when a variant "
         "fails its correctness check; 0 otherwise.",
         "",
     ]

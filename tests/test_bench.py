@@ -266,7 +266,8 @@ def test_fastcall_slower_than_a_peer_exits_2(monkeypatch, tmp_path, capsys):
     code = _run_with(monkeypatch, slow, ["--json", str(out)])
     err = capsys.readouterr().err
     assert code == 2
-    assert "fastcall slower than its peer: slow_one: fastcall.jit" in err and "vs the peer" in err
+    assert "fastcall slower than its peer: slow_one: fastcall.jit" in err
+    assert "x the peer, the median of their times' ratio round by round" in err
     assert "--tolerance 0.05" in err and "in slow_one:" in err
     assert "fine" not in err.split("where fastcall was slower")[1]  # the faster workload is not named
     gaps = json.loads(out.read_text())["slower_than_peer"]
@@ -349,10 +350,12 @@ def test_the_speed_check_pairs_the_rounds():
     assert slower[1].median_us < slower[2].median_us
     [gap] = _harness.slower_than_peers(w, slower, 0.05)
     assert round(gap.ratio, 2) == 1.1 and gap.paired and not gap.at_floor
-    assert gap.message().endswith("(1.10x, paired by round)")
+    assert "fastcall.jit 1.10x a, the median of their times' ratio round by round" in gap.message()
     # the floor as slow as fastcall in each round, both 10% over the peer: at the floor
     at_floor = rows([11.0, 22.0, 11.0], [11.0, 22.0, 11.0], [10.0, 20.0, 10.0])
-    assert [(round(g.ratio, 2), g.at_floor) for g in _harness.slower_than_peers(w, at_floor, 0.05)] == [(1.1, True)]
+    [gap] = _harness.slower_than_peers(w, at_floor, 0.05)
+    assert (round(gap.ratio, 2), gap.at_floor) == (1.1, True)
+    assert "; the floor was 1.10x a round by round too" in gap.message()
 
 
 def test_a_gap_the_floor_shows_too_is_at_the_floor():
